@@ -1,0 +1,138 @@
+"""Our checkpoint directory (DESIGN.md Contract 2): names, meta.json, locating, atomic commit.
+
+SAVE_DIR/latest names the newest complete `checkpoint-<iteration>` dir; each holds meta.json and
+per (tp, pp) rank `pytorch_model_tp_<t>_pp_<p>.bin`, `optimizer_tp_<t>_pp_<p>.bin`,
+`rng_tp_<t>_pp_<p>.bin`. A checkpoint is written into `.checkpoint-<iteration>.tmp` and renamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_tools import io, layout
+from ckpt_tools.errors import FormatError
+from ckpt_tools.spec import ModelSpec
+
+FORMAT = "ckpt-tools/1"
+META = "meta.json"
+LATEST = "latest"
+
+
+def model_file(tp_rank: int, pp_rank: int) -> str:
+    return f"pytorch_model_tp_{tp_rank}_pp_{pp_rank}.bin"
+
+
+def optimizer_file(tp_rank: int, pp_rank: int) -> str:
+    return f"optimizer_tp_{tp_rank}_pp_{pp_rank}.bin"
+
+
+def rng_file(tp_rank: int, pp_rank: int) -> str:
+    return f"rng_tp_{tp_rank}_pp_{pp_rank}.bin"
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"checkpoint-{iteration}"
+
+
+def temp_name(iteration: int) -> str:
+    return f".checkpoint-{iteration}.tmp"
+
+
+@dataclass(frozen=True)
+class Meta:
+    """meta.json, read back: what a reader needs to interpret the shards."""
+    path: Path
+    raw: dict
+    spec: ModelSpec
+    tp_size: int
+    pp_size: int
+    layer_counts: list[int]
+    padded_vocab: int
+    iteration: int
+
+    @classmethod
+    def read(cls, ckpt_dir: str | Path) -> "Meta":
+        path = Path(ckpt_dir) / META
+        if not path.is_file():
+            raise FormatError(f"{path}: not found: {ckpt_dir} is not a complete checkpoint "
+                              f"(pass a checkpoint-N dir or a save dir holding `latest`)")
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("format") != FORMAT:
+                raise FormatError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+            par = raw["parallel"]
+            return cls(path=path, raw=raw, spec=ModelSpec.from_dict(raw["model"]), tp_size=par["tp_size"],
+                       pp_size=par["pp_size"], layer_counts=list(par["layers_per_stage"]),
+                       padded_vocab=raw["vocab"]["padded"], iteration=raw["iteration"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise FormatError(f"{path}: malformed meta.json ({type(e).__name__}: {e}): "
+                              f"restore it from the source checkpoint") from None
+
+    @property
+    def dir(self) -> Path:
+        return self.path.parent
+
+
+def resolve(src: str | Path) -> Path:
+    """A checkpoint dir, or a save dir whose `latest` names one -> the checkpoint dir."""
+    src = Path(src)
+    if (src / META).is_file():
+        return src
+    latest = src / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        target = src / name
+        if not (target / META).is_file():
+            raise FormatError(f"{latest} names {name!r} but {target / META} does not exist: "
+                              f"the save dir is damaged; pass a checkpoint-N dir explicitly")
+        return target
+    if not src.exists():
+        raise FormatError(f"{src}: no such directory")
+    found = sorted(p.name for p in src.iterdir())[:8]
+    raise FormatError(f"{src}: neither a checkpoint dir (no {META}) nor a save dir (no {LATEST}); "
+                      f"it holds: {', '.join(found) or 'nothing'}")
+
+
+def find_latest(save_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a save dir, or None when it has none yet."""
+    save_dir = Path(save_dir)
+    if not (save_dir / LATEST).is_file():
+        return None
+    return resolve(save_dir)
+
+
+def leftover_temps(save_dir: str | Path) -> list[str]:
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    return sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".checkpoint-") and p.name.endswith(".tmp"))
+
+
+def layout_summary(spec: ModelSpec, pp_size: int) -> dict[str, str]:
+    return {r.name: r.split for r in layout.rules_for(spec, pp_size)}
+
+
+def file_record(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": io.sha256_file(path)}
+
+
+def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
+    """Write meta.json into the temp dir, rename it to checkpoint-N, then update `latest` (last)."""
+    save_dir = Path(save_dir)
+    tmp = save_dir / temp_name(iteration)
+    final = save_dir / checkpoint_name(iteration)
+    io.write_json_atomic(tmp / META, meta)
+    io.fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = save_dir / f".{final.name}.old{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    io.fsync_dir(save_dir)
+    io.write_text_atomic(save_dir / LATEST, final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -1,0 +1,90 @@
+"""Every read of a `.bin`/`.pt` file and every atomic write goes through here.
+
+Reads use `torch.load(weights_only=True)`: nothing in a checkpoint may run code when loaded.
+Real Megatron-LM files also hold an argparse.Namespace and numpy RNG states; those types are
+allow-listed explicitly, nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_tools.errors import FormatError
+
+
+def _allowed_globals() -> list:
+    allowed: list = [argparse.Namespace]
+    try:
+        import numpy as np
+        allowed += [np.ndarray, np.dtype, np.core.multiarray._reconstruct]  # type: ignore[attr-defined]
+        allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32")]
+    except (ImportError, AttributeError):
+        pass
+    return allowed
+
+
+def load_file(path: str | Path, mmap: bool = True) -> Any:
+    """Load a torch-saved file safely (weights only), lazily via mmap when the file allows it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FormatError(f"{path}: file not found")
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsafe content"
+        raise FormatError(f"{path}: refused to load, the file needs code execution to unpickle ({first}); "
+                          f"only open files you trust, with --trust-pickle") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        if mmap and "mmap" in str(e):
+            return load_file(path, mmap=False)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(f"{path}: not a readable torch file ({first}): the file is truncated or corrupt; "
+                          f"restore it from the source checkpoint") from None
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_file(obj: Any, path: str | Path) -> None:
+    """torch.save + fsync: the caller writes into a temp dir that is renamed when complete."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a small text file via a temp name in the same dir + fsync + rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,284 @@
+"""THE layout table: how every tensor of a megatron-core GPTModel (local layer spec) is sharded.
+
+One row per state-dict key, in megatron-core's own state-dict order. A row says how the full
+(TP=1) tensor is split across tensor-parallel ranks, which pipeline stage holds it, its full
+shape, and when it exists. `split()` and `join()` are bit-exact inverses for every row.
+Nothing else in the project may know which dim a tensor is split on: ask this module.
+
+Split kinds:
+  replicated   every TP rank holds the whole tensor (norms, row-parallel biases, positions)
+  column       dim 0 in TP equal chunks
+  row          dim 1 in TP equal chunks (its bias is replicated)
+  qkv          dim 0; full rows are grouped per query group [q heads of the group; k; v] and the
+               groups are dealt to ranks in order, so a rank's shard is a contiguous run of groups
+  gated        dim 0 of a SwiGLU fc1 whose full tensor is [gate; up]; rank r holds [gate_r; up_r]
+  vocab        dim 0 over the padded vocab; rows beyond the true vocab are padding (zeros when made here)
+  extra_state  `_extra_state` (None or bytes in megatron-core); carried as is, never split
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ckpt_tools.errors import ConfigError, LayoutError
+from ckpt_tools.spec import ModelSpec
+
+REPLICATED, COLUMN, ROW, QKV, GATED, VOCAB, EXTRA = (
+    "replicated", "column", "row", "qkv", "gated", "vocab", "extra_state")
+SPLIT_DIM = {COLUMN: 0, ROW: 1, QKV: 0, GATED: 0, VOCAB: 0}
+
+FIRST, LAYER, LAST = "first", "layer", "last"
+
+Shape = Callable[[ModelSpec, int], tuple[int, ...]]  # (spec, padded_vocab) -> full shape
+When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table. `name` uses `{i}` for the stage-local layer index."""
+    name: str
+    split: str
+    stage: str
+    shape: Shape | None
+    when: When
+
+    @property
+    def dim(self) -> int | None:
+        return SPLIT_DIM.get(self.split)
+
+
+def _always(s: ModelSpec, pp: int) -> bool:
+    return True
+
+
+def _layernorm(s: ModelSpec, pp: int) -> bool:
+    return s.normalization == "LayerNorm"
+
+
+def _bias(s: ModelSpec, pp: int) -> bool:
+    return s.add_bias_linear
+
+
+def _h(s: ModelSpec, v: int) -> tuple[int, ...]:
+    return (s.hidden_size,)
+
+
+_L = "decoder.layers.{i}."
+TABLE: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", VOCAB, FIRST, lambda s, v: (v, s.hidden_size), _always),
+    Rule("embedding.position_embeddings.weight", REPLICATED, FIRST,
+         lambda s, v: (s.max_position_embeddings, s.hidden_size),
+         lambda s, pp: s.position_embedding_type == "learned_absolute"),
+    Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, _h, _always),
+    Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
+    Rule(_L + "self_attention.linear_proj.weight", ROW, LAYER,
+         lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), _always),
+    Rule(_L + "self_attention.linear_proj.bias", REPLICATED, LAYER, _h, _bias),
+    Rule(_L + "self_attention.linear_proj._extra_state", EXTRA, LAYER, None, _always),
+    Rule(_L + "self_attention.linear_qkv.weight", QKV, LAYER,
+         lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels, s.hidden_size),
+         _always),
+    Rule(_L + "self_attention.linear_qkv.bias", QKV, LAYER,
+         lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels,), _bias),
+    Rule(_L + "self_attention.linear_qkv._extra_state", EXTRA, LAYER, None, _always),
+    Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always),
+    Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
+    Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,
+         lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: s.gated_linear_unit),
+    Rule(_L + "mlp.linear_fc1.weight", COLUMN, LAYER,
+         lambda s, v: (s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.gated_linear_unit),
+    Rule(_L + "mlp.linear_fc1.bias", GATED, LAYER, lambda s, v: (2 * s.ffn_hidden_size,),
+         lambda s, pp: s.add_bias_linear and s.gated_linear_unit),
+    Rule(_L + "mlp.linear_fc1.bias", COLUMN, LAYER, lambda s, v: (s.ffn_hidden_size,),
+         lambda s, pp: s.add_bias_linear and not s.gated_linear_unit),
+    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, _always),
+    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), _always),
+    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, _h, _bias),
+    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _always),
+    Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
+    Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
+    # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
+    Rule("output_layer.weight", VOCAB, LAST, lambda s, v: (v, s.hidden_size),
+         lambda s, pp: not s.tie_word_embeddings or pp > 1),
+    Rule("output_layer._extra_state", EXTRA, LAST, None, _always),
+)
+
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def layer_index(key: str) -> int | None:
+    m = _LAYER_KEY.match(key)
+    return int(m.group(1)) if m else None
+
+
+def with_layer_index(key: str, index: int) -> str:
+    """The same key with its layer number replaced (global <-> stage-local renumbering)."""
+    m = _LAYER_KEY.match(key)
+    if not m:
+        return key
+    return f"decoder.layers.{index}.{m.group(2)}"
+
+
+def pattern_of(key: str) -> str:
+    m = _LAYER_KEY.match(key)
+    return _L + m.group(2) if m else key
+
+
+def find_rule(key: str, spec: ModelSpec, pp_size: int = 1) -> Rule:
+    """The table row for a (global or stage-local) key; unknown keys are an error, never skipped."""
+    name = pattern_of(key)
+    candidates = [r for r in TABLE if r.name == name]
+    for r in candidates:
+        if r.when(spec, pp_size):
+            return r
+    if candidates:
+        raise LayoutError(
+            f"tensor {key} is not expected for this model ({spec.architecture}, tie_word_embeddings="
+            f"{spec.tie_word_embeddings}, pp={pp_size}): the checkpoint and its config disagree")
+    raise LayoutError(f"unknown tensor key {key}: not in the megatron-core GPTModel (local spec) layout table")
+
+
+def rules_for(spec: ModelSpec, pp_size: int = 1) -> list[Rule]:
+    return [r for r in TABLE if r.when(spec, pp_size)]
+
+
+# ---------------------------------------------------------------- pipeline stages
+def layers_per_stage(num_layers: int, pp_size: int, explicit: Sequence[int] | None = None) -> list[int]:
+    """Layers on each PP stage: an explicit (possibly uneven) split, or Megatron's even split."""
+    if explicit is not None:
+        counts = [int(n) for n in explicit]
+        if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+            raise ConfigError(
+                f"layers per stage {','.join(map(str, counts))} do not fit {num_layers} layers on {pp_size} "
+                f"stages: give {pp_size} positive numbers that sum to {num_layers}")
+        return counts
+    if pp_size < 1 or pp_size > num_layers:
+        raise ConfigError(f"PP {pp_size} needs at least one layer per stage but the model has {num_layers} "
+                          f"layers: choose PP <= {num_layers}")
+    if num_layers % pp_size:
+        raise ConfigError(f"num_layers {num_layers} is not divisible by PP {pp_size}: choose a PP that divides "
+                          f"it or give an explicit layers-per-stage split")
+    return [num_layers // pp_size] * pp_size
+
+
+def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int) -> list[tuple[str, str]]:
+    """(stage-local key, global key) pairs held by one PP stage, in megatron-core state-dict order."""
+    pp_size = len(counts)
+    offset = sum(counts[:pp_rank])
+    out: list[tuple[str, str]] = []
+    rules = rules_for(spec, pp_size)
+    if pp_rank == 0:
+        out += [(r.name, r.name) for r in rules if r.stage == FIRST]
+    for i in range(counts[pp_rank]):
+        out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in rules if r.stage == LAYER]
+    if pp_rank == pp_size - 1:
+        out += [(r.name, r.name) for r in rules if r.stage == LAST]
+    return out
+
+
+# ---------------------------------------------------------------- shapes
+def full_shape(key: str, spec: ModelSpec, padded_vocab: int, pp_size: int = 1) -> tuple[int, ...] | None:
+    rule = find_rule(key, spec, pp_size)
+    return None if rule.shape is None else rule.shape(spec, padded_vocab)
+
+
+def shard_shape(key: str, spec: ModelSpec, padded_vocab: int, tp_size: int, pp_size: int = 1) -> tuple[int, ...] | None:
+    rule = find_rule(key, spec, pp_size)
+    if rule.shape is None:
+        return None
+    shape = list(rule.shape(spec, padded_vocab))
+    if rule.dim is not None:
+        _check_divides(key, rule, spec, shape[rule.dim], tp_size)
+        shape[rule.dim] //= tp_size
+    return tuple(shape)
+
+
+def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: int) -> None:
+    if rule.split == QKV and spec.num_query_groups % tp_size:
+        raise LayoutError(f"{key}: num_query_groups {spec.num_query_groups} is not divisible by TP {tp_size}: "
+                          f"choose a TP that divides the query groups")
+    if rule.split == GATED and (size // 2) % tp_size:
+        raise LayoutError(f"{key}: ffn_hidden_size {size // 2} is not divisible by TP {tp_size}: "
+                          f"choose a TP that divides it")
+    if size % tp_size:
+        raise LayoutError(f"{key}: dim {rule.dim} of size {size} is not divisible by TP {tp_size}: "
+                          f"choose a TP that divides it")
+
+
+# ---------------------------------------------------------------- split / join
+def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> list:
+    """The full tensor -> its TP shards, rank order. Shards are views of `full` where possible."""
+    rule = find_rule(key, spec, pp_size)
+    if rule.split == EXTRA:
+        return [full] * tp_size
+    if rule.split == REPLICATED:
+        return [full] * tp_size
+    _check_divides(key, rule, spec, full.shape[rule.dim], tp_size)
+    if rule.split == GATED:
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp_size, 0), up.chunk(tp_size, 0))]
+    return list(full.chunk(tp_size, dim=rule.dim))
+
+
+def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_replicas: bool = True):
+    """TP shards (rank order) -> the full tensor. Replicated shards must agree bit for bit."""
+    rule = find_rule(key, spec, pp_size)
+    if rule.split == EXTRA:
+        return shards[0]
+    if rule.split == REPLICATED:
+        if check_replicas:
+            for rank, s in enumerate(shards[1:], start=1):
+                if s.shape != shards[0].shape or not torch.equal(s, shards[0]):
+                    raise LayoutError(f"{key}: replicated tensor differs between TP rank 0 and TP rank {rank}: "
+                                      f"the shards do not come from one consistent checkpoint")
+        return shards[0]
+    if rule.split == GATED:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=rule.dim)
+
+
+# ---------------------------------------------------------------- vocab padding
+def pad_vocab(key: str, full: torch.Tensor, spec: ModelSpec, padded_vocab: int) -> torch.Tensor:
+    """Re-pad a vocab tensor to `padded_vocab` rows: true rows kept, rows beyond the true vocab zero."""
+    _require(key, spec, VOCAB)
+    out = full.new_zeros((padded_vocab,) + tuple(full.shape[1:]))
+    n = min(spec.vocab_size, full.shape[0])
+    out[:n] = full[:n]
+    return out
+
+
+def trim_vocab(key: str, full: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Drop the padding rows: only the true vocab leaves the toolkit."""
+    _require(key, spec, VOCAB)
+    if full.shape[0] < spec.vocab_size:
+        raise LayoutError(f"{key}: {full.shape[0]} rows, fewer than the true vocab {spec.vocab_size}: "
+                          f"the recorded vocab size is wrong (pass the right one with --vocab-size)")
+    return full[: spec.vocab_size]
+
+
+def _require(key: str, spec: ModelSpec, kind: str) -> None:
+    rule = find_rule(key, spec, pp_size=2)
+    if rule.split != kind:
+        raise LayoutError(f"{key}: is a {rule.split} tensor, not {kind}")
+
+
+# ---------------------------------------------------------------- grouped QKV <-> separate q, k, v
+def qkv_split_heads(full: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full grouped QKV (weight or bias) -> q, k, v with heads in order (HF's q_proj/k_proj/v_proj)."""
+    g, hpg, d = spec.num_query_groups, spec.heads_per_group, spec.kv_channels
+    grouped = full.reshape(g, (hpg + 2) * d, -1)
+    q, k, v = grouped.split([hpg * d, d, d], dim=1)
+    tail = full.shape[1:]
+    return (q.reshape(g * hpg * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail))
+
+
+def qkv_join_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Inverse of qkv_split_heads."""
+    g, hpg, d = spec.num_query_groups, spec.heads_per_group, spec.kv_channels
+    tail = q.shape[1:]
+    grouped = torch.cat([q.reshape(g, hpg * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1)
+    return grouped.reshape((g * (hpg + 2) * d,) + tuple(tail))

@@ -1,0 +1,102 @@
+"""The model's shape: what every tool needs to know to split, join, convert or rebuild it.
+
+Field names are the trainer's config names; `from_megatron_args` maps Megatron-LM's argument names.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ckpt_tools.errors import ConfigError
+
+ARCHITECTURES = ("llama", "gpt2")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int  # true vocab (tokenizer size); the embedding is padded beyond it
+    num_query_groups: int | None = None  # None: = num_attention_heads (no GQA)
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    tie_word_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(
+                f"unknown architecture {self.architecture!r}: expected one of {', '.join(ARCHITECTURES)}"
+            )
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads}: set kv_channels explicitly or change one of them"
+                )
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
+                f"{self.num_query_groups}: each query group must hold the same number of heads"
+            )
+        if self.architecture == "gpt2":
+            if self.num_query_groups != self.num_attention_heads:
+                raise ConfigError("gpt2 has no grouped-query attention: set num_query_groups = num_attention_heads")
+            if not self.tie_word_embeddings:
+                raise ConfigError("gpt2 ties input and output embeddings: set tie_word_embeddings: true")
+
+    # What the architecture implies (megatron-core TransformerConfig terms).
+    @property
+    def normalization(self) -> str:
+        return "RMSNorm" if self.architecture == "llama" else "LayerNorm"
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        return self.architecture == "llama"
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return self.architecture == "gpt2"
+
+    @property
+    def position_embedding_type(self) -> str:
+        return "rope" if self.architecture == "llama" else "learned_absolute"
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Megatron's rule: pad the vocab to a multiple of make_vocab_size_divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {', '.join(unknown)}: known fields are {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def check_tp(self, tp_size: int) -> None:
+        """Refuse a TP size that the sharded tensors cannot be divided by (one message for all)."""
+        problems = []
+        for what, n in (("num_attention_heads", self.num_attention_heads),
+                        ("num_query_groups", self.num_query_groups),
+                        ("ffn_hidden_size", self.ffn_hidden_size)):
+            if n % tp_size:
+                problems.append(f"{what} {n} is not divisible by TP {tp_size}")
+        if problems:
+            raise ConfigError("; ".join(problems) + ": choose a TP size that divides them")

@@ -1,0 +1,140 @@
+"""Save and resume the trainer's state in our checkpoint format (DESIGN.md Contract 2).
+
+Every (tp, pp) rank of data-parallel rank 0 writes its own three files into a temp dir; global
+rank 0 then writes meta.json (with the size and sha256 of every file), renames the dir and
+updates `latest` last. A crash at any point leaves the previous checkpoint and `latest` intact.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import io, layout
+from ckpt_tools.errors import ConfigError, FormatError
+from trainer.config import TrainConfig
+from trainer.model import GPTStage
+from trainer.optim import MasterAdamW
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _ranks() -> tuple[int, int, int]:
+    return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_data_parallel_rank())
+
+
+def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, consumed_samples: int,
+         dp_size: int) -> Path | None:
+    save_dir = Path(cfg.save_dir)
+    tmp = save_dir / fmt.temp_name(iteration)
+    tp_rank, pp_rank, dp_rank = _ranks()
+    if dist.get_rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    records: dict[str, dict] = {}
+    if dp_rank == 0:
+        model_state = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in stage.state_dict().items()}
+        optim_state = {k: {n: t.detach().cpu() for n, t in s.items()} for k, s in opt.state_by_key().items()}
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+               "iteration": iteration, "consumed_samples": consumed_samples}
+        files = {fmt.model_file(tp_rank, pp_rank): {"model": model_state},
+                 fmt.optimizer_file(tp_rank, pp_rank): {
+                     "optimizer": optim_state,
+                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.opt.param_groups],
+                     "scheduler": {"iteration": iteration, "lr": opt.opt.param_groups[0]["lr"]},
+                     "scaler": None},
+                 fmt.rng_file(tp_rank, pp_rank): rng}
+        for name, obj in files.items():
+            io.save_file(obj, tmp / name)
+            records[name] = fmt.file_record(tmp / name)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    final = None
+    if dist.get_rank() == 0:
+        all_records = {k: v for r in gathered for k, v in sorted(r.items())}
+        meta = _meta(cfg, stage, iteration, consumed_samples, dp_size, all_records)
+        final = fmt.commit(save_dir, iteration, meta)
+    dist.barrier()
+    return final
+
+
+def _meta(cfg: TrainConfig, stage: GPTStage, iteration: int, consumed: int, dp_size: int, files: dict) -> dict:
+    spec = stage.spec
+    pp_size = len(stage.layer_counts)
+    return {
+        "format": fmt.FORMAT,
+        "iteration": iteration,
+        "consumed_samples": consumed,
+        "tokens_seen": consumed * cfg.seq_length,
+        "model": spec.to_dict(),
+        "parallel": {"tp_size": stage.tp_size, "pp_size": pp_size, "dp_size": dp_size,
+                     "layers_per_stage": stage.layer_counts},
+        "vocab": {"true": spec.vocab_size, "padded": stage.padded_vocab,
+                  "divisible_by": spec.make_vocab_size_divisible_by, "padding": "zeros"},
+        "dtypes": {"params": DTYPE_NAMES[cfg.dtype], "master": "float32"},
+        "layout": fmt.layout_summary(spec, pp_size),
+        "config": cfg.to_dict(),
+        "versions": {"torch": torch.__version__, "megatron-core": version("megatron-core"),
+                     "ckpt-tools": version("ckpt-tools")},
+        "files": files,
+    }
+
+
+def _check_compatible(meta: fmt.Meta, stage: GPTStage) -> None:
+    if meta.spec != stage.spec:
+        diff = [f"{k}: {v} vs {getattr(stage.spec, k)}" for k, v in meta.spec.to_dict().items()
+                if getattr(stage.spec, k) != v]
+        raise ConfigError(f"{meta.path}: the checkpoint's model differs from the config ({'; '.join(diff)}): "
+                          f"train with the checkpoint's model settings or start a new save_dir")
+    here = (stage.tp_size, len(stage.layer_counts), stage.layer_counts)
+    there = (meta.tp_size, meta.pp_size, meta.layer_counts)
+    if here != there:
+        raise ConfigError(
+            f"{meta.dir}: saved at TP{there[0]} PP{there[1]} (layers {there[2]}) but this run is TP{here[0]} "
+            f"PP{here[1]} (layers {here[2]}): run `ckpt reshard {meta.dir} OUT --tp {here[0]} --pp {here[1]}` "
+            f"and resume from OUT")
+
+
+def check_shard(path: Path, state: dict, stage: GPTStage, meta: fmt.Meta) -> None:
+    """Keys exactly the stage's, shapes exactly the layout table's shard shapes; one error for all."""
+    expected = [k for k, _ in layout.stage_keys(meta.spec, meta.layer_counts, stage.pp_rank)]
+    problems = [f"missing tensor {k}" for k in expected if k not in state]
+    problems += [f"unexpected tensor {k}" for k in state if k not in expected]
+    keys = stage.global_keys()
+    for k in expected:
+        if k in state and torch.is_tensor(state[k]):
+            want = layout.shard_shape(keys[k], meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+            if tuple(state[k].shape) != want:
+                problems.append(f"{k} has shape {tuple(state[k].shape)}, expected {want}")
+    if problems:
+        raise FormatError(f"{path}: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}: "
+                          f"the shard does not match meta.json; restore it from the source checkpoint")
+
+
+def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
+    """Restore model, optimizer and RNG; return (iteration, consumed_samples)."""
+    meta = fmt.Meta.read(ckpt_dir)
+    _check_compatible(meta, stage)
+    tp_rank, pp_rank, _ = _ranks()
+    model_path = ckpt_dir / fmt.model_file(tp_rank, pp_rank)
+    model_state = io.load_file(model_path)["model"]
+    check_shard(model_path, model_state, stage, meta)
+    stage.load_state_dict(model_state, strict=True)
+    opt.load_by_key(io.load_file(ckpt_dir / fmt.optimizer_file(tp_rank, pp_rank))["optimizer"])
+    rng = io.load_file(ckpt_dir / fmt.rng_file(tp_rank, pp_rank), mmap=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return int(rng["iteration"]), int(rng["consumed_samples"])

@@ -1,0 +1,148 @@
+"""One YAML file per run, flat. Parallel keys use Accelerate's MegatronLMPlugin names.
+
+Relative paths in the file are resolved against the file's own directory; overrides given on the
+command line (`--set key=value`) are resolved against the current directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ckpt_tools.errors import ConfigError
+from ckpt_tools.spec import ModelSpec
+
+MODEL_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "ffn_hidden_size", "max_position_embeddings", "norm_epsilon", "rotary_base",
+                "tie_word_embeddings", "make_vocab_size_divisible_by")
+PATH_FIELDS = ("corpus", "tokenizer", "data_cache_dir", "save_dir", "load")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    # model (vocab_size comes from the tokenizer)
+    architecture: str = "llama"
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    ffn_hidden_size: int = 172
+    max_position_embeddings: int = 128
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    tie_word_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 64
+    # parallelism (MegatronLMPlugin names); DP = world / (TP x PP)
+    tp_degree: int = 1
+    pp_degree: int = 1
+    num_micro_batches: int = 1
+    layers_per_stage: list[int] | None = None
+    gradient_clipping: float = 1.0
+    sequence_parallelism: bool = False
+    recompute_activations: bool = False
+    use_distributed_optimizer: bool = False
+    # optimization
+    micro_batch_size: int = 2
+    global_batch_size: int | None = None  # checked: = micro_batch_size x num_micro_batches x DP
+    train_iters: int = 20
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_iters: int = 2
+    lr_decay_iters: int | None = None  # None: train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    dtype: str = "fp32"  # bf16 keeps fp32 master weights in the optimizer
+    # data
+    corpus: str = "corpus.txt"
+    tokenizer: str = "tokenizer"
+    data_cache_dir: str = "cache"
+    # checkpoints and logs
+    save_dir: str = "runs/run"
+    save_interval: int = 0  # 0: only at the end
+    load: str | None = None  # None: resume from save_dir if it has a checkpoint
+    log_interval: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+        if self.sequence_parallelism and self.tp_degree == 1:
+            raise ConfigError("sequence_parallelism needs tp_degree > 1: set it to false or raise tp_degree")
+        for name in ("sequence_parallelism", "use_distributed_optimizer"):
+            if getattr(self, name):
+                raise ConfigError(f"{name}: true is not supported by this trainer yet: set it to false "
+                                  f"(the on-disk format does not depend on it)")
+        for name in ("tp_degree", "pp_degree", "num_micro_batches", "micro_batch_size", "train_iters", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, found {getattr(self, name)}")
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
+                              f"{self.max_position_embeddings}: raise max_position_embeddings")
+
+    def model_spec(self, vocab_size: int) -> ModelSpec:
+        spec = ModelSpec(vocab_size=vocab_size, **{k: getattr(self, k) for k in MODEL_FIELDS})
+        spec.check_tp(self.tp_degree)
+        return spec
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.tp_degree * self.pp_degree
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by tp_degree x pp_degree = "
+                              f"{self.tp_degree} x {self.pp_degree}: launch a multiple of {model_parallel} processes")
+        dp = world_size // model_parallel
+        expected = self.micro_batch_size * self.num_micro_batches * dp
+        if self.global_batch_size is not None and self.global_batch_size != expected:
+            raise ConfigError(f"global_batch_size {self.global_batch_size} != micro_batch_size x num_micro_batches x DP "
+                              f"= {self.micro_batch_size} x {self.num_micro_batches} x {dp} = {expected}: "
+                              f"fix one of them")
+        return dp
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}: see docs/config.md for the known keys")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"bad config: {e}") from None
+
+
+def _parse_value(text: str):
+    return yaml.safe_load(text)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read the YAML file, resolve its relative paths, apply `key=value` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: pass an existing YAML file with --config")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, found {type(raw).__name__}")
+    base = path.resolve().parent
+    for k in PATH_FIELDS:
+        if raw.get(k) is not None:
+            raw[k] = str((base / raw[k]).resolve())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value: write e.g. --set tp_degree=2")
+        k, v = item.split("=", 1)
+        value = _parse_value(v)
+        raw[k] = str(Path(value).resolve()) if k in PATH_FIELDS and value is not None else value
+    return TrainConfig.from_dict(raw)

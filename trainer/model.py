@@ -1,0 +1,235 @@
+"""The GPT model of one pipeline stage, built from megatron-core's tensor-parallel layers.
+
+The module tree mirrors megatron-core's `GPTModel` with `get_gpt_layer_local_spec`, so that its
+`state_dict()` holds the same keys, shapes and element order (DESIGN.md Contract 1). Activations
+are [seq, batch, hidden] as in megatron-core. Megatron's GPTModel forward needs CUDA; these
+layers run on CPU with gloo as well as on GPUs with NCCL.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ckpt_tools import layout
+from ckpt_tools.spec import ModelSpec
+
+
+def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool) -> TransformerConfig:
+    """The megatron-core config its parallel layers read (we initialize the weights ourselves)."""
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu, perform_initialization=False,
+        normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
+        add_bias_linear=spec.add_bias_linear, layernorm_epsilon=spec.norm_epsilon,
+        gradient_accumulation_fusion=False, sequence_parallel=False,
+    )
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.normalization == "RMSNorm":
+        return nn.RMSNorm(spec.hidden_size, eps=spec.norm_epsilon)
+    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_epsilon)
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """Weights are set from full tensors by `initialize` (TP/PP-invariant), not by the layers."""
+
+
+class Embedding(nn.Module):
+    """megatron-core LanguageModelEmbedding: word (vocab-parallel) + optional learned positions."""
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, padded_vocab: int):
+        super().__init__()
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            padded_vocab, spec.hidden_size, init_method=_no_init, config=config)
+        self.position_embeddings = None
+        if spec.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(spec.max_position_embeddings, spec.hidden_size,
+                                                    dtype=config.params_dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))[None]
+        return x.transpose(0, 1).contiguous()
+
+
+def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [s, 1, 1, d] for rotate-half RoPE, computed in fp32 as megatron-core does."""
+    d = spec.kv_channels
+    inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * cos.to(t.dtype) + rotated * sin.to(t.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
+        super().__init__()
+        self.spec = spec
+        self.groups = spec.num_query_groups // tp_size
+        qkv_rows = (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels
+        # Registration order = megatron-core's state-dict order: linear_proj before linear_qkv.
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, init_method=_no_init,
+            bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
+        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+            spec.hidden_size, qkv_rows, config=config, init_method=_no_init, bias=spec.add_bias_linear,
+            gather_output=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        s, b = x.shape[:2]
+        hpg, d = self.spec.heads_per_group, self.spec.kv_channels
+        qkv, _ = self.linear_qkv(x)
+        q, k, v = qkv.view(s, b, self.groups, (hpg + 2) * d).split([hpg * d, d, d], dim=-1)
+        q = q.reshape(s, b, self.groups * hpg, d)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hpg > 1)
+        out, _ = self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig):
+        super().__init__()
+        self.gated = spec.gated_linear_unit
+        fc1_rows = spec.ffn_hidden_size * (2 if self.gated else 1)
+        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+            spec.hidden_size, fc1_rows, config=config, init_method=_no_init, bias=spec.add_bias_linear,
+            gather_output=False)
+        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+            spec.ffn_hidden_size, spec.hidden_size, config=config, init_method=_no_init,
+            bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, _ = self.linear_fc1(x)
+        if self.gated:
+            gate, up = x.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x)
+        x, _ = self.linear_fc2(x)
+        return x
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
+        super().__init__()
+        self.input_layernorm = _norm(spec).to(config.params_dtype)
+        self.self_attention = SelfAttention(spec, config, tp_size)
+        self.pre_mlp_layernorm = _norm(spec).to(config.params_dtype)
+        self.mlp = MLP(spec, config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), rope)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size) for _ in range(num_layers))
+        self.final_layernorm = _norm(spec).to(config.params_dtype) if post_process else None
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage: embedding on the first, layers, final norm + output layer on the last.
+
+    forward: tokens [b, s] (first stage) or hidden [s, b, h] -> hidden [s, b, h] or, on the last
+    stage, vocab-parallel logits [s, b, padded_vocab / TP].
+    """
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, *, tp_size: int, pp_rank: int,
+                 layer_counts: list[int], padded_vocab: int, recompute: bool = False):
+        super().__init__()
+        self.spec, self.padded_vocab, self.recompute = spec, padded_vocab, recompute
+        self.tp_size, self.pp_rank, self.layer_counts = tp_size, pp_rank, list(layer_counts)
+        self.pre_process = pp_rank == 0
+        self.post_process = pp_rank == len(layer_counts) - 1
+        if self.pre_process:
+            self.embedding = Embedding(spec, config, padded_vocab)
+        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process)
+        self.share_weight = self.pre_process and spec.tie_word_embeddings
+        if self.post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                spec.hidden_size, padded_vocab, config=config, init_method=_no_init, bias=False,
+                gather_output=False, skip_weight_param_allocation=self.share_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embedding(x)
+        rope = None
+        if self.spec.position_embedding_type == "rope":
+            rope = rope_tables(self.spec, x.shape[0], x.device)
+        for layer in self.decoder.layers:
+            if self.recompute and self.training:
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope)
+        if not self.post_process:
+            return x
+        x = self.decoder.final_layernorm(x)
+        weight = self.embedding.word_embeddings.weight if self.share_weight else None
+        logits, _ = self.output_layer(x, weight=weight)
+        return logits
+
+    def global_keys(self) -> dict[str, str]:
+        """Stage-local state-dict key -> global key (layer numbers re-based over all stages)."""
+        return dict(layout.stage_keys(self.spec, self.layer_counts, self.pp_rank))
+
+
+def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
+    """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L), norms 1, biases 0."""
+    if key.endswith(".bias"):
+        return None
+    if "layernorm" in key:
+        return -1.0  # ones
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return std / (2.0 * spec.num_layers) ** 0.5
+    return std
+
+
+def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: float = 0.02) -> torch.Tensor:
+    """The full (TP=1) fp32 initial tensor of a global key, the same whatever the TP/PP layout."""
+    shape = layout.full_shape(key, spec, padded_vocab, pp_size=2)
+    kind = _init_std(key, spec, std)
+    if kind is None:
+        return torch.zeros(shape)
+    if kind < 0:
+        return torch.ones(shape)
+    name = "embedding.word_embeddings.weight" if key == "output_layer.weight" and spec.tie_word_embeddings else key
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    full = torch.empty(shape).normal_(0.0, kind, generator=gen)
+    if layout.find_rule(key, spec, pp_size=2).split == layout.VOCAB:
+        full[spec.vocab_size:] = 0.0  # padding rows start at zero
+    return full
+
+
+@torch.no_grad()
+def initialize(stage: GPTStage, seed: int, tp_rank: int) -> None:
+    """Fill every parameter from its full init tensor split by the layout table."""
+    keys = stage.global_keys()
+    pp_size = len(stage.layer_counts)
+    for local, param in stage.named_parameters():
+        g = keys[local]
+        full = full_init(g, stage.spec, stage.padded_vocab, seed)
+        shard = layout.split(g, full, stage.spec, stage.tp_size, pp_size)[tp_rank]
+        param.copy_(shard)

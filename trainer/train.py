@@ -1,0 +1,216 @@
+"""The training loop: TP x PP x DP under torchrun (gloo on CPU, NCCL on GPUs).
+
+TP: megatron-core's parallel layers. PP: torch.distributed.pipelining, 1F1B over micro-batches
+(under PP the micro-batches are the gradient accumulation). DP: torch DDP over the data-parallel
+group. global batch = micro_batch_size x num_micro_batches x DP, as in Megatron.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import layout
+from ckpt_tools.errors import CkptError
+from trainer import checkpoint, data
+from trainer.config import TrainConfig, load_config
+from trainer.model import GPTStage, initialize, megatron_config
+from trainer.optim import MasterAdamW, clip_coefficient, lr_at
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
+    """Process group + megatron-core parallel state; returns (device, DP size)."""
+    if "RANK" not in os.environ:  # plain `python -m trainer`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    world = int(os.environ["WORLD_SIZE"])
+    dp = cfg.data_parallel_size(world)  # before any process group: a bad layout fails fast
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp_degree,
+                                 pipeline_model_parallel_size=cfg.pp_degree)
+    return device, dp
+
+
+def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPTStage:
+    spec = cfg.model_spec(vocab_size)
+    counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, cfg.layers_per_stage)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu")
+    stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                     layer_counts=counts, padded_vocab=spec.padded_vocab_size(cfg.tp_degree),
+                     recompute=cfg.recompute_activations).to(device)
+    initialize(stage, cfg.seed, ps.get_tensor_model_parallel_rank())
+    return stage
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token loss from vocab-parallel logits [s, b, V/TP] and labels [b, s]."""
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
+
+
+class Stepper:
+    """Runs one global batch's forward and backward on this rank; returns its mean loss (last stage)."""
+
+    def __init__(self, cfg: TrainConfig, stage: GPTStage, module: torch.nn.Module, device: torch.device):
+        self.cfg, self.stage, self.module, self.device = cfg, stage, module, device
+        self.schedule = None
+        if cfg.pp_degree > 1:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+            pipe = PipelineStage(module, ps.get_pipeline_model_parallel_rank(), cfg.pp_degree, device,
+                                 group=ps.get_pipeline_model_parallel_group())
+            self.schedule = Schedule1F1B(pipe, n_microbatches=cfg.num_micro_batches, loss_fn=loss_fn)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.schedule is not None:
+            return self._pipelined(inputs, labels)
+        losses = []
+        n = self.cfg.num_micro_batches
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), labels.chunk(n))):
+            sync = i == n - 1 or not isinstance(self.module, DDP)
+            with contextlib.nullcontext() if sync else self.module.no_sync():
+                loss = loss_fn(self.module(x), y)
+                (loss / n).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        if self.stage.pre_process:
+            self.schedule.step(inputs)
+            return None
+        if self.stage.post_process:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(target=labels, losses=losses)
+            return torch.stack([l.detach() for l in losses]).mean()
+        self.schedule.step()
+        return None
+
+
+def sync_tied_embeddings(stage: GPTStage) -> None:
+    """With tied embeddings and PP > 1 the first and last stages hold copies; sum their grads."""
+    if not (stage.spec.tie_word_embeddings and len(stage.layer_counts) > 1 and ps.is_rank_in_embedding_group()):
+        return
+    weight = stage.embedding.word_embeddings.weight if stage.pre_process else stage.output_layer.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+class Logger:
+    """One rank (last stage, TP 0, DP 0) prints and appends metrics.jsonl in the save dir."""
+
+    def __init__(self, cfg: TrainConfig, active: bool):
+        self.active, self.path = active, Path(cfg.save_dir) / "metrics.jsonl"
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"iter {record['iteration']:5d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tokens/s", flush=True)
+
+    def say(self, text: str) -> None:
+        if dist.get_rank() == 0:
+            print(text, flush=True)
+
+
+def train(cfg: TrainConfig) -> None:
+    device, dp = setup_distributed(cfg)
+    tokenizer = data.load_tokenizer(cfg.tokenizer)
+    if dist.get_rank() == 0:
+        prefix = data.prepare_dataset(cfg.corpus, cfg.tokenizer, cfg.data_cache_dir)
+    else:
+        prefix = None
+    box = [prefix]
+    dist.broadcast_object_list(box, src=0)
+    dataset = data.TokenDataset(box[0], cfg.seq_length, cfg.seed)
+    stage = build_stage(cfg, data.vocab_size(tokenizer), device)
+    opt = MasterAdamW(stage, cfg)
+    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_data_parallel_rank())
+    logger = Logger(cfg, stage.post_process and tp_rank == 0 and dp_rank == 0)
+    for name in fmt.leftover_temps(cfg.save_dir):
+        logger.say(f"note: {Path(cfg.save_dir) / name} is an incomplete checkpoint left by an interrupted save; "
+                   f"it is ignored and will be replaced")
+    iteration, consumed = 0, 0
+    source = Path(cfg.load) if cfg.load else Path(cfg.save_dir)
+    ckpt_dir = fmt.resolve(source) if cfg.load else fmt.find_latest(source)
+    if ckpt_dir is not None:
+        iteration, consumed = checkpoint.load(ckpt_dir, stage, opt)
+        logger.say(f"resumed from {ckpt_dir} at iteration {iteration}")
+    module = DDP(stage, process_group=ps.get_data_parallel_group()) if dp > 1 else stage
+    stepper = Stepper(cfg, stage, module, device)
+    local_batch = cfg.micro_batch_size * cfg.num_micro_batches
+    global_batch = local_batch * dp
+    logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}, "
+               f"global batch {global_batch} x {cfg.seq_length} tokens, iterations {iteration} -> {cfg.train_iters}")
+    saved_at, first_iteration = None, iteration
+    while iteration < cfg.train_iters:
+        start = time.perf_counter()
+        tokens = dataset.batch(consumed + dp_rank * local_batch, local_batch).to(device)
+        lr = lr_at(cfg, iteration)
+        opt.zero_grad()
+        loss = stepper(tokens)
+        sync_tied_embeddings(stage)
+        norm, coef = clip_coefficient(stage, tp_rank, cfg.gradient_clipping)
+        opt.step(lr, coef)
+        iteration += 1
+        consumed += global_batch
+        if loss is not None and dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=ps.get_data_parallel_group())
+            loss /= dp
+        if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters:
+            elapsed = time.perf_counter() - start
+            if loss is not None:
+                logger.log({"iteration": iteration, "loss": float(loss), "lr": lr, "grad_norm": norm,
+                            "tokens_per_s": global_batch * cfg.seq_length / elapsed})
+        if cfg.save_interval and iteration % cfg.save_interval == 0:
+            saved_at = checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
+    if iteration > first_iteration and (saved_at is None or iteration % max(cfg.save_interval, 1)):
+        saved_at = checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
+    if saved_at is not None:
+        logger.say(f"saved {saved_at}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        train(load_config(args.config, args.set))
+    except CkptError as e:
+        if args.debug:
+            raise
+        rank = os.environ.get("RANK", "0")
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
