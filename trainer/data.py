@@ -147,6 +147,8 @@ class TokenDataset:
         self.prefix = prefix
         self.seq_length = seq_length
         self.seed = seed
+        # Keep the IndexedDataset referenced: it unmaps its files in __del__,
+        # which would leave self._stream pointing at freed memory.
         self._indexed = IndexedDataset(prefix, mmap=True)
         self._stream = self._read_stream(self._indexed)
         if self.num_windows < 1:

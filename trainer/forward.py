@@ -1,0 +1,118 @@
+"""Forward passes of a checkpoint at any TP x PP layout: the trainer's own model, no training.
+
+    torchrun --nproc-per-node TP*PP -m trainer.forward CKPT --tokens T.pt --out LOGITS.pt [--tp N --pp M]
+
+Weights come straight from the shard files when the layout is the checkpoint's own, otherwise
+every tensor is joined from the source shards and re-split for this layout by the layout table
+(an in-memory reshard). The last stage gathers the vocab-parallel logits over TP, drops the padding
+rows, and TP rank 0 of it writes [batch, seq, true_vocab] fp32 logits to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import io, layout
+from ckpt_tools.errors import CkptError
+from ckpt_tools.shards import ShardSet
+from trainer.model import GPTStage, megatron_config
+
+
+def build_from_checkpoint(shards: ShardSet, tp_size: int, counts: list[int], device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> GPTStage:
+    """This rank's stage at the target layout, with its weights loaded from the checkpoint."""
+    meta, spec = shards.meta, shards.meta.spec
+    spec.check_tp(tp_size)
+    padded = max(meta.padded_vocab, spec.padded_vocab_size(tp_size))
+    if padded % tp_size:
+        padded = spec.padded_vocab_size(tp_size)
+    mcfg = megatron_config(spec, tp_size, len(counts), dtype, on_cpu=device.type == "cpu")
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    stage = GPTStage(spec, mcfg, tp_size=tp_size, pp_rank=pp_rank, layer_counts=counts, padded_vocab=padded)
+    if tp_size == meta.tp_size and counts == meta.layer_counts:
+        state = io.load_file(meta.dir / fmt.model_file(tp_rank, pp_rank))["model"]
+    else:
+        state = {}
+        for local, key in stage.global_keys().items():
+            source = key
+            if key == "output_layer.weight" and key not in shards.keys():  # tied, source PP = 1
+                source = "embedding.word_embeddings.weight"
+            full = shards.full(source)
+            if torch.is_tensor(full) and layout.find_rule(key, spec, len(counts)).split == layout.VOCAB:
+                full = layout.pad_vocab(key, full, spec, padded) if full.shape[0] != padded else full
+            state[local] = layout.split(key, full, spec, tp_size, len(counts))[tp_rank]
+    stage.load_state_dict(state, strict=True)
+    return stage.to(device).eval()
+
+
+@torch.no_grad()
+def pipeline_logits(stage: GPTStage, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Run tokens [b, s] through all stages; the last stage returns full logits [b, s, true_vocab]."""
+    spec = stage.spec
+    b, s = tokens.shape
+    if stage.pre_process:
+        x = tokens
+    else:
+        x = torch.empty(s, b, spec.hidden_size, dtype=next(stage.parameters()).dtype, device=tokens.device)
+        dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+    out = stage(x)
+    if not stage.post_process:
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    parts = [torch.empty_like(out) for _ in range(stage.tp_size)]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    full = torch.cat(parts, dim=-1)
+    return full.transpose(0, 1)[..., : spec.vocab_size].float().contiguous()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.forward", description=__doc__)
+    p.add_argument("checkpoint")
+    p.add_argument("--tokens", required=True, help="a torch file holding a LongTensor [batch, seq]")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=None)
+    p.add_argument("--pp", type=int, default=None)
+    p.add_argument("--layers-per-stage", default=None)
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        meta = fmt.Meta.read(fmt.resolve(args.checkpoint))
+        tp, pp = args.tp or meta.tp_size, args.pp or meta.pp_size
+        explicit = [int(n) for n in args.layers_per_stage.split(",")] if args.layers_per_stage else None
+        if explicit is None and pp == meta.pp_size:
+            explicit = meta.layer_counts
+        counts = layout.layers_per_stage(meta.spec.num_layers, pp, explicit)
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp * pp:
+            raise CkptError(f"forward at TP{tp} x PP{pp} needs {tp * pp} processes, found {world}: "
+                            f"launch with torchrun --nproc-per-node {tp * pp}")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        stage = build_from_checkpoint(ShardSet(meta), tp, counts, device)
+        tokens = io.load_file(args.tokens, mmap=False).to(device)
+        logits = pipeline_logits(stage, tokens)
+        if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+            torch.save(logits.cpu(), args.out)
+        dist.barrier()
+        dist.destroy_process_group()
+    except CkptError as e:
+        print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
