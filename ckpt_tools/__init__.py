@@ -1,0 +1,5 @@
+"""Checkpoint toolkit for sharded Megatron (TP x PP x DP) training state."""
+import warnings
+
+# megatron-core announces at import that Transformer Engine / Apex are absent; the CPU path needs neither.
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

@@ -1,13 +1,13 @@
 """The training loop: TP x PP x DP under torchrun (gloo on CPU, NCCL on GPUs).
 
 TP: megatron-core's parallel layers. PP: torch.distributed.pipelining, 1F1B over micro-batches
-(under PP the micro-batches are the gradient accumulation). DP: torch DDP over the data-parallel
-group. global batch = micro_batch_size x num_micro_batches x DP, as in Megatron.
+(under PP the micro-batches are the gradient accumulation). DP: the gradients are averaged over the
+data-parallel group once per step, in one flat bucket (torch DDP's reducer does not accept the
+several in-flight forwards of 1F1B: "rebuilt parameter indices" assert). global batch = micro_batch_size x num_micro_batches x DP, as in Megatron.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
@@ -72,12 +72,12 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Stepper:
     """Runs one global batch's forward and backward on this rank; returns its mean loss (last stage)."""
 
-    def __init__(self, cfg: TrainConfig, stage: GPTStage, module: torch.nn.Module, device: torch.device):
-        self.cfg, self.stage, self.module, self.device = cfg, stage, module, device
+    def __init__(self, cfg: TrainConfig, stage: GPTStage, device: torch.device):
+        self.cfg, self.stage, self.device = cfg, stage, device
         self.schedule = None
         if cfg.pp_degree > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-            pipe = PipelineStage(module, ps.get_pipeline_model_parallel_rank(), cfg.pp_degree, device,
+            pipe = PipelineStage(stage, ps.get_pipeline_model_parallel_rank(), cfg.pp_degree, device,
                                  group=ps.get_pipeline_model_parallel_group())
             self.schedule = Schedule1F1B(pipe, n_microbatches=cfg.num_micro_batches, loss_fn=loss_fn)
 
@@ -87,11 +87,9 @@ class Stepper:
             return self._pipelined(inputs, labels)
         losses = []
         n = self.cfg.num_micro_batches
-        for i, (x, y) in enumerate(zip(inputs.chunk(n), labels.chunk(n))):
-            sync = i == n - 1 or not isinstance(self.module, DDP)
-            with contextlib.nullcontext() if sync else self.module.no_sync():
-                loss = loss_fn(self.module(x), y)
-                (loss / n).backward()
+        for x, y in zip(inputs.chunk(n), labels.chunk(n)):
+            loss = loss_fn(self.stage(x), y)
+            (loss / n).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
@@ -105,6 +103,18 @@ class Stepper:
             return torch.stack([l.detach() for l in losses]).mean()
         self.schedule.step()
         return None
+
+
+def average_data_parallel_grads(stage: GPTStage, dp: int) -> None:
+    """Average every gradient over the DP group: one all-reduce of one flat buffer."""
+    if dp == 1:
+        return
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=ps.get_data_parallel_group())
+    flat /= dp
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
 
 
 def sync_tied_embeddings(stage: GPTStage) -> None:
@@ -161,8 +171,7 @@ def train(cfg: TrainConfig) -> None:
     if ckpt_dir is not None:
         iteration, consumed = checkpoint.load(ckpt_dir, stage, opt)
         logger.say(f"resumed from {ckpt_dir} at iteration {iteration}")
-    module = DDP(stage, process_group=ps.get_data_parallel_group()) if dp > 1 else stage
-    stepper = Stepper(cfg, stage, module, device)
+    stepper = Stepper(cfg, stage, device)
     local_batch = cfg.micro_batch_size * cfg.num_micro_batches
     global_batch = local_batch * dp
     logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}, "
@@ -174,6 +183,7 @@ def train(cfg: TrainConfig) -> None:
         lr = lr_at(cfg, iteration)
         opt.zero_grad()
         loss = stepper(tokens)
+        average_data_parallel_grads(stage, dp)
         sync_tied_embeddings(stage)
         norm, coef = clip_coefficient(stage, tp_rank, cfg.gradient_clipping)
         opt.step(lr, coef)

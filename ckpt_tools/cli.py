@@ -1,0 +1,68 @@
+"""The `ckpt` command: parse -> call one function -> print. Errors become one line and exit 1."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import click
+
+from ckpt_tools.errors import CkptError
+
+
+def _handle_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        ctx = click.get_current_context()
+        try:
+            return fn(*args, **kwargs)
+        except CkptError as e:
+            if ctx.find_root().params.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+def main(debug: bool) -> None:
+    """Merge, reshard, import, verify and inspect sharded Megatron checkpoints; train with the bundled trainer."""
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="YAML run config.")
+@click.option("--tp", type=int, default=None, help="Override tp_degree.")
+@click.option("--pp", type=int, default=None, help="Override pp_degree.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel size (world = TP x PP x DP).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override any config key.")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="torchrun: number of nodes.")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="torchrun: this node's rank.")
+@click.option("--master-addr", default="127.0.0.1", show_default=True, help="torchrun: rendezvous address.")
+@click.option("--master-port", type=int, default=None, help="torchrun: rendezvous port (default: a free one).")
+@_handle_errors
+def train(config_path: str, tp: int | None, pp: int | None, dp: int, overrides: tuple[str, ...], nnodes: int,
+          node_rank: int, master_addr: str, master_port: int | None) -> None:
+    """Train with the bundled trainer: launches torchrun with TP x PP x DP processes."""
+    from trainer.launch import launch_command
+    sets = list(overrides) + ([f"tp_degree={tp}"] if tp else []) + ([f"pp_degree={pp}"] if pp else [])
+    cmd = launch_command(config_path, sets, dp, nnodes, node_rank, master_addr, master_port)
+    click.echo("launching: " + " ".join(cmd[2:]), err=True)
+    code = subprocess.call(cmd, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if code:
+        raise CkptError(f"training failed (torchrun exit code {code}): see the rank messages above")
+
+
+@main.command()
+@click.argument("src", type=click.Path())
+@click.option("--tensors", is_flag=True, help="Also list every tensor with its full shape and split.")
+@_handle_errors
+def inspect(src: str, tensors: bool) -> None:
+    """Summarize a checkpoint: architecture, sizes, layout, files, dtype, iteration, parameters, bytes."""
+    from ckpt_tools.inspect import describe
+    click.echo(describe(src, show_tensors=tensors))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
