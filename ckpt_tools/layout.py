@@ -223,6 +223,13 @@ def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> li
     return list(full.chunk(tp_size, dim=rule.dim))
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: NaN equals an identical NaN, -0.0 differs from 0.0, dtypes must match."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
 def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_replicas: bool = True):
     """TP shards (rank order) -> the full tensor. Replicated shards must agree bit for bit."""
     rule = find_rule(key, spec, pp_size)
@@ -231,7 +238,7 @@ def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_re
     if rule.split == REPLICATED:
         if check_replicas:
             for rank, s in enumerate(shards[1:], start=1):
-                if s.shape != shards[0].shape or not torch.equal(s, shards[0]):
+                if not same_bits(s, shards[0]):
                     raise LayoutError(f"{key}: replicated tensor differs between TP rank 0 and TP rank {rank}: "
                                       f"the shards do not come from one consistent checkpoint")
         return shards[0]
@@ -245,9 +252,11 @@ def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_re
 def pad_vocab(key: str, full: torch.Tensor, spec: ModelSpec, padded_vocab: int) -> torch.Tensor:
     """Re-pad a vocab tensor to `padded_vocab` rows: true rows kept, rows beyond the true vocab zero."""
     _require(key, spec, VOCAB)
+    if full.shape[0] < spec.vocab_size or padded_vocab < spec.vocab_size:
+        raise LayoutError(f"{key}: cannot pad {full.shape[0]} rows to {padded_vocab} for a true vocab of "
+                          f"{spec.vocab_size}: both must be >= the true vocab; check the recorded vocab size")
     out = full.new_zeros((padded_vocab,) + tuple(full.shape[1:]))
-    n = min(spec.vocab_size, full.shape[0])
-    out[:n] = full[:n]
+    out[: spec.vocab_size] = full[: spec.vocab_size]
     return out
 
 

@@ -12,5 +12,7 @@ if ! "$py" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.
   "$py" -m pip install -q --upgrade pip
   "$py" -m pip install -q torch==2.13.0
 fi
-"$py" -m pip install -q -e "$root[test]"
+log=$(mktemp)
+"$py" -m pip install -q -e "$root[test]" >"$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
+rm -f "$log"
 export PATH="$venv/bin:$PATH"

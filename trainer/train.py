@@ -176,7 +176,7 @@ def train(cfg: TrainConfig) -> None:
     global_batch = local_batch * dp
     logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}, "
                f"global batch {global_batch} x {cfg.seq_length} tokens, iterations {iteration} -> {cfg.train_iters}")
-    saved_at, first_iteration = None, iteration
+    saved_iteration, first_iteration = None, iteration
     while iteration < cfg.train_iters:
         start = time.perf_counter()
         tokens = dataset.batch(consumed + dp_rank * local_batch, local_batch).to(device)
@@ -199,11 +199,13 @@ def train(cfg: TrainConfig) -> None:
                 logger.log({"iteration": iteration, "loss": float(loss), "lr": lr, "grad_norm": norm,
                             "tokens_per_s": global_batch * cfg.seq_length / elapsed})
         if cfg.save_interval and iteration % cfg.save_interval == 0:
-            saved_at = checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
-    if iteration > first_iteration and (saved_at is None or iteration % max(cfg.save_interval, 1)):
-        saved_at = checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
-    if saved_at is not None:
-        logger.say(f"saved {saved_at}")
+            checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
+            saved_iteration = iteration
+    if iteration > first_iteration and saved_iteration != iteration:
+        checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
+        saved_iteration = iteration
+    if saved_iteration is not None:
+        logger.say(f"saved {Path(cfg.save_dir) / fmt.checkpoint_name(saved_iteration)}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny training runs under torchrun, made once per test session."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "fixtures" / "configs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc-per-node N <args>` (args start with -m module); output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def train(config: str, save_dir: Path, nproc: int, **overrides) -> list[dict]:
+    """Train with the bundled trainer; returns the metrics.jsonl records written by this run."""
+    sets = [f"save_dir={save_dir}", f"data_cache_dir={save_dir.parent / 'data-cache'}", "log_interval=1"]
+    sets += [f"{k}={json.dumps(v) if isinstance(v, (list, bool)) else v}" for k, v in overrides.items()]
+    metrics = save_dir / "metrics.jsonl"
+    before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    args = ["-m", "trainer", "--config", str(CONFIGS / config)]
+    for s in sets:
+        args += ["--set", s]
+    torchrun(nproc, args)
+    return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+
+
+def sharded_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path, tp: int, pp: int) -> torch.Tensor:
+    """Logits of a checkpoint run at TP x PP by the trainer's own model (trainer.forward)."""
+    tok = tmp / "tokens.pt"
+    torch.save(tokens, tok)
+    out = tmp / f"logits_tp{tp}pp{pp}.pt"
+    torchrun(tp * pp, ["-m", "trainer.forward", str(ckpt), "--tokens", str(tok), "--out", str(out),
+                       "--tp", str(tp), "--pp", str(pp)])
+    return torch.load(out)
+
+
+@pytest.fixture(scope="session")
+def llama_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """tiny llama, TP2 x PP2 x DP1, 8 iterations, checkpoints at 4 and 8."""
+    save = tmp_path_factory.mktemp("llama") / "run"
+    return save, train("tiny_llama.yaml", save, 4, train_iters=8, save_interval=4)
+
+
+@pytest.fixture(scope="session")
+def gpt2_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """tiny gpt2 (tied embeddings), TP2 x PP2 x DP1, 6 iterations."""
+    save = tmp_path_factory.mktemp("gpt2") / "run"
+    return save, train("tiny_gpt2.yaml", save, 4, train_iters=6)

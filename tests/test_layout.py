@@ -1,0 +1,631 @@
+"""Tests for ckpt_tools/layout.py (the layout table, DESIGN.md Contract 1) and ModelSpec helpers.
+
+Expected values are written by hand from DESIGN.md Contract 1 and the layout docstring wherever
+possible (explicit rows, explicit key lists, explicit padded vocab sizes), or computed with index
+arithmetic that does not call the code under test. Round trips compare bit patterns (an integer
+view of the tensor), not values, and check the dtype.
+
+Pure CPU, no distributed, runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from ckpt_tools import layout
+from ckpt_tools.errors import ConfigError, LayoutError
+from ckpt_tools.spec import ModelSpec
+
+TPS = (1, 2, 4, 8)
+DTYPES = (torch.float32, torch.bfloat16)
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float64: torch.int64}
+
+
+# ---------------------------------------------------------------- specs whose sizes all divide 8
+def llama(tie: bool = False, **kw) -> ModelSpec:
+    """GQA with 2 heads per group; 8 query groups so TP 8 divides; ffn 32 so gated TP 8 divides."""
+    d = dict(architecture="llama", num_layers=4, hidden_size=64, num_attention_heads=16,
+             num_query_groups=8, ffn_hidden_size=32, vocab_size=1000, max_position_embeddings=32,
+             tie_word_embeddings=tie)
+    d.update(kw)
+    return ModelSpec(**d)
+
+
+def gpt2(**kw) -> ModelSpec:
+    d = dict(architecture="gpt2", num_layers=4, hidden_size=64, num_attention_heads=8,
+             ffn_hidden_size=32, vocab_size=1000, max_position_embeddings=32, tie_word_embeddings=True)
+    d.update(kw)
+    return ModelSpec(**d)
+
+
+SPECS = {
+    "llama_untied": llama(tie=False),
+    "llama_tied": llama(tie=True),
+    "gpt2": gpt2(),
+}
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert torch.is_tensor(a) and torch.is_tensor(b), what
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    iv = _INT_VIEW[a.dtype]
+    assert torch.equal(a.contiguous().view(iv), b.contiguous().view(iv)), f"{what}: bits differ"
+
+
+def random_full(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values plus a few special bit patterns (-0.0, +-inf) that a value compare would blur."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    flat = t.view(-1)
+    flat[0] = -0.0
+    if flat.numel() > 2:
+        flat[1] = float("inf")
+        flat[-1] = float("-inf")
+    return t
+
+
+def layer0(rule: layout.Rule) -> str:
+    return rule.name.format(i=0)
+
+
+def all_cases():
+    for name, spec in SPECS.items():
+        for pp in (1, 2):
+            for tp in TPS:
+                yield pytest.param(spec, pp, tp, id=f"{name}-pp{pp}-tp{tp}")
+
+
+# ---------------------------------------------------------------- 1. join(split(x)) == x bitwise
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec,pp,tp", list(all_cases()))
+def test_split_join_roundtrip_bitwise(spec: ModelSpec, pp: int, tp: int, dtype: torch.dtype) -> None:
+    padded = spec.padded_vocab_size(tp)
+    rules = layout.rules_for(spec, pp)
+    assert rules, "no rules for spec"
+    for n, rule in enumerate(rules):
+        key = layer0(rule)
+        shape = layout.full_shape(key, spec, padded, pp)
+        if rule.split == layout.EXTRA:
+            assert shape is None, key
+            for value in (None, b"\x00extra-state"):
+                shards = layout.split(key, value, spec, tp, pp)
+                assert len(shards) == tp and all(s is value for s in shards), key
+                assert layout.join(key, shards, spec, pp) is value, key
+            continue
+        full = random_full(shape, dtype, seed=1000 * tp + n)
+        shards = layout.split(key, full, spec, tp, pp)
+        assert len(shards) == tp, f"{key}: {len(shards)} shards at TP {tp}"
+        for r, s in enumerate(shards):
+            assert s.dtype == dtype, f"{key} rank {r}: dtype {s.dtype}"
+        if rule.split != layout.REPLICATED:
+            assert sum(s.numel() for s in shards) == full.numel(), f"{key}: shards do not partition the tensor"
+        back = layout.join(key, shards, spec, pp)
+        assert_bitwise(back, full, f"{key} tp={tp} pp={pp} {dtype}")
+
+
+# ---------------------------------------------------------------- split against index arithmetic
+def expected_rows(rule: layout.Rule, spec: ModelSpec, full_rows: int, tp: int, r: int) -> list[int]:
+    """The full-tensor rows (dim 0) that rank r holds, from the docstring, without calling layout."""
+    if rule.split == layout.QKV:
+        gs = (spec.num_attention_heads // spec.num_query_groups + 2) * spec.kv_channels
+        per = spec.num_query_groups // tp
+        return list(range(r * per * gs, (r + 1) * per * gs))
+    if rule.split == layout.GATED:
+        f = full_rows // 2
+        c = f // tp
+        return list(range(r * c, (r + 1) * c)) + list(range(f + r * c, f + (r + 1) * c))
+    c = full_rows // tp
+    return list(range(r * c, (r + 1) * c))
+
+
+@pytest.mark.parametrize("spec,pp,tp", list(all_cases()))
+def test_split_matches_index_arithmetic(spec: ModelSpec, pp: int, tp: int) -> None:
+    padded = spec.padded_vocab_size(tp)
+    for n, rule in enumerate(layout.rules_for(spec, pp)):
+        if rule.split == layout.EXTRA:
+            continue
+        key = layer0(rule)
+        full = random_full(rule.shape(spec, padded), torch.float32, seed=n)
+        shards = layout.split(key, full, spec, tp, pp)
+        for r, s in enumerate(shards):
+            if rule.split == layout.REPLICATED:
+                exp = full
+            elif rule.split == layout.ROW:
+                c = full.shape[1] // tp
+                exp = full[:, r * c:(r + 1) * c]
+            else:
+                idx = torch.tensor(expected_rows(rule, spec, full.shape[0], tp, r))
+                exp = full.index_select(0, idx)
+            assert_bitwise(s, exp, f"{key} ({rule.split}) rank {r} of TP {tp}")
+
+
+# ---------------------------------------------------------------- 2. hand-written expected rows
+QKV_SPEC = ModelSpec(architecture="llama", num_layers=1, hidden_size=1, num_attention_heads=4,
+                     num_query_groups=2, kv_channels=1, ffn_hidden_size=4, vocab_size=8)
+QKV_W = "decoder.layers.0.self_attention.linear_qkv.weight"
+FC1_W = "decoder.layers.0.mlp.linear_fc1.weight"
+# q0=10 q1=11 q2=12 q3=13, k0=20 k1=21, v0=30 v1=31; group 0 = [q0,q1,k0,v0], group 1 = [q2,q3,k1,v1]
+QKV_FULL = torch.tensor([[10.], [11.], [20.], [30.], [12.], [13.], [21.], [31.]])
+
+
+def rows(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def test_qkv_split_hand_rows_tp2() -> None:
+    shards = layout.split(QKV_W, QKV_FULL, QKV_SPEC, 2)
+    assert rows(shards[0]) == [[10.], [11.], [20.], [30.]], "rank 0 must hold query group 0 = [q0,q1,k0,v0]"
+    assert rows(shards[1]) == [[12.], [13.], [21.], [31.]], "rank 1 must hold query group 1 = [q2,q3,k1,v1]"
+    assert rows(layout.join(QKV_W, shards, QKV_SPEC)) == rows(QKV_FULL)
+
+
+def test_qkv_split_hand_rows_tp1_is_whole() -> None:
+    (only,) = layout.split(QKV_W, QKV_FULL, QKV_SPEC, 1)
+    assert rows(only) == rows(QKV_FULL)
+
+
+def test_qkv_bias_hand_rows_tp2() -> None:
+    spec = ModelSpec(architecture="gpt2", num_layers=1, hidden_size=2, num_attention_heads=2,
+                     kv_channels=1, ffn_hidden_size=2, vocab_size=8, tie_word_embeddings=True)
+    # MHA, 2 groups of [q_g, k_g, v_g]: q0=10 k0=20 v0=30 | q1=11 k1=21 v1=31
+    full = torch.tensor([10., 20., 30., 11., 21., 31.])
+    shards = layout.split("decoder.layers.0.self_attention.linear_qkv.bias", full, spec, 2)
+    assert rows(shards[0]) == [10., 20., 30.] and rows(shards[1]) == [11., 21., 31.]
+
+
+def test_qkv_split_heads_hand_values() -> None:
+    q, k, v = layout.qkv_split_heads(QKV_FULL, QKV_SPEC)
+    assert rows(q) == [[10.], [11.], [12.], [13.]], "q must be heads q0..q3 in order"
+    assert rows(k) == [[20.], [21.]], "k must be [k0, k1]"
+    assert rows(v) == [[30.], [31.]], "v must be [v0, v1]"
+    joined = layout.qkv_join_heads(q, k, v, QKV_SPEC)
+    assert_bitwise(joined, QKV_FULL, "qkv_join_heads(qkv_split_heads(x))")
+
+
+def test_qkv_split_heads_hand_values_multi_row_heads_and_bias() -> None:
+    # kv_channels 2, 2 heads, 2 groups (MHA), hidden 3: head rows labelled q<h><row>, k<g><row>, v<g><row>
+    spec = ModelSpec(architecture="llama", num_layers=1, hidden_size=3, num_attention_heads=2,
+                     num_query_groups=2, kv_channels=2, ffn_hidden_size=2, vocab_size=8)
+    q00, q01, k00, k01, v00, v01 = 100., 101., 200., 201., 300., 301.
+    q10, q11, k10, k11, v10, v11 = 110., 111., 210., 211., 310., 311.
+    bias = torch.tensor([q00, q01, k00, k01, v00, v01, q10, q11, k10, k11, v10, v11])
+    q, k, v = layout.qkv_split_heads(bias, spec)
+    assert rows(q) == [q00, q01, q10, q11]
+    assert rows(k) == [k00, k01, k10, k11]
+    assert rows(v) == [v00, v01, v10, v11]
+    assert_bitwise(layout.qkv_join_heads(q, k, v, spec), bias, "bias qkv_join_heads")
+    weight = torch.stack([bias, bias + 0.5, bias + 0.25], dim=1)  # (12, 3): column c = bias + offset
+    q, k, v = layout.qkv_split_heads(weight, spec)
+    assert q.shape == (4, 3) and k.shape == (4, 3) and v.shape == (4, 3)
+    assert rows(q[:, 1]) == [q00 + 0.5, q01 + 0.5, q10 + 0.5, q11 + 0.5]
+    assert rows(v[:, 2]) == [v00 + 0.25, v01 + 0.25, v10 + 0.25, v11 + 0.25]
+    assert_bitwise(layout.qkv_join_heads(q, k, v, spec), weight, "weight qkv_join_heads")
+
+
+def test_gated_fc1_hand_rows() -> None:
+    g = [100., 101., 102., 103.]
+    u = [200., 201., 202., 203.]
+    full = torch.tensor([[x] for x in g + u])  # [g0,g1,g2,g3,u0,u1,u2,u3], hidden 1
+    shards = layout.split(FC1_W, full, QKV_SPEC, 2)
+    assert rows(shards[0]) == [[100.], [101.], [200.], [201.]], "rank 0 must hold [g0,g1,u0,u1] in this order"
+    assert rows(shards[1]) == [[102.], [103.], [202.], [203.]], "rank 1 must hold [g2,g3,u2,u3] in this order"
+    shards4 = layout.split(FC1_W, full, QKV_SPEC, 4)
+    assert [rows(s) for s in shards4] == [[[100.], [200.]], [[101.], [201.]], [[102.], [202.]], [[103.], [203.]]]
+    assert rows(layout.join(FC1_W, shards, QKV_SPEC)) == rows(full)
+    # join from hand-written shards, not from split's output
+    hand = [torch.tensor([[100.], [101.], [200.], [201.]]), torch.tensor([[102.], [103.], [202.], [203.]])]
+    assert rows(layout.join(FC1_W, hand, QKV_SPEC)) == [[x] for x in g + u]
+
+
+SMALL_GPT2 = ModelSpec(architecture="gpt2", num_layers=1, hidden_size=4, num_attention_heads=2,
+                       ffn_hidden_size=4, vocab_size=4, max_position_embeddings=2, tie_word_embeddings=True)
+GRID = torch.tensor([[0., 1., 2., 3.], [10., 11., 12., 13.], [20., 21., 22., 23.], [30., 31., 32., 33.]])
+
+
+def test_row_parallel_splits_dim1_by_hand() -> None:
+    for key in ("decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc2.weight"):
+        s0, s1 = layout.split(key, GRID, SMALL_GPT2, 2)
+        assert rows(s0) == [[0., 1.], [10., 11.], [20., 21.], [30., 31.]], key
+        assert rows(s1) == [[2., 3.], [12., 13.], [22., 23.], [32., 33.]], key
+        assert rows(layout.join(key, [s0, s1], SMALL_GPT2)) == rows(GRID), key
+
+
+def test_column_and_vocab_split_dim0_by_hand() -> None:
+    for key in ("decoder.layers.0.mlp.linear_fc1.weight",  # gpt2: not gated -> column
+                "embedding.word_embeddings.weight"):
+        s0, s1 = layout.split(key, GRID, SMALL_GPT2, 2)
+        assert rows(s0) == [[0., 1., 2., 3.], [10., 11., 12., 13.]], key
+        assert rows(s1) == [[20., 21., 22., 23.], [30., 31., 32., 33.]], key
+    b0, b1 = layout.split("decoder.layers.0.mlp.linear_fc1.bias", torch.tensor([0., 1., 2., 3.]), SMALL_GPT2, 2)
+    assert rows(b0) == [0., 1.] and rows(b1) == [2., 3.]
+    v = layout.split("output_layer.weight", GRID, SMALL_GPT2, 4, pp_size=2)
+    assert [rows(x) for x in v] == [[r] for r in rows(GRID)]
+
+
+def test_replicated_same_values_every_rank() -> None:
+    vec = torch.tensor([1.5, -2., 3., 0.25])
+    for key in ("decoder.layers.0.input_layernorm.weight", "decoder.layers.0.input_layernorm.bias",
+                "decoder.layers.0.self_attention.linear_proj.bias",  # row-parallel bias: replicated
+                "decoder.layers.0.mlp.linear_fc2.bias", "decoder.final_layernorm.bias"):
+        shards = layout.split(key, vec, SMALL_GPT2, 4)
+        assert len(shards) == 4
+        for r, s in enumerate(shards):
+            assert rows(s) == [1.5, -2., 3., 0.25], f"{key} rank {r}"
+    pos = GRID[:2]
+    for s in layout.split("embedding.position_embeddings.weight", pos, SMALL_GPT2, 2):
+        assert rows(s) == [[0., 1., 2., 3.], [10., 11., 12., 13.]]
+
+
+# ---------------------------------------------------------------- 3. replicated consistency
+def test_replicated_join_differing_shards_names_key_and_rank() -> None:
+    key = "decoder.layers.3.pre_mlp_layernorm.weight"
+    a = torch.ones(4)
+    b = a.clone()
+    b[2] = 1.0000001
+    shards = [a, a.clone(), b, a.clone()]
+    with pytest.raises(LayoutError) as e:
+        layout.join(key, shards, SMALL_GPT2)
+    msg = str(e.value)
+    assert key in msg and "TP rank 2" in msg and "\n" not in msg, msg
+    # a different shape is also a difference
+    with pytest.raises(LayoutError, match="TP rank 1"):
+        layout.join(key, [a, torch.ones(5)], SMALL_GPT2)
+    out = layout.join(key, shards, SMALL_GPT2, check_replicas=False)
+    assert_bitwise(out, a, "check_replicas=False returns rank 0's copy")
+
+
+def test_replicated_join_accepts_identical_nan_replicas() -> None:
+    """Replicas that agree bit for bit (here: the same NaN) must join; a diverged run is still mergeable."""
+    key = "decoder.layers.0.input_layernorm.weight"
+    a = torch.tensor([1.0, float("nan"), 2.0])
+    try:
+        out = layout.join(key, [a, a.clone()], SMALL_GPT2)
+    except LayoutError as e:
+        pytest.fail("BUG in layout.join: bit-identical replicated shards containing NaN are rejected as "
+                    f"inconsistent (torch.equal treats NaN != NaN); it should compare bit patterns: {e}")
+    assert_bitwise(out, a, "NaN replica join")
+
+
+# ---------------------------------------------------------------- 4. errors
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, f"message is not one line: {msg!r}"
+    return msg
+
+
+def test_qkv_tp_not_dividing_query_groups() -> None:
+    spec = llama(num_attention_heads=4, num_query_groups=2, hidden_size=8)  # qkv rows 16: divisible by 4
+    key = "decoder.layers.1.self_attention.linear_qkv.weight"
+    full = torch.zeros(layout.full_shape(key, spec, 1024))
+    assert full.shape[0] % 4 == 0  # so only the query-group check can catch it
+    for call in (lambda: layout.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
+        with pytest.raises(LayoutError) as e:
+            call()
+        msg = one_line(e)
+        assert key in msg and "num_query_groups 2" in msg and "TP 4" in msg and "choose" in msg, msg
+
+
+def test_gated_tp_not_dividing_ffn() -> None:
+    spec = llama(ffn_hidden_size=6)  # fc1 rows 12: divisible by 4, ffn 6 is not
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+    full = torch.zeros(layout.full_shape(key, spec, 1024))
+    for call in (lambda: layout.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
+        with pytest.raises(LayoutError) as e:
+            call()
+        msg = one_line(e)
+        assert key in msg and "ffn_hidden_size 6" in msg and "TP 4" in msg and "choose" in msg, msg
+
+
+def test_plain_dim_not_divisible() -> None:
+    key = "decoder.layers.0.self_attention.linear_proj.weight"
+    with pytest.raises(LayoutError) as e:
+        layout.split(key, torch.zeros(4, 6), SMALL_GPT2, 4)
+    msg = one_line(e)
+    assert key in msg and "TP 4" in msg and "dim 1" in msg, msg
+
+
+def test_check_tp() -> None:
+    llama(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=32).check_tp(4)  # fine: no raise
+    with pytest.raises(ConfigError) as e:
+        llama(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=36).check_tp(8)
+    msg = one_line(e)
+    assert "num_query_groups 4 is not divisible by TP 8" in msg, msg
+    assert "ffn_hidden_size 36 is not divisible by TP 8" in msg, msg
+    assert "num_attention_heads" not in msg, msg  # 8 heads do divide
+    assert "choose a TP" in msg, msg
+
+
+def test_layers_per_stage() -> None:
+    assert layout.layers_per_stage(4, 1) == [4]
+    assert layout.layers_per_stage(4, 2) == [2, 2]
+    assert layout.layers_per_stage(4, 4) == [1, 1, 1, 1]
+    assert layout.layers_per_stage(4, 2, [1, 3]) == [1, 3]
+    with pytest.raises(ConfigError) as e:
+        layout.layers_per_stage(2, 4)
+    msg = one_line(e)
+    assert "PP 4" in msg and "2 layers" in msg and "PP <= 2" in msg, msg
+    with pytest.raises(ConfigError) as e:
+        layout.layers_per_stage(5, 2)
+    msg = one_line(e)
+    assert "5" in msg and "PP 2" in msg and "explicit" in msg, msg
+    for bad in ([1, 2], [0, 4], [4], [1, 1, 2], [-1, 5]):
+        with pytest.raises(ConfigError) as e:
+            layout.layers_per_stage(4, 2, bad)
+        msg = one_line(e)
+        assert "4 layers" in msg and "2 stages" in msg and "give 2 positive numbers that sum to 4" in msg, msg
+
+
+@pytest.mark.parametrize("key", ["decoder.layers.0.self_attention.q_proj.weight", "model.embed_tokens.weight",
+                                 "decoder.layers.x.input_layernorm.weight", "output_layer.bias"])
+def test_unknown_key(key: str) -> None:
+    for call in (lambda: layout.find_rule(key, SPECS["llama_untied"]),
+                 lambda: layout.split(key, torch.zeros(2), SPECS["llama_untied"], 1),
+                 lambda: layout.full_shape(key, SPECS["llama_untied"], 1024)):
+        with pytest.raises(LayoutError) as e:
+            call()
+        msg = one_line(e)
+        assert "unknown tensor key" in msg and key in msg, msg
+
+
+@pytest.mark.parametrize("spec_name,key,pp", [
+    ("llama_untied", "decoder.layers.0.input_layernorm.bias", 1),
+    ("llama_untied", "decoder.final_layernorm.bias", 1),
+    ("llama_untied", "decoder.layers.2.self_attention.linear_proj.bias", 1),
+    ("llama_untied", "decoder.layers.0.mlp.linear_fc1.bias", 1),
+    ("llama_untied", "embedding.position_embeddings.weight", 1),
+    ("llama_tied", "output_layer.weight", 1),
+    ("gpt2", "output_layer.weight", 1),
+])
+def test_key_not_expected_for_arch(spec_name: str, key: str, pp: int) -> None:
+    with pytest.raises(LayoutError) as e:
+        layout.find_rule(key, SPECS[spec_name], pp)
+    msg = one_line(e)
+    assert key in msg and "not expected" in msg, msg
+
+
+def test_kind_selected_by_arch() -> None:
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert layout.find_rule(fc1, SPECS["llama_untied"]).split == layout.GATED
+    assert layout.find_rule(fc1, SPECS["gpt2"]).split == layout.COLUMN
+    assert layout.find_rule("output_layer.weight", SPECS["gpt2"], 2).split == layout.VOCAB
+    # a global (non-zero) layer index resolves to the same row
+    assert layout.find_rule("decoder.layers.17.mlp.linear_fc2.weight", SPECS["gpt2"]).split == layout.ROW
+
+
+# ---------------------------------------------------------------- 5. table coverage
+COVERAGE = {
+    "llama_untied_pp1": (llama(tie=False), 1),
+    "llama_untied_pp2": (llama(tie=False), 2),
+    "llama_tied_pp1": (llama(tie=True), 1),
+    "llama_tied_pp2": (llama(tie=True), 2),
+    "gpt2_pp1": (gpt2(), 1),
+    "gpt2_pp2": (gpt2(), 2),
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def present_matches(key: str, spec: ModelSpec, pp: int) -> list[layout.Rule]:
+    m = _LAYER_RE.match(key)
+    pattern = f"decoder.layers.{{i}}.{m.group(2)}" if m else key
+    return [r for r in layout.TABLE if r.name == pattern and r.when(spec, pp)]
+
+
+def test_table_coverage() -> None:
+    used: set[int] = set()
+    for name, (spec, pp) in COVERAGE.items():
+        counts = layout.layers_per_stage(spec.num_layers, pp)
+        global_layers: Counter = Counter()
+        for stage in range(pp):
+            pairs = layout.stage_keys(spec, counts, stage)
+            locals_ = [k for k, _ in pairs]
+            assert len(set(locals_)) == len(locals_), f"{name} stage {stage}: duplicate keys"
+            local_idx = set()
+            for local, glob in pairs:
+                matches = present_matches(local, spec, pp)
+                assert len(matches) == 1, f"{name}: {local} matches {len(matches)} present rules"
+                assert layout.find_rule(local, spec, pp) is matches[0], local
+                used.add(id(matches[0]))
+                m, g = _LAYER_RE.match(local), _LAYER_RE.match(glob)
+                if m:
+                    local_idx.add(int(m.group(1)))
+                    assert g and g.group(2) == m.group(2), (local, glob)
+                    global_layers[(int(g.group(1)), m.group(2))] += 1
+                else:
+                    assert local == glob, (local, glob)
+                if local.startswith("embedding."):
+                    assert stage == 0, f"{name}: {local} on stage {stage}"
+                if local.startswith(("decoder.final_layernorm", "output_layer")):
+                    assert stage == pp - 1, f"{name}: {local} on stage {stage}"
+            assert local_idx == set(range(counts[stage])), f"{name} stage {stage}: local layers {sorted(local_idx)}"
+            first = [k for k in locals_ if k.startswith("embedding.word_embeddings")]
+            last = [k for k in locals_ if k == "decoder.final_layernorm.weight"]
+            assert bool(first) == (stage == 0), f"{name} stage {stage}: word embeddings"
+            assert bool(last) == (stage == pp - 1), f"{name} stage {stage}: final norm"
+            out_w = "output_layer.weight" in locals_
+            if stage == pp - 1:
+                expect = not spec.tie_word_embeddings or pp > 1
+                assert out_w == expect, f"{name}: output_layer.weight present={out_w}, expected {expect}"
+                assert "output_layer._extra_state" in locals_, name
+            else:
+                assert not out_w, name
+        suffixes = {s for _, s in global_layers}
+        for s in suffixes:
+            idx = sorted(i for i, t in global_layers if t == s)
+            assert idx == list(range(spec.num_layers)), f"{name}: {s} global layers {idx}"
+        assert all(c == 1 for c in global_layers.values()), f"{name}: a global layer key repeats"
+    unused = [(r.name, r.split) for r in layout.TABLE if id(r) not in used]
+    assert unused == UNREACHABLE, f"rules never used by any spec: {unused} (known unreachable: {UNREACHABLE})"
+
+
+# The gated fc1 bias row needs add_bias_linear and gated_linear_unit together, which neither
+# architecture has (llama: gated, no biases; gpt2: biases, not gated). It is dead today; it is the
+# only such row, and its split/join is still tested below through a spec that claims both.
+UNREACHABLE = [("decoder.layers.{i}.mlp.linear_fc1.bias", "gated")]
+
+
+def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
+    reachable = set()
+    for arch in ("llama", "gpt2"):
+        for tie in ((False, True) if arch == "llama" else (True,)):
+            spec = llama(tie=tie) if arch == "llama" else gpt2()
+            for pp in (1, 2):
+                reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
+    assert [(r.name, r.split) for r in layout.TABLE if (r.name, r.split) not in reachable] == UNREACHABLE
+
+
+class _GatedWithBias(ModelSpec):
+    """A llama spec that claims linear biases, only to exercise the (otherwise dead) gated-bias row."""
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_gated_bias_row_roundtrip_and_rows(tp: int) -> None:
+    spec = _GatedWithBias(architecture="llama", num_layers=1, hidden_size=64, num_attention_heads=8,
+                          ffn_hidden_size=32, vocab_size=1000)
+    key = "decoder.layers.0.mlp.linear_fc1.bias"
+    rule = layout.find_rule(key, spec)
+    assert (rule.name, rule.split) == UNREACHABLE[0]
+    full = random_full(layout.full_shape(key, spec, 1024), torch.bfloat16, seed=tp)
+    assert full.shape == (64,)
+    shards = layout.split(key, full, spec, tp)
+    c = 32 // tp
+    for r, s in enumerate(shards):
+        exp = torch.cat([full[r * c:(r + 1) * c], full[32 + r * c:32 + (r + 1) * c]])
+        assert_bitwise(s, exp, f"gated bias rank {r}")
+        assert tuple(s.shape) == layout.shard_shape(key, spec, 1024, tp)
+    assert_bitwise(layout.join(key, shards, spec), full, "gated bias roundtrip")
+
+
+def test_stage_keys_exact_order_llama_untied_one_layer() -> None:
+    """Hand-written from DESIGN.md Contract 1 / megatron-core registration order (linear_proj first)."""
+    spec = llama(num_layers=1)
+    L = "decoder.layers.0."
+    expected = [
+        "embedding.word_embeddings.weight",
+        L + "input_layernorm.weight",
+        L + "self_attention.linear_proj.weight", L + "self_attention.linear_proj._extra_state",
+        L + "self_attention.linear_qkv.weight", L + "self_attention.linear_qkv._extra_state",
+        L + "pre_mlp_layernorm.weight",
+        L + "mlp.linear_fc1.weight", L + "mlp.linear_fc1._extra_state",
+        L + "mlp.linear_fc2.weight", L + "mlp.linear_fc2._extra_state",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight", "output_layer._extra_state",
+    ]
+    assert [k for k, _ in layout.stage_keys(spec, [1], 0)] == expected
+
+
+def test_stage_keys_exact_order_gpt2_one_layer_tied() -> None:
+    spec = gpt2(num_layers=1)
+    L = "decoder.layers.0."
+    expected = [
+        "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+        L + "input_layernorm.weight", L + "input_layernorm.bias",
+        L + "self_attention.linear_proj.weight", L + "self_attention.linear_proj.bias",
+        L + "self_attention.linear_proj._extra_state",
+        L + "self_attention.linear_qkv.weight", L + "self_attention.linear_qkv.bias",
+        L + "self_attention.linear_qkv._extra_state",
+        L + "pre_mlp_layernorm.weight", L + "pre_mlp_layernorm.bias",
+        L + "mlp.linear_fc1.weight", L + "mlp.linear_fc1.bias", L + "mlp.linear_fc1._extra_state",
+        L + "mlp.linear_fc2.weight", L + "mlp.linear_fc2.bias", L + "mlp.linear_fc2._extra_state",
+        "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
+        "output_layer._extra_state",  # tied at PP=1: no output_layer.weight
+    ]
+    assert [k for k, _ in layout.stage_keys(spec, [1], 0)] == expected
+
+
+# ---------------------------------------------------------------- 6. uneven explicit split
+def test_stage_keys_uneven_split_rebases_layers() -> None:
+    spec = llama(num_layers=4)
+    counts = layout.layers_per_stage(4, 2, [1, 3])
+    s0 = layout.stage_keys(spec, counts, 0)
+    s1 = layout.stage_keys(spec, counts, 1)
+    fc2 = "mlp.linear_fc2.weight"
+    assert [p for p in s0 if p[0].endswith(fc2)] == [(f"decoder.layers.0.{fc2}", f"decoder.layers.0.{fc2}")]
+    assert [p for p in s1 if p[0].endswith(fc2)] == [
+        (f"decoder.layers.0.{fc2}", f"decoder.layers.1.{fc2}"),
+        (f"decoder.layers.1.{fc2}", f"decoder.layers.2.{fc2}"),
+        (f"decoder.layers.2.{fc2}", f"decoder.layers.3.{fc2}"),
+    ]
+    for local, glob in s1:
+        li, gi = layout.layer_index(local), layout.layer_index(glob)
+        if li is not None:
+            assert gi == 1 + li, (local, glob)
+            assert layout.with_layer_index(glob, li) == local
+            assert layout.with_layer_index(local, gi) == glob
+    assert s0[0][0] == "embedding.word_embeddings.weight"
+    assert not any(k.startswith("embedding.") for k, _ in s1)
+    assert s1[-2:] == [("output_layer.weight",) * 2, ("output_layer._extra_state",) * 2]
+    assert not any(k.startswith(("output_layer", "decoder.final")) for k, _ in s0)
+
+
+# ---------------------------------------------------------------- 7. vocab padding
+def test_pad_and_trim_vocab() -> None:
+    spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
+    key = "embedding.word_embeddings.weight"
+    true = random_full((10, 8), torch.bfloat16, seed=7)
+    padded = layout.pad_vocab(key, true, spec, 16)
+    assert padded.shape == (16, 8) and padded.dtype == torch.bfloat16
+    assert_bitwise(padded[:10], true, "true rows kept")
+    assert torch.equal(padded[10:].view(torch.int16), torch.zeros(6, 8, dtype=torch.int16)), "padding is +0.0"
+    # re-padding a padded tensor with garbage padding: garbage is not carried
+    garbage = torch.cat([true, torch.full((6, 8), 7.0, dtype=torch.bfloat16)])
+    repadded = layout.pad_vocab("output_layer.weight", garbage, spec, 32)
+    assert repadded.shape == (32, 8)
+    assert_bitwise(repadded[:10], true, "true rows kept (re-pad)")
+    assert not repadded[10:].any()
+    trimmed = layout.trim_vocab(key, garbage, spec)
+    assert_bitwise(trimmed, true, "trim drops padding")
+    assert_bitwise(layout.trim_vocab(key, padded, spec), true, "trim(pad(x))")
+    with pytest.raises(LayoutError) as e:
+        layout.trim_vocab(key, padded, llama(vocab_size=20, hidden_size=8, num_attention_heads=2, num_query_groups=2))
+    msg = one_line(e)
+    assert key in msg and "16" in msg and "20" in msg, msg
+    with pytest.raises(LayoutError):
+        layout.pad_vocab("decoder.final_layernorm.weight", torch.zeros(8), spec, 16)
+    with pytest.raises(LayoutError):
+        layout.trim_vocab("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(8, 8), spec)
+
+
+def test_pad_vocab_refuses_fewer_rows_than_true_vocab() -> None:
+    """trim_vocab refuses a tensor with fewer rows than the true vocab; pad_vocab must too."""
+    spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
+    short = torch.ones(6, 8)
+    try:
+        out = layout.pad_vocab("embedding.word_embeddings.weight", short, spec, 16)
+    except LayoutError:
+        return
+    pytest.fail("BUG in layout.pad_vocab: 6 rows for a true vocab of 10 were accepted and true-vocab rows 6..9 "
+                f"silently zero-filled (rows 6..9 all zero: {not out[6:10].any()}); it should raise LayoutError "
+                "like trim_vocab does")
+
+
+@pytest.mark.parametrize("vocab,tp,expected", [
+    (1000, 1, 1024), (1000, 2, 1024), (1000, 4, 1024), (1000, 8, 1024), (1000, 16, 2048),
+    (50257, 1, 50304), (1024, 8, 1024), (1025, 1, 1152),
+])
+def test_padded_vocab_size(vocab: int, tp: int, expected: int) -> None:
+    assert llama(vocab_size=vocab).padded_vocab_size(tp) == expected
+
+
+# ---------------------------------------------------------------- 8. shard_shape agrees with split
+@pytest.mark.parametrize("spec,pp,tp", list(all_cases()))
+def test_shard_shape_matches_split(spec: ModelSpec, pp: int, tp: int) -> None:
+    padded = spec.padded_vocab_size(tp)
+    for rule in layout.rules_for(spec, pp):
+        key = layer0(rule)
+        ss = layout.shard_shape(key, spec, padded, tp, pp)
+        if rule.split == layout.EXTRA:
+            assert ss is None, key
+            continue
+        full = torch.empty(layout.full_shape(key, spec, padded, pp))
+        for r, s in enumerate(layout.split(key, full, spec, tp, pp)):
+            assert tuple(s.shape) == ss, f"{key} rank {r} TP {tp}: split {tuple(s.shape)} vs shard_shape {ss}"
