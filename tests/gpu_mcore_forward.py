@@ -1,0 +1,76 @@
+"""Run under torchrun on CUDA GPUs (world = TP): megatron-core's real GPTModel (local spec) forward
+vs the trainer's GPTStage forward on the same weights. Writes a JSON report to argv[1].
+
+    torchrun --nproc-per-node TP tests/gpu_mcore_forward.py OUT.json ARCH DTYPE
+"""
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ckpt_tools.spec import ModelSpec
+from trainer.model import GPTStage, initialize, megatron_config
+
+
+def mcore_model(spec: ModelSpec, tp: int, dtype: torch.dtype) -> GPTModel:
+    cfg = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
+        tensor_model_parallel_size=tp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
+        activation_func=F.silu if spec.gated_linear_unit else F.gelu, add_bias_linear=spec.add_bias_linear,
+        layernorm_epsilon=spec.norm_epsilon, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization=spec.normalization),
+                    vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_position_embeddings,
+                    position_embedding_type=spec.position_embedding_type, rotary_base=int(spec.rotary_base),
+                    share_embeddings_and_output_weights=spec.tie_word_embeddings).cuda()
+
+
+def main(out: str, arch: str, dtype_name: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    tp = dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(1)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    spec = ModelSpec(arch, num_layers=4, hidden_size=256, num_attention_heads=8,
+                     num_query_groups=2 if arch == "llama" else None, ffn_hidden_size=512, vocab_size=1000,
+                     max_position_embeddings=256, tie_word_embeddings=arch == "gpt2")
+    ours = GPTStage(spec, megatron_config(spec, tp, 1, dtype, on_cpu=False), tp_size=tp, pp_rank=0,
+                    layer_counts=[spec.num_layers], padded_vocab=spec.padded_vocab_size(tp)).cuda()
+    initialize(ours, seed=3, tp_rank=ps.get_tensor_model_parallel_rank())
+    ref = mcore_model(spec, tp, dtype)
+    missing = ref.load_state_dict(ours.state_dict(), strict=True)
+    tokens = torch.randint(0, spec.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(tokens.shape[1], device="cuda")[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, 128, 128, dtype=torch.bool, device="cuda"), diagonal=1)
+    with torch.no_grad():
+        a = ours.eval()(tokens).transpose(0, 1).float()  # [b, s, V/tp]
+        b = ref.eval()(tokens, positions, mask).float()
+    rel = ((a - b).norm() / b.norm()).item()
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    report = {"arch": arch, "dtype": dtype_name, "tp": tp, "rank": rank, "rel_l2": rel,
+              "max_abs": (a - b).abs().max().item(), "top1_agreement_local_shard": top1,
+              "load_state_dict": str(missing), "device": torch.cuda.get_device_name()}
+    reports = [None] * tp
+    dist.all_gather_object(reports, report)
+    if rank == 0:
+        json.dump(reports, open(out, "w"), indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
