@@ -31,7 +31,8 @@ def mcore_model(spec: ModelSpec, tp: int, dtype: torch.dtype) -> GPTModel:
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization=spec.normalization),
                     vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_position_embeddings,
                     position_embedding_type=spec.position_embedding_type, rotary_base=int(spec.rotary_base),
-                    share_embeddings_and_output_weights=spec.tie_word_embeddings).cuda()
+                    share_embeddings_and_output_weights=spec.tie_word_embeddings).cuda().to(dtype)
+    # .to(dtype): what megatron's Float16Module does to a bf16 model (its position embedding is built fp32)
 
 
 def main(out: str, arch: str, dtype_name: str) -> None:
