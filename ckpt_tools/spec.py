@@ -12,6 +12,17 @@ from ckpt_tools.errors import ConfigError
 ARCHITECTURES = ("llama", "gpt2")
 
 
+def build_dataclass(cls, d: dict, what: str, hint: str):
+    """cls(**d), refusing unknown keys and bad values with one ConfigError naming them."""
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(f"unknown {what} {', '.join(unknown)}: {hint}")
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ConfigError(f"bad {what}: {e}") from None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str
@@ -84,11 +95,8 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"unknown model field(s) {', '.join(unknown)}: known fields are {', '.join(sorted(names))}")
-        return cls(**d)
+        known = ", ".join(f.name for f in dataclasses.fields(cls))
+        return build_dataclass(cls, d, "model field(s)", f"known fields are {known}")
 
     def check_tp(self, tp_size: int) -> None:
         """Refuse a TP size that the sharded tensors cannot be divided by (one message for all)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.spec import ModelSpec, build_dataclass
 
 MODEL_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "ffn_hidden_size", "max_position_embeddings", "norm_epsilon", "rotary_base",
@@ -110,14 +110,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}: see docs/config.md for the known keys")
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise ConfigError(f"bad config: {e}") from None
+        return build_dataclass(cls, d, "config key(s)", "see docs/config.md for the known keys")
 
 
 def _parse_value(text: str):

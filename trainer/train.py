@@ -159,8 +159,7 @@ def train(cfg: TrainConfig) -> None:
     dataset = data.TokenDataset(box[0], cfg.seq_length, cfg.seed)
     stage = build_stage(cfg, data.vocab_size(tokenizer), device)
     opt = MasterAdamW(stage, cfg)
-    tp_rank, pp_rank, dp_rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                                 ps.get_data_parallel_rank())
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     logger = Logger(cfg, stage.post_process and tp_rank == 0 and dp_rank == 0)
     for name in fmt.leftover_temps(cfg.save_dir):
         logger.say(f"note: {Path(cfg.save_dir) / name} is an incomplete checkpoint left by an interrupted save; "
