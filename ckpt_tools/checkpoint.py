@@ -61,13 +61,18 @@ class Meta:
                               f"(pass a checkpoint-N dir or a save dir holding `latest`)")
         try:
             raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise TypeError(f"top level is a {type(raw).__name__}, not an object")
+            missing = [k for k in ("model", "parallel", "vocab", "iteration", "dtypes", "files") if k not in raw]
+            if missing:
+                raise FormatError(f"{path}: meta.json lacks {', '.join(missing)}: restore it from the source checkpoint")
             if raw.get("format") != FORMAT:
                 raise FormatError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
             par = raw["parallel"]
             return cls(path=path, raw=raw, spec=ModelSpec.from_dict(raw["model"]), tp_size=par["tp_size"],
                        pp_size=par["pp_size"], layer_counts=list(par["layers_per_stage"]),
                        padded_vocab=raw["vocab"]["padded"], iteration=raw["iteration"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise FormatError(f"{path}: malformed meta.json ({type(e).__name__}: {e}): "
                               f"restore it from the source checkpoint") from None
 
@@ -86,11 +91,15 @@ def resolve(src: str | Path) -> Path:
         name = latest.read_text().strip()
         target = src / name
         if not (target / META).is_file():
-            raise FormatError(f"{latest} names {name!r} but {target / META} does not exist: "
-                              f"the save dir is damaged; pass a checkpoint-N dir explicitly")
+            old = sorted(src.glob(f".{name}.old*"))
+            hint = (f"an interrupted save left the previous copy in {old[0]}: rename it to {name}" if old
+                    else "pass a checkpoint-N dir explicitly")
+            raise FormatError(f"{latest} names {name!r} but {target / META} does not exist: {hint}")
         return target
     if not src.exists():
         raise FormatError(f"{src}: no such directory")
+    if not src.is_dir():
+        raise FormatError(f"{src}: is a file; pass a checkpoint-N dir or a save dir holding `latest`")
     found = sorted(p.name for p in src.iterdir())[:8]
     raise FormatError(f"{src}: neither a checkpoint dir (no {META}) nor a save dir (no {LATEST}); "
                       f"it holds: {', '.join(found) or 'nothing'}")
@@ -108,7 +117,8 @@ def leftover_temps(save_dir: str | Path) -> list[str]:
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         return []
-    return sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".checkpoint-") and p.name.endswith(".tmp"))
+    return sorted(p.name for p in save_dir.iterdir()
+                  if p.name.startswith(".checkpoint-") and (p.name.endswith(".tmp") or ".old" in p.name))
 
 
 def layout_summary(spec: ModelSpec, pp_size: int) -> dict[str, str]:

@@ -8,7 +8,7 @@ class CkptError(Exception):
     """Base class: a problem with the user's input, config or environment (exit code 1)."""
 
 
-class ConfigError(CkptError):
+class ConfigError(CkptError, ValueError):
     """A model or parallel configuration that cannot work (e.g. TP not dividing heads)."""
 
 

@@ -23,7 +23,9 @@ def _allowed_globals() -> list:
     allowed: list = [argparse.Namespace]
     try:
         import numpy as np
-        allowed += [np.ndarray, np.dtype, np.core.multiarray._reconstruct]  # type: ignore[attr-defined]
+        reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+        # files written under numpy < 2 name it numpy.core.multiarray._reconstruct
+        allowed += [np.ndarray, np.dtype, reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct")]
         allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32")]
     except (ImportError, AttributeError):
         pass
@@ -39,9 +41,9 @@ def load_file(path: str | Path, mmap: bool = True) -> Any:
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsafe content"
-        raise FormatError(f"{path}: refused to load, the file needs code execution to unpickle ({first}); "
-                          f"only open files you trust, with --trust-pickle") from None
+        lines = [l.strip() for l in str(e).splitlines() if "Unsupported global" in l] or ["unsafe content"]
+        raise FormatError(f"{path}: refused to load, unpickling it would need code outside the allow-list "
+                          f"({lines[0]}): the file is not a plain checkpoint; do not load files you do not trust") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         if mmap and "mmap" in str(e):
             return load_file(path, mmap=False)

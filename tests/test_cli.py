@@ -89,3 +89,54 @@ def test_inspect_not_a_checkpoint(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     line = one_line_error(run("inspect", str(tmp_path)))
     assert "neither a checkpoint dir (no meta.json) nor a save dir (no latest)" in line and "x.txt" in line
+
+
+@pytest.mark.parametrize("sets,expected", [
+    (["tokenizer=/nonexistent/tok"], "tokenizer /nonexistent/tok has no tokenizer.json"),
+    (["corpus=/nonexistent/c.txt"], "corpus /nonexistent/c.txt not found"),
+    (["layers_per_stage=2,2", "pp_degree=2"], "layers_per_stage '2,2' must be a list of integers"),
+    (["layers_per_stage=[1,2]", "pp_degree=2"], "layers per stage 1,2 do not fit 4 layers on 2 stages"),
+])
+def test_bad_data_or_split_is_one_line_error(sets, expected, tmp_path):
+    args = ["train", "--config", str(CONFIGS / "tiny_llama.yaml"), "--set", f"save_dir={tmp_path}/run"]
+    for s in sets:
+        args += ["--set", s]
+    assert expected in one_line_error(run(*args))
+
+
+def test_inspect_a_file_or_bad_meta(tmp_path):
+    f = tmp_path / "file.bin"
+    f.write_bytes(b"x")
+    assert "is a file" in one_line_error(run("inspect", str(f)))
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "meta.json").write_text("[1, 2]")
+    assert "malformed meta.json" in one_line_error(run("inspect", str(tmp_path / "ck")))
+    (tmp_path / "ck" / "meta.json").write_text('{"format": "ckpt-tools/1"}')
+    assert "meta.json lacks model, parallel" in one_line_error(run("inspect", str(tmp_path / "ck")))
+
+
+def test_numpy_rng_state_from_a_megatron_file_loads_but_code_does_not(tmp_path):
+    """Megatron-LM files hold numpy RNG state (allow-listed); a pickle that runs code is refused."""
+    import argparse
+    import os
+
+    import numpy as np
+    import torch
+
+    from ckpt_tools import io
+    from ckpt_tools.errors import FormatError
+
+    good = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": argparse.Namespace(num_layers=2), "rng_state": [{"np": np.random.get_state()}]}, good)
+    loaded = io.load_file(good)
+    assert loaded["args"].num_layers == 2
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    bad = tmp_path / "evil.bin"
+    torch.save({"x": Evil()}, bad)
+    with pytest.raises(FormatError, match="refused to load"):
+        io.load_file(bad)
+    assert not (tmp_path / "pwned").exists()

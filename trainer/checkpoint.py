@@ -97,12 +97,12 @@ def _check_compatible(meta: fmt.Meta, stage: GPTStage) -> None:
                 if getattr(stage.spec, k) != v]
         raise ConfigError(f"{meta.path}: the checkpoint's model differs from the config ({'; '.join(diff)}): "
                           f"train with the checkpoint's model settings or start a new save_dir")
-    here = (stage.tp_size, len(stage.layer_counts), stage.layer_counts)
-    there = (meta.tp_size, meta.pp_size, meta.layer_counts)
+    here = (stage.tp_size, len(stage.layer_counts), stage.layer_counts, stage.padded_vocab)
+    there = (meta.tp_size, meta.pp_size, meta.layer_counts, meta.padded_vocab)
     if here != there:
         raise ConfigError(
-            f"{meta.dir}: saved at TP{there[0]} PP{there[1]} (layers {there[2]}) but this run is TP{here[0]} "
-            f"PP{here[1]} (layers {here[2]}): run `ckpt reshard {meta.dir} OUT --tp {here[0]} --pp {here[1]}` "
+            f"{meta.dir}: saved at TP{there[0]} PP{there[1]} (layers {there[2]}, padded vocab {there[3]}) but this "
+            f"run is TP{here[0]} PP{here[1]} (layers {here[2]}, padded vocab {here[3]}): run `ckpt reshard {meta.dir} OUT --tp {here[0]} --pp {here[1]}` "
             f"and resume from OUT")
 
 

@@ -83,9 +83,20 @@ class TrainConfig:
         for name in ("tp_degree", "pp_degree", "num_micro_batches", "micro_batch_size", "train_iters", "seq_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, found {getattr(self, name)}")
+        if self.layers_per_stage is not None and not (
+                isinstance(self.layers_per_stage, list) and all(isinstance(n, int) for n in self.layers_per_stage)):
+            raise ConfigError(f"layers_per_stage {self.layers_per_stage!r} must be a list of integers, e.g. [1, 3]")
         if self.seq_length > self.max_position_embeddings:
             raise ConfigError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                               f"{self.max_position_embeddings}: raise max_position_embeddings")
+
+    def check_data_paths(self) -> None:
+        if not Path(self.corpus).is_file():
+            raise ConfigError(f"corpus {self.corpus} not found: set `corpus` to a text file (documents separated "
+                              f"by blank lines)")
+        if not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ConfigError(f"tokenizer {self.tokenizer} has no tokenizer.json: set `tokenizer` to a HuggingFace "
+                              f"tokenizer dir")
 
     def model_spec(self, vocab_size: int) -> ModelSpec:
         spec = ModelSpec(vocab_size=vocab_size, **{k: getattr(self, k) for k in MODEL_FIELDS})
@@ -114,7 +125,10 @@ class TrainConfig:
 
 
 def _parse_value(text: str):
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -137,5 +151,5 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"override {item!r} is not key=value: write e.g. --set tp_degree=2")
         k, v = item.split("=", 1)
         value = _parse_value(v)
-        raw[k] = str(Path(value).resolve()) if k in PATH_FIELDS and value is not None else value
+        raw[k] = str(Path(str(value)).resolve()) if k in PATH_FIELDS and value is not None else value
     return TrainConfig.from_dict(raw)

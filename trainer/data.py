@@ -24,6 +24,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from transformers import PreTrainedTokenizerFast
 
+from ckpt_tools.errors import ConfigError
+
 HASH_LENGTH = 12
 """Hex digits of the content hash kept in a dataset prefix; plenty to avoid clashes."""
 
@@ -55,7 +57,7 @@ def vocab_size(tokenizer: PreTrainedTokenizerFast) -> int:
 def eos_id(tokenizer: PreTrainedTokenizerFast) -> int:
     """Id of the end-of-document token appended after every document."""
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path} defines no eos_token; set one in tokenizer_config.json")
+        raise ConfigError(f"tokenizer {tokenizer.name_or_path} defines no eos_token; set one in tokenizer_config.json")
     return int(tokenizer.eos_token_id)
 
 
@@ -106,7 +108,7 @@ def prepare_dataset(corpus: str | Path, tokenizer_dir: str | Path, cache_dir: st
     tokenizer = load_tokenizer(tokenizer_dir)
     texts = read_documents(corpus)
     if not texts:
-        raise ValueError(f"corpus {corpus} has no documents; fill it with blank-line separated text")
+        raise ConfigError(f"corpus {corpus} has no documents; fill it with blank-line separated text")
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     documents = [ids + [eos_id(tokenizer)] for ids in encoded]
 
@@ -152,7 +154,7 @@ class TokenDataset:
         self._indexed = IndexedDataset(prefix, mmap=True)
         self._stream = self._read_stream(self._indexed)
         if self.num_windows < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"dataset {prefix}.bin has {self._stream.size} tokens, fewer than seq_length + 1 = "
                 f"{seq_length + 1}; use a larger corpus or a smaller seq_length"
             )

@@ -22,6 +22,7 @@ def launch_command(config_path: str, overrides: list[str], dp: int, nnodes: int 
     cfg = load_config(config_path, overrides)
     world = cfg.tp_degree * cfg.pp_degree * dp
     cfg.data_parallel_size(world)
+    cfg.check_data_paths()
     spec = cfg.model_spec(data.vocab_size(data.load_tokenizer(cfg.tokenizer)))
     layout.layers_per_stage(spec.num_layers, cfg.pp_degree, cfg.layers_per_stage)
     if dp < 1 or nnodes < 1 or world % nnodes:

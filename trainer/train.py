@@ -148,6 +148,7 @@ class Logger:
 
 
 def train(cfg: TrainConfig) -> None:
+    cfg.check_data_paths()
     device, dp = setup_distributed(cfg)
     tokenizer = data.load_tokenizer(cfg.tokenizer)
     if dist.get_rank() == 0:
