@@ -596,16 +596,12 @@ def test_pad_and_trim_vocab() -> None:
 
 
 def test_pad_vocab_refuses_fewer_rows_than_true_vocab() -> None:
-    """trim_vocab refuses a tensor with fewer rows than the true vocab; pad_vocab must too."""
+    """trim_vocab refuses a tensor with fewer rows than the true vocab; pad_vocab does too (no zero-filled real rows)."""
     spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
-    short = torch.ones(6, 8)
-    try:
-        out = layout.pad_vocab("embedding.word_embeddings.weight", short, spec, 16)
-    except LayoutError:
-        return
-    pytest.fail("BUG in layout.pad_vocab: 6 rows for a true vocab of 10 were accepted and true-vocab rows 6..9 "
-                f"silently zero-filled (rows 6..9 all zero: {not out[6:10].any()}); it should raise LayoutError "
-                "like trim_vocab does")
+    with pytest.raises(LayoutError, match="cannot pad 6 rows to 16 for a true vocab of 10"):
+        layout.pad_vocab("embedding.word_embeddings.weight", torch.ones(6, 8), spec, 16)
+    with pytest.raises(LayoutError, match="cannot pad 12 rows to 8"):
+        layout.pad_vocab("embedding.word_embeddings.weight", torch.ones(12, 8), spec, 8)
 
 
 @pytest.mark.parametrize("vocab,tp,expected", [
