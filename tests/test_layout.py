@@ -299,27 +299,22 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     return msg
 
 
-def test_qkv_tp_not_dividing_query_groups() -> None:
-    spec = llama(num_attention_heads=4, num_query_groups=2, hidden_size=8)  # qkv rows 16: divisible by 4
-    key = "decoder.layers.1.self_attention.linear_qkv.weight"
+@pytest.mark.parametrize("key,spec_kwargs,expected", [
+    # qkv rows 16 are divisible by 4: only the query-group check can catch it
+    ("decoder.layers.1.self_attention.linear_qkv.weight",
+     dict(num_attention_heads=4, num_query_groups=2, hidden_size=8), "num_query_groups 2"),
+    # fc1 rows 12 are divisible by 4, ffn 6 is not
+    ("decoder.layers.0.mlp.linear_fc1.weight", dict(ffn_hidden_size=6), "ffn_hidden_size 6"),
+])
+def test_tp_not_dividing_groups_or_ffn(key: str, spec_kwargs: dict, expected: str) -> None:
+    spec = llama(**spec_kwargs)
     full = torch.zeros(layout.full_shape(key, spec, 1024))
-    assert full.shape[0] % 4 == 0  # so only the query-group check can catch it
+    assert full.shape[0] % 4 == 0
     for call in (lambda: layout.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
         with pytest.raises(LayoutError) as e:
             call()
         msg = one_line(e)
-        assert key in msg and "num_query_groups 2" in msg and "TP 4" in msg and "choose" in msg, msg
-
-
-def test_gated_tp_not_dividing_ffn() -> None:
-    spec = llama(ffn_hidden_size=6)  # fc1 rows 12: divisible by 4, ffn 6 is not
-    key = "decoder.layers.0.mlp.linear_fc1.weight"
-    full = torch.zeros(layout.full_shape(key, spec, 1024))
-    for call in (lambda: layout.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
-        with pytest.raises(LayoutError) as e:
-            call()
-        msg = one_line(e)
-        assert key in msg and "ffn_hidden_size 6" in msg and "TP 4" in msg and "choose" in msg, msg
+        assert key in msg and expected in msg and "TP 4" in msg and "choose" in msg, msg
 
 
 def test_plain_dim_not_divisible() -> None:
