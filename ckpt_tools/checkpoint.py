@@ -52,6 +52,8 @@ class Meta:
     layer_counts: list[int]
     padded_vocab: int
     iteration: int
+    source: str = "ckpt-tools"  # or "megatron-lm" (Contract 3), read by ckpt_tools.megatron_lm
+    root: Path | None = None  # the checkpoint dir when it is not path.parent (Megatron-LM's iter_N dir)
 
     @classmethod
     def read(cls, ckpt_dir: str | Path) -> "Meta":
@@ -78,7 +80,11 @@ class Meta:
 
     @property
     def dir(self) -> Path:
-        return self.path.parent
+        return self.root if self.root is not None else self.path.parent
+
+    @property
+    def params_dtype(self) -> str:
+        return self.raw.get("dtypes", {}).get("params", "float32")
 
 
 def resolve(src: str | Path) -> Path:

@@ -64,5 +64,33 @@ def inspect(src: str, tensors: bool) -> None:
     click.echo(describe(src, show_tensors=tensors))
 
 
+def _quiet_opt(fn):
+    return click.option("--quiet", "-q", is_flag=True, help="No progress bars.")(fn)
+
+
+@main.command()
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["hf", "safetensors"]), default="hf", show_default=True,
+              help="hf: a transformers model dir; safetensors: one file with megatron-core names.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Output dtype (default: the checkpoint's; fp32 with --from-master-weights).")
+@click.option("--from-master-weights", is_flag=True, help="Take the fp32 master weights from the optimizer shards.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Split HF weights into files of this size.")
+@click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
+              help="Tokenizer dir to include (default: the checkpoint's own tokenizer files).")
+@click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_quiet_opt
+@_handle_errors
+def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: bool, max_shard_size: str,
+          tokenizer: str | None, vocab_size: int | None, force: bool, quiet: bool) -> None:
+    """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
+    from ckpt_tools import merge as m
+    click.echo(m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
+                       max_shard_size=m.parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
+                       force=force, quiet=quiet))
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -90,3 +90,48 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------- resident pages of mmap'd files
+_MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def file_mappings(path: str | Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (Linux /proc/self/maps; empty elsewhere)."""
+    target = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].strip() == target:
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return []
+    return ranges
+
+
+def release_pages(tensors, ranges: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of tensors that live in read-only private file mappings (`ranges`).
+
+    The data stays in the file and is read again if touched; memory held by the process stays
+    near the tensors in flight instead of growing with everything read so far. Tensors outside
+    `ranges` (ordinary memory) are never touched.
+    """
+    if not ranges:
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for t in tensors:
+        if not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        for start, end in ranges:
+            if start <= ptr and ptr + size <= end:
+                lo = max(start, ptr - ptr % _PAGE)
+                hi = min(end, -(-(ptr + size) // _PAGE) * _PAGE)
+                libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+                break

@@ -1,7 +1,9 @@
 """Lazy, rank-ordered access to a checkpoint's shards, and the full tensors joined from them.
 
-Files are opened with mmap on first use, so holding a ShardSet costs address space, not RAM;
-`full()` reads only the TP shards of one tensor and joins them with the layout table.
+Works for our format (Contract 2) and for real Megatron-LM checkpoints (Contract 3). Files are
+opened with mmap on first use, so holding a ShardSet costs address space, not RAM; `full()` reads
+only the TP shards of one tensor and joins them with the layout table, and `release()` drops the
+resident pages of everything handed out since the last call, so memory stays near one tensor.
 """
 from __future__ import annotations
 
@@ -14,11 +16,17 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 
+MODEL, OPTIMIZER = "model", "optimizer"
+OPTIMIZER_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+
 
 class ShardSet:
     def __init__(self, meta: fmt.Meta):
         self.meta = meta
         self._open: dict[tuple[str, int, int], dict] = {}
+        self._files: dict[tuple[str, int, int], dict] = {}
+        self._ranges: list[tuple[int, int]] = []
+        self._handed: list = []
         self._where: dict[str, tuple[int, str]] = {}  # global key -> (pp_rank, stage-local key)
         for pp_rank in range(meta.pp_size):
             for local, global_key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
@@ -28,45 +36,81 @@ class ShardSet:
         """Global keys in megatron-core order (a tied output copy appears once, on the last stage)."""
         return list(self._where)
 
-    def _state(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
+    def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
+        if self.meta.source == "megatron-lm":
+            from ckpt_tools import megatron_lm
+            return megatron_lm.model_path(self.meta.dir, tp_rank, pp_rank, self.meta.pp_size)
+        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
+        return self.meta.dir / name
+
+    def file(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
+        """The whole (lazily mapped) object of one shard file."""
         slot = (kind, tp_rank, pp_rank)
-        if slot not in self._open:
-            name = (fmt.model_file if kind == "model" else fmt.optimizer_file)(tp_rank, pp_rank)
-            path = self.meta.dir / name
+        if slot not in self._files:
+            path = self.path(kind, tp_rank, pp_rank)
             if not path.is_file():
                 raise FormatError(f"{path}: missing shard (TP rank {tp_rank}, PP rank {pp_rank}) of a "
                                   f"TP{self.meta.tp_size} x PP{self.meta.pp_size} checkpoint: restore the file")
             obj = io.load_file(path)
-            self._open[slot] = obj["model"] if kind == "model" else obj["optimizer"]
-        return self._open[slot]
+            if not isinstance(obj, dict) or kind not in obj:
+                raise FormatError(f"{path}: holds no {kind!r} entry: not a {kind} shard of this checkpoint")
+            self._files[slot] = obj
+            self._ranges += io.file_mappings(path)
+        return self._files[slot]
+
+    def _state(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
+        return self.file(kind, tp_rank, pp_rank)[kind]
 
     def shards(self, global_key: str, field: str | None = None) -> list:
         """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
         if global_key not in self._where:
             raise FormatError(f"{self.meta.dir}: no tensor {global_key} in this checkpoint's layout")
         pp_rank, local = self._where[global_key]
+        kind = MODEL if field is None else OPTIMIZER
         out = []
         for tp_rank in range(self.meta.tp_size):
-            state = self._state("model" if field is None else "optimizer", tp_rank, pp_rank)
+            state = self._state(kind, tp_rank, pp_rank)
             if local not in state:
-                what = fmt.model_file(tp_rank, pp_rank) if field is None else fmt.optimizer_file(tp_rank, pp_rank)
-                raise FormatError(f"{self.meta.dir / what}: tensor {local} is missing: the shard is incomplete")
-            out.append(state[local] if field is None else state[local][field])
+                raise FormatError(f"{self.path(kind, tp_rank, pp_rank)}: tensor {local} is missing: "
+                                  f"the shard is incomplete; restore it from the source checkpoint")
+            entry = state[local]
+            if field is not None:
+                if not isinstance(entry, dict) or field not in entry:
+                    raise FormatError(f"{self.path(kind, tp_rank, pp_rank)}: {local} has no {field!r} state: "
+                                      f"the optimizer shard is incomplete")
+                entry = entry[field]
+            out.append(entry)
+        self._handed += out
         return out
 
     def full(self, global_key: str, field: str | None = None):
         return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
 
     def has_optimizer(self) -> bool:
-        return (self.meta.dir / fmt.optimizer_file(0, 0)).is_file()
+        return self.meta.source == "ckpt-tools" and self.path(OPTIMIZER, 0, 0).is_file()
+
+    def release(self) -> None:
+        """Drop the resident pages of every shard tensor handed out since the last call."""
+        io.release_pages(self._handed, self._ranges)
+        self._handed.clear()
 
     def close(self) -> None:
-        self._open.clear()
+        self._handed.clear()
+        self._files.clear()
+        self._ranges.clear()
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
             yield key, self.full(key)
 
 
-def open_checkpoint(src: str | Path) -> ShardSet:
-    return ShardSet(fmt.Meta.read(fmt.resolve(src)))
+def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> ShardSet:
+    """Our checkpoint dir or save dir, or a Megatron-LM checkpoint dir (then `vocab_size` may be needed)."""
+    from ckpt_tools import megatron_lm
+    if megatron_lm.is_megatron_lm(Path(src)):
+        return ShardSet(megatron_lm.read_meta(Path(src), vocab_size))
+    meta = fmt.Meta.read(fmt.resolve(src))
+    if vocab_size is not None and vocab_size != meta.spec.vocab_size:
+        raise FormatError(f"{meta.path}: records a true vocab of {meta.spec.vocab_size}, --vocab-size says "
+                          f"{vocab_size}: drop --vocab-size (it is for inputs that do not record it)")
+    return ShardSet(meta)

@@ -38,6 +38,7 @@ class ModelSpec:
     rotary_base: float = 10000.0
     tie_word_embeddings: bool = False
     make_vocab_size_divisible_by: int = 128
+    activation: str | None = None  # None: the architecture's (llama: swiglu, gpt2: gelu); gpt2 may use gelu_tanh
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -63,6 +64,12 @@ class ModelSpec:
                 raise ConfigError("gpt2 has no grouped-query attention: set num_query_groups = num_attention_heads")
             if not self.tie_word_embeddings:
                 raise ConfigError("gpt2 ties input and output embeddings: set tie_word_embeddings: true")
+        allowed = {"llama": ("swiglu",), "gpt2": ("gelu", "gelu_tanh")}[self.architecture]
+        if self.activation is None:
+            object.__setattr__(self, "activation", allowed[0])
+        elif self.activation not in allowed:
+            raise ConfigError(f"activation {self.activation!r} is not available for {self.architecture}: "
+                              f"expected one of {', '.join(allowed)}")
 
     # What the architecture implies (megatron-core TransformerConfig terms).
     @property

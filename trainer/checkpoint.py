@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io, layout
+from ckpt_tools import hf, io, layout
 from ckpt_tools.errors import ConfigError, FormatError
 from trainer.config import TrainConfig
 from trainer.model import GPTStage
@@ -63,6 +63,9 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
     final = None
     if dist.get_rank() == 0:
         all_records = {k: v for r in gathered for k, v in sorted(r.items())}
+        for f in hf.tokenizer_files(Path(cfg.tokenizer)):  # a checkpoint carries its tokenizer
+            shutil.copyfile(f, tmp / f.name)
+            all_records[f.name] = fmt.file_record(tmp / f.name)
         meta = _meta(cfg, stage, iteration, consumed_samples, dp_size, all_records)
         final = fmt.commit(save_dir, iteration, meta)
     dist.barrier()

@@ -16,7 +16,7 @@ from ckpt_tools.spec import ModelSpec, build_dataclass
 
 MODEL_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "ffn_hidden_size", "max_position_embeddings", "norm_epsilon", "rotary_base",
-                "tie_word_embeddings", "make_vocab_size_divisible_by")
+                "tie_word_embeddings", "make_vocab_size_divisible_by", "activation")
 PATH_FIELDS = ("corpus", "tokenizer", "data_cache_dir", "save_dir", "load")
 DTYPES = ("fp32", "bf16")
 
@@ -36,6 +36,7 @@ class TrainConfig:
     rotary_base: float = 10000.0
     tie_word_embeddings: bool = False
     make_vocab_size_divisible_by: int = 128
+    activation: str | None = None  # None: the architecture's own (llama swiglu, gpt2 gelu)
     seq_length: int = 64
     # parallelism (MegatronLMPlugin names); DP = world / (TP x PP)
     tp_degree: int = 1

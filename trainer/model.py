@@ -111,6 +111,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig):
         super().__init__()
         self.gated = spec.gated_linear_unit
+        self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         fc1_rows = spec.ffn_hidden_size * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             spec.hidden_size, fc1_rows, config=config, init_method=_no_init, bias=spec.add_bias_linear,
@@ -125,7 +126,7 @@ class MLP(nn.Module):
             gate, up = x.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
             x = F.silu(gate) * up
         else:
-            x = F.gelu(x)
+            x = F.gelu(x, approximate=self.approximate)
         x, _ = self.linear_fc2(x)
         return x
 

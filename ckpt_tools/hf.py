@@ -1,0 +1,207 @@
+"""HuggingFace names and conversions: megatron-core full (TP=1) tensors <-> transformers tensors.
+
+One row per megatron-core key: the HF name(s) it becomes and the conversion kind. How a tensor is
+split across TP ranks is NOT here (that is `layout`); this module only sees full tensors.
+
+Conversion kinds:
+  same      the tensor as is
+  vocab     rows beyond the true vocab (padding) dropped; re-padded with zeros on import
+  qkv       grouped QKV [per group: q heads; k; v] -> q_proj, k_proj, v_proj (heads in order)
+  gated     SwiGLU fc1 [gate; up] -> gate_proj, up_proj
+  conv1d    transposed (HF GPT-2 Conv1D stores [in, out])
+  c_attn    grouped QKV -> one [q; k; v] tensor (whole blocks, not per head), transposed for weights
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ckpt_tools import layout
+from ckpt_tools.errors import ConfigError, LayoutError
+from ckpt_tools.spec import ModelSpec
+
+SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN = "same", "vocab", "qkv", "gated", "conv1d", "c_attn"
+
+
+@dataclass(frozen=True)
+class Name:
+    key: str  # megatron-core key, `{i}` = global layer index
+    kind: str
+    hf: tuple[str, ...]  # HF name(s), `{i}` = layer index
+
+
+_L, _LL, _GL = "decoder.layers.{i}.", "model.layers.{i}.", "transformer.h.{i}."
+NAMES: dict[str, tuple[Name, ...]] = {
+    "llama": (
+        Name("embedding.word_embeddings.weight", VOCAB, ("model.embed_tokens.weight",)),
+        Name(_L + "input_layernorm.weight", SAME, (_LL + "input_layernorm.weight",)),
+        Name(_L + "self_attention.linear_proj.weight", SAME, (_LL + "self_attn.o_proj.weight",)),
+        Name(_L + "self_attention.linear_qkv.weight", QKV,
+             tuple(_LL + f"self_attn.{p}_proj.weight" for p in "qkv")),
+        Name(_L + "pre_mlp_layernorm.weight", SAME, (_LL + "post_attention_layernorm.weight",)),
+        Name(_L + "mlp.linear_fc1.weight", GATED, (_LL + "mlp.gate_proj.weight", _LL + "mlp.up_proj.weight")),
+        Name(_L + "mlp.linear_fc2.weight", SAME, (_LL + "mlp.down_proj.weight",)),
+        Name("decoder.final_layernorm.weight", SAME, ("model.norm.weight",)),
+        Name("output_layer.weight", VOCAB, ("lm_head.weight",)),
+    ),
+    "gpt2": (
+        Name("embedding.word_embeddings.weight", VOCAB, ("transformer.wte.weight",)),
+        Name("embedding.position_embeddings.weight", SAME, ("transformer.wpe.weight",)),
+        Name(_L + "input_layernorm.weight", SAME, (_GL + "ln_1.weight",)),
+        Name(_L + "input_layernorm.bias", SAME, (_GL + "ln_1.bias",)),
+        Name(_L + "self_attention.linear_proj.weight", CONV1D, (_GL + "attn.c_proj.weight",)),
+        Name(_L + "self_attention.linear_proj.bias", SAME, (_GL + "attn.c_proj.bias",)),
+        Name(_L + "self_attention.linear_qkv.weight", C_ATTN, (_GL + "attn.c_attn.weight",)),
+        Name(_L + "self_attention.linear_qkv.bias", C_ATTN, (_GL + "attn.c_attn.bias",)),
+        Name(_L + "pre_mlp_layernorm.weight", SAME, (_GL + "ln_2.weight",)),
+        Name(_L + "pre_mlp_layernorm.bias", SAME, (_GL + "ln_2.bias",)),
+        Name(_L + "mlp.linear_fc1.weight", CONV1D, (_GL + "mlp.c_fc.weight",)),
+        Name(_L + "mlp.linear_fc1.bias", SAME, (_GL + "mlp.c_fc.bias",)),
+        Name(_L + "mlp.linear_fc2.weight", CONV1D, (_GL + "mlp.c_proj.weight",)),
+        Name(_L + "mlp.linear_fc2.bias", SAME, (_GL + "mlp.c_proj.bias",)),
+        Name("decoder.final_layernorm.weight", SAME, ("transformer.ln_f.weight",)),
+        Name("decoder.final_layernorm.bias", SAME, ("transformer.ln_f.bias",)),
+    ),
+}
+
+
+def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
+    """(megatron-core global key, row, HF names) for every tensor an HF model of `spec` holds, in order.
+
+    `_extra_state` has no HF counterpart; a tied output layer is the embedding in HF.
+    """
+    rows = {n.key: n for n in NAMES[spec.architecture]}
+    out = []
+    for local, key in layout.stage_keys(spec, [spec.num_layers], 0):
+        if layout.find_rule(key, spec, 1).split == layout.EXTRA:
+            continue
+        pattern = layout.pattern_of(key)
+        if pattern not in rows:
+            raise LayoutError(f"{key}: no HuggingFace name for it in the {spec.architecture} mapping")
+        i = layout.layer_index(key)
+        out.append((key, rows[pattern], [h.format(i=i) for h in rows[pattern].hf]))
+    return out
+
+
+def to_hf(kind: str, full: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    """A full megatron-core tensor -> its HF tensor(s). Works on meta tensors (shape planning)."""
+    if kind == SAME:
+        return [full]
+    if kind == VOCAB:
+        return [layout.trim_vocab("embedding.word_embeddings.weight", full, spec)]
+    if kind == QKV:
+        return list(layout.qkv_split_heads(full, spec))
+    if kind == GATED:
+        return list(full.chunk(2, dim=0))
+    if kind == CONV1D:
+        return [full.t()]
+    if kind == C_ATTN:
+        whole = torch.cat(layout.qkv_split_heads(full, spec), dim=0)
+        return [whole.t() if whole.dim() == 2 else whole]
+    raise LayoutError(f"unknown conversion kind {kind}")
+
+
+def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_vocab: int) -> torch.Tensor:
+    """Inverse of to_hf; vocab tensors come back padded to `padded_vocab` with zero rows."""
+    if kind == SAME:
+        return tensors[0]
+    if kind == VOCAB:
+        return layout.pad_vocab("embedding.word_embeddings.weight", tensors[0], spec, padded_vocab)
+    if kind == QKV:
+        return layout.qkv_join_heads(*tensors, spec)
+    if kind == GATED:
+        return torch.cat(tensors, dim=0)
+    if kind == CONV1D:
+        return tensors[0].t()
+    if kind == C_ATTN:
+        whole = tensors[0].t() if tensors[0].dim() == 2 else tensors[0]
+        q, k, v = whole.chunk(3, dim=0)
+        return layout.qkv_join_heads(q, k, v, spec)
+    raise LayoutError(f"unknown conversion kind {kind}")
+
+
+# ---------------------------------------------------------------- config.json
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+GPT2_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+
+
+def hf_config(spec: ModelSpec, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
+    """config.json for transformers' LlamaConfig / GPT2Config, every field that changes the math set."""
+    from transformers import GPT2Config, LlamaConfig
+    if spec.architecture == "llama":
+        cfg = LlamaConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_query_groups, head_dim=spec.kv_channels, hidden_act="silu",
+            max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.norm_epsilon,
+            rope_parameters={"rope_type": "default", "rope_theta": float(spec.rotary_base)},
+            tie_word_embeddings=spec.tie_word_embeddings, attention_bias=False, mlp_bias=False,
+            bos_token_id=bos, eos_token_id=eos, dtype=DTYPE_NAMES[dtype])
+        cfg.architectures = ["LlamaForCausalLM"]
+    else:
+        cfg = GPT2Config(
+            vocab_size=spec.vocab_size, n_embd=spec.hidden_size, n_layer=spec.num_layers,
+            n_head=spec.num_attention_heads, n_inner=spec.ffn_hidden_size,
+            n_positions=spec.max_position_embeddings, layer_norm_epsilon=spec.norm_epsilon,
+            activation_function=GPT2_ACT[spec.activation], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, dtype=DTYPE_NAMES[dtype])
+        cfg.architectures = ["GPT2LMHeadModel"]
+    return json.loads(cfg.to_json_string(use_diff=False))
+
+
+def _refuse(path: Path, what: str) -> None:
+    raise ConfigError(f"{path}: {what}: only plain Llama and GPT-2 models can be imported")
+
+
+def spec_from_hf(config_path: Path) -> ModelSpec:
+    """ModelSpec of an HF Llama / GPT-2 config.json; anything that the shard format cannot express is refused."""
+    try:
+        c = json.loads(Path(config_path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path}: unreadable config.json ({e}): pass a HuggingFace model dir") from None
+    kind = c.get("model_type")
+    if kind == "llama":
+        rope = c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
+        if c.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            _refuse(config_path, f"rope scaling {rope.get('rope_type') or c.get('rope_scaling')} is not supported")
+        for flag in ("attention_bias", "mlp_bias"):
+            if c.get(flag):
+                _refuse(config_path, f"{flag}=true is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            _refuse(config_path, f"hidden_act {c['hidden_act']!r} is not silu")
+        heads = c["num_attention_heads"]
+        return ModelSpec(
+            architecture="llama", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+            num_attention_heads=heads, ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+            num_query_groups=c.get("num_key_value_heads") or heads,
+            kv_channels=c.get("head_dim") or c["hidden_size"] // heads,
+            max_position_embeddings=c.get("max_position_embeddings", 2048), norm_epsilon=c.get("rms_norm_eps", 1e-6),
+            rotary_base=float(rope.get("rope_theta", 10000.0)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+    if kind == "gpt2":
+        act = {v: k for k, v in GPT2_ACT.items()}.get(c.get("activation_function", "gelu_new"))
+        if act is None:
+            _refuse(config_path, f"activation_function {c.get('activation_function')!r} is not gelu or gelu_new")
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if c.get(flag):
+                _refuse(config_path, f"{flag}=true is not supported")
+        if c.get("scale_attn_weights", True) is False:
+            _refuse(config_path, "scale_attn_weights=false is not supported")
+        return ModelSpec(
+            architecture="gpt2", num_layers=c["n_layer"], hidden_size=c["n_embd"], num_attention_heads=c["n_head"],
+            ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"], vocab_size=c["vocab_size"],
+            max_position_embeddings=c.get("n_positions", 1024), norm_epsilon=c.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=True, activation=act)
+    _refuse(config_path, f"model_type {kind!r}")
+    raise AssertionError  # unreachable
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def tokenizer_files(directory: Path) -> list[Path]:
+    return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]

@@ -1,0 +1,73 @@
+"""Outputs appear whole or not at all: written under a temp name beside OUT, renamed when complete.
+
+An existing OUT is refused unless `force`; then it is replaced only after the new one is complete.
+A failure (or Ctrl-C) removes the temp output; a kill -9 leaves `.<name>.tmp-<pid>`, which never
+looks like a finished output and which `leftovers()` names.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from ckpt_tools import io
+from ckpt_tools.errors import CkptError
+
+
+def check_target(out: str | Path, force: bool) -> Path:
+    out = Path(out)
+    if out.exists() and not force:
+        raise CkptError(f"{out}: already exists: choose another output path or pass --force to replace it")
+    return out
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextlib.contextmanager
+def staged(out: str | Path, force: bool, directory: bool = True) -> Iterator[Path]:
+    """Yield a temp path beside OUT (a fresh dir, or a file path); rename it to OUT on success."""
+    out = check_target(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    _remove(tmp)
+    if directory:
+        tmp.mkdir()
+    try:
+        yield tmp
+        if directory:
+            io.fsync_dir(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    io.fsync_dir(out.parent)
+    if old is not None:
+        _remove(old)
+
+
+def leftovers(out: str | Path) -> list[Path]:
+    """Temp outputs that an interrupted run left beside OUT."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    return sorted(p for p in out.parent.iterdir()
+                  if p.name.startswith(f".{out.name}.tmp-") or p.name.startswith(f".{out.name}.old-"))
+
+
+def progress(total: int, desc: str, quiet: bool, unit: str = "B"):
+    """A tqdm bar over bytes; off when quiet or when stderr is not a terminal."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024, leave=False,
+                disable=quiet or not sys.stderr.isatty(), file=sys.stderr)

@@ -1,0 +1,159 @@
+"""Streaming writers: tensors go to disk as soon as they are made, never a whole state dict in RAM.
+
+`SafetensorsWriter` lays out the file from a plan (names, dtypes, shapes are known up front from
+the layout table), writes the header, then each tensor's bytes in plan order; the result is a
+standard safetensors file. `TorchFileWriter` writes a standard `torch.save` zip archive one
+storage record at a time and pickles the small object tree (with references to those records)
+last, so `torch.load(weights_only=True, mmap=True)` reads it like any other checkpoint file.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_tools.errors import LayoutError
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def _contiguous_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (little-endian, row-major) without a copy when it is already contiguous."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def _sync_close(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor in the order of `plan` [(name, dtype, shape)]."""
+
+    def __init__(self, path: str | Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        self._order: list[str] = []
+        self._expect: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name, dtype, shape in plan:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._order.append(name)
+            self._expect[name] = (dtype, tuple(shape))
+            offset += nbytes
+        self.nbytes = offset
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(text)) + text)
+        self._next = 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        if self._next >= len(self._order) or self._order[self._next] != name:
+            want = self._order[self._next] if self._next < len(self._order) else "nothing more"
+            raise LayoutError(f"{self.path}: writing {name} out of plan order (expected {want})")
+        dtype, shape = self._expect[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise LayoutError(f"{self.path}: {name} is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
+        self._f.write(_contiguous_bytes(t))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise LayoutError(f"{self.path}: closed after {self._next} of {len(self._order)} planned tensors")
+        _sync_close(self._f)
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    """Stands for a tensor already written; pickles exactly as torch.save pickles a tensor."""
+
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol):
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= n
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+_STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageRef):
+            return ("storage", _STORAGE_TYPES[obj.dtype], obj.key, "cpu", obj.numel)
+        return None
+
+
+class TorchFileWriter:
+    """A torch.save-compatible zip file whose tensors are written one at a time by `tensor()`.
+
+    `close(obj)` pickles `obj`, in which every tensor is a reference returned by `tensor()` (or a
+    plain tensor, written then); the storages are 64-byte aligned so the file loads with mmap.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._zip = torch._C.PyTorchFileWriter(str(self.path), True, 64)
+        self._count = 0
+        self.nbytes = 0
+
+    def tensor(self, t: torch.Tensor) -> _TensorRef:
+        t = t.detach().contiguous()
+        key = str(self._count)
+        self._count += 1
+        self._zip.write_record(f"data/{key}", t.data_ptr() if t.numel() else b"", t.nbytes)
+        self.nbytes += t.nbytes
+        return _TensorRef(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
+
+    def _refs(self, obj: Any) -> Any:
+        if torch.is_tensor(obj):
+            return self.tensor(obj)
+        if isinstance(obj, dict):
+            return type(obj)((k, self._refs(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._refs(v) for v in obj)
+        return obj
+
+    def close(self, obj: Any) -> None:
+        import io as _io
+        buf = _io.BytesIO()
+        _Pickler(buf, protocol=2).dump(self._refs(obj))
+        data = buf.getvalue()
+        self._zip.write_record("data.pkl", data, len(data))
+        self._zip.write_record(".format_version", "1", 1)
+        self._zip.write_record(".storage_alignment", "64", 2)
+        self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self._zip.write_end_of_file()
+        del self._zip
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
