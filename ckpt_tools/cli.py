@@ -92,5 +92,52 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
                        force=force, quiet=quiet))
 
 
+def _layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give comma-separated layer counts, e.g. 3,5") from None
+
+
+@main.command()
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--tp", type=int, required=True, help="Target tensor-parallel size.")
+@click.option("--pp", type=int, required=True, help="Target pipeline-parallel size.")
+@click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
+@click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_quiet_opt
+@_handle_errors
+def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, vocab_size: int | None,
+            force: bool, quiet: bool) -> None:
+    """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
+    from ckpt_tools.reshard import reshard as run
+    click.echo(run(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force, quiet=quiet))
+
+
+@main.command("import")
+@click.argument("hf_dir", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
+@click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Model weight dtype (default: the HF weights' own).")
+@click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_quiet_opt
+@_handle_errors
+def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | None, dtype: str | None,
+            no_optimizer: bool, force: bool, quiet: bool) -> None:
+    """Import a HuggingFace Llama / GPT-2 model into sharded checkpoints (a save dir OUT)."""
+    from ckpt_tools.merge import DTYPES
+    from ckpt_tools.reshard import import_hf
+    click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage), dtype=DTYPES[dtype] if dtype else None,
+                         optimizer=not no_optimizer, force=force, quiet=quiet))
+
+
 if __name__ == "__main__":
     sys.exit(main())

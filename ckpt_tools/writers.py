@@ -120,7 +120,7 @@ class TorchFileWriter:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._zip = torch._C.PyTorchFileWriter(str(self.path), True, 64)
+        self._zip = torch._C.PyTorchFileWriter(str(self.path), False, 64)  # integrity: sha256 in meta.json
         self._count = 0
         self.nbytes = 0
 
@@ -128,7 +128,11 @@ class TorchFileWriter:
         t = t.detach().contiguous()
         key = str(self._count)
         self._count += 1
-        self._zip.write_record(f"data/{key}", t.data_ptr() if t.numel() else b"", t.nbytes)
+        storage = t.untyped_storage()
+        if t.storage_offset() or storage.nbytes() != t.nbytes:  # a view: its own bytes only, no copy
+            begin = t.storage_offset() * t.element_size()
+            storage = storage[begin:begin + t.nbytes]
+        self._zip.write_record(f"data/{key}", storage, t.nbytes)
         self.nbytes += t.nbytes
         return _TensorRef(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
 

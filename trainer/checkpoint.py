@@ -134,8 +134,20 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     model_state = io.load_file(model_path)["model"]
     check_shard(model_path, model_state, stage, meta)
     stage.load_state_dict(model_state, strict=True)
-    opt.load_by_key(io.load_file(ckpt_dir / fmt.optimizer_file(tp_rank, pp_rank))["optimizer"])
-    rng = io.load_file(ckpt_dir / fmt.rng_file(tp_rank, pp_rank), mmap=False)
+    optim_path = ckpt_dir / fmt.optimizer_file(tp_rank, pp_rank)
+    recorded = meta.raw.get("files", {})
+    for path in (optim_path, ckpt_dir / fmt.rng_file(tp_rank, pp_rank)):
+        if path.name in recorded and not path.is_file():
+            raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
+    if optim_path.is_file():
+        opt.load_by_key(io.load_file(optim_path)["optimizer"])
+    else:  # saved without optimizer state (`ckpt import --no-optimizer`): AdamW starts fresh from the weights
+        opt.load_by_key({k: {"master": p.detach().float(), "exp_avg": None, "exp_avg_sq": None,
+                             "step": torch.tensor(0.0)} for k, p in stage.named_parameters()})
+    rng_path = ckpt_dir / fmt.rng_file(tp_rank, pp_rank)
+    if not rng_path.is_file():  # imported weights: no RNG or data position yet
+        return meta.iteration, int(meta.raw.get("consumed_samples", 0))
+    rng = io.load_file(rng_path, mmap=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if rng.get("cuda") is not None and torch.cuda.is_available():

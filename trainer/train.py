@@ -52,13 +52,22 @@ def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
     return device, dp
 
 
-def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPTStage:
+def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume: fmt.Meta | None = None) -> GPTStage:
+    """This rank's stage, initialized; a checkpoint to resume from decides the padded vocab and an
+    uneven layer split it was saved with (after `ckpt reshard` they need not be this TP's default)."""
     spec = cfg.model_spec(vocab_size)
-    counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, cfg.layers_per_stage)
+    explicit = cfg.layers_per_stage
+    padded = spec.padded_vocab_size(cfg.tp_degree)
+    if resume is not None:
+        if explicit is None and resume.pp_size == cfg.pp_degree:
+            explicit = resume.layer_counts
+        if resume.padded_vocab % cfg.tp_degree == 0 and resume.padded_vocab >= spec.vocab_size:
+            padded = resume.padded_vocab
+    counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, explicit)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu")
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                     layer_counts=counts, padded_vocab=spec.padded_vocab_size(cfg.tp_degree),
+                     layer_counts=counts, padded_vocab=padded,
                      recompute=cfg.recompute_activations).to(device)
     initialize(stage, cfg.seed, ps.get_tensor_model_parallel_rank())
     return stage
@@ -158,7 +167,10 @@ def train(cfg: TrainConfig) -> None:
     box = [prefix]
     dist.broadcast_object_list(box, src=0)
     dataset = data.TokenDataset(box[0], cfg.seq_length, cfg.seed)
-    stage = build_stage(cfg, data.vocab_size(tokenizer), device)
+    source = Path(cfg.load) if cfg.load else Path(cfg.save_dir)
+    ckpt_dir = fmt.resolve(source) if cfg.load else fmt.find_latest(source)
+    resume = fmt.Meta.read(ckpt_dir) if ckpt_dir is not None else None
+    stage = build_stage(cfg, data.vocab_size(tokenizer), device, resume)
     opt = MasterAdamW(stage, cfg)
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     logger = Logger(cfg, stage.post_process and tp_rank == 0 and dp_rank == 0)
@@ -166,8 +178,6 @@ def train(cfg: TrainConfig) -> None:
         logger.say(f"note: {Path(cfg.save_dir) / name} is an incomplete checkpoint left by an interrupted save; "
                    f"it is ignored and will be replaced")
     iteration, consumed = 0, 0
-    source = Path(cfg.load) if cfg.load else Path(cfg.save_dir)
-    ckpt_dir = fmt.resolve(source) if cfg.load else fmt.find_latest(source)
     if ckpt_dir is not None:
         iteration, consumed = checkpoint.load(ckpt_dir, stage, opt)
         logger.say(f"resumed from {ckpt_dir} at iteration {iteration}")

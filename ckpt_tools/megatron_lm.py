@@ -1,0 +1,253 @@
+"""Reading real Megatron-LM checkpoints (DESIGN.md Contract 3), `--ckpt-format torch` layout:
+
+    CKPT/latest_checkpointed_iteration.txt                       "100" or "release"
+    CKPT/iter_0000100/mp_rank_<TT>/model_optim_rng.pt            PP = 1
+    CKPT/iter_0000100/mp_rank_<TT>_<PPP>/model_optim_rng.pt      PP > 1
+    CKPT/release/...                                             when the tracker says "release"
+
+Each file holds `args` (an argparse.Namespace), `model` (megatron-core GPTModel state dict, the
+layout table's keys with stage-local layer numbers), `iteration`, `checkpoint_version`, `rng_state`,
+`optimizer`, `opt_param_scheduler`. Only `args` and the model keys of the (tp0, pp0) file are read
+here, through io.load_file's allow-list; ShardSet reads the tensors later. Argument names are
+Megatron-LM's; two were renamed when the arguments became generated from TransformerConfig
+(norm_epsilon -> layernorm_epsilon, apply_layernorm_1p -> layernorm_zero_centered_gamma), and
+older Namespaces lack newer arguments, so every lookup has a default.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ckpt_tools import io, layout
+from ckpt_tools.checkpoint import Meta
+from ckpt_tools.errors import ConfigError, FormatError
+from ckpt_tools.spec import ModelSpec
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+RELEASE = "release"
+_ITER_DIR = re.compile(r"^iter_\d{7,}$")
+_SUPPORTED = ("supported: llama (--swiglu --normalization RMSNorm --position-embedding-type rope "
+              "--disable-bias-linear) and gpt2 (LayerNorm, GELU, learned_absolute positions, linear biases, "
+              "tied embeddings)")
+# Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
+_REFUSED = {
+    "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages: save the model chunks "
+                                            "as one stage per PP rank",
+    "num_experts": "mixture of experts",
+    "pipeline_model_parallel_layout": "a custom pipeline layout",
+    "multi_latent_attention": "multi-latent attention",
+    "mtp_num_layers": "multi-token prediction layers",
+    "qk_layernorm": "query/key layer norms",
+    "apply_layernorm_1p": "zero-centered norm weights",
+    "layernorm_zero_centered_gamma": "zero-centered norm weights",
+    "apply_residual_connection_post_layernorm": "post-layernorm residuals",
+    "rotary_interleaved": "interleaved rotary embeddings",
+    "use_rope_scaling": "Llama-3.1 RoPE scaling",
+    "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
+    "squared_relu": "the squared-ReLU activation",
+    "quick_geglu": "the quick-GeGLU activation",
+}
+
+
+def _mp_rank(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def model_path(iter_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
+    """Megatron-LM's get_checkpoint_name: iter_dir/mp_rank_TT[_PPP]/model_optim_rng.pt."""
+    return Path(iter_dir) / _mp_rank(tp_rank, pp_rank, pp_size) / FILE
+
+
+def _is_iter_dir(path: Path) -> bool:
+    return (path.name == RELEASE or bool(_ITER_DIR.match(path.name))) and path.is_dir()
+
+
+def is_megatron_lm(path) -> bool:
+    """A Megatron-LM save dir (holds the tracker) or one iter_NNNNNNN / release dir of one."""
+    path = Path(path)
+    if (path / TRACKER).is_file():
+        return True
+    return _is_iter_dir(path) and any(p.is_dir() for p in path.glob("mp_rank_*"))
+
+
+def _iter_dir(path: Path) -> Path:
+    """The top dir (via the tracker) or an iter dir -> the iter dir to read."""
+    tracker = path / TRACKER
+    if not tracker.is_file():
+        if _is_iter_dir(path):
+            return path
+        raise FormatError(f"{path}: not a Megatron-LM checkpoint (no {TRACKER}, not an iter_NNNNNNN or "
+                          f"{RELEASE} dir): pass the --save dir of the run or one of its iteration dirs")
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"{tracker}: unreadable ({type(e).__name__}): it must hold an iteration number "
+                          f"or 'release'; pass an iter_NNNNNNN dir directly") from None
+    if text == RELEASE:
+        name = RELEASE
+    elif text.isdigit():
+        name = f"iter_{int(text):07d}"
+    else:
+        raise FormatError(f"{tracker}: holds {text[:40]!r}, expected an iteration number or 'release': "
+                          f"fix the file or pass an iter_NNNNNNN dir directly")
+    if not (path / name).is_dir():
+        found = sorted(p.name for p in path.iterdir() if _is_iter_dir(p))
+        raise FormatError(f"{tracker} names {text!r} but {path / name} does not exist (found: "
+                          f"{', '.join(found) or 'no iteration dirs'}): fix the tracker or pass an existing iter dir")
+    return path / name
+
+
+def _arg(args, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
+    """Megatron-LM's arguments -> ModelSpec; anything the toolkit cannot represent is a ConfigError."""
+    refused = [f"{k}={getattr(args, k)!r} ({why})" for k, why in _REFUSED.items()
+               if getattr(args, k, None) not in (None, False, 0)]
+    if _arg(args, "rotary_percent", 1.0) != 1.0:
+        refused.append(f"rotary_percent={args.rotary_percent!r} (partial rotary embeddings)")
+    bias, qkv_bias = bool(_arg(args, "add_bias_linear", True)), bool(_arg(args, "add_qkv_bias", False))
+    if qkv_bias != bias:
+        refused.append(f"add_qkv_bias={qkv_bias} with add_bias_linear={bias} (QKV bias alone)")
+    if refused:
+        raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {_SUPPORTED}")
+    swiglu, norm = bool(_arg(args, "swiglu", False)), _arg(args, "normalization", "LayerNorm")
+    pos, tied = _arg(args, "position_embedding_type", "learned_absolute"), not _arg(
+        args, "untie_embeddings_and_output_weights", False)
+    if swiglu and norm == "RMSNorm" and pos == "rope" and not bias:
+        arch, activation = "llama", None
+    elif not swiglu and norm == "LayerNorm" and pos == "learned_absolute" and bias and tied:
+        # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
+        # openai_gelu only ever switched the legacy (non-core) model, so it is ignored here.
+        arch, activation = "gpt2", "gelu_tanh" if _arg(args, "bias_gelu_fusion", True) else "gelu"
+    else:
+        raise ConfigError(f"Megatron-LM arguments swiglu={swiglu}, normalization={norm!r}, position_embedding_type="
+                          f"{pos!r}, add_bias_linear={bias}, untie_embeddings_and_output_weights={not tied} fit "
+                          f"no supported architecture: {_SUPPORTED}")
+    if vocab_size is None:
+        vocab_size = getattr(args, "vocab_size", None)
+    if vocab_size is None:
+        raise ConfigError(f"the checkpoint does not record its true vocab size (only padded_vocab_size "
+                          f"{getattr(args, 'padded_vocab_size', None)}): pass --vocab-size (the tokenizer's size) "
+                          f"so that padding rows are not kept")
+    heads = args.num_attention_heads
+    eps = getattr(args, "norm_epsilon", None)
+    return ModelSpec(
+        architecture=arch, num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        ffn_hidden_size=_arg(args, "ffn_hidden_size", 4 * args.hidden_size), vocab_size=int(vocab_size),
+        num_query_groups=args.num_query_groups if _arg(args, "group_query_attention", False) else heads,
+        kv_channels=_arg(args, "kv_channels"), max_position_embeddings=_arg(args, "max_position_embeddings", 2048),
+        norm_epsilon=float(eps if eps is not None else _arg(args, "layernorm_epsilon", 1e-5)),
+        rotary_base=float(_arg(args, "rotary_base", 10000)), tie_word_embeddings=tied,
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), activation=activation)
+
+
+def _layer_counts(args, pp_size: int) -> list[int]:
+    """megatron-core's get_num_layers_to_build, for every PP stage."""
+    n = args.num_layers
+    first, last = (_arg(args, "decoder_first_pipeline_num_layers"), _arg(args, "decoder_last_pipeline_num_layers"))
+    if first is None and last is None:
+        emb, loss = (int(bool(_arg(args, f"account_for_{w}_in_pipeline_split", False))) for w in ("embedding", "loss"))
+        if not emb and not loss:
+            return layout.layers_per_stage(n, pp_size)
+        if (n + emb + loss) % pp_size:
+            raise ConfigError(f"num_layers {n} + {emb + loss} (embedding/loss in the pipeline split) is not "
+                              f"divisible by pipeline_model_parallel_size {pp_size}: the args are inconsistent")
+        counts = [(n + emb + loss) // pp_size] * pp_size
+        counts[0] -= emb
+        counts[-1] -= loss
+        return layout.layers_per_stage(n, pp_size, counts)
+    middle = pp_size - (first is not None) - (last is not None)
+    rest = n - (first or 0) - (last or 0)
+    if middle > 0 and rest % middle:
+        raise ConfigError(f"num_layers {n} minus decoder_first/last_pipeline_num_layers {first}/{last} leaves {rest} "
+                          f"layers that do not divide over {middle} middle stages: the args are inconsistent")
+    counts = [rest // middle if middle > 0 else 0] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return layout.layers_per_stage(n, pp_size, counts)
+
+
+def _first_file(iter_dir: Path) -> Path:
+    """The (tp0, pp0) file, named either way (args say which naming is right; checked later)."""
+    for pp_size in (1, 2):
+        if model_path(iter_dir, 0, 0, pp_size).is_file():
+            return model_path(iter_dir, 0, 0, pp_size)
+    if any((iter_dir / n).exists() for n in (".metadata", "common.pt", "metadata.json")):
+        raise FormatError(f"{iter_dir}: a torch_dist (distributed) checkpoint, not the torch format with "
+                          f"mp_rank_* dirs: convert it with Megatron-LM (--ckpt-convert-format torch "
+                          f"--ckpt-convert-save DIR) and pass DIR/torch")
+    raise FormatError(f"{iter_dir}: neither {model_path(iter_dir, 0, 0, 1)} nor {model_path(iter_dir, 0, 0, 2)} "
+                      f"exists: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
+
+
+def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int) -> None:
+    expected = {_mp_rank(t, p, pp_size) for t in range(tp_size) for p in range(pp_size)}
+    what = f"TP{tp_size} x PP{pp_size} (from args) expects {_mp_rank(0, 0, pp_size)}..{_mp_rank(tp_size - 1, pp_size - 1, pp_size)}"
+    missing = sorted(n for n in expected if not (iter_dir / n / FILE).is_file())
+    if missing:
+        raise FormatError(f"{iter_dir / missing[0] / FILE}: missing ({len(missing)} of {len(expected)} rank files "
+                          f"missing): {what}; restore the missing rank dirs from the source")
+    extra = sorted(p.name for p in iter_dir.glob("mp_rank_*") if p.name not in expected)
+    if extra:
+        raise FormatError(f"{iter_dir / extra[0]}: unexpected rank dir ({len(extra)} extra: {', '.join(extra[:4])}): "
+                          f"{what}; the dir mixes checkpoints of different parallel layouts, remove the extra dirs")
+
+
+def _check_model_keys(path: Path, model) -> None:
+    if not isinstance(model, dict):
+        raise FormatError(f"{path}: no 'model' state dict (found keys {sorted(model or {})[:6]}): not a "
+                          f"single-chunk Megatron-LM model file")
+    te = next((k for k in model if k.endswith((".layer_norm_weight", ".layer_norm_bias"))), None)
+    if te is not None:
+        raise FormatError(f"{path}: key {te} is Transformer Engine's fused norm (--transformer-impl "
+                          f"transformer_engine); ckpt-tools reads megatron-core's local spec (input_layernorm / "
+                          f"pre_mlp_layernorm): re-save the model with --transformer-impl local")
+    legacy = next((k for k in model if k.startswith("language_model.")), None)
+    if legacy is not None:
+        raise FormatError(f"{path}: key {legacy} belongs to Megatron-LM's legacy model, not megatron-core's "
+                          f"GPTModel: convert it to a megatron-core checkpoint first (tools/checkpoint)")
+
+
+def read_meta(path, vocab_size: int | None = None) -> Meta:
+    """A Megatron-LM save dir or iter dir -> Meta (source 'megatron-lm', root = the iter dir)."""
+    iter_dir = _iter_dir(Path(path))
+    first = _first_file(iter_dir)
+    state = io.load_file(first)
+    args = state.get("args") if isinstance(state, dict) else None
+    if args is None or not hasattr(args, "num_layers"):
+        raise FormatError(f"{first}: holds no Megatron-LM 'args' Namespace: cannot tell the model or its "
+                          f"parallel layout; pass a checkpoint saved by Megatron-LM's training loop")
+    tp, pp = _arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1)
+    spec = spec_from_args(args, vocab_size)
+    spec.check_tp(tp)
+    _check_rank_dirs(iter_dir, tp, pp)
+    _check_model_keys(first, state.get("model"))
+    counts = _layer_counts(args, pp)
+    padded = _arg(args, "padded_vocab_size")
+    if padded is None:
+        padded = state["model"]["embedding.word_embeddings.weight"].shape[0] * tp
+    if spec.vocab_size > padded:
+        raise ConfigError(f"{first}: true vocab {spec.vocab_size} exceeds padded_vocab_size {padded}: "
+                          f"pass the tokenizer's vocab size with --vocab-size")
+    iteration = state.get("iteration", 0)
+    dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
+    raw = {
+        "format": "megatron-lm",
+        "model": spec.to_dict(),
+        "parallel": {"tp_size": tp, "pp_size": pp, "dp_size": None, "layers_per_stage": counts},
+        "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
+                  "padding": "unknown"},
+        "iteration": iteration,
+        "consumed_samples": _arg(args, "consumed_train_samples"),
+        "dtypes": {"params": dtype, "master": "float32"},
+        "files": {},
+        "checkpoint_version": state.get("checkpoint_version"),
+    }
+    return Meta(path=first, raw=raw, spec=spec, tp_size=tp, pp_size=pp, layer_counts=counts, padded_vocab=padded,
+                iteration=iteration, source="megatron-lm", root=iter_dir)

@@ -1,0 +1,287 @@
+"""`ckpt reshard` (any TP/PP layout -> any other, optimizer state included) and `ckpt import` (HF -> shards).
+
+Both write a save dir OUT holding `checkpoint-<iteration>/` and `latest`, so the trainer resumes
+from it with `load: OUT` (or `save_dir: OUT`). Streaming: target stages are written one after the
+other, all TP ranks of a stage side by side, one source tensor in memory at a time; every target
+shard is the layout table's split of the source tensor's join, so a round trip is bit-exact.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import hf, io, layout, output
+from ckpt_tools.errors import FormatError, LayoutError
+from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, ShardSet, open_checkpoint
+from ckpt_tools.spec import ModelSpec
+from ckpt_tools.writers import TorchFileWriter
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class Target:
+    """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
+
+    def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool):
+        self.dir, self.spec, self.tp, self.counts, self.padded = ckpt_dir, spec, tp, counts, padded
+        self.pp = len(counts)
+        self.optimizer = optimizer
+        self._pool = ThreadPoolExecutor(1)  # hashes finished files while the next ones are written
+        self._hashes: dict[str, Future] = {}
+        self.nbytes = 0
+
+    def begin_stage(self, pp_rank: int) -> None:
+        self.pp_rank = pp_rank
+        self._model = [TorchFileWriter(self.dir / fmt.model_file(t, pp_rank)) for t in range(self.tp)]
+        self._model_state: list[dict] = [{} for _ in range(self.tp)]
+        self._optim = ([TorchFileWriter(self.dir / fmt.optimizer_file(t, pp_rank)) for t in range(self.tp)]
+                       if self.optimizer else [])
+        self._optim_state: list[dict] = [{} for _ in range(self.tp)]
+
+    def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
+        if layout.find_rule(key, self.spec, self.pp).split == layout.VOCAB and full.shape[0] != self.padded:
+            full = layout.pad_vocab(key, full, self.spec, self.padded)
+        return layout.split(key, full, self.spec, self.tp, self.pp)
+
+    def put(self, local: str, key: str, value: Any, state: dict[str, torch.Tensor] | None = None) -> None:
+        """One tensor (full, TP=1) and, for parameters, its full optimizer state fields and step."""
+        if layout.find_rule(key, self.spec, self.pp).split == layout.EXTRA:
+            for t in range(self.tp):
+                self._model_state[t][local] = value
+            return
+        for t, shard in enumerate(self._split(key, value)):
+            self._model_state[t][local] = self._model[t].tensor(shard)
+        if not self.optimizer:
+            return
+        if state is None:
+            raise LayoutError(f"{key}: no optimizer state to write")
+        per_rank: list[dict] = [{} for _ in range(self.tp)]
+        for field in OPTIMIZER_FIELDS:
+            for t, shard in enumerate(self._split(key, state[field])):
+                per_rank[t][field] = self._optim[t].tensor(shard)
+        for t in range(self.tp):
+            per_rank[t]["step"] = self._optim[t].tensor(state["step"])
+            self._optim_state[t][local] = per_rank[t]
+
+    def end_stage(self, optimizer_extras: dict) -> None:
+        for t in range(self.tp):
+            self._close(self._model[t], {"model": self._model_state[t]})
+            if self.optimizer:
+                self._close(self._optim[t], {"optimizer": self._optim_state[t], **optimizer_extras})
+
+    def _close(self, writer: TorchFileWriter, obj: dict) -> None:
+        writer.close(obj)
+        self.nbytes += writer.path.stat().st_size
+        self._hashes[writer.path.name] = self._pool.submit(fmt.file_record, writer.path)
+
+    def add_file(self, path: Path) -> None:
+        self._hashes[path.name] = self._pool.submit(fmt.file_record, path)
+
+    def records(self) -> dict[str, dict]:
+        out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
+        self._pool.shutdown()
+        return out
+
+
+def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
+                  padded_now: int | None) -> tuple[list[int], int]:
+    """(layer counts, padded vocab) of a target layout; refused before anything is written."""
+    spec.check_tp(tp)
+    counts = layout.layers_per_stage(spec.num_layers, pp, layers)
+    if padded_now is not None and padded_now % tp == 0 and padded_now >= spec.vocab_size:
+        padded = padded_now
+    else:
+        padded = spec.padded_vocab_size(tp)
+    for p in range(pp):
+        for _, key in layout.stage_keys(spec, counts, p):
+            layout.shard_shape(key, spec, padded, tp, pp)
+    return counts, padded
+
+
+def _meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
+          params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict) -> dict:
+    seq = config.get("seq_length")
+    return {
+        "format": fmt.FORMAT, "iteration": iteration, "consumed_samples": consumed,
+        "tokens_seen": consumed * seq if seq else None,
+        "model": spec.to_dict(),
+        "parallel": {"tp_size": tp, "pp_size": len(counts), "dp_size": dp_size, "layers_per_stage": counts},
+        "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
+                  "padding": "zeros"},
+        "dtypes": {"params": params_dtype, "master": "float32"},
+        "layout": fmt.layout_summary(spec, len(counts)),
+        "config": {**config, "tp_degree": tp, "pp_degree": len(counts), "layers_per_stage": counts},
+        "versions": {"torch": torch.__version__, "ckpt-tools": version("ckpt-tools")},
+        "origin": origin,
+        "files": files,
+    }
+
+
+def _finish(tmp: Path, iteration: int, target: Target, meta: dict, tokenizer_dir: Path | None) -> None:
+    ckpt = target.dir
+    for f in hf.tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []:
+        shutil.copyfile(f, ckpt / f.name)
+        target.add_file(ckpt / f.name)
+    meta["files"] = target.records()
+    io.write_json_atomic(ckpt / fmt.META, meta)
+    io.fsync_dir(ckpt)
+    io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
+
+
+def _source_key(key: str, shards: ShardSet) -> str:
+    """The source tensor of a target key: itself, or the embedding for a tied copy the source lacks."""
+    if key not in shards.keys() and key == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return key
+
+
+def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
+            vocab_size: int | None = None, force: bool = False, quiet: bool = False) -> str:
+    start = time.perf_counter()
+    out = output.check_target(out, force)
+    shards = open_checkpoint(src, vocab_size)
+    meta, spec = shards.meta, shards.meta.spec
+    counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
+    with_opt = shards.has_optimizer()
+    total = sum(len(layout.stage_keys(spec, counts, p)) for p in range(pp))
+    with output.staged(out, force) as tmp:
+        ckpt = tmp / fmt.checkpoint_name(meta.iteration)
+        ckpt.mkdir()
+        target = Target(ckpt, spec, tp, counts, padded, with_opt)
+        extras = ({k: v for k, v in shards.file(OPTIMIZER, 0, 0).items() if k != OPTIMIZER} if with_opt else {})
+        bar = output.progress(total, "reshard", quiet, unit="tensor")
+        for p in range(pp):
+            target.begin_stage(p)
+            for local, key in layout.stage_keys(spec, counts, p):
+                source = _source_key(key, shards)
+                bar.update(1)
+                if layout.find_rule(key, spec, pp).split == layout.EXTRA:
+                    target.put(local, key, shards.shards(source)[0])
+                    continue
+                full = shards.full(source)
+                state = None
+                if with_opt:
+                    state = {f: shards.full(source, f) for f in OPTIMIZER_FIELDS}
+                    state["step"] = shards.shards(source, "step")[0]
+                target.put(local, key, full, state)
+                shards.release()
+            target.end_stage(extras)
+        bar.close()
+        _copy_rng(shards, target, tp, pp)
+        consumed = int(meta.raw.get("consumed_samples") or 0)
+        origin = {"op": "reshard", "from": {"dir": str(meta.dir), "source": meta.source, "tp_size": meta.tp_size,
+                                            "pp_size": meta.pp_size, "layers_per_stage": meta.layer_counts,
+                                            "padded_vocab": meta.padded_vocab}}
+        new_meta = _meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
+                         meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {}, origin)
+        _finish(tmp, meta.iteration, target, new_meta, meta.dir if hf.tokenizer_files(meta.dir) else None)
+    shards.close()
+    notes = ""
+    if padded != meta.padded_vocab:
+        notes = (f"; padded vocab {meta.padded_vocab} -> {padded} (TP{tp} does not divide {meta.padded_vocab}; "
+                 f"rows beyond the true vocab {spec.vocab_size} are zeros)")
+    return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} (layers {meta.layer_counts}) -> {out} "
+            f"TP{tp} x PP{pp} (layers {counts}), iteration {meta.iteration}, "
+            f"{'model + optimizer' if with_opt else 'model only (the source has no optimizer state we read)'}, "
+            f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}")
+
+
+def _copy_rng(shards: ShardSet, target: Target, tp: int, pp: int) -> None:
+    """RNG and data position: the source's rank (0, 0) state for every target rank (no dropout in TP regions)."""
+    path = shards.meta.dir / fmt.rng_file(0, 0)
+    if shards.meta.source != "ckpt-tools" or not path.is_file():
+        return
+    rng = io.load_file(path, mmap=False)
+    for t in range(tp):
+        for p in range(pp):
+            dest = target.dir / fmt.rng_file(t, p)
+            io.save_file(rng, dest)
+            target.add_file(dest)
+
+
+# ---------------------------------------------------------------- import: HF -> shards
+class HFTensors:
+    """The tensors of an HF model dir (model.safetensors or an index of several), read lazily."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (hf_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FormatError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json: only safetensors "
+                              f"weights are imported (convert .bin weights with transformers' save_pretrained)")
+        self._handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            path = hf_dir / name
+            if not path.is_file():
+                raise FormatError(f"{path}: listed in the index but missing: download it again")
+            handle = safe_open(str(path), framework="pt")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
+              dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False) -> str:
+    start = time.perf_counter()
+    hf_dir, out = Path(hf_dir), output.check_target(out, force)
+    spec = hf.spec_from_hf(hf_dir / "config.json")
+    counts, padded = target_layout(spec, tp, pp, layers, None)
+    source = HFTensors(hf_dir)
+    rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
+    wanted = {n for _, names in rows.values() for n in names}
+    extra = sorted(set(source.where) - wanted)
+    if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
+        extra.remove("lm_head.weight")
+    missing = sorted(wanted - set(source.where))
+    if missing or extra:
+        what = "; ".join(x for x in (f"missing {', '.join(missing[:4])}" if missing else "",
+                                     f"unexpected {', '.join(extra[:4])}" if extra else "") if x)
+        raise FormatError(f"{hf_dir}: tensors do not match a {spec.architecture} model of this config.json ({what}): "
+                          f"the weights and config.json disagree")
+    first = source.get(rows["embedding.word_embeddings.weight"][1][0])
+    params_dtype = dtype or first.dtype
+    with output.staged(out, force) as tmp:
+        ckpt = tmp / fmt.checkpoint_name(0)
+        ckpt.mkdir()
+        target = Target(ckpt, spec, tp, counts, padded, optimizer)
+        bar = output.progress(len(rows), "import", quiet, unit="tensor")
+        for p in range(pp):
+            target.begin_stage(p)
+            for local, key in layout.stage_keys(spec, counts, p):
+                if layout.find_rule(key, spec, pp).split == layout.EXTRA:
+                    target.put(local, key, None)
+                    continue
+                row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
+                full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
+                state = None
+                if optimizer:
+                    master = full.float()
+                    state = {"master": master, "exp_avg": torch.zeros_like(master),
+                             "exp_avg_sq": torch.zeros_like(master), "step": torch.tensor(0.0)}
+                target.put(local, key, full, state)
+                bar.update(1)
+            target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
+        bar.close()
+        origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
+        meta = _meta(spec, tp, counts, padded, 0, 0, DTYPE_NAMES[params_dtype], None, {}, {}, origin)
+        _finish(tmp, 0, target, meta, hf_dir if hf.tokenizer_files(hf_dir) else None)
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} TP{tp} x PP{pp} "
+            f"(layers {counts}), {DTYPE_NAMES[params_dtype]}, "
+            f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
+            f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")
