@@ -30,23 +30,23 @@ _ITER_DIR = re.compile(r"^iter_\d{7,}$")
 _SUPPORTED = ("supported: llama (--swiglu --normalization RMSNorm --position-embedding-type rope "
               "--disable-bias-linear) and gpt2 (LayerNorm, GELU, learned_absolute positions, linear biases, "
               "tied embeddings)")
+_ARCH_DEFAULTS = {"swiglu": False, "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+                  "add_bias_linear": True, "untie_embeddings_and_output_weights": False}
+_ARCHITECTURES = {  # what each architecture needs; llama may be tied or not
+    "llama": {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "add_bias_linear": False},
+    "gpt2": {**_ARCH_DEFAULTS},
+}
 # Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
 _REFUSED = {
-    "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages: save the model chunks "
-                                            "as one stage per PP rank",
+    "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages",
     "num_experts": "mixture of experts",
-    "pipeline_model_parallel_layout": "a custom pipeline layout",
-    "multi_latent_attention": "multi-latent attention",
-    "mtp_num_layers": "multi-token prediction layers",
-    "qk_layernorm": "query/key layer norms",
-    "apply_layernorm_1p": "zero-centered norm weights",
-    "layernorm_zero_centered_gamma": "zero-centered norm weights",
+    "pipeline_model_parallel_layout": "a custom pipeline layout", "multi_latent_attention": "multi-latent attention",
+    "mtp_num_layers": "multi-token prediction layers", "qk_layernorm": "query/key layer norms",
+    "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
-    "rotary_interleaved": "interleaved rotary embeddings",
-    "use_rope_scaling": "Llama-3.1 RoPE scaling",
+    "rotary_interleaved": "interleaved rotary embeddings", "use_rope_scaling": "Llama-3.1 RoPE scaling",
     "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
-    "squared_relu": "the squared-ReLU activation",
-    "quick_geglu": "the quick-GeGLU activation",
+    "squared_relu": "the squared-ReLU activation", "quick_geglu": "the quick-GeGLU activation",
 }
 
 
@@ -111,22 +111,20 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
         refused.append(f"rotary_percent={args.rotary_percent!r} (partial rotary embeddings)")
     bias, qkv_bias = bool(_arg(args, "add_bias_linear", True)), bool(_arg(args, "add_qkv_bias", False))
     if qkv_bias != bias:
-        refused.append(f"add_qkv_bias={qkv_bias} with add_bias_linear={bias} (QKV bias alone)")
+        refused.append(f"add_qkv_bias={qkv_bias} with add_bias_linear={bias} (QKV bias unlike the other linears)")
     if refused:
         raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {_SUPPORTED}")
-    swiglu, norm = bool(_arg(args, "swiglu", False)), _arg(args, "normalization", "LayerNorm")
-    pos, tied = _arg(args, "position_embedding_type", "learned_absolute"), not _arg(
-        args, "untie_embeddings_and_output_weights", False)
-    if swiglu and norm == "RMSNorm" and pos == "rope" and not bias:
-        arch, activation = "llama", None
-    elif not swiglu and norm == "LayerNorm" and pos == "learned_absolute" and bias and tied:
-        # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
-        # openai_gelu only ever switched the legacy (non-core) model, so it is ignored here.
-        arch, activation = "gpt2", "gelu_tanh" if _arg(args, "bias_gelu_fusion", True) else "gelu"
-    else:
-        raise ConfigError(f"Megatron-LM arguments swiglu={swiglu}, normalization={norm!r}, position_embedding_type="
-                          f"{pos!r}, add_bias_linear={bias}, untie_embeddings_and_output_weights={not tied} fit "
-                          f"no supported architecture: {_SUPPORTED}")
+    found = {k: _arg(args, k, default) for k, default in _ARCH_DEFAULTS.items()}
+    misfits = {arch: [f"{k}={found[k]!r} (needs {v!r})" for k, v in want.items() if found[k] != v]
+               for arch, want in _ARCHITECTURES.items()}
+    arch = next((a for a, m in misfits.items() if not m), None)
+    if arch is None:
+        raise ConfigError("Megatron-LM arguments fit no supported architecture: " + "; ".join(
+            f"for {a}: {', '.join(m)}" for a, m in misfits.items()) + f" ({_SUPPORTED})")
+    # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
+    # openai_gelu only ever switched the legacy (non-core) model, so it is ignored here.
+    activation = None if arch == "llama" else "gelu_tanh" if _arg(args, "bias_gelu_fusion", True) else "gelu"
+    tied = not found["untie_embeddings_and_output_weights"]
     if vocab_size is None:
         vocab_size = getattr(args, "vocab_size", None)
     if vocab_size is None:
@@ -188,7 +186,8 @@ def _first_file(iter_dir: Path) -> Path:
 
 def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int) -> None:
     expected = {_mp_rank(t, p, pp_size) for t in range(tp_size) for p in range(pp_size)}
-    what = f"TP{tp_size} x PP{pp_size} (from args) expects {_mp_rank(0, 0, pp_size)}..{_mp_rank(tp_size - 1, pp_size - 1, pp_size)}"
+    last = _mp_rank(tp_size - 1, pp_size - 1, pp_size)
+    what = f"TP{tp_size} x PP{pp_size} (from args) expects {_mp_rank(0, 0, pp_size)}..{last}"
     missing = sorted(n for n in expected if not (iter_dir / n / FILE).is_file())
     if missing:
         raise FormatError(f"{iter_dir / missing[0] / FILE}: missing ({len(missing)} of {len(expected)} rank files "
@@ -199,10 +198,11 @@ def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int) -> None:
                           f"{what}; the dir mixes checkpoints of different parallel layouts, remove the extra dirs")
 
 
-def _check_model_keys(path: Path, model) -> None:
+def _check_model_keys(path: Path, state: dict) -> None:
+    model = state.get("model")
     if not isinstance(model, dict):
-        raise FormatError(f"{path}: no 'model' state dict (found keys {sorted(model or {})[:6]}): not a "
-                          f"single-chunk Megatron-LM model file")
+        raise FormatError(f"{path}: no 'model' state dict (found {', '.join(sorted(map(str, state))[:8])}): "
+                          f"not a single-chunk Megatron-LM model file; pass a GPT checkpoint saved by pretrain_gpt.py")
     te = next((k for k in model if k.endswith((".layer_norm_weight", ".layer_norm_bias"))), None)
     if te is not None:
         raise FormatError(f"{path}: key {te} is Transformer Engine's fused norm (--transformer-impl "
@@ -224,11 +224,14 @@ def read_meta(path, vocab_size: int | None = None) -> Meta:
         raise FormatError(f"{first}: holds no Megatron-LM 'args' Namespace: cannot tell the model or its "
                           f"parallel layout; pass a checkpoint saved by Megatron-LM's training loop")
     tp, pp = _arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1)
-    spec = spec_from_args(args, vocab_size)
-    spec.check_tp(tp)
+    try:
+        spec = spec_from_args(args, vocab_size)
+        spec.check_tp(tp)
+        counts = _layer_counts(args, pp)
+    except ConfigError as e:
+        raise ConfigError(f"{first}: {e}") from None
     _check_rank_dirs(iter_dir, tp, pp)
-    _check_model_keys(first, state.get("model"))
-    counts = _layer_counts(args, pp)
+    _check_model_keys(first, state)
     padded = _arg(args, "padded_vocab_size")
     if padded is None:
         padded = state["model"]["embedding.word_embeddings.weight"].shape[0] * tp

@@ -34,7 +34,8 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
 
 def train(config: str, save_dir: Path, nproc: int, **overrides) -> list[dict]:
     """Train with the bundled trainer; returns the metrics.jsonl records written by this run."""
-    sets = [f"save_dir={save_dir}", f"data_cache_dir={save_dir.parent / 'data-cache'}", "log_interval=1"]
+    cache = save_dir.parent.parent / "data-cache"  # one tokenized corpus per test session (keyed by content)
+    sets = [f"save_dir={save_dir}", f"data_cache_dir={cache}", "log_interval=1"]
     sets += [f"{k}={json.dumps(v) if isinstance(v, (list, bool)) else v}" for k, v in overrides.items()]
     metrics = save_dir / "metrics.jsonl"
     before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
