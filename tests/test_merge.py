@@ -152,3 +152,25 @@ def test_merge_refuses_existing_out_and_leaves_nothing_on_failure(llama_run, tmp
     res = runner.invoke(main, ["merge", str(save), str(out), "--force", "-q"])
     assert res.exit_code == 0, res.output
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_megatron_lm_checkpoint_merges_and_reshards_like_ours(llama_run, tmp_path):
+    """A checkpoint in Megatron-LM's own layout (Contract 3, args Namespace, numpy RNG) gives the same model."""
+    from megatron_lm_writer import write_megatron_lm
+
+    from ckpt_tools.reshard import reshard
+    save, _ = llama_run
+    mlm = write_megatron_lm(save / "checkpoint-8", tmp_path / "mlm", vocab_recorded=False)
+    assert (mlm / "latest_checkpointed_iteration.txt").is_file()
+    res = CliRunner().invoke(main, ["merge", str(mlm), str(tmp_path / "x"), "-q"])
+    assert res.exit_code == 1 and "--vocab-size" in res.output and not (tmp_path / "x").exists()
+    merge(save, tmp_path / "ours", quiet=True)
+    merge(mlm, tmp_path / "theirs", vocab_size=1000, quiet=True)
+    ours, theirs = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "theirs" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    reshard(mlm, tmp_path / "re", tp=1, pp=1, vocab_size=1000, quiet=True)
+    merge(tmp_path / "re", tmp_path / "re_hf", quiet=True)
+    again = load_file(tmp_path / "re_hf" / "model.safetensors")
+    assert all(torch.equal(ours[k], again[k]) for k in ours)
+    meta = json.loads((tmp_path / "re" / "checkpoint-8" / "meta.json").read_text())
+    assert meta["origin"]["from"]["source"] == "megatron-lm" and meta["parallel"]["tp_size"] == 1
