@@ -56,7 +56,7 @@ class Meta:
     root: Path | None = None  # the checkpoint dir when it is not path.parent (Megatron-LM's iter_N dir)
 
     @classmethod
-    def read(cls, ckpt_dir: str | Path) -> "Meta":
+    def read(cls, ckpt_dir: str | Path) -> Meta:
         path = Path(ckpt_dir) / META
         if not path.is_file():
             raise FormatError(f"{path}: not found: {ckpt_dir} is not a complete checkpoint "

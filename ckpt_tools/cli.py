@@ -139,5 +139,35 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | Non
                          optimizer=not no_optimizer, force=force, quiet=quiet))
 
 
+@main.command()
+@click.argument("src", type=click.Path())
+@click.argument("other", type=click.Path(), required=False)
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda when present.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Compute dtype of both forward passes; picks the tolerances.")
+@click.option("--tokens", "tokens_file", type=click.Path(dir_okay=False), default=None,
+              help="A text file, tokenized with the checkpoint's tokenizer (default: seeded random ids).")
+@click.option("--batch", type=int, default=4, show_default=True, help="Sequences per forward.")
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per sequence.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random token ids.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None, help="Write an HDF5 report here.")
+@click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
+@_handle_errors
+def verify(src: str, other: str | None, device: str | None, dtype: str, tokens_file: str | None, batch: int,
+           seq_len: int, seed: int, report: str | None, vocab_size: int | None) -> None:
+    """Prove SRC (sharded) and OTHER (HF dir, safetensors file or checkpoint) are the same model: tiers 1-3."""
+    from ckpt_tools import verify as v
+    tiers, settings = v.run(src, other, device=device, dtype=dtype, tokens_file=tokens_file, batch=batch,
+                            seq=seq_len, seed=seed, vocab_size=vocab_size)
+    click.echo(v.table(tiers, settings))
+    if report:
+        v.write_report(report, tiers, settings)
+        click.echo(f"report: {report}")
+    failed = [t for t in tiers if not t.ok]
+    if failed:
+        raise CkptError(f"verify failed: tier {failed[0].name}: {failed[0].reason}")
+    click.echo("verify passed: all tiers within tolerance")
+
+
 if __name__ == "__main__":
     sys.exit(main())

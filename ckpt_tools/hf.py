@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import layout
-from ckpt_tools.errors import ConfigError, LayoutError
+from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.spec import ModelSpec
 
 SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN = "same", "vocab", "qkv", "gated", "conv1d", "c_attn"
@@ -197,6 +197,44 @@ def spec_from_hf(config_path: Path) -> ModelSpec:
             tie_word_embeddings=True, activation=act)
     _refuse(config_path, f"model_type {kind!r}")
     raise AssertionError  # unreachable
+
+
+class HFTensors:
+    """The tensors of an HF model dir (model.safetensors or an index of several) or of one
+    safetensors file, read lazily."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if hf_dir.is_file():
+            hf_dir, files = hf_dir.parent, [hf_dir.name]
+        elif index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (hf_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FormatError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json: only safetensors "
+                              f"weights are imported (convert .bin weights with transformers' save_pretrained)")
+        self._handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            path = hf_dir / name
+            if not path.is_file():
+                raise FormatError(f"{path}: listed in the index but missing: download it again")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for a damaged header
+                raise FormatError(f"{path}: not a readable safetensors file ({e}): download or merge it again") from None
+            self._handles[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

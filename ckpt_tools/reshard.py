@@ -7,7 +7,6 @@ shard is the layout table's split of the source tensor's join, so a round trip i
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +19,13 @@ import torch
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import FormatError, LayoutError
-from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, ShardSet, open_checkpoint
+from ckpt_tools.hf import HFTensors
+from ckpt_tools.shards import (
+    OPTIMIZER,
+    OPTIMIZER_FIELDS,
+    ShardSet,
+    open_checkpoint,
+)
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
 
@@ -208,34 +213,6 @@ def _copy_rng(shards: ShardSet, target: Target, tp: int, pp: int) -> None:
 
 
 # ---------------------------------------------------------------- import: HF -> shards
-class HFTensors:
-    """The tensors of an HF model dir (model.safetensors or an index of several), read lazily."""
-
-    def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (hf_dir / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise FormatError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json: only safetensors "
-                              f"weights are imported (convert .bin weights with transformers' save_pretrained)")
-        self._handles = {}
-        self.where: dict[str, str] = {}
-        for name in files:
-            path = hf_dir / name
-            if not path.is_file():
-                raise FormatError(f"{path}: listed in the index but missing: download it again")
-            handle = safe_open(str(path), framework="pt")
-            self._handles[name] = handle
-            for key in handle.keys():
-                self.where[key] = name
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name)
-
-
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False) -> str:
     start = time.perf_counter()
@@ -253,6 +230,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         what = "; ".join(x for x in (f"missing {', '.join(missing[:4])}" if missing else "",
                                      f"unexpected {', '.join(extra[:4])}" if extra else "") if x)
         raise FormatError(f"{hf_dir}: tensors do not match a {spec.architecture} model of this config.json ({what}): "
+                          f"the weights and config.json disagree")
+    wrong = []  # shapes too, before anything is written: a mismatch would crash mid-way or import garbage
+    for key, (row, names) in rows.items():
+        full = torch.empty(layout.full_shape(key, spec, padded), device="meta")
+        for name, want in zip(names, hf.to_hf(row.kind, full, spec)):
+            if source.shape(name) != tuple(want.shape):
+                wrong.append(f"{name} {list(source.shape(name))}, expected {list(want.shape)}")
+    if wrong:
+        raise FormatError(f"{hf_dir}: tensor shapes do not match a {spec.architecture} model of this config.json "
+                          f"({'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}): "
                           f"the weights and config.json disagree")
     first = source.get(rows["embedding.word_embeddings.weight"][1][0])
     params_dtype = dtype or first.dtype

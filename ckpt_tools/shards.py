@@ -86,6 +86,28 @@ class ShardSet:
     def full(self, global_key: str, field: str | None = None):
         return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
 
+    def validate(self) -> list[str]:
+        """Every model shard holds exactly its stage's keys, each of the layout table's shard shape."""
+        meta, problems = self.meta, []
+        for pp_rank in range(meta.pp_size):
+            expected = layout.stage_keys(meta.spec, meta.layer_counts, pp_rank)
+            for tp_rank in range(meta.tp_size):
+                path = self.path(MODEL, tp_rank, pp_rank)
+                try:
+                    state = self._state(MODEL, tp_rank, pp_rank)
+                except FormatError as e:
+                    problems.append(str(e))
+                    continue
+                want = {local for local, _ in expected}
+                problems += [f"{path}: missing tensor {k}" for k, _ in expected if k not in state]
+                problems += [f"{path}: unexpected tensor {k}" for k in state if k not in want]
+                for local, key in expected:
+                    t = state.get(local)
+                    shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+                    if shape is not None and torch.is_tensor(t) and tuple(t.shape) != shape:
+                        problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape}")
+        return problems
+
     def has_optimizer(self) -> bool:
         return self.meta.source == "ckpt-tools" and self.path(OPTIMIZER, 0, 0).is_file()
 

@@ -101,7 +101,7 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
+    def from_dict(cls, d: dict) -> ModelSpec:
         known = ", ".join(f.name for f in dataclasses.fields(cls))
         return build_dataclass(cls, d, "model field(s)", f"known fields are {known}")
 

@@ -121,7 +121,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         return build_dataclass(cls, d, "config key(s)", "see docs/config.md for the known keys")
 
 

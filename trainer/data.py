@@ -21,7 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import (
+    DType,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+)
 from transformers import PreTrainedTokenizerFast
 
 from ckpt_tools.errors import ConfigError

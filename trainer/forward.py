@@ -21,7 +21,7 @@ from megatron.core import parallel_state as ps
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, layout
 from ckpt_tools.errors import CkptError
-from ckpt_tools.shards import ShardSet
+from ckpt_tools.shards import MODEL, ShardSet, open_checkpoint
 from trainer.model import GPTStage, megatron_config
 
 
@@ -37,7 +37,7 @@ def build_from_checkpoint(shards: ShardSet, tp_size: int, counts: list[int], dev
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     stage = GPTStage(spec, mcfg, tp_size=tp_size, pp_rank=pp_rank, layer_counts=counts, padded_vocab=padded)
     if tp_size == meta.tp_size and counts == meta.layer_counts:
-        state = io.load_file(meta.dir / fmt.model_file(tp_rank, pp_rank))["model"]
+        state = dict(shards.file(MODEL, tp_rank, pp_rank)[MODEL])
     else:
         state = {}
         for local, key in stage.global_keys().items():
@@ -72,6 +72,26 @@ def pipeline_logits(stage: GPTStage, tokens: torch.Tensor) -> torch.Tensor | Non
     return full.transpose(0, 1)[..., : spec.vocab_size].float().contiguous()
 
 
+def capture_hidden(stage: GPTStage) -> dict[str, torch.Tensor]:
+    """Hooks that record this stage's hidden states as [batch, seq, hidden] fp32, by global name:
+    `embedding`, `layer <i>` (the output of global layer i) and `final_norm`."""
+    out: dict[str, torch.Tensor] = {}
+    offset = sum(stage.layer_counts[: stage.pp_rank])
+
+    def keep(name: str):
+        def hook(module, inputs, output):
+            out[name] = output.detach().transpose(0, 1).float().cpu()
+        return hook
+
+    if stage.pre_process:
+        stage.embedding.register_forward_hook(keep("embedding"))
+    for i, layer in enumerate(stage.decoder.layers):
+        layer.register_forward_hook(keep(f"layer {offset + i}"))
+    if stage.post_process:
+        stage.decoder.final_layernorm.register_forward_hook(keep("final_norm"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.forward", description=__doc__)
     p.add_argument("checkpoint")
@@ -80,10 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--pp", type=int, default=None)
     p.add_argument("--layers-per-stage", default=None)
+    p.add_argument("--vocab-size", type=int, default=None, help="true vocab, for inputs that do not record it")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--hidden", action="store_true",
+                   help="also save per-layer hidden states [batch, seq, hidden] to OUT.hidden<pp_rank>.pt")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     try:
-        meta = fmt.Meta.read(fmt.resolve(args.checkpoint))
+        shards = open_checkpoint(args.checkpoint, args.vocab_size)
+        meta = shards.meta
         tp, pp = args.tp or meta.tp_size, args.pp or meta.pp_size
         explicit = [int(n) for n in args.layers_per_stage.split(",")] if args.layers_per_stage else None
         if explicit is None and pp == meta.pp_size:
@@ -96,14 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         if world != tp * pp:
             raise CkptError(f"forward at TP{tp} x PP{pp} needs {tp * pp} processes, found {world}: "
                             f"launch with torchrun --nproc-per-node {tp * pp}")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        stage = build_from_checkpoint(ShardSet(meta), tp, counts, device)
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        stage = build_from_checkpoint(shards, tp, counts, device, dtype)
         tokens = io.load_file(args.tokens, mmap=False).to(device)
+        hidden = capture_hidden(stage) if args.hidden else None
         logits = pipeline_logits(stage, tokens)
+        if hidden is not None and ps.get_tensor_model_parallel_rank() == 0:
+            torch.save(hidden, f"{args.out}.hidden{ps.get_pipeline_model_parallel_rank()}.pt")
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
             torch.save(logits.cpu(), args.out)
         dist.barrier()

@@ -1,0 +1,349 @@
+"""`ckpt verify`: prove by weights and forward passes that two forms of a model are the same model.
+
+Tier 1 (weights): every tensor of OTHER equals the join of SRC's shards after the documented
+  transforms (QKV / gate-up split, vocab trim, GPT-2 transpose), bit for bit when dtypes match;
+  every source tensor used once, none missing, none extra. Without OTHER: sizes and sha256 against
+  meta.json, and every shard's keys and shapes against the layout table.
+Tier 2 (hidden states): SRC's sharded model at its native TP x PP (torchrun) and OTHER's model
+  (transformers for an HF dir, the trainer's model for shards) on the same tokens; the FIRST layer
+  whose hidden states differ beyond the tolerance is named.
+Tier 3 (logits): max abs and relative L2 error, KL divergence, top-1 / top-5 agreement, loss and
+  perplexity of each side, against dtype-dependent tolerances (docs/verify.md).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import hf, layout
+from ckpt_tools.errors import CkptError
+from ckpt_tools.merge import HF, SAFETENSORS, plan
+from ckpt_tools.shards import ShardSet, open_checkpoint
+
+TOLERANCES = {  # per compute dtype; documented in docs/verify.md
+    "fp32": {"hidden_rel": 1e-5, "logits_rel": 1e-5, "kl": 1e-8, "top1": 0.999},
+    "bf16": {"hidden_rel": 3e-2, "logits_rel": 3e-2, "kl": 2e-3, "top1": 0.99},
+}
+
+
+@dataclass
+class Tier:
+    name: str
+    ok: bool = True
+    lines: list[str] = field(default_factory=list)
+    reason: str = ""
+    data: dict = field(default_factory=dict)  # arrays and numbers for the report
+
+    def fail(self, reason: str) -> None:
+        if self.ok:
+            self.ok, self.reason = False, reason
+
+
+def other_kind(path: Path) -> str:
+    if path.is_file() and path.suffix == ".safetensors":
+        return SAFETENSORS
+    if path.is_dir() and (path / "config.json").is_file():
+        return HF
+    return "shards"
+
+
+# ---------------------------------------------------------------- tier 1
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if tuple(a.shape) != tuple(b.shape):
+        return f"shape {tuple(b.shape)}, expected {tuple(a.shape)}"
+    d = (a.float() - b.float()).abs()
+    flat = int(d.view(-1).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), d.shape))
+    return f"{int((d > 0).sum())} element(s) differ, max abs {float(d.max()):.3g} at {list(index)}"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact, after casting the source to the other's dtype (a merge with --dtype casts)."""
+    return tuple(a.shape) == tuple(b.shape) and layout.same_bits(a.to(b.dtype), b)
+
+
+def integrity(src: ShardSet, tier: Tier) -> None:
+    """Sizes and sha256 of every recorded file; every shard's keys and shapes as the layout table says."""
+    meta = src.meta
+    if meta.source == "ckpt-tools":
+        for name, rec in meta.raw.get("files", {}).items():
+            path = meta.dir / name
+            if not path.is_file():
+                tier.fail(f"{path}: missing (recorded in meta.json)")
+            elif path.stat().st_size != rec["size"]:
+                tier.fail(f"{path}: {path.stat().st_size} bytes, meta.json records {rec['size']}")
+            elif fmt.file_record(path)["sha256"] != rec["sha256"]:
+                tier.fail(f"{path}: sha256 differs from meta.json: the file changed after it was saved")
+        tier.lines.append(f"{len(meta.raw.get('files', {}))} files: sizes and sha256 checked against meta.json")
+    problems = src.validate()
+    for p in problems:
+        tier.fail(p)
+    tier.lines.append(f"{meta.tp_size * meta.pp_size} model shards: keys and shapes checked against the layout table"
+                      + (f" ({len(problems)} problem(s))" if problems else ""))
+
+
+def tier1(src: ShardSet, other: Path | None) -> Tier:
+    tier = Tier("1 weights")
+    integrity(src, tier)
+    if other is None:
+        return tier
+    kind = other_kind(other)
+    compared = exact = 0
+    mismatched: list[str] = []
+    if kind == "shards":
+        theirs = open_checkpoint(other)
+        fields = [None] + (["master", "exp_avg", "exp_avg_sq"] if src.has_optimizer() and theirs.has_optimizer() else [])
+        keys = [k for k in src.keys() if layout.find_rule(k, src.meta.spec, src.meta.pp_size).split != layout.EXTRA]
+        missing = [k for k in keys if k not in theirs.keys()]
+        extra = [k for k in theirs.keys() if k not in src.keys()
+                 and layout.find_rule(k, theirs.meta.spec, theirs.meta.pp_size).split != layout.EXTRA]
+        for key in (k for k in keys if k in theirs.keys()):
+            for f in fields:
+                a, b = src.full(key, f), theirs.full(key, f)
+                if layout.find_rule(key, src.meta.spec, 2).split == layout.VOCAB:  # compare the true rows
+                    a, b = a[: src.meta.spec.vocab_size], b[: src.meta.spec.vocab_size]
+                compared += 1
+                if _same(a, b):
+                    exact += 1
+                else:
+                    mismatched.append(f"{key}{'' if f is None else f' [{f}]'}: {_diff(a, b)}")
+            src.release()
+            theirs.release()
+    else:
+        tensors = hf.HFTensors(other)
+        used: set[str] = set()
+        for e in plan(src.meta.spec, src.meta.padded_vocab, kind):
+            converted = hf.to_hf(e.kind, src.full(e.key), src.meta.spec)
+            for name, a in zip(e.names, converted):
+                if name not in tensors.where:
+                    continue
+                used.add(name)
+                compared += 1
+                b = tensors.get(name)
+                if _same(a, b):
+                    exact += 1
+                else:
+                    mismatched.append(f"{e.key} -> {name}: {_diff(a, b)}")
+            src.release()
+        wanted = {n for e in plan(src.meta.spec, src.meta.padded_vocab, kind) for n in e.names}
+        missing = sorted(wanted - set(tensors.where))
+        extra = sorted(set(tensors.where) - wanted)
+    tier.lines.append(f"{compared} tensors compared: {exact} bit-exact, {len(mismatched)} differ, "
+                      f"{len(missing)} missing, {len(extra)} extra")
+    tier.lines += [f"differs: {m}" for m in mismatched[:10]]
+    tier.data.update(compared=compared, exact=exact, mismatched=mismatched, missing=missing, extra=extra)
+    if mismatched:  # the changed tensor is the most useful thing to name, before file-level findings
+        tier.ok, tier.reason = False, f"tensor {mismatched[0]}" + (f"; also {tier.reason}" if tier.reason else "")
+    elif missing or extra:
+        tier.fail(f"missing {missing[:3]}, extra {extra[:3]}")
+    return tier
+
+
+# ---------------------------------------------------------------- forward passes
+def _env() -> dict:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def sharded_forward(ckpt: Path, tokens: torch.Tensor, work: Path, tp: int, pp: int, dtype: str, device: str, tag: str,
+                    vocab_size: int | None = None, layers: list[int] | None = None) -> tuple[dict, torch.Tensor]:
+    """Hidden states by name and logits [b, s, vocab] of the trainer's model at TP x PP (torchrun)."""
+    tok, out = work / "tokens.pt", work / f"{tag}.pt"
+    torch.save(tokens, tok)
+    args = ["-m", "trainer.forward", str(ckpt), "--tokens", str(tok), "--out", str(out), "--tp", str(tp),
+            "--pp", str(pp), "--dtype", dtype, "--device", device, "--hidden"]
+    if vocab_size is not None:
+        args += ["--vocab-size", str(vocab_size)]
+    if layers is not None:
+        args += ["--layers-per-stage", ",".join(map(str, layers))]
+    if tp * pp == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}",
+               f"--master-port={_free_port()}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    if proc.returncode != 0:
+        errors = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("error")]
+        raise CkptError(errors[0] if errors else f"sharded forward of {ckpt} failed (exit {proc.returncode}): "
+                        f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    hidden: dict[str, torch.Tensor] = {}
+    for p in range(pp):
+        hidden.update(torch.load(f"{out}.hidden{p}.pt", weights_only=True))
+    return hidden, torch.load(out, weights_only=True)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@torch.no_grad()
+def hf_forward(hf_dir: Path, tokens: torch.Tensor, dtype: str, device: str, num_layers: int) -> tuple[dict, torch.Tensor]:
+    """transformers' own model; hidden states renamed to the trainer's names (HF's last one is after the final norm)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype).to(device).eval()
+    out = model(tokens.to(device), output_hidden_states=True)
+    hs = [h.float().cpu() for h in out.hidden_states]
+    names = ["embedding"] + [f"layer {i}" for i in range(num_layers - 1)] + ["final_norm"]
+    return dict(zip(names, hs)), out.logits.float().cpu()
+
+
+# ---------------------------------------------------------------- tiers 2 and 3
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def tier2(a: dict, b: dict, order: list[str], tol: float) -> Tier:
+    tier = Tier("2 hidden states")
+    names = [n for n in order if n in a and n in b]
+    rels = [rel_l2(a[n], b[n]) for n in names]
+    maxabs = [float((a[n] - b[n]).abs().max()) for n in names]
+    tier.data.update(names=names, rel_l2=rels, max_abs=maxabs, tolerance=tol)
+    for n, r, m in zip(names, rels, maxabs):
+        tier.lines.append(f"{n:<12} rel L2 {r:.2e}  max abs {m:.2e}{'  <-- exceeds ' + f'{tol:g}' if r > tol else ''}")
+        if r > tol:
+            tier.fail(f"{n} is the first layer whose hidden states differ (rel L2 {r:.2e} > {tol:g})")
+    return tier
+
+
+def tier3(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, tol: dict) -> Tier:
+    tier = Tier("3 logits")
+    la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
+    kl = (la.exp() * (la - lb)).sum(-1)  # per token KL(SRC || OTHER)
+    top1 = (a.argmax(-1) == b.argmax(-1)).double()
+    ta, tb = a.topk(5, -1).indices, b.topk(5, -1).indices
+    top5 = (ta[..., :, None] == tb[..., None, :]).any(-1).double().mean(-1)  # overlap of the top-5 sets
+    target = tokens[:, 1:].cpu()
+    loss = [float(torch.nn.functional.nll_loss(l[:, :-1].reshape(-1, l.shape[-1]), target.reshape(-1)))
+            for l in (la, lb)]
+    m = {"max_abs": float((a - b).abs().max()), "rel_l2": rel_l2(a, b), "kl_mean": float(kl.mean()),
+         "kl_max": float(kl.max()), "top1": float(top1.mean()), "top5": float(top5.mean()),
+         "loss_src": loss[0], "loss_other": loss[1]}
+    tier.data.update(m, per_token_max_abs=(a - b).abs().amax(-1), per_token_kl=kl.float(), per_token_top1=top1)
+    tier.lines.append(f"rel L2 {m['rel_l2']:.2e} (tol {tol['logits_rel']:g}), max abs {m['max_abs']:.2e}, "
+                      f"KL mean {m['kl_mean']:.2e} max {m['kl_max']:.2e} (tol {tol['kl']:g})")
+    tier.lines.append(f"top-1 {m['top1']:.2%} (tol {tol['top1']:.1%}), top-5 overlap {m['top5']:.2%}, "
+                      f"loss {loss[0]:.4f} vs {loss[1]:.4f} (ppl {torch.tensor(loss).exp()[0]:.2f} vs "
+                      f"{torch.tensor(loss).exp()[1]:.2f})")
+    if m["rel_l2"] > tol["logits_rel"]:
+        tier.fail(f"logits rel L2 {m['rel_l2']:.2e} > {tol['logits_rel']:g}")
+    if m["kl_mean"] > tol["kl"]:
+        tier.fail(f"logits KL {m['kl_mean']:.2e} > {tol['kl']:g}")
+    if m["top1"] < tol["top1"]:
+        tier.fail(f"top-1 agreement {m['top1']:.2%} < {tol['top1']:.1%}")
+    return tier
+
+
+def make_tokens(src: ShardSet, other: Path | None, text_file: Path | None, batch: int, seq: int, seed: int) -> torch.Tensor:
+    spec = src.meta.spec
+    seq = min(seq, spec.max_position_embeddings)
+    if text_file is None:
+        return torch.randint(0, spec.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    tok_dir = next((d for d in (src.meta.dir, other) if d is not None and d.is_dir() and hf.tokenizer_files(d)), None)
+    if tok_dir is None:
+        raise CkptError(f"{text_file}: no tokenizer to read it with: neither {src.meta.dir} nor OTHER holds "
+                        f"tokenizer files; pass token ids instead (omit --tokens for random ids)")
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(str(tok_dir))(Path(text_file).read_text())["input_ids"]
+    rows = min(batch, len(ids) // seq)
+    if rows < 1:
+        raise CkptError(f"{text_file}: {len(ids)} tokens, fewer than one sequence of {seq}: give a longer text or a smaller --seq-len")
+    return torch.tensor(ids[: rows * seq]).view(rows, seq)
+
+
+def run(src: str | Path, other: str | Path | None = None, *, device: str | None = None, dtype: str = "fp32",
+        tokens_file: str | Path | None = None, batch: int = 4, seq: int = 128, seed: int = 0,
+        vocab_size: int | None = None) -> tuple[list[Tier], dict]:
+    """All tiers; returns them and the run's settings (for the report)."""
+    shards = open_checkpoint(src, vocab_size)
+    meta = shards.meta
+    other_path = Path(other) if other is not None else None
+    if other_path is not None and not other_path.exists():
+        raise CkptError(f"{other_path}: no such file or directory: pass a merged HF dir, a safetensors file or a checkpoint")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device, meta.tp_size * meta.pp_size)
+    tokens = make_tokens(shards, other_path, Path(tokens_file) if tokens_file else None, batch, seq, seed)
+    tiers = [tier1(shards, other_path)]
+    shards.close()
+    tol = TOLERANCES[dtype]
+    with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as work:
+        work = Path(work)
+        mine = sharded_forward(meta.dir, tokens, work, meta.tp_size, meta.pp_size, dtype, device, "src", vocab_size,
+                               meta.layer_counts)
+        kind = other_kind(other_path) if other_path is not None else None
+        if kind == HF:
+            theirs, label = hf_forward(other_path, tokens, dtype, device, meta.spec.num_layers), "transformers"
+        elif kind == "shards":
+            o = open_checkpoint(other_path).meta
+            theirs = sharded_forward(o.dir, tokens, work, o.tp_size, o.pp_size, dtype, device, "other", None,
+                                     o.layer_counts)
+            label = f"trainer TP{o.tp_size} x PP{o.pp_size}"
+        else:  # alone, or a safetensors file already proven equal to SRC's join in tier 1
+            theirs, label = sharded_forward(meta.dir, tokens, work, 1, 1, dtype, device, "merged", vocab_size), "TP1 x PP1 join"
+    order = ["embedding"] + [f"layer {i}" for i in range(meta.spec.num_layers)] + ["final_norm"]
+    tiers.append(tier2(mine[0], theirs[0], order, tol["hidden_rel"]))
+    tiers.append(tier3(mine[1], theirs[1], tokens, tol))
+    settings = {"src": str(meta.dir), "other": str(other_path) if other_path else "", "other_model": label,
+                "device": device, "dtype": dtype, "tp": meta.tp_size, "pp": meta.pp_size,
+                "tokens": "random" if tokens_file is None else str(tokens_file), "batch": tokens.shape[0],
+                "seq": tokens.shape[1], "seed": seed, "torch": torch.__version__}
+    return tiers, {**settings, "tolerances": tol}
+
+
+def _check_device(device: str, needed: int) -> None:
+    if device == "cuda":
+        have = torch.cuda.device_count()
+        if have == 0:
+            raise CkptError("--device cuda but no CUDA device is visible: use --device cpu")
+        if have < needed:
+            raise CkptError(f"the sharded model needs {needed} GPUs (TP x PP), {have} visible: run on a machine with "
+                            f"{needed} GPUs, or with --device cpu")
+
+
+# ---------------------------------------------------------------- report
+def table(tiers: list[Tier], settings: dict) -> str:
+    head = (f"verify {settings['src']} vs {settings['other'] or '(itself)'} [{settings['other_model']}] on "
+            f"{settings['device']} in {settings['dtype']}, {settings['batch']} x {settings['seq']} tokens "
+            f"({settings['tokens']}), SRC at TP{settings['tp']} x PP{settings['pp']}")
+    lines = [head]
+    for t in tiers:
+        lines.append(f"tier {t.name:<16} {'PASS' if t.ok else 'FAIL'}{'' if t.ok else '  ' + t.reason}")
+        lines += [f"    {line}" for line in t.lines]
+    return "\n".join(lines)
+
+
+def write_report(path: str | Path, tiers: list[Tier], settings: dict) -> None:
+    """HDF5: /settings attrs, one group per tier (attrs: ok, reason, scalars; datasets: arrays and lists)."""
+    import h5py
+    import numpy as np
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with h5py.File(tmp, "w") as f:
+        s = f.create_group("settings")
+        for k, v in settings.items():
+            s.attrs[k] = v if type(v) in (int, float, bool) else str(v)
+        for t in tiers:
+            g = f.create_group(f"tier{t.name.split()[0]}")
+            g.attrs["name"], g.attrs["ok"], g.attrs["reason"] = t.name, t.ok, t.reason
+            g.create_dataset("lines", data=np.array(t.lines, dtype=h5py.string_dtype()))
+            for k, v in t.data.items():
+                if torch.is_tensor(v):
+                    g.create_dataset(k, data=v.detach().cpu().float().numpy())
+                elif isinstance(v, list) and v and isinstance(v[0], str):
+                    g.create_dataset(k, data=np.array(v, dtype=h5py.string_dtype()))
+                elif isinstance(v, list):
+                    g.create_dataset(k, data=np.array(v, dtype=np.float64))
+                else:
+                    g.attrs[k] = v
+    os.replace(tmp, path)
