@@ -1,0 +1,90 @@
+"""`ckpt verify`: passes on good merges and reshards, fails and names the tensor and layer on a bad one."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpt_tools.cli import main
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import reshard
+
+FAST = ["--batch", "2", "--seq-len", "32", "--device", "cpu"]
+
+
+def verify(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(main, ["verify", *map(str, args), *FAST])
+    return res.exit_code, res.output
+
+
+@pytest.fixture(scope="module")
+def llama_hf(llama_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("verify") / "hf"
+    merge(llama_run[0], out, quiet=True)
+    return out
+
+
+def test_good_merge_passes_all_tiers_and_writes_a_report(llama_run, llama_hf, tmp_path):
+    report = tmp_path / "r.h5"
+    code, out = verify(llama_run[0], llama_hf, "--report", report)
+    assert code == 0, out
+    assert "tier 1 weights        PASS" in out and "tier 2 hidden states  PASS" in out and "tier 3 logits         PASS" in out
+    assert "39 tensors compared: 39 bit-exact, 0 differ, 0 missing, 0 extra" in out
+    with h5py.File(report) as f:
+        assert f["settings"].attrs["dtype"] == "fp32" and f["settings"].attrs["tp"] == 2
+        assert all(f[f"tier{i}"].attrs["ok"] for i in (1, 2, 3))
+        assert f["tier1"].attrs["exact"] == 39
+        names = [n.decode() for n in f["tier2/names"][:]]
+        assert names[0] == "embedding" and names[-1] == "final_norm" and len(f["tier2/rel_l2"]) == len(names)
+        assert max(f["tier2/rel_l2"][:]) < 1e-5
+        assert f["tier3/per_token_kl"].shape == (2, 32) and f["tier3/per_token_max_abs"].shape == (2, 32)
+        assert f["tier3"].attrs["rel_l2"] < 1e-5 and f["tier3"].attrs["top1"] == 1.0
+
+
+def test_one_changed_element_is_named_in_tier1_and_its_layer_in_tier2(llama_run, llama_hf, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_run[0] / "checkpoint-8", bad)
+    shard = bad / "pytorch_model_tp_1_pp_1.bin"  # stage 1 holds layers 2, 3; local layer 0 = global layer 2
+    obj = torch.load(shard, weights_only=True)
+    obj["model"]["decoder.layers.0.mlp.linear_fc2.weight"][3, 5] += 0.5
+    torch.save(obj, shard)
+    code, out = verify(bad, llama_hf)
+    assert code == 1
+    assert "differs: decoder.layers.2.mlp.linear_fc2.weight -> model.layers.2.mlp.down_proj.weight: 1 element(s)" in out
+    assert "layer 2 is the first layer whose hidden states differ" in out
+    assert "sha256 differs" in out or "meta.json records" in out  # the file no longer matches its record
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: verify failed: tier 1 weights: tensor decoder.layers.2.mlp.linear_fc2.weight")
+
+
+def test_resharded_checkpoint_verifies_against_the_original(llama_run, tmp_path):
+    reshard(llama_run[0], tmp_path / "re", tp=1, pp=2, layers=[1, 3], quiet=True)
+    code, out = verify(tmp_path / "re", llama_run[0])
+    assert code == 0, out
+    assert "SRC at TP1 x PP2" in out and "[trainer TP2 x PP2]" in out
+    assert "108 tensors compared: 108 bit-exact" in out  # 27 parameters x (weights, master, exp_avg, exp_avg_sq)
+
+
+def test_gpt2_alone_and_against_safetensors_and_text_tokens(gpt2_run, tmp_path):
+    code, out = verify(gpt2_run[0])  # no OTHER: integrity + sharded vs its own TP1 x PP1 join
+    assert code == 0 and "[TP1 x PP1 join]" in out, out
+    st = tmp_path / "model.safetensors"
+    merge(gpt2_run[0], st, fmt="safetensors", quiet=True)
+    text = tmp_path / "text.txt"
+    text.write_text((Path(__file__).parent.parent / "fixtures" / "corpus.txt").read_text()[:20000])
+    code, out = verify(gpt2_run[0], st, "--tokens", text)
+    assert code == 0, out
+    assert f"({text})" in out and "tensors compared" in out and " 0 differ, 0 missing, 0 extra" in out
+
+
+def test_verify_refuses_cuda_without_gpus_and_missing_other(llama_run, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    res = CliRunner().invoke(main, ["verify", str(llama_run[0]), "--device", "cuda"])
+    assert res.exit_code == 1 and "no CUDA device" in res.output and len(res.output.splitlines()) == 1
+    res = CliRunner().invoke(main, ["verify", str(llama_run[0]), str(tmp_path / "nope")])
+    assert res.exit_code == 1 and "nope" in res.output and len(res.output.splitlines()) == 1
