@@ -1,11 +1,15 @@
 """Run under torchrun on CUDA GPUs (world = TP): megatron-core's real GPTModel (local spec) forward
 vs the trainer's GPTStage forward on the same weights. Writes a JSON report to argv[1].
 
-    torchrun --nproc-per-node TP tests/gpu_mcore_forward.py OUT.json ARCH DTYPE
+    torchrun --nproc-per-node TP tests/gpu_mcore_forward.py OUT.json ARCH DTYPE [CKPT TOKENS LOGITS]
+
+With CKPT (a PP=1 checkpoint of ours at TP = world), the weights come from it and the full
+megatron-core logits [b, s, true_vocab] (fp32) are saved to LOGITS, for comparison with transformers.
 """
 import json
 import sys
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -16,26 +20,30 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ckpt_tools.shards import open_checkpoint
 from ckpt_tools.spec import ModelSpec
+from trainer.forward import build_from_checkpoint
 from trainer.model import GPTStage, initialize, megatron_config
 
 
-def mcore_model(spec: ModelSpec, tp: int, dtype: torch.dtype) -> GPTModel:
+def mcore_model(spec: ModelSpec, tp: int, dtype: torch.dtype, padded_vocab: int) -> GPTModel:
     cfg = TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
         tensor_model_parallel_size=tp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
-        activation_func=F.silu if spec.gated_linear_unit else F.gelu, add_bias_linear=spec.add_bias_linear,
+        activation_func=F.silu if spec.gated_linear_unit else partial(F.gelu, approximate=
+                                                                      "tanh" if spec.activation == "gelu_tanh" else "none"), add_bias_linear=spec.add_bias_linear,
         layernorm_epsilon=spec.norm_epsilon, hidden_dropout=0.0, attention_dropout=0.0)
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization=spec.normalization),
-                    vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_position_embeddings,
+                    vocab_size=padded_vocab, max_sequence_length=spec.max_position_embeddings,
                     position_embedding_type=spec.position_embedding_type, rotary_base=int(spec.rotary_base),
                     share_embeddings_and_output_weights=spec.tie_word_embeddings).cuda().to(dtype)
     # .to(dtype): what megatron's Float16Module does to a bf16 model (its position embedding is built fp32)
 
 
-def main(out: str, arch: str, dtype_name: str) -> None:
+def main(out: str, arch: str, dtype_name: str, ckpt: str | None = None, tokens_path: str | None = None,
+         logits_out: str | None = None) -> None:
     warnings.filterwarnings("ignore")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -49,14 +57,21 @@ def main(out: str, arch: str, dtype_name: str) -> None:
     spec = ModelSpec(arch, num_layers=4, hidden_size=256, num_attention_heads=8,
                      num_query_groups=2 if arch == "llama" else None, ffn_hidden_size=512, vocab_size=1000,
                      max_position_embeddings=256, tie_word_embeddings=arch == "gpt2")
-    ours = GPTStage(spec, megatron_config(spec, tp, 1, dtype, on_cpu=False), tp_size=tp, pp_rank=0,
-                    layer_counts=[spec.num_layers], padded_vocab=spec.padded_vocab_size(tp)).cuda()
-    initialize(ours, seed=3, tp_rank=ps.get_tensor_model_parallel_rank())
-    ref = mcore_model(spec, tp, dtype)
+    if ckpt is None:
+        ours = GPTStage(spec, megatron_config(spec, tp, 1, dtype, on_cpu=False), tp_size=tp, pp_rank=0,
+                        layer_counts=[spec.num_layers], padded_vocab=spec.padded_vocab_size(tp)).cuda()
+        initialize(ours, seed=3, tp_rank=ps.get_tensor_model_parallel_rank())
+        tokens = torch.randint(0, spec.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
+    else:
+        shards = open_checkpoint(ckpt)
+        spec = shards.meta.spec
+        ours = build_from_checkpoint(shards, tp, [spec.num_layers], torch.device("cuda"), dtype)
+        tokens = torch.load(tokens_path, weights_only=True).cuda()
+    ref = mcore_model(spec, tp, dtype, ours.padded_vocab)
     missing = ref.load_state_dict(ours.state_dict(), strict=True)
-    tokens = torch.randint(0, spec.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
-    positions = torch.arange(tokens.shape[1], device="cuda")[None].expand_as(tokens)
-    mask = torch.triu(torch.ones(1, 1, 128, 128, dtype=torch.bool, device="cuda"), diagonal=1)
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device="cuda")[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device="cuda"), diagonal=1)
     with torch.no_grad():
         a = ours.eval()(tokens).transpose(0, 1).float()  # [b, s, V/tp]
         b = ref.eval()(tokens, positions, mask).float()
@@ -65,6 +80,11 @@ def main(out: str, arch: str, dtype_name: str) -> None:
     report = {"arch": arch, "dtype": dtype_name, "tp": tp, "rank": rank, "rel_l2": rel,
               "max_abs": (a - b).abs().max().item(), "top1_agreement_local_shard": top1,
               "load_state_dict": str(missing), "device": torch.cuda.get_device_name()}
+    if logits_out is not None:
+        parts = [torch.empty_like(b) for _ in range(tp)]
+        dist.all_gather(parts, b.contiguous(), group=ps.get_tensor_model_parallel_group())
+        if rank == 0:
+            torch.save(torch.cat(parts, -1)[..., : spec.vocab_size].cpu(), logits_out)
     reports = [None] * tp
     dist.all_gather_object(reports, report)
     if rank == 0:
@@ -74,4 +94,4 @@ def main(out: str, arch: str, dtype_name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])
