@@ -441,3 +441,26 @@ def test_import_refuses_weights_that_do_not_fit_the_config(edit, expected, hf_di
     line = one_line_error(run("import", hf_dir, out, "--tp", "2", "--pp", "2", "-q"))
     assert expected in line and "config.json" in line, line
     assert_nothing_written(out)
+
+
+def test_padded_vocab_is_repadded_when_the_new_tp_does_not_divide_it(tmp_path):
+    """Padded 1001 rows (divisible_by 1) at TP1 -> TP2 needs 1002: real rows kept, the new row zero, said so."""
+    from test_megatron_lm import write_ours
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=96, vocab_size=1001, make_vocab_size_divisible_by=1)
+    src = write_ours(spec, tmp_path / "src" / "checkpoint-100", tp=1, pp=1)
+    res = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "tp2"), "--tp", "2", "--pp", "1", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "padded vocab 1001 -> 1002" in res.output and "zeros" in res.output
+    meta = json.loads((tmp_path / "tp2" / "checkpoint-100" / "meta.json").read_text())
+    assert meta["vocab"]["padded"] == 1002
+    before = io.load_file(src / "pytorch_model_tp_0_pp_0.bin")["model"]["embedding.word_embeddings.weight"]
+    after = torch.cat([io.load_file(tmp_path / "tp2" / "checkpoint-100" / f"pytorch_model_tp_{t}_pp_0.bin")["model"]
+                       ["embedding.word_embeddings.weight"] for t in range(2)])
+    assert after.shape[0] == 1002 and torch.equal(after[:1001], before) and not after[1001:].any()
+    merge(src, tmp_path / "a", quiet=True)
+    merge(tmp_path / "tp2", tmp_path / "b", quiet=True)
+    a, b = load_safetensors(tmp_path / "a" / "model.safetensors"), load_safetensors(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
