@@ -129,27 +129,49 @@ GPT2_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
 def hf_config(spec: ModelSpec, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
-    """config.json for transformers' LlamaConfig / GPT2Config, every field that changes the math set."""
-    from transformers import GPT2Config, LlamaConfig
+    """config.json for transformers' LlamaConfig / GPT2Config: every field that changes the math is set
+    explicitly (transformers fills the rest with its defaults). Written without importing transformers,
+    which would cost seconds per merge."""
+    common = {"vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tie_word_embeddings,
+              "bos_token_id": bos, "eos_token_id": eos, "dtype": DTYPE_NAMES[dtype], "use_cache": True}
     if spec.architecture == "llama":
-        cfg = LlamaConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
-            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_query_groups, head_dim=spec.kv_channels, hidden_act="silu",
-            max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.norm_epsilon,
-            rope_parameters={"rope_type": "default", "rope_theta": float(spec.rotary_base)},
-            tie_word_embeddings=spec.tie_word_embeddings, attention_bias=False, mlp_bias=False,
-            bos_token_id=bos, eos_token_id=eos, dtype=DTYPE_NAMES[dtype])
-        cfg.architectures = ["LlamaForCausalLM"]
-    else:
-        cfg = GPT2Config(
-            vocab_size=spec.vocab_size, n_embd=spec.hidden_size, n_layer=spec.num_layers,
-            n_head=spec.num_attention_heads, n_inner=spec.ffn_hidden_size,
-            n_positions=spec.max_position_embeddings, layer_norm_epsilon=spec.norm_epsilon,
-            activation_function=GPT2_ACT[spec.activation], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, dtype=DTYPE_NAMES[dtype])
-        cfg.architectures = ["GPT2LMHeadModel"]
-    return json.loads(cfg.to_json_string(use_diff=False))
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
+                "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
+                "num_key_value_heads": spec.num_query_groups, "head_dim": spec.kv_channels, "hidden_act": "silu",
+                "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.norm_epsilon,
+                "rope_parameters": {"rope_type": "default", "rope_theta": float(spec.rotary_base)},
+                "rope_theta": float(spec.rotary_base), "attention_bias": False, "attention_dropout": 0.0,
+                "mlp_bias": False, "pretraining_tp": 1, "initializer_range": 0.02}
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            "n_embd": spec.hidden_size, "n_layer": spec.num_layers, "n_head": spec.num_attention_heads,
+            "n_inner": spec.ffn_hidden_size, "n_positions": spec.max_position_embeddings,
+            "layer_norm_epsilon": spec.norm_epsilon, "activation_function": GPT2_ACT[spec.activation],
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "initializer_range": 0.02}
+
+
+def special_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:
+    """(bos, eos) token ids from a tokenizer dir's JSON files (tokenizer_config.json names the tokens,
+    tokenizer.json maps them to ids), without loading a tokenizer."""
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        return None, None
+    names: dict = {}
+    for f in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (tokenizer_dir / f).is_file():
+            names.update({k: v for k, v in json.loads((tokenizer_dir / f).read_text()).items()
+                          if k in ("bos_token", "eos_token") and v})
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab = tok.get("model", {}).get("vocab")
+    if isinstance(vocab, dict):
+        ids = {**vocab, **ids}
+
+    def lookup(name: str) -> int | None:
+        token = names.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        return ids.get(token) if token is not None else None
+    return lookup("bos_token"), lookup("eos_token")
 
 
 def _refuse(path: Path, what: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import hf, layout, output
+from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import CkptError, ConfigError
 from ckpt_tools.shards import ShardSet, open_checkpoint
 from ckpt_tools.spec import ModelSpec
@@ -78,14 +78,6 @@ def find_tokenizer(shards: ShardSet, tokenizer: str | Path | None) -> Path | Non
     return shards.meta.dir if hf.tokenizer_files(shards.meta.dir) else None
 
 
-def special_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:
-    if tokenizer_dir is None:
-        return None, None
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    return tok.bos_token_id, tok.eos_token_id
-
-
 def _tied_copy_note(shards: ShardSet) -> str | None:
     """With tied embeddings and PP > 1 the last stage keeps a copy; HF keeps one tensor. Say if they differ."""
     spec = shards.meta.spec
@@ -122,6 +114,7 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None 
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     note = _tied_copy_note(shards)
+    extras = _hf_json(spec, target, tok_dir) if fmt == HF else None
     with output.staged(out, force, directory=fmt == HF) as tmp:
         bar = output.progress(total, "merge", quiet)
         for name, group in zip(names, files):
@@ -139,8 +132,8 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None 
                 bar.update(e.nbytes(target))
             writer.close()
         bar.close()
-        if fmt == HF:
-            _write_hf_extras(tmp, spec, target, tok_dir, entries, files, names, total)
+        if extras is not None:
+            _write_hf_extras(tmp, *extras, tok_dir, files, names, total)
     shards.close()
     seconds = time.perf_counter() - start
     summary = (f"merged {meta.dir} ({spec.architecture}, TP{meta.tp_size} x PP{meta.pp_size}, iteration "
@@ -151,13 +144,17 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None 
     return summary if note is None else f"{summary}\n{note}"
 
 
-def _write_hf_extras(tmp: Path, spec: ModelSpec, dtype: torch.dtype, tok_dir: Path | None,
-                     entries: list[Entry], files: list[list[Entry]], names: list[str], total: int) -> None:
-    from ckpt_tools import io
-    bos, eos = special_ids(tok_dir)
-    io.write_json_atomic(tmp / "config.json", hf.hf_config(spec, dtype, bos, eos))
+def _hf_json(spec: ModelSpec, dtype: torch.dtype, tok_dir: Path | None) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) contents."""
+    bos, eos = hf.special_ids(tok_dir)
     gen = {"_from_model_config": True, "do_sample": False}
     gen.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
+    return hf.hf_config(spec, dtype, bos, eos), gen
+
+
+def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],
+                     names: list[str], total: int) -> None:
+    io.write_json_atomic(tmp / "config.json", config)
     io.write_json_atomic(tmp / "generation_config.json", gen)
     if len(files) > 1:
         weight_map = {n: fname for fname, group in zip(names, files) for e in group for n in e.names}

@@ -33,33 +33,36 @@ def _needs_gpus(n: int):
     return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs")
 
 
-@pytest.fixture(scope="module")
-def gpu_llama_tp2(tmp_path_factory):
-    """tiny llama trained on 2 GPUs (NCCL) at TP2, bf16 weights with fp32 masters, and its HF merge."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1-1gpu", "tp2-2gpus"])
+def gpu_llama(request, tmp_path_factory):
+    """tiny llama trained on GPUs (NCCL) at TP1 or TP2, bf16 weights with fp32 masters, and its HF merge."""
     from conftest import train
 
     from ckpt_tools.merge import merge
-    save = tmp_path_factory.mktemp("gpu") / "run"
-    train("tiny_llama.yaml", save, 2, tp_degree=2, pp_degree=1, dtype="bf16", train_iters=10, num_micro_batches=2)
+    tp = request.param
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPUs")
+    save = tmp_path_factory.mktemp(f"gpu_tp{tp}") / "run"
+    train("tiny_llama.yaml", save, tp, tp_degree=tp, pp_degree=1, dtype="bf16", train_iters=10, num_micro_batches=2)
     merge(save, save.parent / "hf", quiet=True)
-    return save, save.parent / "hf"
+    return tp, save, save.parent / "hf"
 
 
-@_needs_gpus(2)
+@_needs_gpus(1)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_verify_tp2_checkpoint_on_two_gpus_against_its_hf_merge(gpu_llama_tp2, dtype, tmp_path):
+def test_verify_on_gpus_against_the_hf_merge(gpu_llama, dtype, tmp_path):
     import h5py
     from click.testing import CliRunner
 
     from ckpt_tools.cli import main
-    save, hf = gpu_llama_tp2
+    tp, save, hf = gpu_llama
     report = tmp_path / "r.h5"
     res = CliRunner().invoke(main, ["verify", str(save), str(hf), "--device", "cuda", "--dtype", dtype,
                                     "--report", str(report)])
     print(res.output)
     assert res.exit_code == 0, res.output
     with h5py.File(report) as f:
-        assert f["settings"].attrs["device"] == "cuda" and f["settings"].attrs["tp"] == 2
+        assert f["settings"].attrs["device"] == "cuda" and f["settings"].attrs["tp"] == tp
         t3 = dict(f["tier3"].attrs)
         print({k: t3[k] for k in ("rel_l2", "max_abs", "kl_mean", "top1", "top5")})
         assert t3["rel_l2"] < (1e-5 if dtype == "fp32" else 3e-2)
