@@ -135,6 +135,32 @@ def file_record(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": io.sha256_file(path)}
 
 
+def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
+               params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict | None = None) -> dict:
+    """meta.json of a checkpoint in our format: the one place that knows its fields."""
+    import torch
+
+    from ckpt_tools import package_version
+    seq = config.get("seq_length")
+    meta = {
+        "format": FORMAT, "iteration": iteration, "consumed_samples": consumed,
+        "tokens_seen": consumed * seq if seq else None,
+        "model": spec.to_dict(),
+        "parallel": {"tp_size": tp, "pp_size": len(counts), "dp_size": dp_size, "layers_per_stage": list(counts)},
+        "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
+                  "padding": "zeros"},
+        "dtypes": {"params": params_dtype, "master": "float32"},
+        "layout": layout_summary(spec, len(counts)),
+        "config": {**config, "tp_degree": tp, "pp_degree": len(counts), "layers_per_stage": list(counts)},
+        "versions": {"torch": torch.__version__, "megatron-core": package_version("megatron-core"),
+                     "ckpt-tools": package_version()},
+        "files": files,
+    }
+    if origin is not None:
+        meta["origin"] = origin
+    return meta
+
+
 def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
     """Write meta.json into the temp dir, rename it to checkpoint-N, then update `latest` (last)."""
     save_dir = Path(save_dir)

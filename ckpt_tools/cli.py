@@ -29,6 +29,8 @@ def _handle_errors(fn):
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 def main(debug: bool) -> None:
     """Merge, reshard, import, verify and inspect sharded Megatron checkpoints; train with the bundled trainer."""
+    from ckpt_tools.io import return_freed_memory
+    return_freed_memory()
 
 
 @main.command()

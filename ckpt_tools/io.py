@@ -135,3 +135,16 @@ def release_pages(tensors, ranges: list[tuple[int, int]]) -> None:
                 hi = min(end, -(-(ptr + size) // _PAGE) * _PAGE)
                 libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
                 break
+
+
+def return_freed_memory() -> None:
+    """Make glibc give blocks of >= 1 MiB back to the OS when freed (mmap'd, not kept in the heap).
+
+    Streaming allocates and frees one large tensor after another; glibc's adaptive threshold would
+    otherwise keep the freed blocks, and the resident set would grow with the number of layers.
+    """
+    try:
+        import ctypes
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass

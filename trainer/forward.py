@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, layout
 from ckpt_tools.errors import CkptError
 from ckpt_tools.shards import MODEL, ShardSet, open_checkpoint
