@@ -6,6 +6,7 @@ per (tp, pp) rank `pytorch_model_tp_<t>_pp_<p>.bin`, `optimizer_tp_<t>_pp_<p>.bi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -70,6 +71,9 @@ class Meta:
                 raise FormatError(f"{path}: meta.json lacks {', '.join(missing)}: restore it from the source checkpoint")
             if raw.get("format") != FORMAT:
                 raise FormatError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+            if "checksum" in raw and raw["checksum"] != meta_checksum(raw):
+                raise FormatError(f"{path}: content does not match its checksum: meta.json was edited or damaged "
+                                  f"after it was written; restore it (or delete its \"checksum\" field to accept the edit)")
             par = raw["parallel"]
             return cls(path=path, raw=raw, spec=ModelSpec.from_dict(raw["model"]), tp_size=par["tp_size"],
                        pp_size=par["pp_size"], layer_counts=list(par["layers_per_stage"]),
@@ -131,8 +135,35 @@ def layout_summary(spec: ModelSpec, pp_size: int) -> dict[str, str]:
     return {r.name: r.split for r in layout.rules_for(spec, pp_size)}
 
 
+def check_files(meta: Meta) -> list[str]:
+    """Every file meta.json records: present, the recorded size, the recorded sha256."""
+    problems = []
+    for name, rec in meta.raw.get("files", {}).items():
+        path = meta.dir / name
+        if not path.is_file():
+            problems.append(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
+        elif path.stat().st_size != rec.get("size"):
+            problems.append(f"{path}: {path.stat().st_size} bytes, meta.json records {rec.get('size')}: "
+                            f"the file is truncated or from another checkpoint; restore it")
+        elif io.sha256_file(path) != rec.get("sha256"):
+            problems.append(f"{path}: sha256 differs from meta.json: the file changed after it was saved; "
+                            f"restore it from the source checkpoint")
+    return problems
+
+
 def file_record(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": io.sha256_file(path)}
+
+
+def meta_checksum(meta: dict) -> str:
+    """sha256 of meta.json's content without its own `checksum` field (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    """meta.json, sealed with a checksum of its content, so an edited or damaged meta.json is noticed."""
+    io.write_json_atomic(path, {**meta, "checksum": meta_checksum(meta)})
 
 
 def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
@@ -166,7 +197,7 @@ def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
     save_dir = Path(save_dir)
     tmp = save_dir / temp_name(iteration)
     final = save_dir / checkpoint_name(iteration)
-    io.write_json_atomic(tmp / META, meta)
+    write_meta(tmp / META, meta)
     io.fsync_dir(tmp)
     old = None
     if final.exists():

@@ -27,10 +27,15 @@ def _handle_errors(fn):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-def main(debug: bool) -> None:
+@click.option("--trust-pickle", is_flag=True,
+              help="Load files with full unpickling, which lets them run code: only for files you trust.")
+def main(debug: bool, trust_pickle: bool) -> None:
     """Merge, reshard, import, verify and inspect sharded Megatron checkpoints; train with the bundled trainer."""
-    from ckpt_tools.io import return_freed_memory
-    return_freed_memory()
+    from ckpt_tools import io
+    io.return_freed_memory()
+    if trust_pickle:
+        io.TRUST_PICKLE = True
+        click.echo("warning: --trust-pickle: checkpoint files are fully unpickled and can run code", err=True)
 
 
 @main.command()
@@ -70,6 +75,12 @@ def _quiet_opt(fn):
     return click.option("--quiet", "-q", is_flag=True, help="No progress bars.")(fn)
 
 
+def _safety_opts(fn):
+    fn = click.option("--no-preflight", is_flag=True, help="Skip the free-disk check before writing.")(fn)
+    return click.option("--check-hashes", is_flag=True,
+                        help="Check every file's sha256 against meta.json before writing.")(fn)
+
+
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("out", type=click.Path())
@@ -83,15 +94,17 @@ def _quiet_opt(fn):
               help="Tokenizer dir to include (default: the checkpoint's own tokenizer files).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_safety_opts
 @_quiet_opt
 @_handle_errors
 def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: bool, max_shard_size: str,
-          tokenizer: str | None, vocab_size: int | None, force: bool, quiet: bool) -> None:
+          tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool, no_preflight: bool,
+          quiet: bool) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
     from ckpt_tools import merge as m
     click.echo(m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
                        max_shard_size=m.parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
-                       force=force, quiet=quiet))
+                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight))
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -111,13 +124,15 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_safety_opts
 @_quiet_opt
 @_handle_errors
 def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, vocab_size: int | None,
-            force: bool, quiet: bool) -> None:
+            force: bool, check_hashes: bool, no_preflight: bool, quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
     from ckpt_tools.reshard import reshard as run
-    click.echo(run(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force, quiet=quiet))
+    click.echo(run(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force, quiet=quiet,
+                   check_hashes=check_hashes, no_preflight=no_preflight))
 
 
 @main.command("import")

@@ -32,18 +32,24 @@ def _allowed_globals() -> list:
     return allowed
 
 
+TRUST_PICKLE = False  # set only by `ckpt --trust-pickle`: full unpickling, which can run code
+
+
 def load_file(path: str | Path, mmap: bool = True) -> Any:
     """Load a torch-saved file safely (weights only), lazily via mmap when the file allows it."""
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: file not found")
+    if TRUST_PICKLE:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     try:
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         lines = [l.strip() for l in str(e).splitlines() if "Unsupported global" in l] or ["unsafe content"]
         raise FormatError(f"{path}: refused to load, unpickling it would need code outside the allow-list "
-                          f"({lines[0]}): the file is not a plain checkpoint; do not load files you do not trust") from None
+                          f"({lines[0]}): it is not a plain checkpoint; only if you trust its origin, "
+                          f"rerun with `ckpt --trust-pickle ...`, which lets it run code") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         if mmap and "mmap" in str(e):
             return load_file(path, mmap=False)

@@ -17,7 +17,7 @@ import torch
 
 from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import CkptError, ConfigError
-from ckpt_tools.shards import ShardSet, open_checkpoint
+from ckpt_tools.shards import ShardSet, open_checked
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import SafetensorsWriter
 
@@ -95,11 +95,13 @@ def _tied_copy_note(shards: ShardSet) -> str | None:
 
 def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None = None,
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
-          vocab_size: int | None = None, force: bool = False, quiet: bool = False) -> str:
+          vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
+          no_preflight: bool = False) -> str:
     """Write the merged model; returns the one-line summary."""
     start = time.perf_counter()
     out = output.check_target(out, force)
-    shards = open_checkpoint(src, vocab_size)
+    leftover = output.note_leftovers(out)
+    shards = open_checked(src, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     if from_master and not shards.has_optimizer():
         raise CkptError(f"{meta.dir}: no optimizer shards with fp32 master weights "
@@ -113,6 +115,7 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None 
     total = sum(e.nbytes(target) for e in entries)
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    output.preflight(out, total, no_preflight)
     note = _tied_copy_note(shards)
     extras = _hf_json(spec, target, tok_dir) if fmt == HF else None
     with output.staged(out, force, directory=fmt == HF) as tmp:
@@ -141,7 +144,7 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None 
                f"{total / 2**20:,.1f} MiB in {len(files)} file(s), {hf.DTYPE_NAMES[target]}"
                f"{', from fp32 master weights' if from_master else ''}, vocab {meta.padded_vocab} -> "
                f"{spec.vocab_size} rows, {seconds:.1f}s")
-    return summary if note is None else f"{summary}\n{note}"
+    return "\n".join(x for x in (summary, note, leftover) if x)
 
 
 def _hf_json(spec: ModelSpec, dtype: torch.dtype, tok_dir: Path | None) -> tuple[dict, dict]:

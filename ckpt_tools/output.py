@@ -66,6 +66,28 @@ def leftovers(out: str | Path) -> list[Path]:
                   if p.name.startswith(f".{out.name}.tmp-") or p.name.startswith(f".{out.name}.old-"))
 
 
+def preflight(out: Path, nbytes: int, skip: bool) -> None:
+    """Refuse before writing when the filesystem of OUT has not room for ~nbytes (+2% and 64 MiB)."""
+    if skip:
+        return
+    where = Path(out).absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    need = int(nbytes * 1.02) + (64 << 20)
+    if need > free:
+        raise CkptError(f"{out}: needs about {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on that filesystem: "
+                        f"free space or choose another OUT (--no-preflight skips this check)")
+
+
+def note_leftovers(out: Path) -> str | None:
+    names = [p.name for p in leftovers(out)]
+    if not names:
+        return None
+    return (f"note: {', '.join(names)} beside {out} {'is' if len(names) == 1 else 'are'} left by an interrupted "
+            f"run (never a complete output): remove {'it' if len(names) == 1 else 'them'}")
+
+
 def progress(total: int, desc: str, quiet: bool, unit: str = "B"):
     """A tqdm bar over bytes; off when quiet or when stderr is not a terminal."""
     from tqdm import tqdm

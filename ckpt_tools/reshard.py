@@ -23,7 +23,7 @@ from ckpt_tools.shards import (
     OPTIMIZER,
     OPTIMIZER_FIELDS,
     ShardSet,
-    open_checkpoint,
+    open_checked,
 )
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
@@ -112,7 +112,7 @@ def _finish(tmp: Path, iteration: int, target: Target, meta: dict, tokenizer_dir
         shutil.copyfile(f, ckpt / f.name)
         target.add_file(ckpt / f.name)
     meta["files"] = target.records()
-    io.write_json_atomic(ckpt / fmt.META, meta)
+    fmt.write_meta(ckpt / fmt.META, meta)
     io.fsync_dir(ckpt)
     io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
 
@@ -125,14 +125,17 @@ def _source_key(key: str, shards: ShardSet) -> str:
 
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-            vocab_size: int | None = None, force: bool = False, quiet: bool = False) -> str:
+            vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
+            no_preflight: bool = False) -> str:
     start = time.perf_counter()
     out = output.check_target(out, force)
-    shards = open_checkpoint(src, vocab_size)
+    leftover = output.note_leftovers(out)
+    shards = open_checked(src, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
     with_opt = shards.has_optimizer()
     total = sum(len(layout.stage_keys(spec, counts, p)) for p in range(pp))
+    output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir()
@@ -172,7 +175,8 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} (layers {meta.layer_counts}) -> {out} "
             f"TP{tp} x PP{pp} (layers {counts}), iteration {meta.iteration}, "
             f"{'model + optimizer' if with_opt else 'model only (the source has no optimizer state we read)'}, "
-            f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}")
+            f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
+            + (f"\n{leftover}" if leftover else ""))
 
 
 def _copy_rng(shards: ShardSet, target: Target, tp: int, pp: int) -> None:

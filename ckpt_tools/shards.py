@@ -51,12 +51,26 @@ class ShardSet:
             if not path.is_file():
                 raise FormatError(f"{path}: missing shard (TP rank {tp_rank}, PP rank {pp_rank}) of a "
                                   f"TP{self.meta.tp_size} x PP{self.meta.pp_size} checkpoint: restore the file")
+            self.check_size(path)
             obj = io.load_file(path)
             if not isinstance(obj, dict) or kind not in obj:
                 raise FormatError(f"{path}: holds no {kind!r} entry: not a {kind} shard of this checkpoint")
             self._files[slot] = obj
             self._ranges += io.file_mappings(path)
         return self._files[slot]
+
+    def check_size(self, path: Path) -> None:
+        """The cheap integrity check every reader makes: the size meta.json recorded."""
+        record = self.meta.raw.get("files", {}).get(path.name)
+        if record is not None and path.stat().st_size != record.get("size"):
+            raise FormatError(f"{path}: {path.stat().st_size} bytes, meta.json records {record.get('size')}: "
+                              f"the file is truncated or from another checkpoint; restore it")
+
+    def check_hashes(self) -> None:
+        """sha256 of every file meta.json records (merge/reshard --check-hashes, verify tier 1)."""
+        problems = fmt.check_files(self.meta)
+        if problems:
+            raise FormatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
     def _state(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
         return self.file(kind, tp_rank, pp_rank)[kind]
@@ -87,8 +101,17 @@ class ShardSet:
         return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
 
     def validate(self) -> list[str]:
-        """Every model shard holds exactly its stage's keys, each of the layout table's shard shape."""
+        """Every model shard holds exactly its stage's keys, each of the layout table's shard shape and
+        the recorded dtype; no shard files beyond the layout's. Problems as one-line messages."""
         meta, problems = self.meta, []
+        if meta.source == "ckpt-tools":
+            expected_files = {(self.path(k, t, p)).name for k in (MODEL, OPTIMIZER)
+                              for t in range(meta.tp_size) for p in range(meta.pp_size)}
+            for f in sorted(meta.dir.glob("*_tp_*_pp_*.bin")):
+                if f.name not in expected_files and not f.name.startswith("rng_"):
+                    problems.append(f"{f}: extra shard, not part of a TP{meta.tp_size} x PP{meta.pp_size} "
+                                    f"checkpoint: remove it or fix meta.json")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(meta.params_dtype)
         for pp_rank in range(meta.pp_size):
             expected = layout.stage_keys(meta.spec, meta.layer_counts, pp_rank)
             for tp_rank in range(meta.tp_size):
@@ -106,6 +129,10 @@ class ShardSet:
                     shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
                     if shape is not None and torch.is_tensor(t) and tuple(t.shape) != shape:
                         problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape}")
+                    elif shape is not None and torch.is_tensor(t) and dtype is not None and t.dtype != dtype:
+                        problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}")
+                    elif shape is not None and not torch.is_tensor(t) and local in state:
+                        problems.append(f"{path}: {local} is a {type(t).__name__}, not a tensor")
         return problems
 
     def has_optimizer(self) -> bool:
@@ -136,3 +163,14 @@ def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> ShardSet:
         raise FormatError(f"{meta.path}: records a true vocab of {meta.spec.vocab_size}, --vocab-size says "
                           f"{vocab_size}: drop --vocab-size (it is for inputs that do not record it)")
     return ShardSet(meta)
+
+
+def open_checked(src: str | Path, vocab_size: int | None = None, check_hashes: bool = False) -> ShardSet:
+    """open_checkpoint, then refuse (before any output exists) a checkpoint whose shards do not
+    match the layout table, and with `check_hashes` one whose files differ from meta.json."""
+    from ckpt_tools.errors import collect
+    shards = open_checkpoint(src, vocab_size)
+    if check_hashes:
+        shards.check_hashes()
+    collect(shards.validate()[:5], FormatError)
+    return shards

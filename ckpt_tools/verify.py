@@ -73,14 +73,8 @@ def integrity(src: ShardSet, tier: Tier) -> None:
     """Sizes and sha256 of every recorded file; every shard's keys and shapes as the layout table says."""
     meta = src.meta
     if meta.source == "ckpt-tools":
-        for name, rec in meta.raw.get("files", {}).items():
-            path = meta.dir / name
-            if not path.is_file():
-                tier.fail(f"{path}: missing (recorded in meta.json)")
-            elif path.stat().st_size != rec["size"]:
-                tier.fail(f"{path}: {path.stat().st_size} bytes, meta.json records {rec['size']}")
-            elif fmt.file_record(path)["sha256"] != rec["sha256"]:
-                tier.fail(f"{path}: sha256 differs from meta.json: the file changed after it was saved")
+        for problem in fmt.check_files(meta):
+            tier.fail(problem)
         tier.lines.append(f"{len(meta.raw.get('files', {}))} files: sizes and sha256 checked against meta.json")
     problems = src.validate()
     for p in problems:
