@@ -64,11 +64,12 @@ def train(config_path: str, tp: int | None, pp: int | None, dp: int, overrides: 
 @main.command()
 @click.argument("src", type=click.Path())
 @click.option("--tensors", is_flag=True, help="Also list every tensor with its full shape and split.")
+@click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @_handle_errors
-def inspect(src: str, tensors: bool) -> None:
+def inspect(src: str, tensors: bool, vocab_size: int | None) -> None:
     """Summarize a checkpoint: architecture, sizes, layout, files, dtype, iteration, parameters, bytes."""
     from ckpt_tools.inspect import describe
-    click.echo(describe(src, show_tensors=tensors))
+    click.echo(describe(src, show_tensors=tensors, vocab_size=vocab_size))
 
 
 def _quiet_opt(fn):

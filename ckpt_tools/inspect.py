@@ -31,9 +31,31 @@ def parameter_count(meta: fmt.Meta) -> tuple[int, int]:
     return total, padding
 
 
-def describe(src: str | Path, show_tensors: bool = False) -> str:
-    ckpt = fmt.resolve(src)
-    meta = fmt.Meta.read(ckpt)
+def needs(meta: fmt.Meta) -> str:
+    """Bytes merge writes and the peak RAM merge/reshard need: one full tensor joined (plus its
+    converted copy) on top of the process itself; it does not grow with the number of layers."""
+    size = {"bfloat16": 2, "float16": 2}.get(meta.params_dtype, 4)
+    largest_key, largest = "", 0
+    merged = 0
+    for _, key in layout.stage_keys(meta.spec, [meta.spec.num_layers], 0):
+        shape = layout.full_shape(key, meta.spec, meta.padded_vocab, 1)
+        if shape is None:
+            continue
+        n = math.prod(shape)
+        rows = meta.spec.vocab_size if layout.find_rule(key, meta.spec, 1).split == layout.VOCAB else shape[0]
+        merged += n // shape[0] * rows * size
+        if n * 4 > largest:  # optimizer fields are fp32
+            largest_key, largest = key, n * 4
+    peak = 2 * largest + (400 << 20)
+    return (f"merge writes {human_bytes(merged)} ({meta.params_dtype}); merge/reshard peak RAM about "
+            f"{human_bytes(peak)} (2 x the largest full tensor, {largest_key} in fp32 {human_bytes(largest)}, "
+            f"+ ~400 MB for the process)")
+
+
+def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None = None) -> str:
+    from ckpt_tools.shards import open_checkpoint
+    meta = open_checkpoint(src, vocab_size).meta
+    ckpt = meta.dir
     s, raw = meta.spec, meta.raw
     arch = (f"{s.architecture}: {s.num_layers} layers, hidden {s.hidden_size}, heads {s.num_attention_heads} "
             f"(query groups {s.num_query_groups}, head dim {s.kv_channels}), ffn {s.ffn_hidden_size}, "
@@ -47,23 +69,29 @@ def describe(src: str | Path, show_tensors: bool = False) -> str:
     size = sum(f["size"] for f in files.values())
     lines = [
         f"checkpoint  {ckpt}",
-        f"iteration   {meta.iteration} ({raw.get('consumed_samples', 0):,} samples, {raw.get('tokens_seen', 0):,} tokens seen)",
+        f"iteration   {meta.iteration} ({raw.get('consumed_samples') or 0:,} samples, {raw.get('tokens_seen') or 0:,} tokens seen)",
         f"model       {arch}",
         f"vocab       {s.vocab_size:,} true, {meta.padded_vocab:,} padded ({meta.padded_vocab - s.vocab_size} padding rows)",
-        f"layout      TP {meta.tp_size} x PP {meta.pp_size} (saved with DP {raw['parallel'].get('dp_size', '?')}); "
+        f"layout      TP {meta.tp_size} x PP {meta.pp_size} (saved with DP {raw['parallel'].get('dp_size') or '?'}); "
         f"layers per stage {','.join(map(str, meta.layer_counts))}",
         f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}",
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",
-        f"files       {len(files)} files, {human_bytes(size)}",
+        f"needs       {needs(meta)}",
+        f"files       {len(files)} files, {human_bytes(size)}" if files else f"source      {meta.source} checkpoint",
     ]
     width = max((len(n) for n in files), default=0)
     for name, rec in files.items():
         present = (ckpt / name).is_file()
         lines.append(f"  {name:<{width}}  {human_bytes(rec['size']):>10}  {'' if present else 'MISSING'}".rstrip())
-    temps = fmt.leftover_temps(ckpt.parent)
+    temps = fmt.leftover_temps(ckpt.parent) if meta.source == "ckpt-tools" else []
     if temps:
         lines.append(f"note        incomplete checkpoint dir(s) left by an interrupted save: {', '.join(temps)}")
-    if show_tensors:
+    if show_tensors:  # the listing is the table's; the shards are loaded (allow-list) and checked against it
+        from ckpt_tools.errors import FormatError, collect
+        from ckpt_tools.shards import ShardSet
+        shards = ShardSet(meta)
+        collect(shards.validate()[:5], FormatError)
+        shards.close()
         lines.append("tensors     (global key: full shape, split)")
         for pp_rank in range(meta.pp_size):
             for _, key in layout.stage_keys(s, meta.layer_counts, pp_rank):
