@@ -6,15 +6,17 @@ per (tp, pp) rank `pytorch_model_tp_<t>_pp_<p>.bin`, `optimizer_tp_<t>_pp_<p>.bi
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_tools import io, layout
-from ckpt_tools.errors import FormatError
+from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.spec import ModelSpec
 
 FORMAT = "ckpt-tools/1"
@@ -70,17 +72,22 @@ class Meta:
             if missing:
                 raise FormatError(f"{path}: meta.json lacks {', '.join(missing)}: restore it from the source checkpoint")
             if raw.get("format") != FORMAT:
-                raise FormatError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+                raise FormatError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}: not a checkpoint of "
+                                  f"this format; restore meta.json from the source checkpoint")
             if "checksum" in raw and raw["checksum"] != meta_checksum(raw):
                 raise FormatError(f"{path}: content does not match its checksum: meta.json was edited or damaged "
                                   f"after it was written; restore it (or delete its \"checksum\" field to accept the edit)")
             par = raw["parallel"]
-            return cls(path=path, raw=raw, spec=ModelSpec.from_dict(raw["model"]), tp_size=par["tp_size"],
+            spec = ModelSpec.from_dict(raw["model"])
+            _check_fields(path, raw, spec)
+            return cls(path=path, raw=raw, spec=spec, tp_size=par["tp_size"],
                        pp_size=par["pp_size"], layer_counts=list(par["layers_per_stage"]),
                        padded_vocab=raw["vocab"]["padded"], iteration=raw["iteration"])
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise FormatError(f"{path}: malformed meta.json ({type(e).__name__}: {e}): "
                               f"restore it from the source checkpoint") from None
+        except ConfigError as e:  # ModelSpec refused meta.json's model (e.g. an unknown architecture)
+            raise ConfigError(f"{path}: {e}") from None
 
     @property
     def dir(self) -> Path:
@@ -91,6 +98,45 @@ class Meta:
         return self.raw.get("dtypes", {}).get("params", "float32")
 
 
+def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
+    """The fields readers rely on, of the types they need (a value in a file may be anything)."""
+    def is_int(v, least: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+    def refuse(field: str, value, want: str) -> None:
+        raise FormatError(f"{path}: {field} is {value!r:.60}, expected {want}: restore meta.json from the "
+                          f"source checkpoint")
+    par, vocab, dtypes, files = (raw[k] for k in ("parallel", "vocab", "dtypes", "files"))
+    for name, value in (("parallel", par), ("vocab", vocab), ("dtypes", dtypes), ("files", files)):
+        if not isinstance(value, dict):
+            refuse(name, value, "an object")
+    for k in ("tp_size", "pp_size"):
+        if not is_int(par.get(k), 1):
+            refuse(f"parallel.{k}", par.get(k), "a positive integer")
+    counts = par.get("layers_per_stage")
+    if not (isinstance(counts, list) and all(is_int(n, 1) for n in counts) and len(counts) == par["pp_size"]
+            and sum(counts) == spec.num_layers):
+        refuse("parallel.layers_per_stage", counts,
+               f"{par['pp_size']} positive layer counts that sum to num_layers {spec.num_layers}")
+    if not is_int(vocab.get("padded"), spec.vocab_size):
+        refuse("vocab.padded", vocab.get("padded"), f"an integer >= the true vocab {spec.vocab_size}")
+    if "true" in vocab and vocab["true"] != spec.vocab_size:
+        refuse("vocab.true", vocab["true"], f"model.vocab_size {spec.vocab_size} (the true vocab is recorded twice)")
+    if not is_int(raw["iteration"], 0):
+        refuse("iteration", raw["iteration"], "an integer >= 0")
+    for k in ("consumed_samples", "tokens_seen"):
+        if raw.get(k) is not None and not is_int(raw[k], 0):
+            refuse(k, raw[k], "an integer >= 0")
+    for k in ("params", "master"):
+        if dtypes.get(k) not in ("float32", "bfloat16", "float16"):
+            refuse(f"dtypes.{k}", dtypes.get(k), "float32, bfloat16 or float16")
+    if raw.get("config") is not None and not isinstance(raw["config"], dict):
+        refuse("config", raw["config"], "an object")
+    for name, record in files.items():
+        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and isinstance(record.get("sha256"), str)):
+            refuse(f"files.{name}", record, 'a record {"size": bytes, "sha256": hex digest}')
+
+
 def resolve(src: str | Path) -> Path:
     """A checkpoint dir, or a save dir whose `latest` names one -> the checkpoint dir."""
     src = Path(src)
@@ -98,7 +144,11 @@ def resolve(src: str | Path) -> Path:
         return src
     latest = src / LATEST
     if latest.is_file():
-        name = latest.read_text().strip()
+        try:
+            name = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise FormatError(f"{latest}: unreadable ({type(e).__name__}): it must name a checkpoint-N dir; "
+                              f"fix it or pass a checkpoint-N dir explicitly") from None
         target = src / name
         if not (target / META).is_file():
             old = sorted(src.glob(f".{name}.old*"))
@@ -192,6 +242,26 @@ def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iterati
     return meta
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing dirs in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the
+    system or filesystem cannot, and the caller renames twice instead."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
     """Write meta.json into the temp dir, rename it to checkpoint-N, then update `latest` (last)."""
     save_dir = Path(save_dir)
@@ -200,10 +270,13 @@ def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
     write_meta(tmp / META, meta)
     io.fsync_dir(tmp)
     old = None
-    if final.exists():
-        old = save_dir / f".{final.name}.old{os.getpid()}"
-        os.replace(final, old)
-    os.replace(tmp, final)
+    if final.exists() and _exchange(tmp, final):  # one atomic step: `latest` never names a missing dir
+        old = tmp  # now holds the previous checkpoint-N, removed below
+    else:
+        if final.exists():  # no atomic exchange here: a kill between the two renames leaves the old copy
+            old = save_dir / f".{final.name}.old{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
     io.fsync_dir(save_dir)
     io.write_text_atomic(save_dir / LATEST, final.name + "\n")
     if old is not None:

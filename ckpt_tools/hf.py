@@ -184,6 +184,23 @@ def spec_from_hf(config_path: Path) -> ModelSpec:
         c = json.loads(Path(config_path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{config_path}: unreadable config.json ({e}): pass a HuggingFace model dir") from None
+    if not isinstance(c, dict):
+        raise ConfigError(f"{config_path}: holds a JSON {type(c).__name__}, not an object: pass a HuggingFace model dir")
+    try:
+        return _spec_from_config(c, config_path)
+    except ConfigError as e:  # ModelSpec's own checks (e.g. heads vs query groups) get the file named
+        if str(e).startswith(str(config_path)):
+            raise
+        raise ConfigError(f"{config_path}: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"{config_path}: lacks {e.args[0]!r}, which a {c.get('model_type')} config.json needs: "
+                          f"fix config.json or save the model again with transformers") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise ConfigError(f"{config_path}: malformed config.json ({type(e).__name__}: {e}): "
+                          f"fix config.json or save the model again with transformers") from None
+
+
+def _spec_from_config(c: dict, config_path: Path) -> ModelSpec:
     kind = c.get("model_type")
     if kind == "llama":
         rope = c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}

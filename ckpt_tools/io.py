@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,18 @@ def load_file(path: str | Path, mmap: bool = True) -> Any:
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        lines = [l.strip() for l in str(e).splitlines() if "Unsupported global" in l] or ["unsafe content"]
+        # name the global, not torch's advice (which is to allow-list it)
+        found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(e))
+        rest = [l.strip() for l in str(e).splitlines()
+                if l.strip() and not l.startswith(("Weights only load failed", "Check the documentation"))]
+        what = f"it needs {found.group(1)}" if found else (rest[0][:200] if rest else "unsafe content")
         raise FormatError(f"{path}: refused to load, unpickling it would need code outside the allow-list "
-                          f"({lines[0]}): it is not a plain checkpoint; only if you trust its origin, "
+                          f"({what}): it is not a plain checkpoint; only if you trust its origin, "
                           f"rerun with `ckpt --trust-pickle ...`, which lets it run code") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged pickle or zip fails in any way (IndexError, KeyError, ...)
         if mmap and "mmap" in str(e):
             return load_file(path, mmap=False)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = str(e).strip().splitlines()[0].split(". ")[0][:200] if str(e).strip() else type(e).__name__
         raise FormatError(f"{path}: not a readable torch file ({first}): the file is truncated or corrupt; "
                           f"restore it from the source checkpoint") from None
 

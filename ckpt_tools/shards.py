@@ -53,8 +53,9 @@ class ShardSet:
                                   f"TP{self.meta.tp_size} x PP{self.meta.pp_size} checkpoint: restore the file")
             self.check_size(path)
             obj = io.load_file(path)
-            if not isinstance(obj, dict) or kind not in obj:
-                raise FormatError(f"{path}: holds no {kind!r} entry: not a {kind} shard of this checkpoint")
+            if not isinstance(obj, dict) or not isinstance(obj.get(kind), dict):
+                raise FormatError(f"{path}: holds no {kind!r} state dict: not a {kind} shard of this checkpoint; "
+                                  f"restore it from the source checkpoint")
             self._files[slot] = obj
             self._ranges += io.file_mappings(path)
         return self._files[slot]
@@ -122,21 +123,30 @@ class ShardSet:
                     problems.append(str(e))
                     continue
                 want = {local for local, _ in expected}
-                problems += [f"{path}: missing tensor {k}" for k, _ in expected if k not in state]
-                problems += [f"{path}: unexpected tensor {k}" for k in state if k not in want]
+                fix = "restore the shard from the source checkpoint"
+                problems += [f"{path}: missing tensor {k}, which the layout table puts on TP rank {tp_rank}, "
+                             f"PP rank {pp_rank}: {fix}" for k, _ in expected if k not in state]
+                problems += [f"{path}: unexpected tensor {k}, not in the layout table of this {meta.spec.architecture} "
+                             f"model at PP{meta.pp_size}: remove it or {fix}" for k in state if k not in want]
                 for local, key in expected:
                     t = state.get(local)
                     shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
                     if shape is not None and torch.is_tensor(t) and tuple(t.shape) != shape:
-                        problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape}")
+                        problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape} "
+                                        f"(TP{meta.tp_size} x PP{meta.pp_size}): {fix}")
                     elif shape is not None and torch.is_tensor(t) and dtype is not None and t.dtype != dtype:
-                        problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}")
+                        problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}: {fix}")
                     elif shape is not None and not torch.is_tensor(t) and local in state:
-                        problems.append(f"{path}: {local} is a {type(t).__name__}, not a tensor")
+                        problems.append(f"{path}: {local} is a {type(t).__name__}, not a tensor: {fix}")
         return problems
 
     def has_optimizer(self) -> bool:
-        return self.meta.source == "ckpt-tools" and self.path(OPTIMIZER, 0, 0).is_file()
+        """Optimizer shards exist or meta.json records them (then a missing one is an error, not "no optimizer")."""
+        if self.meta.source != "ckpt-tools":
+            return False
+        recorded = self.meta.raw.get("files", {})
+        paths = [self.path(OPTIMIZER, t, p) for t in range(self.meta.tp_size) for p in range(self.meta.pp_size)]
+        return any(path.is_file() or path.name in recorded for path in paths)
 
     def release(self) -> None:
         """Drop the resident pages of every shard tensor handed out since the last call."""

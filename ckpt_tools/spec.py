@@ -41,6 +41,7 @@ class ModelSpec:
     activation: str | None = None  # None: the architecture's (llama: swiglu, gpt2: gelu); gpt2 may use gelu_tanh
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(
                 f"unknown architecture {self.architecture!r}: expected one of {', '.join(ARCHITECTURES)}"
@@ -70,6 +71,23 @@ class ModelSpec:
         elif self.activation not in allowed:
             raise ConfigError(f"activation {self.activation!r} is not available for {self.architecture}: "
                               f"expected one of {', '.join(allowed)}")
+
+    def _check_types(self) -> None:
+        """Each field of its type (a size a positive integer): a value read from a file may be anything."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), f.type.replace(" | None", "")
+            if value is None and f.type.endswith("| None"):
+                continue
+            if kind == "int":
+                ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a positive integer"
+            elif kind == "float":
+                ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            elif kind == "bool":
+                ok, want = isinstance(value, bool), "true or false"
+            else:
+                ok, want = isinstance(value, str), "a string"
+            if not ok:
+                raise ConfigError(f"model field {f.name} is {value!r:.60}, expected {want}")
 
     # What the architecture implies (megatron-core TransformerConfig terms).
     @property
@@ -107,6 +125,8 @@ class ModelSpec:
 
     def check_tp(self, tp_size: int) -> None:
         """Refuse a TP size that the sharded tensors cannot be divided by (one message for all)."""
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ConfigError(f"TP {tp_size!r} is not a positive number: choose a TP size >= 1")
         problems = []
         for what, n in (("num_attention_heads", self.num_attention_heads),
                         ("num_query_groups", self.num_query_groups),

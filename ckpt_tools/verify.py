@@ -40,6 +40,7 @@ class Tier:
     lines: list[str] = field(default_factory=list)
     reason: str = ""
     data: dict = field(default_factory=dict)  # arrays and numbers for the report
+    src_intact: bool = True  # tier 1 only: SRC's files and shards passed the integrity check
 
     def fail(self, reason: str) -> None:
         if self.ok:
@@ -79,6 +80,7 @@ def integrity(src: ShardSet, tier: Tier) -> None:
     problems = src.validate()
     for p in problems:
         tier.fail(p)
+    tier.src_intact = tier.ok
     tier.lines.append(f"{meta.tp_size * meta.pp_size} model shards: keys and shapes checked against the layout table"
                       + (f" ({len(problems)} problem(s))" if problems else ""))
 
@@ -136,7 +138,10 @@ def tier1(src: ShardSet, other: Path | None) -> Tier:
     if mismatched:  # the changed tensor is the most useful thing to name, before file-level findings
         tier.ok, tier.reason = False, f"tensor {mismatched[0]}" + (f"; also {tier.reason}" if tier.reason else "")
     elif missing or extra:
-        tier.fail(f"missing {missing[:3]}, extra {extra[:3]}")
+        what = [f"{len(items)} {word} ({', '.join(items[:3])}{' ...' if len(items) > 3 else ''})"
+                for word, items in (("missing", missing), ("extra", extra)) if items]
+        tier.fail(f"{other}: {' and '.join(what)} tensor(s) against SRC: OTHER is not a complete conversion of "
+                  f"SRC; merge or reshard SRC again")
     return tier
 
 
@@ -279,6 +284,12 @@ def run(src: str | Path, other: str | Path | None = None, *, device: str | None 
     tiers = [tier1(shards, other_path)]
     shards.close()
     tol = TOLERANCES[dtype]
+    settings = {"src": str(meta.dir), "other": str(other_path) if other_path else "", "device": device,
+                "dtype": dtype, "tp": meta.tp_size, "pp": meta.pp_size,
+                "tokens": "random" if tokens_file is None else str(tokens_file), "batch": tokens.shape[0],
+                "seq": tokens.shape[1], "seed": seed, "torch": torch.__version__}
+    if not tiers[0].src_intact:  # no forward pass of a damaged SRC (it would fail or mislead): tier 1 names the damage
+        return tiers, {**settings, "other_model": "not run: SRC failed tier 1 integrity", "tolerances": tol}
     with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as work:
         work = Path(work)
         mine = sharded_forward(meta.dir, tokens, work, meta.tp_size, meta.pp_size, dtype, device, "src", vocab_size,
@@ -296,11 +307,7 @@ def run(src: str | Path, other: str | Path | None = None, *, device: str | None 
     order = ["embedding"] + [f"layer {i}" for i in range(meta.spec.num_layers)] + ["final_norm"]
     tiers.append(tier2(mine[0], theirs[0], order, tol["hidden_rel"]))
     tiers.append(tier3(mine[1], theirs[1], tokens, tol))
-    settings = {"src": str(meta.dir), "other": str(other_path) if other_path else "", "other_model": label,
-                "device": device, "dtype": dtype, "tp": meta.tp_size, "pp": meta.pp_size,
-                "tokens": "random" if tokens_file is None else str(tokens_file), "batch": tokens.shape[0],
-                "seq": tokens.shape[1], "seed": seed, "torch": torch.__version__}
-    return tiers, {**settings, "tolerances": tol}
+    return tiers, {**settings, "other_model": label, "tolerances": tol}
 
 
 def _check_device(device: str, needed: int) -> None:

@@ -107,13 +107,43 @@ def check_shard(path: Path, state: dict, stage: GPTStage, meta: fmt.Meta) -> Non
                           f"the shard does not match meta.json; restore it from the source checkpoint")
 
 
+def _read(path: Path, meta: fmt.Meta, entry: str | None = None, mmap: bool = True):
+    """One file of the checkpoint: the size meta.json records, the allow-listed load, the expected entry."""
+    record = meta.raw.get("files", {}).get(path.name)
+    if isinstance(record, dict) and path.is_file() and path.stat().st_size != record.get("size"):
+        raise FormatError(f"{path}: {path.stat().st_size} bytes, meta.json records {record.get('size')}: "
+                          f"the file is truncated or from another checkpoint; restore it")
+    obj = io.load_file(path, mmap=mmap)
+    if entry is not None and not (isinstance(obj, dict) and isinstance(obj.get(entry), dict)):
+        raise FormatError(f"{path}: holds no {entry!r} state dict: not a {entry} shard of this checkpoint; "
+                          f"restore it from the source checkpoint")
+    return obj
+
+
+def _check_optimizer(path: Path, state: dict, stage: GPTStage) -> None:
+    """Every parameter has master / exp_avg / exp_avg_sq of its shape and a step; one error for all."""
+    problems = []
+    for name, p in stage.named_parameters():
+        s = state.get(name)
+        if not isinstance(s, dict) or any(not torch.is_tensor(s.get(f)) for f in ("master", "exp_avg", "exp_avg_sq", "step")):
+            problems.append(f"no complete state (master, exp_avg, exp_avg_sq, step) for {name}")
+        elif any(tuple(s[f].shape) != tuple(p.shape) for f in ("master", "exp_avg", "exp_avg_sq")):
+            problems.append(f"{name} state has shape {tuple(s['master'].shape)}, expected {tuple(p.shape)}")
+    if problems:
+        raise FormatError(f"{path}: {'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}: "
+                          f"the optimizer shard does not match meta.json; restore it from the source checkpoint")
+
+
 def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     """Restore model, optimizer and RNG; return (iteration, consumed_samples)."""
     meta = fmt.Meta.read(ckpt_dir)
     _check_compatible(meta, stage)
     tp_rank, pp_rank, _ = _ranks()
     model_path = ckpt_dir / fmt.model_file(tp_rank, pp_rank)
-    model_state = io.load_file(model_path)["model"]
+    if not model_path.is_file():
+        raise FormatError(f"{model_path}: missing shard (TP rank {tp_rank}, PP rank {pp_rank}) of a "
+                          f"TP{meta.tp_size} x PP{meta.pp_size} checkpoint: restore the file")
+    model_state = _read(model_path, meta, "model")["model"]
     check_shard(model_path, model_state, stage, meta)
     stage.load_state_dict(model_state, strict=True)
     optim_path = ckpt_dir / fmt.optimizer_file(tp_rank, pp_rank)
@@ -122,16 +152,22 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
         if path.name in recorded and not path.is_file():
             raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
     if optim_path.is_file():
-        opt.load_by_key(io.load_file(optim_path)["optimizer"])
+        optim_state = _read(optim_path, meta, "optimizer")["optimizer"]
+        _check_optimizer(optim_path, optim_state, stage)
+        opt.load_by_key(optim_state)
     else:  # saved without optimizer state (`ckpt import --no-optimizer`): AdamW starts fresh from the weights
         opt.load_by_key({k: {"master": p.detach().float(), "exp_avg": None, "exp_avg_sq": None,
                              "step": torch.tensor(0.0)} for k, p in stage.named_parameters()})
     rng_path = ckpt_dir / fmt.rng_file(tp_rank, pp_rank)
     if not rng_path.is_file():  # imported weights: no RNG or data position yet
         return meta.iteration, int(meta.raw.get("consumed_samples", 0))
-    rng = io.load_file(rng_path, mmap=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    return int(rng["iteration"]), int(rng["consumed_samples"])
+    rng = _read(rng_path, meta, mmap=False)
+    try:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        return int(rng["iteration"]), int(rng["consumed_samples"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise FormatError(f"{rng_path}: not an RNG state of this trainer ({type(e).__name__}: {e}): "
+                          f"restore it from the source checkpoint") from None

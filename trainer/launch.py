@@ -28,9 +28,27 @@ def launch_command(config_path: str, overrides: list[str], dp: int, nnodes: int 
     if dp < 1 or nnodes < 1 or world % nnodes:
         raise ConfigError(f"world size TP x PP x DP = {world} does not spread over {nnodes} node(s): "
                           f"choose DP so that the world is a multiple of --nnodes")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+    cmd = [sys.executable, "-m", "trainer.launch", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
            f"--nproc-per-node={world // nnodes}", f"--master-addr={master_addr}",
            f"--master-port={master_port or free_port()}", "-m", "trainer", "--config", str(Path(config_path))]
     for item in overrides:
         cmd += ["--set", item]
     return cmd
+
+
+def torchrun(argv: list[str]) -> int:
+    """torchrun, except that a failed rank ends it with exit code 1 and no traceback of torchrun's own: the
+    ranks have printed their one-line `error (rank N): ...` messages, which say what went wrong."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+    try:
+        main(argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(f"torchrun: rank {rank} exited with code {failure.exitcode}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # `python -m trainer.launch ARGS` = `torchrun ARGS` without the traceback
+    sys.exit(torchrun(sys.argv[1:]))

@@ -1,0 +1,653 @@
+"""Kill -9 trials: a trainer save, `ckpt merge` and `ckpt reshard` killed at seeded random points.
+
+After every kill the disk is checked against DESIGN.md Contract 2 and Contract 4:
+- train: `latest` names a checkpoint whose meta.json records every file with its size and sha256
+  (`check_files` == []); every `checkpoint-*` dir (no dot prefix) is complete in that sense; the next
+  run resumes from `latest`, trains on and names every leftover `.checkpoint-N.tmp` in a note.
+- merge / reshard: OUT does not exist, or it is byte-identical to a reference output made once (so
+  its tensors are bit-equal; for reshard also `check_files` on OUT's checkpoint == []); the source
+  checkpoint is unchanged; a rerun of the same command succeeds, names the leftover
+  `.OUT.tmp-<pid>`, and its output equals the reference.
+
+Kills are timed from what the disk shows (polled every ~0.5 ms), not only from the clock, so they
+land inside the writes: a trial picks a trigger (process start, temp dir appears, meta.json appears,
+rename done) and a random extra delay sized from a calibration run of the same command; the
+landing point is then read back from the disk (`landed`).
+
+Trainer trials run as a chain: every run resumes from the save dir the previous kill left, so its
+startup is the previous trial's resume check ("resumed from ... at iteration K" and the leftover
+notes, then at least one more iteration before its own save); a last run resumes for one more
+iteration and must exit 0. `--resume-each` adds a separate resume run (exit 0) after every kill.
+
+tests/test_crash.py runs a few of each in CI. Usage:
+    python benchmarks/crash_trials.py --trials 30 [--seed 0] [--workdir DIR] [--kinds train,merge,reshard]
+        [--layout 2x2] [--torchrun] [--resume-each] [--rerun-subprocess] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import output
+from ckpt_tools.errors import CkptError
+from ckpt_tools.spec import ModelSpec
+
+CONFIG = ROOT / "fixtures" / "configs" / "tiny_llama.yaml"
+CKPT = [sys.executable, "-m", "ckpt_tools.cli"]
+POLL = 0.0005
+
+
+@dataclass
+class Trial:
+    kind: str            # train | merge | reshard
+    index: int
+    trigger: str         # what the kill was timed from
+    delay_ms: float      # extra delay after the trigger
+    landed: str = "?"    # where the kill landed, read back from the disk
+    leftover: str = ""   # what this kill left beside the output (the next run names it)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# ---------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """A child in its own session (process group), stdout + stderr to `log`."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _env(), cwd=ROOT,
+                                start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc/<pid>/task/<tid>/children), parents first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                kids = [int(x) for x in task.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's process group and every process below it, then wait until all are gone.
+
+    The group alone is not enough under torchrun: its agent starts each worker in a session of its
+    own (start_new_session=True), and a worker whose agent was killed trains and saves on.
+    """
+    pids = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    end = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def wait_until(proc: subprocess.Popen, ready, timeout: float) -> bool:
+    """Poll `ready()` until true; False when the process exits first or time runs out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if ready():
+            return True
+        if proc.poll() is not None:
+            return bool(ready())
+        time.sleep(POLL)
+    return False
+
+
+def sleep_ms(ms: float) -> None:
+    end = time.perf_counter() + ms / 1000
+    while (left := end - time.perf_counter()) > 0:
+        time.sleep(min(left, POLL))
+
+
+def tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------- shared checks
+def checkpoint_problems(ckpt_dir: Path) -> list[str]:
+    """A checkpoint dir is complete: meta.json reads and every file it records is intact."""
+    try:
+        return fmt.check_files(fmt.Meta.read(ckpt_dir))
+    except CkptError as e:
+        return [str(e)]
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """relative name -> sha256 of every file under path (or of path itself when it is a file)."""
+    if path.is_file():
+        return {"<file>": _sha(path)}
+    return {str(f.relative_to(path)): _sha(f) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def diff_trees(got: dict[str, str], want: dict[str, str], label: str) -> list[str]:
+    if got == want:
+        return []
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    changed = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+    parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {extra[:3]}" if extra else "",
+             f"different bytes {changed[:3]}" if changed else ""]
+    return [f"{label}: differs from the reference: {'; '.join(p for p in parts if p)}"]
+
+
+# ---------------------------------------------------------------- trainer trials
+STAGES = ["before save", "writing files", "meta.json written, before rename", "renamed, before latest",
+          "latest updated (save complete)"]
+
+
+def latest_iteration(save: Path) -> int:
+    try:
+        name = (save / fmt.LATEST).read_text().strip()
+        return int(name.rsplit("-", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _ident(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+class SaveWatch:
+    """How far a new run's save of iteration `it` got, from the disk: an index into STAGES.
+
+    A temp dir, checkpoint-N or `latest` that was there before the watch began does not count: only
+    one that is new or changed since (inode or ctime differ) is this run's.
+    """
+
+    def __init__(self, save: Path, it: int):
+        self.save, self.it = save, it
+        self.tmp, self.final, self.latest = save / fmt.temp_name(it), save / fmt.checkpoint_name(it), save / fmt.LATEST
+        self.base = {p: _ident(p) for p in (self.tmp, self.final, self.latest)}
+
+    def _fresh(self, path: Path) -> bool:
+        now = _ident(path)
+        return now is not None and now != self.base[path]
+
+    def stage(self) -> int:
+        if self._fresh(self.latest) and latest_iteration(self.save) >= self.it:
+            return 4
+        if self._fresh(self.final):
+            return 3
+        if self._fresh(self.tmp):
+            return 2 if (self.tmp / fmt.META).exists() else 1
+        return 0
+
+
+class TrainerTrials:
+    """Tiny llama, TP1 x PP1, one process, save_interval=1, all runs on one save dir.
+
+    A plain run resumes from `latest` (K) and is killed in its save of K+1 or K+2. A rollback run
+    (`load` = checkpoint-(K-1)) is killed in its save of K, which replaces the checkpoint that
+    `latest` names.
+    """
+
+    TRIGGERS: ClassVar[dict[str, int]] = {"temp dir appears": 1, "meta.json appears": 2, "rename done": 3}
+    WEIGHTS = (0.6, 0.2, 0.2)
+    ROLLBACK_EVERY = 4  # every 4th trial is a rollback run
+
+    def __init__(self, work: Path, rng: random.Random, resume_each: bool = False, tp: int = 1, pp: int = 1,
+                 torchrun: bool = False):
+        self.work, self.rng, self.resume_each = work, rng, resume_each
+        self.tp, self.pp, self.torchrun = tp, pp, torchrun or tp * pp > 1
+        self.save, self.cache, self.logs = work / "train", work / "data-cache", work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.stage_ms: dict[int, float] = {}  # stage -> ms from it to `latest` updated (calibrated)
+        self.runs = 0
+
+    def command(self, train_iters: int, load: Path | None = None) -> tuple[list[str], dict]:
+        port = free_port()
+        launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.tp * self.pp}",
+                     f"--master-port={port}"] if self.torchrun else [sys.executable])
+        cmd = launcher + ["-m", "trainer", "--config", str(CONFIG)]
+        sets = [f"tp_degree={self.tp}", f"pp_degree={self.pp}", "save_interval=1", "log_interval=1",
+                f"train_iters={train_iters}", f"save_dir={self.save}", f"data_cache_dir={self.cache}"]
+        sets += [f"load={load}"] if load else []
+        for item in sets:
+            cmd += ["--set", item]
+        return cmd, {**_env(), "MASTER_PORT": str(port)}
+
+    def launch(self, train_iters: int, load: Path | None = None) -> tuple[subprocess.Popen, Path]:
+        self.runs += 1
+        log = self.logs / f"train-{self.runs}.log"
+        cmd, env = self.command(train_iters, load)
+        return start(cmd, log, env), log
+
+    def setup(self, iters: int = 3) -> None:
+        """A complete first run (checkpoints 1..iters) that also times the stages of a save."""
+        proc, log = self.launch(iters)
+        times: dict[int, list[float]] = collections.defaultdict(list)
+        for it in range(1, iters + 1):
+            seen: dict[int, float] = {}
+            watch = SaveWatch(self.save, it)
+            while True:
+                stage = watch.stage()
+                now = time.perf_counter()
+                for s in range(1, stage + 1):
+                    seen.setdefault(s, now)
+                if stage == 4 or proc.poll() is not None:
+                    break
+                time.sleep(POLL)
+            if 4 not in seen:
+                break
+            for s in (1, 2, 3):
+                if s in seen:
+                    times[s].append((seen[4] - seen[s]) * 1000)
+        if proc.wait(timeout=300) != 0 or latest_iteration(self.save) != iters:
+            raise RuntimeError(f"the first training run failed (exit {proc.returncode}):\n{tail(log)}")
+        full = max(times[1]) if times[1] else 50.0
+        self.stage_ms = {1: full, 2: max(times[2]) if times[2] else full / 4, 3: max(times[3]) if times[3] else 2.0}
+
+    def calibration(self) -> dict:
+        return {"save: temp dir -> latest": round(self.stage_ms[1], 1),
+                "meta.json -> latest": round(self.stage_ms[2], 1), "rename -> latest": round(self.stage_ms[3], 1)}
+
+    def run(self, n: int) -> list[Trial]:
+        trials: list[Trial] = []
+        pending: tuple[Trial, list[str]] | None = None  # a kill whose leftovers the next run must name
+        for i in range(n):
+            t0 = time.perf_counter()
+            k = latest_iteration(self.save)
+            before = {p.name for p in self.save.iterdir() if p.name.startswith(".")}
+            load = self.save / fmt.checkpoint_name(k - 1)
+            rollback = i % self.ROLLBACK_EVERY == self.ROLLBACK_EVERY - 1 and (load / fmt.META).is_file()
+            target = k if rollback else k + self.rng.choice([1, 1, 2])
+            trigger = self.rng.choices(list(self.TRIGGERS), self.WEIGHTS)[0]
+            stage = self.TRIGGERS[trigger]
+            delay = self.rng.uniform(0, 1.2 * self.stage_ms[stage] + (1 if stage == 3 else 0))
+            what = f"rollback to {k - 1}, re-save {k}" if rollback else f"save {target - k} of the run"
+            trial = Trial("train", i, f"{trigger} ({what})", delay)
+            watch = SaveWatch(self.save, target)
+            proc, log = self.launch(target + 2, load if rollback else None)  # never its last save
+            fired = wait_until(proc, lambda watch=watch, stage=stage: watch.stage() >= stage, timeout=600)
+            if fired:
+                sleep_ms(delay)
+            kill_group(proc)
+            # this run's startup is the previous kill's resume check
+            start_dir, start_it = (load, k - 1) if rollback else (self.save / fmt.checkpoint_name(k), k)
+            self._check_resume(trial, log, start_dir, start_it, pending)
+            if not fired or proc.returncode != -signal.SIGKILL:
+                trial.problems.append(f"the run ended (exit {proc.returncode}) before the kill:\n{tail(log)}")
+            trial.landed = STAGES[watch.stage()]
+            trial.problems += self.check_disk()
+            leftovers = fmt.leftover_temps(self.save)
+            stray = sorted(p.name for p in self.save.iterdir() if p.name.startswith(".") and p.name not in before)
+            trial.leftover = ", ".join(n if n in leftovers else f"{n} (not named)" for n in stray)
+            pending = (trial, leftovers)
+            if self.resume_each or i == n - 1:  # a run that must finish: resume, one more iteration, exit 0
+                k = latest_iteration(self.save)
+                proc, log = self.launch(k + 1)
+                try:
+                    proc.wait(timeout=600)
+                except subprocess.TimeoutExpired:
+                    kill_group(proc)
+                if proc.returncode != 0:
+                    trial.problems.append(f"resume run failed (exit {proc.returncode}):\n{tail(log)}")
+                self._check_resume(trial, log, self.save / fmt.checkpoint_name(k), k, pending)
+                trial.problems += self.check_disk()
+                pending = None
+            trial.seconds = time.perf_counter() - t0
+            trials.append(trial)
+        return trials
+
+    def check_disk(self) -> list[str]:
+        problems = []
+        try:
+            latest = fmt.find_latest(self.save)
+        except CkptError as e:
+            return [f"latest: {e}"]
+        if latest is None:
+            return [f"{self.save}: `latest` is gone"]
+        problems += [f"latest -> {latest.name}: {p}" for p in checkpoint_problems(latest)]
+        for d in sorted(self.save.glob("checkpoint-*")):
+            if d != latest:
+                problems += [f"{d.name} (looks complete): {p}" for p in checkpoint_problems(d)]
+        return problems
+
+    def _check_resume(self, trial: Trial, log: Path, ckpt_dir: Path, it: int, pending: tuple | None) -> None:
+        """The run logged in `log` resumed from ckpt_dir at iteration `it` and named the previous kill's leftovers."""
+        text = log.read_text(errors="replace")
+        if f"resumed from {ckpt_dir} at iteration {it}" not in text:
+            trial.problems.append(f"the run did not resume from {ckpt_dir} at iteration {it}:\n{tail(log)}")
+        if pending is None:
+            return
+        before, leftovers = pending
+        notes = [line for line in text.splitlines() if line.startswith("note:")]
+        for name in leftovers:
+            if not any(str(self.save / name) in line for line in notes):
+                before.problems.append(f"the next run did not name the leftover {name}:\n{tail(log)}")
+
+
+# ---------------------------------------------------------------- merge / reshard trials
+def make_source(save: Path, layers: int, hidden: int, ffn: int, vocab: int) -> Path:
+    """A synthetic TP2 x PP2 checkpoint written by benchmarks/merge_reshard.py's generate()."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from merge_reshard import generate
+    if not (save / fmt.LATEST).is_file():
+        spec = ModelSpec("llama", num_layers=layers, hidden_size=hidden, num_attention_heads=8, num_query_groups=4,
+                         ffn_hidden_size=ffn, vocab_size=vocab)
+        generate(save, spec)
+    return fmt.resolve(save)
+
+
+# sizes so that the work (after ~3 s of imports) takes ~1-2 s here: merge reads only the bf16
+# model shards, reshard reads and writes model + fp32 optimizer state
+SOURCES = {"merge": {"layers": 8, "hidden": 512, "ffn": 1408, "vocab": 8000},
+           "reshard": {"layers": 4, "hidden": 256, "ffn": 704, "vocab": 4000}}
+
+
+class ToolTrials:
+    """`ckpt merge SRC OUT -q` (hf dir or one safetensors file) or `ckpt reshard SRC OUT --tp 1 --pp 1 -q`."""
+
+    TRIGGERS = ("process start", "temp output appears")
+    WEIGHTS = (0.3, 0.7)
+
+    def __init__(self, kind: str, work: Path, rng: random.Random, src: Path, rerun_subprocess: bool = False):
+        self.kind, self.rng, self.src, self.rerun_subprocess = kind, rng, src, rerun_subprocess
+        self.outs, self.logs = work / f"{kind}-out", work / "logs"
+        self.outs.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.formats = ["hf", "safetensors"] if kind == "merge" else ["checkpoint"]
+        self.refs: dict[str, dict[str, str]] = {}
+        self.timing: dict[str, tuple[float, float]] = {}  # format -> (ms to temp output, ms temp -> OUT)
+        self.src_digest: dict[str, str] = {}
+
+    def args(self, out: Path, form: str) -> list[str]:
+        if self.kind == "merge":
+            return ["merge", str(self.src), str(out), "-q"] + (["--format", form] if form != "hf" else [])
+        return ["reshard", str(self.src), str(out), "--tp", "1", "--pp", "1", "-q"]
+
+    def out_path(self, name: str, form: str) -> Path:
+        return self.outs / (f"{name}.safetensors" if form == "safetensors" else name)
+
+    def setup(self) -> None:
+        """Reference outputs (one clean run per format), timed to size the kill delays."""
+        problems = checkpoint_problems(self.src)
+        if problems:
+            raise RuntimeError(f"source checkpoint is not complete: {problems}")
+        self.src_digest = {f.name: f"{f.stat().st_size}" for f in self.src.iterdir()}
+        for form in self.formats:
+            out = self.out_path(f"reference-{form}", form)
+            proc = start(CKPT + self.args(out, form), self.logs / f"{self.kind}-reference-{form}.log")
+            t0 = time.perf_counter()
+            tmp = out.parent / f".{out.name}.tmp-{proc.pid}"
+            wait_until(proc, lambda tmp=tmp, out=out: tmp.exists() or out.exists(), timeout=600)
+            t1 = time.perf_counter()
+            wait_until(proc, out.exists, timeout=600)
+            t2 = time.perf_counter()
+            if proc.wait(timeout=600) != 0 or not out.exists():
+                log = self.logs / f"{self.kind}-reference-{form}.log"
+                raise RuntimeError(f"reference {self.kind} failed:\n{tail(log)}")
+            self.timing[form] = ((t1 - t0) * 1000, max((t2 - t1) * 1000, 1.0))
+            self.refs[form] = tree_digest(out)
+            if self.kind == "reshard":
+                problems = checkpoint_problems(fmt.resolve(out))
+                if problems:
+                    raise RuntimeError(f"reference reshard is not complete: {problems}")
+
+    def landing(self, out: Path, tmp: Path) -> str:
+        if out.exists():
+            return "renamed to OUT (complete)"
+        if not tmp.exists():
+            return "before temp output"
+        if self.kind == "reshard":
+            if (tmp / fmt.LATEST).exists():
+                return "temp complete, before rename"
+            if any(tmp.glob(f"*/{fmt.META}")):
+                return "meta.json written, before latest"
+            return "writing shards"
+        if tmp.is_dir() and (tmp / "config.json").exists():
+            return "writing config/tokenizer"
+        return "writing tensors"
+
+    def rerun(self, args: list[str], i: int) -> tuple[int, str]:
+        if self.rerun_subprocess:
+            log = self.logs / f"{self.kind}-{i}-rerun.log"
+            proc = start(CKPT + args, log)
+            return proc.wait(timeout=600), log.read_text(errors="replace")
+        from click.testing import CliRunner
+
+        from ckpt_tools.cli import main
+        result = CliRunner().invoke(main, args)
+        return result.exit_code, result.output + (repr(result.exception) if result.exit_code not in (0,) else "")
+
+    def calibration(self) -> dict:
+        return {f"{form}: start -> temp, temp -> OUT": tuple(round(x) for x in t) for form, t in self.timing.items()}
+
+    def run(self, n: int) -> list[Trial]:
+        trials = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            form = self.rng.choice(self.formats)
+            trigger = self.rng.choices(self.TRIGGERS, self.WEIGHTS)[0]
+            to_tmp, writing = self.timing[form]
+            # from the start: anywhere up to the expected end; from the temp output: inside the writes
+            delay = self.rng.uniform(0, to_tmp + writing if trigger == self.TRIGGERS[0] else 1.2 * writing)
+            label = f"{trigger}{f' ({form})' if self.kind == 'merge' else ''}"
+            trial = Trial(self.kind, i, label, delay)
+            out = self.out_path(f"out-{i}", form)
+            args = self.args(out, form)
+            proc = start(CKPT + args, self.logs / f"{self.kind}-{i}.log")
+            began = time.perf_counter()
+            tmp = out.parent / f".{out.name}.tmp-{proc.pid}"
+            if trigger == self.TRIGGERS[0]:
+                sleep_ms(delay)
+            elif wait_until(proc, lambda tmp=tmp, out=out: tmp.exists() or out.exists(), timeout=600):
+                to_tmp = min(to_tmp, (time.perf_counter() - began) * 1000)
+                sleep_ms(delay)
+            kill_group(proc)
+            if proc.returncode == 0:  # faster than the calibration run: aim earlier from now on
+                writing = max(1.0, min(writing, delay if trigger != self.TRIGGERS[0] else delay - to_tmp))
+            self.timing[form] = (to_tmp, writing)
+            if proc.returncode not in (-signal.SIGKILL, 0):
+                trial.problems.append(f"the command failed (exit {proc.returncode}) before the kill:\n"
+                                      f"{tail(self.logs / f'{self.kind}-{i}.log')}")
+            trial.landed = self.landing(out, tmp) if proc.returncode else "finished before the kill"
+            left = [p.name for p in output.leftovers(out)]
+            trial.leftover = ", ".join(left + [f"{p.name} (not named)" for p in self.outs.iterdir()
+                                               if p.name.startswith(".") and p.name not in left])
+            trial.problems += self.check_out(out, form, "after the kill")
+            trial.problems += self.check_source()
+            # the same command again (with --force when OUT is already there): succeeds, names leftovers
+            code, text = self.rerun(args + (["--force"] if out.exists() else []), i)
+            if code != 0:
+                trial.problems.append(f"rerun failed (exit {code}): {text[-1500:]}")
+            else:
+                for name in left:
+                    if name not in text:
+                        trial.problems.append(f"rerun did not name the leftover {name}: {text[-800:]}")
+                trial.problems += self.check_out(out, form, "after the rerun", must_exist=True)
+            for p in [out, *output.leftovers(out)]:
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            trial.seconds = time.perf_counter() - t0
+            trials.append(trial)
+        return trials
+
+    def check_out(self, out: Path, form: str, when: str, must_exist: bool = False) -> list[str]:
+        if not out.exists():
+            return [f"{out.name} missing {when}"] if must_exist else []
+        problems = []
+        if self.kind == "reshard":
+            try:
+                problems += [f"{out.name} {when}: {p}" for p in checkpoint_problems(fmt.resolve(out))]
+            except CkptError as e:
+                problems.append(f"{out.name} {when}: {e}")
+        # byte-equal files => every tensor bit-equal to the reference's
+        return problems + diff_trees(tree_digest(out), self.refs[form], f"{out.name} {when}")
+
+    def check_source(self) -> list[str]:
+        """The source is untouched: the same files, each with the size and sha256 meta.json records."""
+        now = {f.name: f"{f.stat().st_size}" for f in self.src.iterdir()}
+        return (diff_trees(now, self.src_digest, f"source {self.src}")
+                + [f"source: {p}" for p in checkpoint_problems(self.src)])
+
+
+# ---------------------------------------------------------------- all of it
+KINDS = ("train", "merge", "reshard")
+
+
+def run_trials(work: Path, counts: dict[str, int], seed: int = 0, resume_each: bool = False,
+               rerun_subprocess: bool = False, layout: tuple[int, int] = (1, 1), torchrun: bool = False,
+               log=print) -> list[Trial]:
+    """Run counts[kind] trials of each kind under `work`; every kind has its own seeded RNG."""
+    work.mkdir(parents=True, exist_ok=True)
+    trials: list[Trial] = []
+    for kind in KINDS:
+        n = counts.get(kind, 0)
+        if not n:
+            continue
+        rng = random.Random(f"{seed}-{kind}")
+        t0 = time.perf_counter()
+        if kind == "train":
+            runner = TrainerTrials(work / kind, rng, resume_each, *layout, torchrun=torchrun)
+        else:
+            src = make_source(work / kind / "src", **SOURCES[kind])
+            runner = ToolTrials(kind, work / kind, rng, src, rerun_subprocess)
+        runner.setup()
+        log(f"{kind}: setup {time.perf_counter() - t0:.1f}s, calibration (ms) {runner.calibration()}")
+        done = runner.run(n)
+        log(f"{kind}: {n} trials in {sum(t.seconds for t in done):.1f}s, "
+            f"{sum(not t.ok for t in done)} failed")
+        trials += done
+    return trials
+
+
+def table(trials: list[Trial]) -> str:
+    head = ["kind", "#", "kill timed from", "+ms", "landed", "leftover", "result"]
+    rows = [[t.kind, str(t.index), t.trigger, f"{t.delay_ms:.1f}", t.landed, t.leftover or "-",
+             "ok" if t.ok else "FAIL"] for t in trials]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = [head, ["-" * w for w in widths]] + rows
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines)
+
+
+def summary(trials: list[Trial]) -> str:
+    parts = []
+    for kind in KINDS:
+        mine = [t for t in trials if t.kind == kind]
+        if mine:
+            landed = collections.Counter(t.landed for t in mine)
+            parts.append(f"{kind} {len(mine)} [" + ", ".join(f"{k}: {v}" for k, v in landed.items()) + "]")
+    return (f"crash trials: {len(trials)} ({'; '.join(parts)}); kills that left a temp output "
+            f"{sum(bool(t.leftover) for t in trials)}; failures = {sum(not t.ok for t in trials)}")
+
+
+def failures(trials: list[Trial]) -> str:
+    return "\n\n".join(f"{t.kind} #{t.index} ({t.trigger} +{t.delay_ms:.1f} ms, landed {t.landed}):\n  "
+                       + "\n  ".join(t.problems) for t in trials if not t.ok)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=30, help="trials per kind (default 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma list of train, merge, reshard")
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch dir (default: a temp dir, removed after)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
+    ap.add_argument("--resume-each", action="store_true",
+                    help="after every trainer kill, a separate resume run that must exit 0 (slower)")
+    ap.add_argument("--layout", default="1x1",
+                    help="trainer TPxPP (default 1x1; more than one rank runs under torchrun)")
+    ap.add_argument("--torchrun", action="store_true", help="launch the trainer with torchrun even at 1x1")
+    ap.add_argument("--rerun-subprocess", action="store_true",
+                    help="rerun merge/reshard as a new process (default: the same CLI in this process)")
+    args = ap.parse_args()
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    try:
+        layout = tuple(int(x) for x in args.layout.lower().split("x"))
+        assert len(layout) == 2 and min(layout) >= 1
+    except (ValueError, AssertionError):
+        ap.error(f"--layout {args.layout!r}: expected TPxPP, e.g. 2x2")
+    if bad := [k for k in kinds if k not in KINDS]:
+        ap.error(f"unknown kind(s) {bad}: choose from {', '.join(KINDS)}")
+    work = Path(tempfile.mkdtemp(prefix="crash-trials-", dir=args.workdir))
+    start_time = time.perf_counter()
+    try:
+        trials = run_trials(work, {k: args.trials for k in kinds}, args.seed, args.resume_each,
+                            args.rerun_subprocess, layout, args.torchrun,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(table(trials))
+    print()
+    for kind in kinds:
+        mine = [t for t in trials if t.kind == kind]
+        print(f"{kind}: {len(mine)} trials, failures {sum(not t.ok for t in mine)}; landed: "
+              + ", ".join(f"{k} {v}" for k, v in collections.Counter(t.landed for t in mine).most_common()))
+    print(summary(trials) + f"; {time.perf_counter() - start_time:.0f}s, seed {args.seed}, {os.cpu_count()} CPUs")
+    if any(not t.ok for t in trials):
+        print("\n" + failures(trials))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
