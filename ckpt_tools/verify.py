@@ -40,7 +40,7 @@ class Tier:
     lines: list[str] = field(default_factory=list)
     reason: str = ""
     data: dict = field(default_factory=dict)  # arrays and numbers for the report
-    src_intact: bool = True  # tier 1 only: SRC's files and shards passed the integrity check
+    src_loads: bool = True  # tier 1 only: SRC's shards load and match the layout table (tiers 2-3 can run)
 
     def fail(self, reason: str) -> None:
         if self.ok:
@@ -80,7 +80,7 @@ def integrity(src: ShardSet, tier: Tier) -> None:
     problems = src.validate()
     for p in problems:
         tier.fail(p)
-    tier.src_intact = tier.ok
+    tier.src_loads = not problems  # a file that only differs from its sha256 record still runs, to name the layer
     tier.lines.append(f"{meta.tp_size * meta.pp_size} model shards: keys and shapes checked against the layout table"
                       + (f" ({len(problems)} problem(s))" if problems else ""))
 
@@ -288,8 +288,8 @@ def run(src: str | Path, other: str | Path | None = None, *, device: str | None 
                 "dtype": dtype, "tp": meta.tp_size, "pp": meta.pp_size,
                 "tokens": "random" if tokens_file is None else str(tokens_file), "batch": tokens.shape[0],
                 "seq": tokens.shape[1], "seed": seed, "torch": torch.__version__}
-    if not tiers[0].src_intact:  # no forward pass of a damaged SRC (it would fail or mislead): tier 1 names the damage
-        return tiers, {**settings, "other_model": "not run: SRC failed tier 1 integrity", "tolerances": tol}
+    if not tiers[0].src_loads:  # SRC's shards cannot be loaded into the model: tier 1 names why, no forward pass
+        return tiers, {**settings, "other_model": "not run: SRC's shards do not load", "tolerances": tol}
     with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as work:
         work = Path(work)
         mine = sharded_forward(meta.dir, tokens, work, meta.tp_size, meta.pp_size, dtype, device, "src", vocab_size,

@@ -361,9 +361,10 @@ def _(b, tmp):
 
 @case("flipped bytes in tensor data", "verify", table=True)
 def _(b, tmp):
-    ck = _copy(b, tmp)
-    flip_tensor_bytes(ck / M(1, 1))
-    return (["verify", ck, "--device", "cpu"], ["verify failed: tier 1", f"{M(1, 1)}: sha256 differs"], None)
+    ck = _copy(b, tmp, "single")  # TP1 x PP1: its forward passes (which still run) are one process each
+    flip_tensor_bytes(ck / M(0, 0))
+    return (["verify", ck, "--device", "cpu", "--batch", "1", "--seq-len", "16"],
+            ["verify failed: tier 1", f"{M(0, 0)}: sha256 differs"], None)
 
 
 @case("missing model shard", "verify", table=True)

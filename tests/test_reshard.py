@@ -239,7 +239,7 @@ def test_resume_without_the_optimizer_state_would_be_caught(llama_run, llama_tp1
     for name in names:
         (ckpt / name).unlink()
         del m["files"][name]
-    (ckpt / fmt.META).write_text(json.dumps(m, indent=2))
+    fmt.write_meta(ckpt / fmt.META, m)  # a deliberate edit: sealed again
     resumed = resume_tp1pp2_dp2(dropped, tmp_path / "resumed")
     assert [m["iteration"] for m in resumed] == [5, 6, 7, 8]
     rel = relative_differences(resumed, straight[4:])

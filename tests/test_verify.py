@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckpt_tools import io
 from ckpt_tools.cli import main
 from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard
@@ -49,14 +50,22 @@ def test_one_changed_element_is_named_in_tier1_and_its_layer_in_tier2(llama_run,
     bad = tmp_path / "bad"
     shutil.copytree(llama_run[0] / "checkpoint-8", bad)
     shard = bad / "pytorch_model_tp_1_pp_1.bin"  # stage 1 holds layers 2, 3; local layer 0 = global layer 2
-    obj = torch.load(shard, weights_only=True)
-    obj["model"]["decoder.layers.0.mlp.linear_fc2.weight"][3, 5] += 0.5
-    torch.save(obj, shard)
+    # Change one element in place (same file size, as a flipped bit would): find its byte offset
+    # through the file mapping, then write the new value there.
+    obj = torch.load(shard, weights_only=True, mmap=True)
+    t = obj["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    (start, _), = [r for r in io.file_mappings(shard) if r[0] <= t.data_ptr() < r[1]]
+    offset = t.data_ptr() - start + (3 * t.stride(0) + 5) * t.element_size()
+    value = torch.tensor([float(t[3, 5]) + 0.5], dtype=t.dtype)
+    del obj, t
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(value.numpy().tobytes())
     code, out = verify(bad, llama_hf)
     assert code == 1
     assert "differs: decoder.layers.2.mlp.linear_fc2.weight -> model.layers.2.mlp.down_proj.weight: 1 element(s)" in out
     assert "layer 2 is the first layer whose hidden states differ" in out
-    assert "sha256 differs" in out or "meta.json records" in out  # the file no longer matches its record
+    assert "pytorch_model_tp_1_pp_1.bin: sha256 differs from meta.json" in out  # same size, other bytes
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: verify failed: tier 1 weights: tensor decoder.layers.2.mlp.linear_fc2.weight")
 
