@@ -178,7 +178,8 @@ def leftover_temps(save_dir: str | Path) -> list[str]:
     if not save_dir.is_dir():
         return []
     return sorted(p.name for p in save_dir.iterdir()
-                  if p.name.startswith(".checkpoint-") and (p.name.endswith(".tmp") or ".old" in p.name))
+                  if (p.name.startswith(".checkpoint-") and (p.name.endswith(".tmp") or ".old" in p.name))
+                  or p.name.startswith(f".{LATEST}.tmp"))  # a kill while `latest` was rewritten
 
 
 def layout_summary(spec: ModelSpec, pp_size: int) -> dict[str, str]:
