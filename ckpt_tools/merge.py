@@ -93,15 +93,21 @@ def _tied_copy_note(shards: ShardSet) -> str | None:
             f"the merged model uses the first stage's embedding")
 
 
+def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | None,
+            check_hashes: bool) -> tuple[Path, str | None, ShardSet]:
+    """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
+    leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
+    out = output.check_target(out, force)
+    return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes)
+
+
 def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None = None,
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
           no_preflight: bool = False) -> str:
     """Write the merged model; returns the one-line summary."""
     start = time.perf_counter()
-    out = output.check_target(out, force)
-    leftover = output.note_leftovers(out)
-    shards = open_checked(src, vocab_size, check_hashes)
+    out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     if from_master and not shards.has_optimizer():
         raise CkptError(f"{meta.dir}: no optimizer shards with fp32 master weights "

@@ -19,11 +19,11 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import FormatError
 from ckpt_tools.hf import HFTensors
+from ckpt_tools.merge import prepare
 from ckpt_tools.shards import (
     OPTIMIZER,
     OPTIMIZER_FIELDS,
     ShardSet,
-    open_checked,
 )
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
@@ -128,9 +128,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False) -> str:
     start = time.perf_counter()
-    out = output.check_target(out, force)
-    leftover = output.note_leftovers(out)
-    shards = open_checked(src, vocab_size, check_hashes)
+    out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
     with_opt = shards.has_optimizer()
