@@ -117,13 +117,6 @@ def _finish(tmp: Path, iteration: int, target: Target, meta: dict, tokenizer_dir
     io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
 
 
-def _source_key(key: str, shards: ShardSet) -> str:
-    """The source tensor of a target key: itself, or the embedding for a tied copy the source lacks."""
-    if key not in shards.keys() and key == "output_layer.weight":
-        return "embedding.word_embeddings.weight"
-    return key
-
-
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False) -> str:
@@ -143,7 +136,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         for p in range(pp):
             target.begin_stage(p)
             for local, key in layout.stage_keys(spec, counts, p):
-                source = _source_key(key, shards)
+                source = shards.source_key(key)
                 bar.update(1)
                 if layout.find_rule(key, spec, pp).split == layout.EXTRA:
                     target.put(local, key, shards.shards(source)[0])

@@ -36,6 +36,13 @@ class ShardSet:
         """Global keys in megatron-core order (a tied output copy appears once, on the last stage)."""
         return list(self._where)
 
+    def source_key(self, key: str) -> str:
+        """The tensor that holds a key of another layout: itself, or, for the tied output copy that a
+        PP>1 layout keeps but this PP=1 checkpoint lacks, the word embedding it copies."""
+        if key == "output_layer.weight" and key not in self._where:
+            return "embedding.word_embeddings.weight"
+        return key
+
     def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
         if self.meta.source == "megatron-lm":
             from ckpt_tools import megatron_lm

@@ -40,10 +40,7 @@ def build_from_checkpoint(shards: ShardSet, tp_size: int, counts: list[int], dev
     else:
         state = {}
         for local, key in stage.global_keys().items():
-            source = key
-            if key == "output_layer.weight" and key not in shards.keys():  # tied, source PP = 1
-                source = "embedding.word_embeddings.weight"
-            full = shards.full(source)
+            full = shards.full(shards.source_key(key))
             if torch.is_tensor(full) and layout.find_rule(key, spec, len(counts)).split == layout.VOCAB:
                 full = layout.pad_vocab(key, full, spec, padded) if full.shape[0] != padded else full
             state[local] = layout.split(key, full, spec, tp_size, len(counts))[tp_rank]
