@@ -103,9 +103,17 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
           quiet: bool) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
     from ckpt_tools import merge as m
+    _one_thread()
     click.echo(m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
                        max_shard_size=m.parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
                        force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight))
+
+
+def _one_thread() -> None:
+    """Merge and reshard copy bytes (memory-bound); a second OpenMP thread in each copy only adds waits on
+    a busy core, while the background hash and fsync threads already use it."""
+    import torch
+    torch.set_num_threads(1)
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -132,6 +140,7 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
             force: bool, check_hashes: bool, no_preflight: bool, quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
     from ckpt_tools.reshard import reshard as run
+    _one_thread()
     click.echo(run(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force, quiet=quiet,
                    check_hashes=check_hashes, no_preflight=no_preflight))
 

@@ -63,12 +63,16 @@ def load_file(path: str | Path, mmap: bool = True) -> Any:
                           f"restore it from the source checkpoint") from None
 
 
-def fsync_dir(path: str | Path) -> None:
+def fsync_file(path: str | Path) -> None:
+    """fsync a file, or a dir (its entries), by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_file
 
 
 def save_file(obj: Any, path: str | Path) -> None:
@@ -96,10 +100,11 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    h, buf = hashlib.sha256(), bytearray(chunk)  # one reused buffer: no fresh pages per chunk
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
@@ -108,8 +113,9 @@ _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def file_mappings(path: str | Path) -> list[tuple[int, int]]:
-    """Address ranges where this process maps `path` (Linux /proc/self/maps; empty elsewhere)."""
+def file_mappings(path: str | Path) -> list[tuple[int, int, int]]:
+    """(start, end, file offset of start) of each range where this process maps `path` (Linux
+    /proc/self/maps; empty elsewhere)."""
     target = os.path.realpath(path)
     ranges = []
     try:
@@ -118,13 +124,13 @@ def file_mappings(path: str | Path) -> list[tuple[int, int]]:
                 parts = line.split(None, 5)
                 if len(parts) == 6 and parts[5].strip() == target:
                     start, end = (int(x, 16) for x in parts[0].split("-"))
-                    ranges.append((start, end))
+                    ranges.append((start, end, int(parts[2], 16)))
     except OSError:
         return []
     return ranges
 
 
-def release_pages(tensors, ranges: list[tuple[int, int]]) -> None:
+def release_pages(tensors, ranges: list[tuple[int, int, int]]) -> None:
     """Drop the resident pages of tensors that live in read-only private file mappings (`ranges`).
 
     The data stays in the file and is read again if touched; memory held by the process stays
@@ -140,7 +146,7 @@ def release_pages(tensors, ranges: list[tuple[int, int]]) -> None:
             continue
         storage = t.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
-        for start, end in ranges:
+        for start, end, _ in ranges:
             if start <= ptr and ptr + size <= end:
                 lo = max(start, ptr - ptr % _PAGE)
                 hi = min(end, -(-(ptr + size) // _PAGE) * _PAGE)

@@ -248,6 +248,82 @@ def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_re
     return torch.cat(list(shards), dim=rule.dim)
 
 
+# ---------------------------------------------------------------- reshard without the full tensor
+@dataclass(frozen=True)
+class Piece:
+    """Indices [start, stop) along `dim` of source TP rank `rank`'s shard; rank None: zeros (new vocab padding)."""
+    rank: int | None
+    dim: int
+    start: int
+    stop: int
+
+
+def _runs(begin: int, end: int, shard_len: int, offset: int, dim: int) -> list[Piece]:
+    """Full-tensor indices [begin, end) of a tensor chunked in `shard_len` runs, cut at shard edges;
+    `offset` is where the run starts inside each source shard (the up half of a gated shard)."""
+    out = []
+    while begin < end:
+        rank, local = divmod(begin, shard_len)
+        stop = min(end, (rank + 1) * shard_len)
+        out.append(Piece(rank, dim, offset + local, offset + local + stop - begin))
+        begin = stop
+    return out
+
+
+def reshard_pieces(key: str, spec: ModelSpec, src_tp: int, src_padded: int, tp: int, padded: int, rank: int,
+                   pp_size: int = 1) -> list[Piece]:
+    """Target TP rank `rank`'s shard of `key` (TP `tp`, padded vocab `padded`) as pieces of the source shards
+    (TP `src_tp`, `src_padded`), in order along the split dim: the same tensor as split(join(...)),
+    re-padded as pad_vocab does when the padded vocab changes. Replicated and extra-state keys are
+    rank 0's whole shard. One piece on dim 0 is a contiguous byte range of one source shard."""
+    rule = find_rule(key, spec, pp_size)
+    src_shape = rule.shape(spec, src_padded) if rule.shape is not None else None
+    if rule.dim is None:
+        return [Piece(0, 0, 0, src_shape[0] if src_shape else 0)]
+    dim, size = rule.dim, rule.shape(spec, padded)[rule.dim]
+    _check_divides(key, rule, spec, size, tp)
+    _check_divides(key, rule, spec, src_shape[dim], src_tp)
+    if rule.split == GATED:
+        half, src_half = size // 2 // tp, src_shape[0] // 2 // src_tp
+        return (_runs(rank * half, (rank + 1) * half, src_half, 0, 0)
+                + _runs(rank * half, (rank + 1) * half, src_half, src_half, 0))
+    begin, end = rank * size // tp, (rank + 1) * size // tp
+    if rule.split == VOCAB and padded != src_padded:  # rows beyond the true vocab become zeros
+        keep = min(end, spec.vocab_size)
+        zeros = [Piece(None, 0, max(begin, keep), end)] if end > keep else []
+        return _runs(begin, keep, src_shape[0] // src_tp, 0, 0) + zeros
+    return _runs(begin, end, src_shape[dim] // src_tp, 0, dim)
+
+
+def gather_parts(pieces: Sequence[Piece], shards: Sequence) -> list:
+    """The parts that `pieces` name, in order: views of the source shards (a dim-0 range of a shard is
+    contiguous), zeros for new vocab padding."""
+    parts = []
+    for p in pieces:
+        if p.rank is None:
+            shape = list(shards[0].shape)
+            shape[p.dim] = p.stop - p.start
+            parts.append(shards[0].new_zeros(shape))
+        else:
+            src = shards[p.rank]
+            whole = not torch.is_tensor(src) or src.dim() == 0 or (p.start, p.stop) == (0, src.shape[p.dim])
+            parts.append(src if whole else src.narrow(p.dim, p.start, p.stop - p.start))
+    return parts
+
+
+def gather(pieces: Sequence[Piece], shards: Sequence, out: Callable | None = None):
+    """The tensor that `pieces` describe, from the source shards: a view when one contiguous piece, else
+    one copy, into `out(shape, dtype)` (a reused buffer) when given."""
+    parts = gather_parts(pieces, shards)
+    if len(parts) == 1 and (out is None or parts[0].is_contiguous()):
+        return parts[0]
+    if out is None:
+        return torch.cat(parts, dim=pieces[0].dim)
+    shape = list(parts[0].shape)
+    shape[pieces[0].dim] = sum(p.shape[pieces[0].dim] for p in parts)
+    return torch.cat(parts, dim=pieces[0].dim, out=out(tuple(shape), parts[0].dtype))
+
+
 # ---------------------------------------------------------------- vocab padding
 def pad_vocab(key: str, full: torch.Tensor, spec: ModelSpec, padded_vocab: int) -> torch.Tensor:
     """Re-pad a vocab tensor to `padded_vocab` rows: true rows kept, rows beyond the true vocab zero."""

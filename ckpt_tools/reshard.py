@@ -1,9 +1,12 @@
 """`ckpt reshard` (any TP/PP layout -> any other, optimizer state included) and `ckpt import` (HF -> shards).
 
 Both write a save dir OUT holding `checkpoint-<iteration>/` and `latest`, so the trainer resumes
-from it with `load: OUT` (or `save_dir: OUT`). Streaming: target stages are written one after the
-other, all TP ranks of a stage side by side, one source tensor in memory at a time; every target
-shard is the layout table's split of the source tensor's join, so a round trip is bit-exact.
+from it with `load: OUT` (or `save_dir: OUT`). Streaming, one file at a time: reshard builds each
+target shard from the pieces of the mmap'd source shards that `layout.reshard_pieces` names (a
+contiguous piece is written straight from the mapping, no copy; the full tensor is never made), the
+same bytes as the layout table's split of the join, so a round trip is bit-exact. Import writes all
+TP ranks of a stage side by side, one full tensor in memory at a time. Finished files are hashed
+and fsynced in background threads while the next ones are written.
 """
 from __future__ import annotations
 
@@ -20,11 +23,7 @@ from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.merge import prepare
-from ckpt_tools.shards import (
-    OPTIMIZER,
-    OPTIMIZER_FIELDS,
-    ShardSet,
-)
+from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, ShardSet
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
 
@@ -38,7 +37,7 @@ class Target:
         self.dir, self.spec, self.tp, self.counts, self.padded = ckpt_dir, spec, tp, counts, padded
         self.pp = len(counts)
         self.optimizer = optimizer
-        self._pool = ThreadPoolExecutor(1)  # hashes finished files while the next ones are written
+        self._pool = ThreadPoolExecutor(2)  # hashes and fsyncs finished files while the next ones are written
         self._hashes: dict[str, Future] = {}
         self.nbytes = 0
 
@@ -78,17 +77,74 @@ class Target:
                 self._close(self._optim[t], {"optimizer": self._optim_state[t], **optimizer_extras})
 
     def _close(self, writer: TorchFileWriter, obj: dict) -> None:
-        writer.close(obj)
+        writer.close(obj, fsync=False)
         self.nbytes += writer.path.stat().st_size
-        self._hashes[writer.path.name] = self._pool.submit(fmt.file_record, writer.path)
+        self.add_file(writer.path)
 
     def add_file(self, path: Path) -> None:
-        self._hashes[path.name] = self._pool.submit(fmt.file_record, path)
+        """Hash and fsync a finished file in the background; `records()` waits for all of them."""
+        self._hashes[path.name] = self._pool.submit(_record_and_sync, path)
 
     def records(self) -> dict[str, dict]:
         out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
         self._pool.shutdown()
         return out
+
+
+def _record_and_sync(path: Path) -> dict:
+    record = fmt.file_record(path)  # read back from the page cache before the pages are written out
+    io.fsync_file(path)
+    return record
+
+
+class Resharder:
+    """Target shards straight from the source shards: `reshard_pieces` of the layout table, gathered."""
+
+    def __init__(self, shards: ShardSet, target: Target):
+        self.shards, self.target = shards, target
+        self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A reused buffer for gathered shards (written at once): no fresh pages to fault in per tensor."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+    def put(self, writer: TorchFileWriter, key: str, field: str | None, rank: int):
+        """Write target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field). Pieces
+        that are byte ranges of the source files, concatenated on dim 0, are copied file to file."""
+        source, t = self.shards.source_key(key), self.target
+        shards = self.shards.shards(source, field)
+        if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
+            return writer.tensor(layout.join(source, shards, t.spec, self.shards.meta.pp_size))
+        pieces = layout.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
+        parts = layout.gather_parts(pieces, shards)
+        where = [self.shards.locate(p) for p in parts]
+        if all(where) and (len(parts) == 1 or pieces[0].dim == 0):
+            shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+            return writer.tensor_from_files(parts[0].dtype, shape,
+                                            [(fd, offset, p.nbytes) for (fd, offset), p in zip(where, parts)])
+        return writer.tensor(layout.gather(pieces, shards, self._scratch))
+
+    def write_file(self, kind: str, tp_rank: int, pp_rank: int, extras: dict) -> None:
+        """One target file (a model or optimizer shard), tensor by tensor, then hashed in the background."""
+        t = self.target
+        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
+        writer, state = TorchFileWriter(t.dir / name), {}
+        for local, key in layout.stage_keys(t.spec, t.counts, pp_rank):
+            extra = layout.find_rule(key, t.spec, t.pp).split == layout.EXTRA
+            if kind == MODEL:
+                state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
+                    self.put(writer, key, None, tp_rank)
+            elif not extra:
+                fields = {f: self.put(writer, key, f, tp_rank) for f in OPTIMIZER_FIELDS}
+                self.shards.release()
+                fields["step"] = writer.tensor(self.shards.shards(self.shards.source_key(key), "step")[0])
+                state[local] = fields
+            self.shards.release()
+        t._close(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
 
 
 def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
@@ -125,30 +181,20 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
     with_opt = shards.has_optimizer()
-    total = sum(len(layout.stage_keys(spec, counts, p)) for p in range(pp))
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir()
         target = Target(ckpt, spec, tp, counts, padded, with_opt)
         extras = ({k: v for k, v in shards.file(OPTIMIZER, 0, 0).items() if k != OPTIMIZER} if with_opt else {})
-        bar = output.progress(total, "reshard", quiet, unit="tensor")
-        for p in range(pp):
-            target.begin_stage(p)
-            for local, key in layout.stage_keys(spec, counts, p):
-                source = shards.source_key(key)
-                bar.update(1)
-                if layout.find_rule(key, spec, pp).split == layout.EXTRA:
-                    target.put(local, key, shards.shards(source)[0])
-                    continue
-                target.put(local, key, shards.full(source))
-                shards.release()
-                for f in OPTIMIZER_FIELDS if with_opt else ():
-                    target.put_state(local, key, f, shards.full(source, f))
-                    shards.release()
-                if with_opt:
-                    target.put_state(local, key, "step", shards.shards(source, "step")[0])
-            target.end_stage(extras)
+        kinds = (MODEL, OPTIMIZER) if with_opt else (MODEL,)
+        bar = output.progress(len(kinds) * tp * pp, "reshard", quiet, unit="file")
+        resharder = Resharder(shards, target)
+        for kind in reversed(kinds):  # the small model files last: the wait for the last file's hash is short
+            for p in range(pp):
+                for t in range(tp):
+                    resharder.write_file(kind, t, p, extras)
+                    bar.update(1)
         bar.close()
         _copy_rng(shards, target, tp, pp)
         consumed = int(meta.raw.get("consumed_samples") or 0)

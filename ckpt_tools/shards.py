@@ -7,6 +7,7 @@ resident pages of everything handed out since the last call, so memory stays nea
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,9 @@ class ShardSet:
         self.meta = meta
         self._open: dict[tuple[str, int, int], dict] = {}
         self._files: dict[tuple[str, int, int], dict] = {}
-        self._ranges: list[tuple[int, int]] = []
+        self._ranges: list[tuple[int, int, int]] = []
+        self._mapped: list[tuple[int, int, int, Path]] = []  # (start, end, file offset, path) of each mapping
+        self._fds: dict[Path, int] = {}
         self._handed: list = []
         self._where: dict[str, tuple[int, str]] = {}  # global key -> (pp_rank, stage-local key)
         for pp_rank in range(meta.pp_size):
@@ -64,7 +67,9 @@ class ShardSet:
                 raise FormatError(f"{path}: holds no {kind!r} state dict: not a {kind} shard of this checkpoint; "
                                   f"restore it from the source checkpoint")
             self._files[slot] = obj
-            self._ranges += io.file_mappings(path)
+            maps = io.file_mappings(path)
+            self._ranges += maps
+            self._mapped += [(start, end, offset, path) for start, end, offset in maps]
         return self._files[slot]
 
     def check_size(self, path: Path) -> None:
@@ -160,10 +165,27 @@ class ShardSet:
         io.release_pages(self._handed, self._ranges)
         self._handed.clear()
 
+    def locate(self, t) -> tuple[int, int] | None:
+        """(read-only fd, byte offset) of a contiguous tensor's bytes in the shard file it is mapped from,
+        so they can be copied file to file; None for anything else (a copy in memory, a strided view)."""
+        if not torch.is_tensor(t) or not t.is_contiguous() or t.numel() == 0:
+            return None
+        ptr = t.data_ptr()
+        for start, end, offset, path in self._mapped:
+            if start <= ptr and ptr + t.nbytes <= end:
+                if path not in self._fds:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+                return self._fds[path], ptr - start + offset
+        return None
+
     def close(self) -> None:
         self._handed.clear()
         self._files.clear()
         self._ranges.clear()
+        self._mapped.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():

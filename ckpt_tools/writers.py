@@ -14,12 +14,14 @@ import os
 import pickle
 import struct
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckpt_tools.errors import LayoutError
+from ckpt_tools.io import fsync_file
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
@@ -123,11 +125,28 @@ class TorchFileWriter:
         self._zip = torch._C.PyTorchFileWriter(str(self.path), False, 64)  # integrity: sha256 in meta.json
         self._count = 0
         self.nbytes = 0
+        self._holes: list[tuple[str, list[tuple[int, int, int]]]] = []  # (record, [(fd, offset, nbytes)])
+
+    def _key(self) -> str:
+        self._count += 1
+        return str(self._count - 1)
+
+    def tensor_from_files(self, dtype: torch.dtype, shape: tuple[int, ...],
+                          ranges: list[tuple[int, int, int]]) -> _TensorRef:
+        """A tensor whose bytes are byte ranges [(fd, offset, nbytes)] of other files, in order. Its record
+        is reserved now (the archive's bytes do not depend on the data) and filled file to file in the
+        kernel (copy_file_range: the bytes never pass through this process) when the archive is closed."""
+        key, nbytes = self._key(), sum(n for _, _, n in ranges)
+        if nbytes != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():
+            raise LayoutError(f"{self.path}: {nbytes} bytes for a {dtype} tensor of shape {tuple(shape)}")
+        self._zip.write_record_metadata(f"data/{key}", nbytes)
+        self._holes.append((f"{self._zip.archive_name()}/data/{key}", ranges))
+        self.nbytes += nbytes
+        return _TensorRef(_StorageRef(key, dtype, torch.Size(shape).numel()), tuple(shape))
 
     def tensor(self, t: torch.Tensor) -> _TensorRef:
         t = t.detach().contiguous()
-        key = str(self._count)
-        self._count += 1
+        key = self._key()
         storage = t.untyped_storage()
         if t.storage_offset() or storage.nbytes() != t.nbytes:  # a view: its own bytes only, no copy
             begin = t.storage_offset() * t.element_size()
@@ -145,7 +164,8 @@ class TorchFileWriter:
             return type(obj)(self._refs(v) for v in obj)
         return obj
 
-    def close(self, obj: Any) -> None:
+    def close(self, obj: Any, fsync: bool = True) -> None:
+        """Write the object tree and the archive's end; fsync=False leaves the fsync to the caller."""
         import io as _io
         buf = _io.BytesIO()
         _Pickler(buf, protocol=2).dump(self._refs(obj))
@@ -156,8 +176,35 @@ class TorchFileWriter:
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self._zip.write_end_of_file()
         del self._zip
-        fd = os.open(self.path, os.O_RDONLY)
+        if self._holes:
+            self._fill_holes()
+        if fsync:
+            fsync_file(self.path)
+
+    def _fill_holes(self) -> None:
+        with zipfile.ZipFile(self.path) as z:
+            where = {info.filename: info.header_offset for info in z.infolist()}
+        fd = os.open(self.path, os.O_RDWR)
         try:
-            os.fsync(fd)
+            for record, ranges in self._holes:
+                header = os.pread(fd, 30, where[record])  # the local header: data follows its name and extra field
+                pos = where[record] + 30 + sum(struct.unpack("<HH", header[26:30]))
+                for src, offset, nbytes in ranges:
+                    copy_range(src, offset, fd, pos, nbytes)
+                    pos += nbytes
         finally:
             os.close(fd)
+        self._holes.clear()
+
+
+def copy_range(src: int, offset: int, dst: int, pos: int, nbytes: int) -> None:
+    """nbytes of file src at offset -> file dst at pos, in the kernel where it can (copy_file_range)."""
+    end = offset + nbytes
+    while offset < end:
+        try:
+            n = os.copy_file_range(src, dst, end - offset, offset, pos)
+        except OSError:  # not supported here (an old kernel, another file system): through a buffer
+            n = os.pwrite(dst, os.pread(src, min(end - offset, 1 << 24), offset), pos)
+        if n <= 0:
+            raise OSError(f"copying into file {dst}: source ended at byte {offset}, expected {end}")
+        offset, pos = offset + n, pos + n

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import io
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
 
@@ -44,6 +47,28 @@ def train(config: str, save_dir: Path, nproc: int, **overrides) -> list[dict]:
         args += ["--set", s]
     torchrun(nproc, args)
     return [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+
+
+def assert_same_curve(a: list[dict], b: list[dict], rel: float) -> None:
+    assert [m["iteration"] for m in a] == [m["iteration"] for m in b]
+    for x, y in zip(a, b):
+        for field in ("loss", "grad_norm"):
+            assert abs(x[field] - y[field]) <= rel * abs(x[field]), (field, x, y)
+
+
+def assert_same_files(a, b, kind: str, tp: int, pp: int, atol: float) -> None:
+    for t in range(tp):
+        for p in range(pp):
+            name = fmt.model_file(t, p) if kind == "model" else fmt.optimizer_file(t, p)
+            x, y = io.load_file(a / name)[kind], io.load_file(b / name)[kind]
+            assert set(x) == set(y), name
+            for key in x:
+                fields = x[key].items() if isinstance(x[key], dict) else [("", x[key])]
+                for field, tensor in fields:
+                    other = y[key][field] if field else y[key]
+                    if torch.is_tensor(tensor):
+                        assert tensor.shape == other.shape and tensor.dtype == other.dtype, (name, key, field)
+                        assert torch.allclose(tensor.double(), other.double(), rtol=0, atol=atol), (name, key, field)
 
 
 def sharded_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path, tp: int, pp: int) -> torch.Tensor:

@@ -36,7 +36,9 @@ def one_line_error(result) -> str:
     (["global_batch_size=7"], "global_batch_size 7 != micro_batch_size x num_micro_batches x DP"),
     (["no_such_key=1"], "unknown config key(s) no_such_key"),
     (["dtype=fp8"], "dtype 'fp8' is not supported"),
-    (["use_distributed_optimizer=true"], "use_distributed_optimizer: true is not supported"),
+    (["sequence_parallelism=true", "seq_length=63"], "seq_length 63 is not divisible by tp_degree 2"),
+    (["sequence_parallelism=true", "tp_degree=1", "pp_degree=4"], "sequence_parallelism needs tp_degree > 1"),
+    (["recompute_granularity=some"], "recompute_granularity 'some' is not supported"),
 ])
 def test_bad_config_is_one_line_error(sets, expected, tmp_path):
     args = ["train", "--config", str(CONFIGS / "tiny_llama.yaml"), "--set", f"save_dir={tmp_path}/run"]

@@ -97,3 +97,16 @@ def test_megatron_core_gptmodel_agrees_with_trainer_and_hf_merge(arch, tmp_path)
         top1 = float((a.argmax(-1) == b.argmax(-1)).float().mean())
         print(f"{arch} {name}: rel L2 {rel:.2e}, max abs {float((a - b).abs().max()):.2e}, top-1 {top1:.2%}")
         assert rel < 1e-5 and top1 > 0.999, name
+
+
+@_needs_gpus(2)
+@pytest.mark.parametrize("config", ["tiny_llama.yaml", "tiny_gpt2.yaml"])
+def test_sequence_parallel_follows_the_plain_curve(config, tmp_path):
+    """TP2 (fp32, NCCL) with and without SP: norms (and GPT-2's row-parallel biases) see half the sequence
+    and get their gradients summed over TP; everything else is the same computation."""
+    from conftest import assert_same_curve, assert_same_files, train
+    plain = train(config, tmp_path / "plain", 2, pp_degree=1, train_iters=4)
+    sp = train(config, tmp_path / "sp", 2, pp_degree=1, train_iters=4, sequence_parallelism=True)
+    print(f"\nSP vs plain, {config}: losses {[m['loss'] for m in sp]} vs {[m['loss'] for m in plain]}")
+    assert_same_curve(plain, sp, 1e-4)
+    assert_same_files(tmp_path / "plain" / "checkpoint-4", tmp_path / "sp" / "checkpoint-4", "model", 2, 1, 1e-4)

@@ -41,9 +41,10 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
         tmp.mkdir()
     dist.barrier()
     records: dict[str, dict] = {}
+    full_state = opt.state_by_key()  # with the distributed optimizer a gather over DP: every rank takes part
     if dp_rank == 0:
         model_state = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in stage.state_dict().items()}
-        optim_state = {k: {n: t.detach().cpu() for n, t in s.items()} for k, s in opt.state_by_key().items()}
+        optim_state = {k: {n: t.detach().cpu() for n, t in s.items()} for k, s in full_state.items()}
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                "iteration": iteration, "consumed_samples": consumed_samples}

@@ -45,8 +45,10 @@ class TrainConfig:
     layers_per_stage: list[int] | None = None
     gradient_clipping: float = 1.0
     sequence_parallelism: bool = False
-    recompute_activations: bool = False
-    use_distributed_optimizer: bool = False
+    recompute_activations: bool = False  # Megatron-LM's meaning: selective recompute
+    recompute_granularity: str | None = None  # "selective" | "full"; None: selective if recompute_activations
+    use_distributed_optimizer: bool = False  # masters and Adam moments sharded over DP (ZeRO-1)
+    compile: bool = False  # torch.compile each transformer layer and the loss (GPUs)
     # optimization
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # checked: = micro_batch_size x num_micro_batches x DP
@@ -77,10 +79,12 @@ class TrainConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
         if self.sequence_parallelism and self.tp_degree == 1:
             raise ConfigError("sequence_parallelism needs tp_degree > 1: set it to false or raise tp_degree")
-        for name in ("sequence_parallelism", "use_distributed_optimizer"):
-            if getattr(self, name):
-                raise ConfigError(f"{name}: true is not supported by this trainer yet: set it to false "
-                                  f"(the on-disk format does not depend on it)")
+        if self.sequence_parallelism and self.seq_length % self.tp_degree:
+            raise ConfigError(f"sequence_parallelism splits the sequence over TP: seq_length {self.seq_length} is not "
+                              f"divisible by tp_degree {self.tp_degree}; change one of them")
+        if self.recompute_granularity not in (None, "selective", "full"):
+            raise ConfigError(f"recompute_granularity {self.recompute_granularity!r} is not supported: use "
+                              f"selective or full (or leave it unset)")
         for name in ("tp_degree", "pp_degree", "num_micro_batches", "micro_batch_size", "train_iters", "seq_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, found {getattr(self, name)}")
@@ -90,6 +94,11 @@ class TrainConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ConfigError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                               f"{self.max_position_embeddings}: raise max_position_embeddings")
+
+    @property
+    def recompute(self) -> str | None:
+        """None, "selective" or "full" (Megatron-LM: --recompute-activations means selective)."""
+        return self.recompute_granularity or ("selective" if self.recompute_activations else None)
 
     def check_data_paths(self) -> None:
         if not Path(self.corpus).is_file():

@@ -11,6 +11,7 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
@@ -20,7 +21,8 @@ from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
 
 
-def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool) -> TransformerConfig:
+def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool,
+                    sequence_parallel: bool = False) -> TransformerConfig:
     """The megatron-core config its parallel layers read (we initialize the weights ourselves)."""
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -31,14 +33,33 @@ def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dt
         use_cpu_initialization=on_cpu, perform_initialization=False,
         normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
         add_bias_linear=spec.add_bias_linear, layernorm_epsilon=spec.norm_epsilon,
-        gradient_accumulation_fusion=False, sequence_parallel=False,
+        gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel,
     )
 
 
-def _norm(spec: ModelSpec) -> nn.Module:
-    if spec.normalization == "RMSNorm":
-        return nn.RMSNorm(spec.hidden_size, eps=spec.norm_epsilon)
-    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_epsilon)
+def _norm(spec: ModelSpec, config: TransformerConfig) -> nn.Module:
+    """A norm in the weights' dtype; under sequence parallelism it sees 1/TP of the sequence, so its
+    parameters are marked as megatron-core marks them, for the TP all-reduce of their gradients."""
+    cls = nn.RMSNorm if spec.normalization == "RMSNorm" else nn.LayerNorm
+    norm = cls(spec.hidden_size, eps=spec.norm_epsilon).to(config.params_dtype)
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def _tp_group():
+    """The TP group, passed explicitly: megatron-core warns (and torch.compile breaks its graph) on
+    every call of a layer built without one."""
+    return ps.get_tensor_model_parallel_group() if ps.is_initialized() else None
+
+
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron-core 0.16's RowParallelLinear.forward hands tp_group=None to its matmul, which then
+    warns on every call on rank 0 (a graph break under torch.compile): hand it the layer's group."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -51,7 +72,8 @@ class Embedding(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, padded_vocab: int):
         super().__init__()
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            padded_vocab, spec.hidden_size, init_method=_no_init, config=config)
+            padded_vocab, spec.hidden_size, init_method=_no_init, config=config, tp_group=_tp_group())
+        self.sequence_parallel = config.sequence_parallel
         self.position_embeddings = None
         if spec.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(spec.max_position_embeddings, spec.hidden_size,
@@ -61,7 +83,10 @@ class Embedding(nn.Module):
         x = self.word_embeddings(tokens)  # [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))[None]
-        return x.transpose(0, 1).contiguous()
+        x = x.transpose(0, 1).contiguous()
+        if self.sequence_parallel:  # this rank keeps its 1/TP of the sequence
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        return x
 
 
 def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,24 +111,30 @@ class SelfAttention(nn.Module):
         self.groups = spec.num_query_groups // tp_size
         qkv_rows = (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels
         # Registration order = megatron-core's state-dict order: linear_proj before linear_qkv.
-        self.linear_proj = tensor_parallel.RowParallelLinear(
-            spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, init_method=_no_init,
+        self.linear_proj = RowParallelLinear(
+            spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
             bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
         self.linear_qkv = tensor_parallel.ColumnParallelLinear(
-            spec.hidden_size, qkv_rows, config=config, init_method=_no_init, bias=spec.add_bias_linear,
+            spec.hidden_size, qkv_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.add_bias_linear,
             gather_output=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        s, b = x.shape[:2]
+    def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """[s, b, this rank's (q, k, v) per group] -> attention output [s, b, this rank's heads x d]."""
+        s, b = qkv.shape[:2]
         hpg, d = self.spec.heads_per_group, self.spec.kv_channels
-        qkv, _ = self.linear_qkv(x)
         q, k, v = qkv.view(s, b, self.groups, (hpg + 2) * d).split([hpg * d, d, d], dim=-1)
         q = q.reshape(s, b, self.groups * hpg, d)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hpg > 1)
-        out, _ = self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                selective: bool = False) -> torch.Tensor:
+        qkv, _ = self.linear_qkv(x)
+        out = checkpoint(self.core, qkv, rope, use_reentrant=False) if selective else self.core(qkv, rope)
+        out, _ = self.linear_proj(out)
         return out
 
 
@@ -114,41 +145,47 @@ class MLP(nn.Module):
         self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         fc1_rows = spec.ffn_hidden_size * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
-            spec.hidden_size, fc1_rows, config=config, init_method=_no_init, bias=spec.add_bias_linear,
+            spec.hidden_size, fc1_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.add_bias_linear,
             gather_output=False)
-        self.linear_fc2 = tensor_parallel.RowParallelLinear(
-            spec.ffn_hidden_size, spec.hidden_size, config=config, init_method=_no_init,
+        self.linear_fc2 = RowParallelLinear(
+            spec.ffn_hidden_size, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
             bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, _ = self.linear_fc1(x)
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = x.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
-            x = F.silu(gate) * up
-        else:
-            x = F.gelu(x, approximate=self.approximate)
+            return F.silu(gate) * up
+        return F.gelu(x, approximate=self.approximate)
+
+    def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
+        x, _ = self.linear_fc1(x)
+        x = checkpoint(self.activation, x, use_reentrant=False) if selective else self.activation(x)
         x, _ = self.linear_fc2(x)
         return x
 
 
 class TransformerLayer(nn.Module):
+    """Selective recompute (Megatron-LM's --recompute-activations) recomputes the attention core and
+    the MLP activation in backward: the big, cheap activations; full recompute wraps the layer."""
+
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
         super().__init__()
-        self.input_layernorm = _norm(spec).to(config.params_dtype)
+        self.input_layernorm = _norm(spec, config)
         self.self_attention = SelfAttention(spec, config, tp_size)
-        self.pre_mlp_layernorm = _norm(spec).to(config.params_dtype)
+        self.pre_mlp_layernorm = _norm(spec, config)
         self.mlp = MLP(spec, config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), rope)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                selective: bool = False) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), rope, selective)
+        return x + self.mlp(self.pre_mlp_layernorm(x), selective)
 
 
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size) for _ in range(num_layers))
-        self.final_layernorm = _norm(spec).to(config.params_dtype) if post_process else None
+        self.final_layernorm = _norm(spec, config) if post_process else None
 
 
 class GPTStage(nn.Module):
@@ -159,9 +196,10 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, *, tp_size: int, pp_rank: int,
-                 layer_counts: list[int], padded_vocab: int, recompute: bool = False):
+                 layer_counts: list[int], padded_vocab: int, recompute: str | None = None):
         super().__init__()
         self.spec, self.padded_vocab, self.recompute = spec, padded_vocab, recompute
+        self.sequence_parallel = config.sequence_parallel
         self.tp_size, self.pp_rank, self.layer_counts = tp_size, pp_rank, list(layer_counts)
         self.pre_process = pp_rank == 0
         self.post_process = pp_rank == len(layer_counts) - 1
@@ -171,20 +209,22 @@ class GPTStage(nn.Module):
         self.share_weight = self.pre_process and spec.tie_word_embeddings
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                spec.hidden_size, padded_vocab, config=config, init_method=_no_init, bias=False,
+                spec.hidden_size, padded_vocab, config=config, tp_group=_tp_group(), init_method=_no_init, bias=False,
                 gather_output=False, skip_weight_param_allocation=self.share_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_process:
             x = self.embedding(x)
         rope = None
-        if self.spec.position_embedding_type == "rope":
-            rope = rope_tables(self.spec, x.shape[0], x.device)
+        if self.spec.position_embedding_type == "rope":  # over the whole sequence, also under SP
+            seq = x.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+            rope = rope_tables(self.spec, seq, x.device)
+        mode = self.recompute if self.training else None
         for layer in self.decoder.layers:
-            if self.recompute and self.training:
+            if mode == "full":
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
-                x = layer(x, rope)
+                x = layer(x, rope, mode == "selective")
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)

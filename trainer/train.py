@@ -1,9 +1,11 @@
 """The training loop: TP x PP x DP under torchrun (gloo on CPU, NCCL on GPUs).
 
 TP: megatron-core's parallel layers. PP: torch.distributed.pipelining, 1F1B over micro-batches
-(under PP the micro-batches are the gradient accumulation). DP: the gradients are averaged over the
-data-parallel group once per step, in one flat bucket (torch DDP's reducer does not accept the
-several in-flight forwards of 1F1B: "rebuilt parameter indices" assert). global batch = micro_batch_size x num_micro_batches x DP, as in Megatron.
+(under PP the micro-batches are the gradient accumulation). DP: the optimizer averages the
+gradients over the data-parallel group once per step, in one flat bucket (torch DDP's reducer does
+not accept the several in-flight forwards of 1F1B: "rebuilt parameter indices" assert), or
+reduce-scatters them with the distributed optimizer. SP: megatron-core's sequence parallelism, the
+norms' gradients all-reduced over TP. global batch = micro_batch_size x num_micro_batches x DP, as in Megatron.
 """
 from __future__ import annotations
 
@@ -19,16 +21,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
-from ckpt_tools.errors import CkptError
+from ckpt_tools.errors import CkptError, ConfigError
 from trainer import checkpoint, data
 from trainer.config import TrainConfig, load_config
+from trainer.loss import VocabParallelLoss
 from trainer.model import GPTStage, initialize, megatron_config
-from trainer.optim import MasterAdamW, clip_coefficient, lr_at
+from trainer.optim import MasterAdamW, lr_at, make_optimizer
 
 
 def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
@@ -43,6 +44,9 @@ def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
+        if cfg.sequence_parallelism:
+            raise ConfigError("sequence_parallelism needs CUDA GPUs (megatron-core's sequence-parallel layers "
+                              "allocate their gather buffers on CUDA): set it to false on CPU")
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     if not dist.is_initialized():
@@ -65,17 +69,15 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
             padded = resume.padded_vocab
     counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, explicit)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu")
+    mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu",
+                           sequence_parallel=cfg.sequence_parallelism)
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                     layer_counts=counts, padded_vocab=padded,
-                     recompute=cfg.recompute_activations).to(device)
+                     layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute).to(device)
     initialize(stage, cfg.seed, ps.get_tensor_model_parallel_rank())
+    if cfg.compile:
+        for layer in stage.decoder.layers:
+            layer.compile(dynamic=False)
     return stage
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token loss from vocab-parallel logits [s, b, V/TP] and labels [b, s]."""
-    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
 
 
 class Stepper:
@@ -83,12 +85,13 @@ class Stepper:
 
     def __init__(self, cfg: TrainConfig, stage: GPTStage, device: torch.device):
         self.cfg, self.stage, self.device = cfg, stage, device
+        self.loss_fn = VocabParallelLoss(compile=cfg.compile)
         self.schedule = None
         if cfg.pp_degree > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
             pipe = PipelineStage(stage, ps.get_pipeline_model_parallel_rank(), cfg.pp_degree, device,
                                  group=ps.get_pipeline_model_parallel_group())
-            self.schedule = Schedule1F1B(pipe, n_microbatches=cfg.num_micro_batches, loss_fn=loss_fn)
+            self.schedule = Schedule1F1B(pipe, n_microbatches=cfg.num_micro_batches, loss_fn=self.loss_fn)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -97,7 +100,7 @@ class Stepper:
         losses = []
         n = self.cfg.num_micro_batches
         for x, y in zip(inputs.chunk(n), labels.chunk(n)):
-            loss = loss_fn(self.stage(x), y)
+            loss = self.loss_fn(self.stage(x), y)
             (loss / n).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
@@ -114,16 +117,15 @@ class Stepper:
         return None
 
 
-def average_data_parallel_grads(stage: GPTStage, dp: int) -> None:
-    """Average every gradient over the DP group: one all-reduce of one flat buffer."""
-    if dp == 1:
+def sync_sequence_parallel_grads(stage: GPTStage) -> None:
+    """Under SP a norm (or a row-parallel bias) saw only this rank's part of the sequence: sum its
+    gradients over TP, as megatron-core does for parameters marked `sequence_parallel`."""
+    grads = [p.grad for p in stage.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not stage.sequence_parallel or not grads:
         return
-    grads = [p.grad for p in stage.parameters() if p.grad is not None]
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=ps.get_data_parallel_group())
-    flat /= dp
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def sync_tied_embeddings(stage: GPTStage) -> None:
@@ -156,6 +158,21 @@ class Logger:
             print(text, flush=True)
 
 
+def train_step(cfg: TrainConfig, stage: GPTStage, stepper: Stepper, opt: MasterAdamW, tokens: torch.Tensor,
+               lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One optimizer step on one global batch; (mean loss on the last stage, grad norm), on device."""
+    opt.zero_grad()
+    loss = stepper(tokens)
+    sync_sequence_parallel_grads(stage)
+    sync_tied_embeddings(stage)
+    norm = opt.step(lr, cfg.gradient_clipping)
+    if loss is not None and opt.dp > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=ps.get_data_parallel_group())
+        loss /= opt.dp
+    return loss, norm
+
+
 def train(cfg: TrainConfig) -> None:
     cfg.check_data_paths()
     device, dp = setup_distributed(cfg)
@@ -171,7 +188,7 @@ def train(cfg: TrainConfig) -> None:
     ckpt_dir = fmt.resolve(source) if cfg.load else fmt.find_latest(source)
     resume = fmt.Meta.read(ckpt_dir) if ckpt_dir is not None else None
     stage = build_stage(cfg, data.vocab_size(tokenizer), device, resume)
-    opt = MasterAdamW(stage, cfg)
+    opt = make_optimizer(stage, cfg)
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     logger = Logger(cfg, stage.post_process and tp_rank == 0 and dp_rank == 0)
     for name in fmt.leftover_temps(cfg.save_dir):
@@ -187,27 +204,21 @@ def train(cfg: TrainConfig) -> None:
     logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}, "
                f"global batch {global_batch} x {cfg.seq_length} tokens, iterations {iteration} -> {cfg.train_iters}")
     saved_iteration, first_iteration = None, iteration
+    clock, clock_iteration = time.perf_counter(), iteration
     while iteration < cfg.train_iters:
-        start = time.perf_counter()
         tokens = dataset.batch(consumed + dp_rank * local_batch, local_batch).to(device)
         lr = lr_at(cfg, iteration)
-        opt.zero_grad()
-        loss = stepper(tokens)
-        average_data_parallel_grads(stage, dp)
-        sync_tied_embeddings(stage)
-        norm, coef = clip_coefficient(stage, tp_rank, cfg.gradient_clipping)
-        opt.step(lr, coef)
+        loss, norm = train_step(cfg, stage, stepper, opt, tokens, lr)
         iteration += 1
         consumed += global_batch
-        if loss is not None and dp > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss /= dp
         if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters:
-            elapsed = time.perf_counter() - start
             if loss is not None:
-                logger.log({"iteration": iteration, "loss": float(loss), "lr": lr, "grad_norm": norm,
-                            "tokens_per_s": global_batch * cfg.seq_length / elapsed})
+                loss, norm = float(loss), float(norm)  # the only host syncs of a step, and only here
+                now = time.perf_counter()
+                rate = (iteration - clock_iteration) * global_batch * cfg.seq_length / (now - clock)
+                clock, clock_iteration = now, iteration
+                logger.log({"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm,
+                            "tokens_per_s": rate})
         if cfg.save_interval and iteration % cfg.save_interval == 0:
             checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
             saved_iteration = iteration

@@ -1,0 +1,261 @@
+"""Training throughput and MFU on GPUs: the bundled trainer next to HF LlamaForCausalLM (sdpa) and
+megatron-core's GPTModel (local spec), all measured in one run of this script.
+
+    python benchmarks/train_throughput.py                      # one GPU: hf, mcore, ours (eager), ours (compiled)
+    python benchmarks/train_throughput.py --rows "ours:tp=2 ours:pp=2,mb=8 ours:dp=2" --markdown t.md
+    python benchmarks/train_throughput.py --quick --rows "hf ours:compile=0" --steps 1 --warmup 1   # smoke run, CPU too
+
+Model (the issue's): Llama-style, hidden 2048, 22 layers, 32 heads, 4 query groups, ffn 5632,
+vocab 32000, seq 2048, micro-batch 2, bf16. The trainer keeps fp32 master weights (Megatron's
+mixed precision); the two references step AdamW on their bf16 parameters directly (pure bf16), as in
+the issue's reference figures. Tokens are random ids (throughput does not depend on them).
+
+MFU = tokens/s per GPU x (6 x parameters without the input embedding + 12 x layers x hidden x seq)
+/ 989e12 (H100/H200 dense bf16 peak). Each row runs in its own process (under torchrun with as many
+GPUs as TP x PP x DP), `--warmup` steps untimed, then `--steps` steps timed with a CUDA sync at both
+ends and none in between. Peak memory is torch's max allocated, the largest over the ranks.
+
+A row is `NAME[:key=value,...]`: NAME hf | mcore | ours; keys tp, pp, dp, mb (micro-batches per
+step), sp (sequence parallelism), recompute (selective|full), distopt (distributed optimizer),
+compile (torch.compile the layers and the loss; default 1 for ours).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEAK_FLOPS = 989e12
+MODEL = dict(num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4, ffn_hidden_size=5632,
+             vocab_size=32000, seq_length=2048, micro_batch_size=2)
+QUICK = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
+             vocab_size=4096, seq_length=256, micro_batch_size=2)
+DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
+
+
+def parse_row(text: str) -> dict:
+    name, _, rest = text.partition(":")
+    row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        if k not in row or k == "name":
+            raise SystemExit(f"row {text!r}: unknown key {k!r}; known: {', '.join(list(row)[1:])}")
+        row[k] = v if k == "recompute" else int(v)
+    if name not in ("hf", "mcore", "ours") or (name != "ours" and row["tp"] * row["pp"] * row["dp"] > 1):
+        raise SystemExit(f"row {text!r}: NAME is hf, mcore or ours; only ours runs on several GPUs")
+    row["gpus"] = row["tp"] * row["pp"] * row["dp"]
+    return row
+
+
+def flops_per_token(m: dict) -> float:
+    h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
+    kv = h // m["num_attention_heads"] * m["num_query_groups"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * m["ffn_hidden_size"] + 2 * h
+    params = layers * per_layer + h + h * m["vocab_size"]  # + final norm + output layer; no input embedding
+    return 6 * params + 12 * layers * h * s
+
+
+# ---------------------------------------------------------------- the workers (one process per rank)
+def ours(row: dict, m: dict):
+    from trainer.config import TrainConfig
+    from trainer.optim import make_optimizer
+    from trainer.train import Stepper, build_stage, setup_distributed, train_step
+    cfg = TrainConfig(architecture="llama", max_position_embeddings=m["seq_length"], dtype="bf16",
+                      tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
+                      sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
+                      use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
+                      lr=1e-4, min_lr=1e-5, lr_warmup_iters=0,
+                      **{k: v for k, v in m.items() if k != "vocab_size"})
+    device, _ = setup_distributed(cfg)
+    stage = build_stage(cfg, m["vocab_size"], device)
+    opt, stepper = make_optimizer(stage, cfg), Stepper(cfg, stage, device)
+    batch = cfg.micro_batch_size * cfg.num_micro_batches
+
+    def step(tokens):
+        loss, _ = train_step(cfg, stage, stepper, opt, tokens, cfg.lr)
+        return loss
+    return step, batch, device
+
+
+def hf(row: dict, m: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"],
+                         num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_query_groups"],
+                         intermediate_size=m["ffn_hidden_size"], max_position_embeddings=m["seq_length"],
+                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    with device:
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(tokens):
+        x = tokens[:, :-1]
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step, m["micro_batch_size"], device
+
+
+def mcore(row: dict, m: dict):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    ps.initialize_model_parallel(1)
+    model_parallel_cuda_manual_seed(1)
+    cfg = TransformerConfig(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+                            num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+                            ffn_hidden_size=m["ffn_hidden_size"], params_dtype=torch.bfloat16, bf16=True,
+                            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                            add_bias_linear=False, layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=m["vocab_size"],
+                     max_sequence_length=m["seq_length"], position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).to(device=device, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    s = m["seq_length"]
+    positions = torch.arange(s, device=device)[None].expand(m["micro_batch_size"], s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
+
+    def step(tokens):
+        loss = model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step, m["micro_batch_size"], device
+
+
+def worker(row: dict, m: dict, steps: int, warmup: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    torch.manual_seed(0)
+    build = {"ours": ours, "hf": hf, "mcore": mcore}[row["name"]]
+    start = time.perf_counter()
+    step, batch, device = build(row, m)
+    built = time.perf_counter() - start
+    gen = torch.Generator(device=device).manual_seed(1)
+    batches = [torch.randint(0, m["vocab_size"], (batch, m["seq_length"] + 1), device=device, generator=gen)
+               for _ in range(4)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(warmup):
+        step(batches[i % 4])
+    sync()
+    first = time.perf_counter()
+    for i in range(steps):
+        loss = step(batches[i % 4])
+    sync()
+    elapsed = time.perf_counter() - first
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    result = {"step_s": elapsed / steps, "peak_gib": peak / 2**30,
+              "loss": float(loss) if loss is not None else None, "build_s": built, "batch": batch,
+              "warmup_s": first - start - built}
+    results = [result]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+# ---------------------------------------------------------------- the driver
+def run_row(row: dict, text: str, args, m: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        me = [str(Path(__file__).resolve()), "--worker", text, "--json", str(out), "--steps", str(args.steps),
+              "--warmup", str(args.warmup)] + (["--quick"] if args.quick else [])
+        if row["gpus"] > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={row['gpus']}", *me]
+        else:
+            cmd = [sys.executable, *me]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+            return {"error": " | ".join(tail)}
+        results = json.loads(out.read_text())
+    step_s = max(r["step_s"] for r in results)
+    tokens = results[0]["batch"] * row["dp"] * m["seq_length"]
+    return {"tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gib": max(r["peak_gib"] for r in results),
+            "loss": next((r["loss"] for r in results if r["loss"] is not None), None),
+            "tokens_per_step": tokens, "build_s": results[0]["build_s"], "warmup_s": results[0]["warmup_s"]}
+
+
+def describe(row: dict) -> str:
+    if row["name"] == "hf":
+        return "HF LlamaForCausalLM, sdpa, pure bf16 AdamW"
+    if row["name"] == "mcore":
+        return "megatron-core GPTModel, local spec, pure bf16 AdamW"
+    parts = [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + (["SP"] if row["sp"] else [])
+    parts += [f"{row['recompute']} recompute"] if row["recompute"] else []
+    parts += ["dist. optimizer"] if row["distopt"] else []
+    parts += [f"{row['mb']} micro-batches"] if row["mb"] > 1 else []
+    return "trainer, " + ", ".join(parts) + (", compiled" if row["compile"] else ", eager") + ", fp32 masters"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=DEFAULT_ROWS)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--markdown")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    m = QUICK if args.quick else MODEL
+    if args.worker:
+        return worker(parse_row(args.worker), m, args.steps, args.warmup, args.json)
+    import torch
+    rows = [(text, parse_row(text)) for text in args.rows.split()]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    fpt = flops_per_token(m)
+    header = (f"{torch.cuda.device_count()} x {gpu}, torch {torch.__version__}; model: {m['num_layers']} layers, hidden "
+              f"{m['hidden_size']}, seq {m['seq_length']}, micro-batch {m['micro_batch_size']}; "
+              f"{fpt / 1e9:.2f} GFLOP/token; {args.steps} timed steps after {args.warmup}")
+    print(header, flush=True)
+    lines = ["| row | GPUs | tokens/step | tokens/s | tokens/s/GPU | MFU | vs 1-GPU trainer | step ms | peak GiB/GPU | loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print(lines[0], flush=True)
+    single = None
+    for text, row in rows:
+        r = run_row(row, text, args, m)
+        if "error" in r:
+            line = f"| {describe(row)} | {row['gpus']} | failed: {r['error'][-300:]} |"
+        else:
+            per_gpu = r["tokens_per_s"] / row["gpus"]
+            if row["name"] == "ours" and row["gpus"] == 1 and row["compile"]:
+                single = single or per_gpu
+            scale = f"{per_gpu / single:.2f}" if single and row["name"] == "ours" else "-"
+            line = (f"| {describe(row)} | {row['gpus']} | {r['tokens_per_step']:,} | {r['tokens_per_s']:,.0f} | "
+                    f"{per_gpu:,.0f} | {per_gpu * fpt / PEAK_FLOPS:.1%} | {scale} | {r['step_s'] * 1e3:.0f} | "
+                    f"{r['peak_gib']:.1f} | {r['loss']:.3f} |")
+        lines.append(line)
+        print(line, flush=True)
+    if args.markdown:
+        Path(args.markdown).write_text(header + "\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Sequence parallelism, activation recompute and the distributed optimizer change how the trainer
+computes, not what: each run follows the plain run's loss curve (fp32, CPU, gloo) and saves the same
+on-disk format, which resumes across the features and DP sizes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import assert_same_curve, assert_same_files, torchrun, train
+
+pytestmark = pytest.mark.slow
+
+
+def test_vocab_parallel_loss_equals_megatron_and_torch(tmp_path):
+    out = tmp_path / "loss.json"
+    torchrun(2, ["tests/loss_check.py", str(out)])
+    for r in json.loads(out.read_text()):
+        # both compute in fp32 (the reference in fp64)
+        assert abs(r["ours"] - r["torch"]) < 1e-6 * r["torch"] and abs(r["ours"] - r["megatron"]) < 1e-6 * r["torch"], r
+        assert r["grad_vs_torch"] < 1e-6 * r["grad_max"] and r["grad_vs_megatron"] < 1e-6 * r["grad_max"], r
+
+
+def test_sequence_parallel_on_cpu_is_a_one_line_error(tmp_path):
+    proc = torchrun(2, ["-m", "trainer", "--config", "fixtures/configs/tiny_llama.yaml", "--set", f"save_dir={tmp_path}/r",
+                        "--set", "pp_degree=1", "--set", "sequence_parallelism=true"], check=False)
+    assert proc.returncode != 0
+    assert "error (rank 0): sequence_parallelism needs CUDA GPUs" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_recompute_gives_the_same_training(granularity, tmp_path):
+    plain = train("tiny_llama.yaml", tmp_path / "plain", 1, tp_degree=1, pp_degree=1, train_iters=3)
+    recomputed = train("tiny_llama.yaml", tmp_path / "recompute", 1, tp_degree=1, pp_degree=1, train_iters=3,
+                       recompute_granularity=granularity)
+    assert [(m["loss"], m["grad_norm"]) for m in plain] == [(m["loss"], m["grad_norm"]) for m in recomputed]
+
+
+def test_distributed_optimizer_follows_the_plain_curve_and_resumes_both_ways(tmp_path):
+    """TP2 x DP2 (4 ranks): the sharded optimizer's curve and saved state equal the plain one's; a
+    checkpoint of either resumes in the other (also at another DP size) on the same curve."""
+    common = dict(pp_degree=1, train_iters=6, save_interval=3)
+    plain = train("tiny_llama.yaml", tmp_path / "plain", 4, **common)
+    sharded = train("tiny_llama.yaml", tmp_path / "sharded", 4, use_distributed_optimizer=True, **common)
+    assert_same_curve(plain, sharded, 1e-6)
+    a, b = tmp_path / "plain" / "checkpoint-3", tmp_path / "sharded" / "checkpoint-3"
+    assert_same_files(a, b, "optimizer", 2, 1, 1e-6)
+    assert_same_files(a, b, "model", 2, 1, 1e-6)
+    meta = json.loads((b / "meta.json").read_text())
+    assert meta["parallel"]["dp_size"] == 2
+    # the sharded checkpoint resumed by the plain optimizer at DP1 (twice the micro-batches) ...
+    to_plain = train("tiny_llama.yaml", tmp_path / "to_plain", 2, pp_degree=1, train_iters=6,
+                     num_micro_batches=8, load=str(b))
+    assert_same_curve(sharded[3:], to_plain, 1e-5)
+    # ... and the plain one by the sharded optimizer at DP2
+    to_sharded = train("tiny_llama.yaml", tmp_path / "to_sharded", 4, pp_degree=1, train_iters=6,
+                       use_distributed_optimizer=True, load=str(a))
+    assert_same_curve(plain[3:], to_sharded, 1e-6)
