@@ -167,6 +167,16 @@ def worker(row: dict, m: dict, steps: int, warmup: int, out: str) -> None:
     sync()
     elapsed = time.perf_counter() - first
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    if os.environ.get("THROUGHPUT_PROFILE") and device.type == "cuda":  # a kernel table of 2 more steps
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(2):
+                step(batches[i % 4])
+            sync()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        name = Path(os.environ["THROUGHPUT_PROFILE"]) / f"{row['name']}-{row['compile']}-{row['gpus']}-r{rank}.txt"
+        name.parent.mkdir(parents=True, exist_ok=True)
+        name.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
     result = {"step_s": elapsed / steps, "peak_gib": peak / 2**30,
               "loss": float(loss) if loss is not None else None, "build_s": built, "batch": batch,
               "warmup_s": first - start - built}
