@@ -51,8 +51,8 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
         files = {fmt.model_file(tp_rank, pp_rank): {"model": model_state},
                  fmt.optimizer_file(tp_rank, pp_rank): {
                      "optimizer": optim_state,
-                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.opt.param_groups],
-                     "scheduler": {"iteration": iteration, "lr": opt.opt.param_groups[0]["lr"]},
+                     "param_groups": opt.param_groups,
+                     "scheduler": {"iteration": iteration, "lr": opt.param_groups[0]["lr"]},
                      "scaler": None},
                  fmt.rng_file(tp_rank, pp_rank): rng}
         for name, obj in files.items():
