@@ -110,3 +110,26 @@ def test_sequence_parallel_follows_the_plain_curve(config, tmp_path):
     print(f"\nSP vs plain, {config}: losses {[m['loss'] for m in sp]} vs {[m['loss'] for m in plain]}")
     assert_same_curve(plain, sp, 1e-4)
     assert_same_files(tmp_path / "plain" / "checkpoint-4", tmp_path / "sp" / "checkpoint-4", "model", 2, 1, 1e-4)
+
+
+@_needs_gpus(1)
+def test_triton_adamw_equals_the_reference_update():
+    """trainer.kernels.adamw (CUDA) against trainer.optim._adamw (torch ops, tested against torch's AdamW)."""
+    from trainer import kernels
+    from trainer.optim import _adamw
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, decay_end = 1_000_003, 600_001
+    start = torch.randn(n, device="cuda", generator=gen)
+    a = [start.clone(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")]
+    b = [t.clone() for t in a]
+    wa, wb = (torch.zeros(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for step in range(1, 5):
+        grad = (torch.randn(n, device="cuda", generator=gen) * step).bfloat16()
+        scale = torch.tensor(0.5 if step % 2 else 1.0, device="cuda")
+        _adamw(*a, grad, wa, decay_end, 3e-3, step, scale, 0.9, 0.95, 1e-8, 0.1)
+        kernels.adamw(*b, grad, wb, decay_end, 3e-3, step, scale, 0.9, 0.95, 1e-8, 0.1)
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-7), (step, (x - y).abs().max().item())
+        assert (wa.float() - wb.float()).abs().max().item() <= 2 ** -7 * wa.float().abs().max().item()
+    print(f"\ntriton AdamW vs reference after 4 steps: max |master diff| {(a[0] - b[0]).abs().max().item():.2e}")
+

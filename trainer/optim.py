@@ -8,9 +8,9 @@ elements [r*c, (r+1)*c) of the flat buffer (c = ceil(N / DP)): gradients are red
 each rank steps its slice, the new weights are all-gathered. The state is exposed per parameter
 key, so the optimizer file on disk is the same in both modes and for any DP size.
 
-The update is one elementwise pass per segment (bf16 gradient in; master, moments and bf16 weight
-out), compiled into fused kernels with `compile: true`. A step takes no host sync: the grad norm,
-the clip factor, the learning rate and the step count are device tensors.
+The segments are ordered decay first, so the update needs one boundary. On CUDA it is one Triton
+kernel (trainer/kernels.py: bf16 gradient in; master, moments and bf16 weight out). A step takes
+no host sync: the grad norm and the clip factor stay on the device.
 """
 from __future__ import annotations
 
@@ -56,27 +56,24 @@ def _sum_of_squares(grad: torch.Tensor, segments: tuple) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=grad.device)
     for a, b, _, counted in segments:
         if counted:
-            total = total + grad[a:b].float().pow(2).sum()
+            total = total + torch.linalg.vector_norm(grad[a:b], dtype=torch.float32).square()
     return total
 
 
 def _adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-           weight: torch.Tensor | None, segments: tuple, lr: torch.Tensor, step: torch.Tensor,
-           inv_scale: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """torch.optim.AdamW's update (decoupled decay, bias correction) on each segment, in place; the
-    gradient is scaled by the clip factor on the way in, the weight (bf16) written on the way out."""
-    bias1 = 1 - beta1 ** step
-    bias2_sqrt = (1 - beta2 ** step).sqrt()
-    for a, b, decay, _ in segments:
-        g = grad[a:b].float() * inv_scale
-        p, m, v = master[a:b], exp_avg[a:b], exp_avg_sq[a:b]
-        if decay:
-            p.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        p.sub_(lr / bias1 * m / (v.sqrt() / bias2_sqrt + eps))
-        if weight is not None:
-            weight[a:b].copy_(p)
+           weight: torch.Tensor | None, decay_end: int, lr: float, step: int, inv_scale: torch.Tensor,
+           beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's update (decoupled decay, bias correction), in place on flat tensors whose
+    elements [0, decay_end) get the weight decay; the gradient is scaled by the clip factor on the
+    way in, the weight (bf16) written on the way out. trainer.kernels.adamw is the CUDA twin."""
+    g = grad.float() * inv_scale
+    master[:decay_end].mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
+    if weight is not None:
+        weight.copy_(master)
 
 
 class MasterAdamW:
@@ -123,9 +120,11 @@ class MasterAdamW:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = 0
         self.lr = cfg.lr
-        compile = cfg.compile and device.type == "cuda"
-        self._update = torch.compile(_adamw, dynamic=False) if compile else _adamw
-        self._norm = torch.compile(_sum_of_squares, dynamic=False) if compile else _sum_of_squares
+        self.decay_end = next((a for a, _, decay, _ in self.segments if not decay), self.hi - self.lo)
+        self._update = _adamw
+        if device.type == "cuda":
+            from trainer import kernels
+            self._update = kernels.adamw
 
     @property
     def param_groups(self) -> list[dict]:
@@ -156,7 +155,7 @@ class MasterAdamW:
     def step(self, lr: float, max_norm: float) -> torch.Tensor:
         """Reduce, clip and apply this step's gradients; returns the global grad norm (on device)."""
         grad = self._local_grad()
-        sq = self._norm(grad, self.segments)
+        sq = _sum_of_squares(grad, self.segments)
         if self.distributed and self.dp > 1:
             dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
@@ -166,10 +165,8 @@ class MasterAdamW:
             inv_scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
         self.steps += 1
         self.lr = lr
-        device = grad.device
-        self._update(self.master, self.exp_avg, self.exp_avg_sq, grad, self.weight, self.segments,
-                     torch.tensor(lr, device=device), torch.tensor(float(self.steps), device=device), inv_scale,
-                     self.cfg.adam_beta1, self.cfg.adam_beta2, self.cfg.adam_eps, self.cfg.weight_decay)
+        self._update(self.master, self.exp_avg, self.exp_avg_sq, grad, self.weight, self.decay_end, lr, self.steps,
+                     inv_scale, self.cfg.adam_beta1, self.cfg.adam_beta2, self.cfg.adam_eps, self.cfg.weight_decay)
         if self.distributed and self.dp > 1:
             dist.all_gather_into_tensor(self.flat, self.flat[self.lo:self.lo + self.chunk].clone(), group=self.dp_group)
         return norm
