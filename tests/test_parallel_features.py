@@ -12,9 +12,10 @@ from conftest import assert_same_curve, assert_same_files, torchrun, train
 pytestmark = pytest.mark.slow
 
 
-def test_vocab_parallel_loss_equals_megatron_and_torch(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vocab_parallel_loss_equals_megatron_and_torch(tp, tmp_path):
     out = tmp_path / "loss.json"
-    torchrun(2, ["tests/loss_check.py", str(out)])
+    torchrun(tp, ["tests/loss_check.py", str(out)])
     for r in json.loads(out.read_text()):
         # both compute in fp32 (the reference in fp64)
         assert abs(r["ours"] - r["torch"]) < 1e-6 * r["torch"] and abs(r["ours"] - r["megatron"]) < 1e-6 * r["torch"], r

@@ -16,9 +16,12 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 
-def _local_terms(logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor,
+def _local_terms(logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor | None,
                  vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over this rank's vocab of exp(l - m), l_label - m if the label is on this rank else 0)."""
+    """(sum over this rank's vocab of exp(l - m), l_label - m if the label is on this rank else 0);
+    without TP the row max m is taken here, in the same fused pass."""
+    if row_max is None:
+        row_max = logits.detach().amax(dim=-1).float()
     shifted = logits.float() - row_max.unsqueeze(-1)
     sum_exp = shifted.exp().sum(-1)
     local = labels - vocab_start
@@ -35,8 +38,9 @@ class VocabParallelLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labels = labels.t().contiguous()
-        row_max = logits.detach().amax(dim=-1).float()
+        row_max = None
         if ps.get_tensor_model_parallel_world_size() > 1:
+            row_max = logits.detach().amax(dim=-1).float()
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
         vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
         sum_exp, picked = self.terms(logits, labels, row_max, vocab_start)
