@@ -96,13 +96,13 @@ def hf(row: dict, m: dict):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(tokens):
-        x = tokens[:, :-1]
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        for x in tokens[:, :-1].chunk(row["mb"]):
+            loss = model(input_ids=x, labels=x).loss
+            (loss / row["mb"]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return step, m["micro_batch_size"], device
+    return step, m["micro_batch_size"] * row["mb"], device
 
 
 def mcore(row: dict, m: dict):
@@ -133,12 +133,13 @@ def mcore(row: dict, m: dict):
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
 
     def step(tokens):
-        loss = model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean()
-        loss.backward()
+        for t in tokens.chunk(row["mb"]):
+            loss = model(t[:, :-1], positions, mask, labels=t[:, 1:]).mean()
+            (loss / row["mb"]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return step, m["micro_batch_size"], device
+    return step, m["micro_batch_size"] * row["mb"], device
 
 
 def worker(row: dict, m: dict, steps: int, warmup: int, out: str) -> None:
@@ -177,6 +178,16 @@ def worker(row: dict, m: dict, steps: int, warmup: int, out: str) -> None:
         name = Path(os.environ["THROUGHPUT_PROFILE"]) / f"{row['name']}-{row['compile']}-{row['gpus']}-r{rank}.txt"
         name.parent.mkdir(parents=True, exist_ok=True)
         name.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    if os.environ.get("THROUGHPUT_TRACE") and device.type == "cuda":  # a chrome trace of 2 more steps
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(2):
+                step(batches[i % 4])
+            sync()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        name = Path(os.environ["THROUGHPUT_TRACE"]) / f"{row['name']}-{row['compile']}-{row['gpus']}-r{rank}.json"
+        name.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(name))
     result = {"step_s": elapsed / steps, "peak_gib": peak / 2**30,
               "loss": float(loss) if loss is not None else None, "build_s": built, "batch": batch,
               "warmup_s": first - start - built}
@@ -213,10 +224,11 @@ def run_row(row: dict, text: str, args, m: dict) -> dict:
 
 
 def describe(row: dict) -> str:
+    accumulate = f", {row['mb']} micro-batches" if row["mb"] > 1 else ""
     if row["name"] == "hf":
-        return "HF LlamaForCausalLM, sdpa, pure bf16 AdamW"
+        return "HF LlamaForCausalLM, sdpa, pure bf16 AdamW" + accumulate
     if row["name"] == "mcore":
-        return "megatron-core GPTModel, local spec, pure bf16 AdamW"
+        return "megatron-core GPTModel, local spec, pure bf16 AdamW" + accumulate
     parts = [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + (["SP"] if row["sp"] else [])
     parts += [f"{row['recompute']} recompute"] if row["recompute"] else []
     parts += ["dist. optimizer"] if row["distopt"] else []
