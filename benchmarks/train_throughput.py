@@ -2,6 +2,7 @@
 megatron-core's GPTModel (local spec), all measured in one run of this script.
 
     python benchmarks/train_throughput.py                      # one GPU: hf, mcore, ours (eager), ours (compiled)
+    python benchmarks/train_throughput.py --rows "hf mcore ours hf:mb=4 mcore:mb=4 ours:mb=4"   # + 4 micro-batches a step
     python benchmarks/train_throughput.py --rows "ours:tp=2 ours:pp=2,mb=8 ours:dp=2" --markdown t.md
     python benchmarks/train_throughput.py --quick --rows "hf ours:compile=0" --steps 1 --warmup 1   # smoke run, CPU too
 
@@ -16,8 +17,9 @@ GPUs as TP x PP x DP), `--warmup` steps untimed, then `--steps` steps timed with
 ends and none in between. Peak memory is torch's max allocated, the largest over the ranks.
 
 A row is `NAME[:key=value,...]`: NAME hf | mcore | ours; keys tp, pp, dp, mb (micro-batches per
-step), sp (sequence parallelism), recompute (selective|full), distopt (distributed optimizer),
-compile (torch.compile the layers and the loss; default 1 for ours).
+step, gradients accumulated; all three), sp (sequence parallelism), recompute (selective|full),
+distopt (distributed optimizer), compile (torch.compile the layers and the loss; default 1 for ours).
+THROUGHPUT_PROFILE=DIR writes a kernel table of 2 more steps per row, THROUGHPUT_TRACE=DIR a chrome trace.
 """
 from __future__ import annotations
 
@@ -142,6 +144,28 @@ def mcore(row: dict, m: dict):
     return step, m["micro_batch_size"] * row["mb"], device
 
 
+def profile_steps(step, batches: list, sync, row: dict) -> None:
+    """THROUGHPUT_PROFILE=DIR: a kernel table of 2 more steps; THROUGHPUT_TRACE=DIR: their chrome trace."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for env, activities in (("THROUGHPUT_PROFILE", [ProfilerActivity.CUDA]),
+                            ("THROUGHPUT_TRACE", [ProfilerActivity.CPU, ProfilerActivity.CUDA])):
+        if not os.environ.get(env):
+            continue
+        with profile(activities=activities) as prof:
+            for i in range(2):
+                step(batches[i % 4])
+            sync()
+        name = Path(os.environ[env]) / f"{row['name']}-{row['compile']}-{row['gpus']}-r{rank}"
+        name.parent.mkdir(parents=True, exist_ok=True)
+        if env == "THROUGHPUT_TRACE":
+            prof.export_chrome_trace(str(name) + ".json")
+        else:
+            Path(str(name) + ".txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+
+
 def worker(row: dict, m: dict, steps: int, warmup: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -168,26 +192,8 @@ def worker(row: dict, m: dict, steps: int, warmup: int, out: str) -> None:
     sync()
     elapsed = time.perf_counter() - first
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    if os.environ.get("THROUGHPUT_PROFILE") and device.type == "cuda":  # a kernel table of 2 more steps
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(2):
-                step(batches[i % 4])
-            sync()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        name = Path(os.environ["THROUGHPUT_PROFILE"]) / f"{row['name']}-{row['compile']}-{row['gpus']}-r{rank}.txt"
-        name.parent.mkdir(parents=True, exist_ok=True)
-        name.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
-    if os.environ.get("THROUGHPUT_TRACE") and device.type == "cuda":  # a chrome trace of 2 more steps
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(2):
-                step(batches[i % 4])
-            sync()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        name = Path(os.environ["THROUGHPUT_TRACE"]) / f"{row['name']}-{row['compile']}-{row['gpus']}-r{rank}.json"
-        name.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(name))
+    if device.type == "cuda":
+        profile_steps(step, batches, sync, row)
     result = {"step_s": elapsed / steps, "peak_gib": peak / 2**30,
               "loss": float(loss) if loss is not None else None, "build_s": built, "batch": batch,
               "warmup_s": first - start - built}
