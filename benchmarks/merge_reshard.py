@@ -7,7 +7,8 @@ For two model sizes (N layers and N/2 layers, same widths, so the same largest t
    built by the toolkit's own meta writer and committed (temp dir, rename, `latest`) by
    `ckpt_tools.checkpoint.commit`, as the trainer does;
 2. times, as subprocesses, `cp -r` of the save dir, `cp` of the model shards only (the bytes merge
-   reads), `ckpt merge SRC OUT --format hf` (bf16) and `ckpt reshard SRC OUT --tp 4 --pp 1` (model +
+   reads), `ckpt merge SRC OUT --format hf` (bf16; it takes the torch-free path), the same merge
+   forced onto its torch path (CKPT_MERGE_TORCH=1), and `ckpt reshard SRC OUT --tp 4 --pp 1` (model +
    optimizer); each command is followed by `sync` (counted in its wall time) so every row pays for
    its writes reaching the disk; peak RSS is the command's own (GNU time's %M, else os.wait4);
 3. prints one table (and writes it as markdown with --markdown PATH).
@@ -15,7 +16,9 @@ For two model sizes (N layers and N/2 layers, same widths, so the same largest t
 Caches are WARM: every command runs once untimed first, so the source files are in the page cache
 for every timed run (caches are not dropped; that needs root). Runs are interleaved round by round
 and repeated (--repeats, median wall time, max peak RSS); outputs are deleted (and synced) between
-runs. Usage: python benchmarks/merge_reshard.py [--size-gb 2.5] [--quick] [--markdown FILE]
+runs. --merge-only times only cp of the model shards, the two merges and merge's start-up (a larger
+--size-gb then needs no room for reshard's output). Usage: python benchmarks/merge_reshard.py [--size-gb 2.5] [--quick]
+[--merge-only] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -164,20 +167,25 @@ def run(argv: list[str], out: Path, log: Path) -> tuple[float, int, int]:
     return wall, rss_kib * 1024, nbytes
 
 
-CP_ALL, CP_MODEL, MERGE, RESHARD, STARTUP = (
-    "cp -r (whole checkpoint)", "cp model shards", "ckpt merge --format hf", "ckpt reshard --tp 4 --pp 1",
-    "python startup (imports only)")
-BASE = {CP_ALL: CP_ALL, CP_MODEL: CP_MODEL, MERGE: CP_MODEL, RESHARD: CP_ALL}  # what each is compared with
+CP_ALL, CP_MODEL, MERGE, MERGE_TORCH, RESHARD, STARTUP, STARTUP_MERGE = (
+    "cp -r (whole checkpoint)", "cp model shards", "ckpt merge --format hf", "ckpt merge, torch path",
+    "ckpt reshard --tp 4 --pp 1", "python startup (imports only)", "python startup, merge's imports (no torch)")
+BASE = {CP_ALL: CP_ALL, CP_MODEL: CP_MODEL, MERGE: CP_MODEL, MERGE_TORCH: CP_MODEL,
+        RESHARD: CP_ALL}  # what each is compared with
+MERGE_ONLY = (CP_MODEL, MERGE, MERGE_TORCH, STARTUP_MERGE)
 
 
 def operations(src: Path, ckpt_dir: Path, out: Path) -> dict[str, list[str]]:
     models = " ".join(shlex.quote(str(f)) for f in sorted(ckpt_dir.glob("pytorch_model_*.bin")))
+    merge = ["merge", str(src), str(out), "--format", "hf", "--quiet"]
     return {
         CP_ALL: ["cp", "-r", str(src), str(out)],
         CP_MODEL: ["sh", "-c", f"mkdir {shlex.quote(str(out))} && cp {models} {shlex.quote(str(out))}/"],
-        MERGE: CKPT + ["merge", str(src), str(out), "--format", "hf", "--quiet"],
+        MERGE: CKPT + merge,
+        MERGE_TORCH: ["env", "CKPT_MERGE_TORCH=1"] + CKPT + merge,
         RESHARD: CKPT + ["reshard", str(src), str(out), "--tp", "4", "--pp", "1", "--quiet"],
         STARTUP: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.reshard"],
+        STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.fast_merge"],
     }
 
 
@@ -187,14 +195,14 @@ def largest(spec: ModelSpec, element_size: int) -> int:
     return max(math.prod(layout.full_shape(k, spec, padded, PP)) for k, _ in _tensors(spec)) * element_size
 
 
-def bench(spec: ModelSpec, work: Path, repeats: int, warm: bool) -> list[dict]:
+def bench(spec: ModelSpec, work: Path, repeats: int, warm: bool, names: tuple[str, ...] | None) -> list[dict]:
     src, out = work / f"src-{spec.num_layers}L", work / "out"
     start = time.perf_counter()
     generate(src, spec)
     ckpt_dir = fmt.resolve(src)
     print(f"generated {spec.num_layers} layers: {tree_bytes(src) / 1e9:.2f} GB in "
           f"{time.perf_counter() - start:.0f}s", file=sys.stderr)
-    ops = operations(src, ckpt_dir, out)
+    ops = {n: argv for n, argv in operations(src, ckpt_dir, out).items() if names is None or n in names}
     log = work / "last.log"
     if warm:  # warm the page cache (and Python's bytecode cache) for every command
         for argv in ops.values():
@@ -206,8 +214,9 @@ def bench(spec: ModelSpec, work: Path, repeats: int, warm: bool) -> list[dict]:
         print(f"  {spec.num_layers} layers, round {r + 1}/{repeats}: "
               + ", ".join(f"{n} {v[-1][0]:.1f}s" for n, v in results.items()), file=sys.stderr)
     model_bytes = tree_bytes(ckpt_dir, "pytorch_model_*")
-    read = {CP_ALL: tree_bytes(src), CP_MODEL: model_bytes, MERGE: model_bytes, RESHARD: tree_bytes(src), STARTUP: 0}
-    big = {MERGE: largest(spec, 2), RESHARD: largest(spec, 4)}
+    read = {CP_ALL: tree_bytes(src), CP_MODEL: model_bytes, MERGE: model_bytes, MERGE_TORCH: model_bytes,
+            RESHARD: tree_bytes(src), STARTUP: 0, STARTUP_MERGE: 0}
+    big = {MERGE: largest(spec, 2), MERGE_TORCH: largest(spec, 2), RESHARD: largest(spec, 4)}
     median = {name: statistics.median(w for w, _, _ in runs) for name, runs in results.items()}
     rows = [{"layers": spec.num_layers, "op": name, "read": read[name], "written": runs[0][2], "wall": median[name],
              "ratio": median[name] / median[BASE[name]] if name in BASE else None,
@@ -226,9 +235,9 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
         big = r["largest"]
-        walls = ", ".join(f"{w:.1f}" for w in r["walls"])
+        walls = ", ".join(f"{w:.2f}" for w in r["walls"])
         out.append([str(r["layers"]), r["op"], f"{r['read'] / 1e9:.2f} GB / {r['written'] / 1e9:.2f} GB",
-                    f"{r['wall']:.1f} ({walls})", f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+                    f"{r['wall']:.2f} ({walls})", f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
                     f"{r['rss'] / MIB:,.0f}", f"{big / MIB:,.0f}" if big else "-",
                     f"{r['rss'] / big:.2f}" if big else "-",
                     ("yes" if r["rss"] <= 2 * big + 512 * MIB else "NO") if big else "-"])
@@ -252,26 +261,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per model (default 3; 1 with --quick)")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch dir (default: a new temp dir, removed after)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown to this file")
+    ap.add_argument("--merge-only", action="store_true", help="time only cp of the model shards and merge")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     layers = layers_for(args.size_gb, args.quick)
     specs = [make_spec(layers // 2, args.quick), make_spec(layers, args.quick)]
-    need = 2.2 * disk_bytes(specs[-1])  # one source + the largest output (reshard writes as much again)
+    need = (1.2 if args.merge_only else 2.2) * disk_bytes(specs[-1])  # one source + the largest output
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.workdir))
     if shutil.disk_usage(work).free < need:
         shutil.rmtree(work)
         sys.exit(f"{work}: needs {need / 1e9:.1f} GB free disk; lower --size-gb or pick --workdir elsewhere")
     load_before = os.getloadavg()[0]
     try:
-        rows = [row for spec in specs for row in bench(spec, work, repeats, warm=not args.quick)]
+        names = MERGE_ONLY if args.merge_only else None
+        rows = [row for spec in specs for row in bench(spec, work, repeats, not args.quick, names)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     s = specs[-1]
     note = (f"llama hidden {s.hidden_size}, ffn {s.ffn_hidden_size}, {s.num_attention_heads} heads in "
             f"{s.num_query_groups} query groups, vocab {s.vocab_size}; source TP{TP} x PP{PP}, bf16 params + fp32 "
             f"master/exp_avg/exp_avg_sq.\nWarm page cache; {repeats} round(s): median wall (each run in brackets), "
-            f"max peak RSS; every command followed by sync. merge is compared with cp of the model shards (the\n"
-            f"bytes it reads), reshard with cp -r of the whole checkpoint. Largest tensor: the largest full tensor, "
+            f"max peak RSS; every command followed by sync. merge (its torch-free path; 'torch path': the same merge\n"
+            f"with CKPT_MERGE_TORCH=1) is compared with cp of the model shards (the bytes it reads), reshard with cp -r\n"
+            f"of the whole checkpoint. Largest tensor: the largest full tensor, "
             f"bf16 for merge, fp32 for reshard.\n{os.cpu_count()} CPUs, 1-min load average {load_before:.1f} "
             f"before, {os.getloadavg()[0]:.1f} after.\n")
     print("\n" + note)

@@ -12,8 +12,10 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpt_tools import io, layout
 from ckpt_tools.errors import ConfigError, FormatError
@@ -22,6 +24,7 @@ from ckpt_tools.spec import ModelSpec
 FORMAT = "ckpt-tools/1"
 META = "meta.json"
 LATEST = "latest"
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def model_file(tp_rank: int, pp_rank: int) -> str:
@@ -128,7 +131,7 @@ def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
         if raw.get(k) is not None and not is_int(raw[k], 0):
             refuse(k, raw[k], "an integer >= 0")
     for k in ("params", "master"):
-        if dtypes.get(k) not in ("float32", "bfloat16", "float16"):
+        if dtypes.get(k) not in PARAMS_DTYPES:
             refuse(f"dtypes.{k}", dtypes.get(k), "float32, bfloat16 or float16")
     if raw.get("config") is not None and not isinstance(raw["config"], dict):
         refuse("config", raw["config"], "an object")
@@ -199,6 +202,42 @@ def check_files(meta: Meta) -> list[str]:
         elif io.sha256_file(path) != rec.get("sha256"):
             problems.append(f"{path}: sha256 differs from meta.json: the file changed after it was saved; "
                             f"restore it from the source checkpoint")
+    return problems
+
+
+def extra_shards(meta: Meta) -> list[str]:
+    """Shard files in the checkpoint dir that its TP x PP layout does not have, as one-line problems."""
+    names = {name(t, p) for name in (model_file, optimizer_file)
+             for t in range(meta.tp_size) for p in range(meta.pp_size)}
+    return [f"{f}: extra shard, not part of a TP{meta.tp_size} x PP{meta.pp_size} checkpoint: remove it or fix "
+            f"meta.json" for f in sorted(meta.dir.glob("*_tp_*_pp_*.bin"))
+            if f.name not in names and not f.name.startswith("rng_")]
+
+
+def shard_problems(meta: Meta, path: Path, state: dict, tp_rank: int, pp_rank: int,
+                   is_tensor: Callable[[Any], bool]) -> list[str]:
+    """What is wrong with one model shard's state dict, as one-line problems: keys other than the layout
+    table's for its stage, a tensor of another shape than the table's shard shape or of another dtype than
+    meta.json's. `is_tensor` says what a tensor is: torch's, or a torch-free record with .shape and .dtype."""
+    expected = layout.stage_keys(meta.spec, meta.layer_counts, pp_rank)
+    want = {local for local, _ in expected}
+    fix = "restore the shard from the source checkpoint"
+    problems = [f"{path}: missing tensor {k}, which the layout table puts on TP rank {tp_rank}, PP rank {pp_rank}: "
+                f"{fix}" for k, _ in expected if k not in state]
+    problems += [f"{path}: unexpected tensor {k}, not in the layout table of this {meta.spec.architecture} model at "
+                 f"PP{meta.pp_size}: remove it or {fix}" for k in state if k not in want]
+    for local, key in expected:
+        shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+        if shape is None or local not in state:
+            continue
+        t = state[local]
+        if not is_tensor(t):
+            problems.append(f"{path}: {local} is a {type(t).__name__}, not a tensor: {fix}")
+        elif tuple(t.shape) != shape:
+            problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape} "
+                            f"(TP{meta.tp_size} x PP{meta.pp_size}): {fix}")
+        elif meta.params_dtype in PARAMS_DTYPES and str(t.dtype).removeprefix("torch.") != meta.params_dtype:
+            problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}: {fix}")
     return problems
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 
 import click
@@ -52,6 +51,8 @@ def main(debug: bool, trust_pickle: bool) -> None:
 def train(config_path: str, tp: int | None, pp: int | None, dp: int, overrides: tuple[str, ...], nnodes: int,
           node_rank: int, master_addr: str, master_port: int | None) -> None:
     """Train with the bundled trainer: launches torchrun with TP x PP x DP processes."""
+    import subprocess
+
     from trainer.launch import launch_command
     sets = list(overrides) + ([f"tp_degree={tp}"] if tp else []) + ([f"pp_degree={pp}"] if pp else [])
     cmd = launch_command(config_path, sets, dp, nnodes, node_rank, master_addr, master_port)
@@ -102,16 +103,18 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
           tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool, no_preflight: bool,
           quiet: bool) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
+    # no torch imported here: a merge that needs none never imports it
     from ckpt_tools import merge as m
-    _one_thread()
     click.echo(m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
                        max_shard_size=m.parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
-                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight))
+                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
+                       torch_threads=1))
 
 
 def _one_thread() -> None:
-    """Merge and reshard copy bytes (memory-bound); a second OpenMP thread in each copy only adds waits on
-    a busy core, while the background hash and fsync threads already use it."""
+    """Reshard copies bytes (memory-bound); a second OpenMP thread in each copy only adds waits on a busy
+    core, while the background hash and fsync threads already use it. (merge sets the same through its
+    `torch_threads`, on its torch path only.)"""
     import torch
     torch.set_num_threads(1)
 

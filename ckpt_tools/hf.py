@@ -10,18 +10,23 @@ Conversion kinds:
   gated     SwiGLU fc1 [gate; up] -> gate_proj, up_proj
   conv1d    transposed (HF GPT-2 Conv1D stores [in, out])
   c_attn    grouped QKV -> one [q; k; v] tensor (whole blocks, not per head), transposed for weights
+
+Every kind is a list of row ranges of the full tensor per HF tensor (`hf_rows`), then a transpose for
+the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take them from there.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpt_tools import layout
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN = "same", "vocab", "qkv", "gated", "conv1d", "c_attn"
 
@@ -86,22 +91,38 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
     return out
 
 
+TRANSPOSED = (CONV1D, C_ATTN)  # HF GPT-2's Conv1D stores a weight [in, out]: these kinds' 2-D tensors are transposed
+
+
+def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[layout.Rows]:
+    """For each HF tensor of a conversion kind, the row ranges of the full megatron-core tensor (of `rows`
+    rows) that it is made of, in order; a TRANSPOSED kind then transposes a 2-D result."""
+    if kind in (SAME, CONV1D):
+        return [[(0, rows)]]
+    if kind == VOCAB:
+        return [[(0, spec.vocab_size)]]
+    if kind == QKV:
+        return list(layout.qkv_head_rows(spec))
+    if kind == GATED:  # [gate; up]
+        return [[(0, rows // 2)], [(rows // 2, rows)]]
+    if kind == C_ATTN:
+        return [[r for part in layout.qkv_head_rows(spec) for r in part]]
+    raise LayoutError(f"unknown conversion kind {kind}")
+
+
+def hf_shapes(kind: str, spec: ModelSpec, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shapes of the tensors that to_hf makes of a full tensor of `full_shape`."""
+    shapes = [(sum(b - a for a, b in rows),) + tuple(full_shape[1:]) for rows in hf_rows(kind, spec, full_shape[0])]
+    return [s[::-1] if kind in TRANSPOSED and len(s) == 2 else s for s in shapes]
+
+
 def to_hf(kind: str, full: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
     """A full megatron-core tensor -> its HF tensor(s). Works on meta tensors (shape planning)."""
-    if kind == SAME:
-        return [full]
-    if kind == VOCAB:
+    if kind == VOCAB:  # refuses a tensor with fewer rows than the true vocab
         return [layout.trim_vocab("embedding.word_embeddings.weight", full, spec)]
-    if kind == QKV:
-        return list(layout.qkv_split_heads(full, spec))
-    if kind == GATED:
-        return list(full.chunk(2, dim=0))
-    if kind == CONV1D:
-        return [full.t()]
-    if kind == C_ATTN:
-        whole = torch.cat(layout.qkv_split_heads(full, spec), dim=0)
-        return [whole.t() if whole.dim() == 2 else whole]
-    raise LayoutError(f"unknown conversion kind {kind}")
+    parts = [full if rows == [(0, full.shape[0])] else layout.take_rows(full, rows)
+             for rows in hf_rows(kind, spec, full.shape[0])]
+    return [t.t() if kind in TRANSPOSED and t.dim() == 2 else t for t in parts]
 
 
 def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_vocab: int) -> torch.Tensor:
@@ -113,6 +134,7 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
     if kind == QKV:
         return layout.qkv_join_heads(*tensors, spec)
     if kind == GATED:
+        import torch
         return torch.cat(tensors, dim=0)
     if kind == CONV1D:
         return tensors[0].t()
@@ -124,16 +146,31 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
 
 
 # ---------------------------------------------------------------- config.json
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 GPT2_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
+def _dtype_names() -> dict:
+    import torch
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def __getattr__(name: str):
+    if name == "DTYPE_NAMES":  # torch dtype -> name, made on first use: importing this module does not import torch
+        return _dtype_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def hf_config(spec: ModelSpec, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
-    """config.json for transformers' LlamaConfig / GPT2Config: every field that changes the math is set
-    explicitly (transformers fills the rest with its defaults). Written without importing transformers,
-    which would cost seconds per merge."""
+    """hf_config_named for a torch dtype."""
+    return hf_config_named(spec, _dtype_names()[dtype], bos, eos)
+
+
+def hf_config_named(spec: ModelSpec, dtype: str, bos: int | None, eos: int | None) -> dict:
+    """config.json for transformers' LlamaConfig / GPT2Config, weights of dtype `dtype` ("bfloat16", ...):
+    every field that changes the math is set explicitly (transformers fills the rest with its defaults).
+    Written without importing transformers, which would cost seconds per merge."""
     common = {"vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tie_word_embeddings,
-              "bos_token_id": bos, "eos_token_id": eos, "dtype": DTYPE_NAMES[dtype], "use_cache": True}
+              "bos_token_id": bos, "eos_token_id": eos, "dtype": dtype, "use_cache": True}
     if spec.architecture == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
                 "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,

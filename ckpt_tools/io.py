@@ -2,11 +2,13 @@
 
 Reads use `torch.load(weights_only=True)`: nothing in a checkpoint may run code when loaded.
 Real Megatron-LM files also hold an argparse.Namespace and numpy RNG states; those types are
-allow-listed explicitly, nothing else.
+allow-listed explicitly, nothing else. torch is imported where it is used: the torch-free merge
+path (ckpt_tools.fast_merge) writes through this module too.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -14,8 +16,6 @@ import pickle
 import re
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ckpt_tools.errors import FormatError
 
@@ -38,6 +38,7 @@ TRUST_PICKLE = False  # set only by `ckpt --trust-pickle`: full unpickling, whic
 
 def load_file(path: str | Path, mmap: bool = True) -> Any:
     """Load a torch-saved file safely (weights only), lazily via mmap when the file allows it."""
+    import torch
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: file not found")
@@ -73,10 +74,30 @@ def fsync_file(path: str | Path) -> None:
 
 
 fsync_dir = fsync_file
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range():
+    import ctypes
+    f = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)  # Linux only
+    if f is not None:
+        f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return f
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing these bytes of a file to disk now, without waiting (Linux
+    sync_file_range): a writer that calls it as it goes overlaps its disk writes with its work, and
+    its final fsync finds little left to wait for. A no-op where the call is missing."""
+    f = _sync_file_range()
+    if f is not None:
+        f(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def save_file(obj: Any, path: str | Path) -> None:
     """torch.save + fsync: the caller writes into a temp dir that is renamed when complete."""
+    import torch
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -140,6 +161,8 @@ def release_pages(tensors, ranges: list[tuple[int, int, int]]) -> None:
     if not ranges:
         return
     import ctypes
+
+    import torch
     libc = ctypes.CDLL(None, use_errno=True)
     for t in tensors:
         if not torch.is_tensor(t) or t.numel() == 0:

@@ -14,17 +14,22 @@ Split kinds:
   gated        dim 0 of a SwiGLU fc1 whose full tensor is [gate; up]; rank r holds [gate_r; up_r]
   vocab        dim 0 over the padded vocab; rows beyond the true vocab are padding (zeros when made here)
   extra_state  `_extra_state` (None or bytes in megatron-core); carried as is, never split
+
+The table, shapes and pieces are plain Python; torch is imported only by the functions that move
+tensors, so the torch-free merge path (ckpt_tools.fast_merge) reads the same table.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import ConfigError, LayoutError
 from ckpt_tools.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 REPLICATED, COLUMN, ROW, QKV, GATED, VOCAB, EXTRA = (
     "replicated", "column", "row", "qkv", "gated", "vocab", "extra_state")
@@ -211,6 +216,7 @@ def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: in
 # ---------------------------------------------------------------- split / join
 def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> list:
     """The full tensor -> its TP shards, rank order. Shards are views of `full` where possible."""
+    import torch
     rule = find_rule(key, spec, pp_size)
     if rule.split == EXTRA:
         return [full] * tp_size
@@ -225,6 +231,7 @@ def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> li
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality: NaN equals an identical NaN, -0.0 differs from 0.0, dtypes must match."""
+    import torch
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
@@ -232,6 +239,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_replicas: bool = True):
     """TP shards (rank order) -> the full tensor. Replicated shards must agree bit for bit."""
+    import torch
     rule = find_rule(key, spec, pp_size)
     if rule.split == EXTRA:
         return shards[0]
@@ -298,6 +306,7 @@ def reshard_pieces(key: str, spec: ModelSpec, src_tp: int, src_padded: int, tp: 
 def gather_parts(pieces: Sequence[Piece], shards: Sequence) -> list:
     """The parts that `pieces` name, in order: views of the source shards (a dim-0 range of a shard is
     contiguous), zeros for new vocab padding."""
+    import torch
     parts = []
     for p in pieces:
         if p.rank is None:
@@ -314,6 +323,7 @@ def gather_parts(pieces: Sequence[Piece], shards: Sequence) -> list:
 def gather(pieces: Sequence[Piece], shards: Sequence, out: Callable | None = None):
     """The tensor that `pieces` describe, from the source shards: a view when one contiguous piece, else
     one copy, into `out(shape, dtype)` (a reused buffer) when given."""
+    import torch
     parts = gather_parts(pieces, shards)
     if len(parts) == 1 and (out is None or parts[0].is_contiguous()):
         return parts[0]
@@ -352,18 +362,41 @@ def _require(key: str, spec: ModelSpec, kind: str) -> None:
 
 
 # ---------------------------------------------------------------- grouped QKV <-> separate q, k, v
+Rows = list[tuple[int, int]]  # row ranges [start, stop) of a full tensor, in order
+
+
+def qkv_head_rows(spec: ModelSpec) -> tuple[Rows, Rows, Rows]:
+    """The rows of q, k and v in a full grouped QKV tensor (weight or bias), each in head order: per query
+    group its q heads, then its k, then its v. HF's q_proj / k_proj / v_proj are these rows concatenated.
+    The one place that knows the grouping: the torch functions below and the torch-free merge use it."""
+    g, hpg, d = spec.num_query_groups, spec.heads_per_group, spec.kv_channels
+    group = (hpg + 2) * d
+    q = [(i * group, i * group + hpg * d) for i in range(g)]
+    k = [(stop, stop + d) for _, stop in q]
+    v = [(stop, stop + d) for _, stop in k]
+    return q, k, v
+
+
+def take_rows(full: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The rows of `full` named by `rows`, concatenated along dim 0 (a view for a single range)."""
+    import torch
+    parts = [full[a:b] for a, b in rows]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def qkv_split_heads(full: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full grouped QKV (weight or bias) -> q, k, v with heads in order (HF's q_proj/k_proj/v_proj)."""
-    g, hpg, d = spec.num_query_groups, spec.heads_per_group, spec.kv_channels
-    grouped = full.reshape(g, (hpg + 2) * d, -1)
-    q, k, v = grouped.split([hpg * d, d, d], dim=1)
-    tail = full.shape[1:]
-    return (q.reshape(g * hpg * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail))
+    q, k, v = (take_rows(full, rows) for rows in qkv_head_rows(spec))
+    return q, k, v
 
 
 def qkv_join_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """Inverse of qkv_split_heads."""
-    g, hpg, d = spec.num_query_groups, spec.heads_per_group, spec.kv_channels
-    tail = q.shape[1:]
-    grouped = torch.cat([q.reshape(g, hpg * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1)
-    return grouped.reshape((g * (hpg + 2) * d,) + tuple(tail))
+    """Inverse of qkv_split_heads: each row range of q, k and v back to its place in the grouped tensor."""
+    import torch
+    placed = []
+    for part, rows in zip((q, k, v), qkv_head_rows(spec)):
+        pos = 0
+        for start, stop in rows:
+            placed.append((start, part[pos:pos + stop - start]))
+            pos += stop - start
+    return torch.cat([t for _, t in sorted(placed, key=lambda x: x[0])], dim=0)

@@ -4,26 +4,46 @@ Model-free and streaming: the output files are planned from the layout table (na
 shapes) before any tensor is read; then, tensor by tensor, the TP shards are read from their
 mmap'd files, joined, converted, written and their pages released. Memory stays near the largest
 tensor; the model is never built and the checkpoint is never held in RAM.
+
+Two paths write the same bytes. Our own checkpoints that need no dtype conversion are merged without
+torch (ckpt_tools.fast_merge: byte ranges copied file to file); every other input, and every one whose
+files that path's checks do not accept, goes through torch below, which also reports what is wrong.
+The plan (`Job`: files, names, shapes, headers, summary) is torch-free and shared by both.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpt_tools import hf, io, layout, output
+from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import CkptError, ConfigError
-from ckpt_tools.shards import ShardSet, open_checked
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.writers import SafetensorsWriter
+from ckpt_tools.torchfile import ELEMENT_SIZES
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt_tools.shards import ShardSet
+
+DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HF, SAFETENSORS = "hf", "safetensors"
+TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always the torch path (for comparisons)
+
+
+def __getattr__(name: str):
+    if name in ("DTYPES", "TORCH_DTYPES"):  # option / dtype name -> torch dtype, made on first use (no torch at import)
+        import torch
+        names = DTYPE_OPTIONS if name == "DTYPES" else {n: n for n in DTYPE_OPTIONS.values()}
+        return {k: getattr(torch, v) for k, v in names.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -34,27 +54,25 @@ class Entry:
     names: list[str]
     shapes: list[tuple[int, ...]]
 
-    def nbytes(self, dtype: torch.dtype) -> int:
-        size = torch.empty((), dtype=dtype).element_size()
-        return sum(torch.Size(s).numel() * size for s in self.shapes)
+    def nbytes(self, dtype: str | torch.dtype) -> int:
+        """Bytes of the output tensors in `dtype`: a name ("bfloat16") or a torch dtype."""
+        size = ELEMENT_SIZES[dtype] if isinstance(dtype, str) else dtype.itemsize
+        return sum(math.prod(s) * size for s in self.shapes)
 
 
 def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
-    """Every output tensor, in megatron-core order, with its shape computed on the meta device."""
+    """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
     if fmt == HF:
         rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
         rows = [(key, hf.VOCAB if layout.find_rule(key, spec, 1).split == layout.VOCAB else hf.SAME, [key])
                 for _, key in layout.stage_keys(spec, [spec.num_layers], 0)
                 if layout.find_rule(key, spec, 1).split != layout.EXTRA]
-    entries = []
-    for key, kind, names in rows:
-        meta = torch.empty(layout.full_shape(key, spec, padded_vocab, 1), device="meta")
-        entries.append(Entry(key, kind, names, [tuple(t.shape) for t in hf.to_hf(kind, meta, spec)]))
-    return entries
+    return [Entry(key, kind, names, hf.hf_shapes(kind, spec, layout.full_shape(key, spec, padded_vocab, 1)))
+            for key, kind, names in rows]
 
 
-def split_files(entries: list[Entry], dtype: torch.dtype, max_bytes: int) -> list[list[Entry]]:
+def split_files(entries: list[Entry], dtype: str | torch.dtype, max_bytes: int) -> list[list[Entry]]:
     """Entries in order, packed into files of at most max_bytes (a tensor bigger than that gets its own)."""
     files: list[list[Entry]] = [[]]
     size = 0
@@ -68,14 +86,81 @@ def split_files(entries: list[Entry], dtype: torch.dtype, max_bytes: int) -> lis
     return files
 
 
-def find_tokenizer(shards: ShardSet, tokenizer: str | Path | None) -> Path | None:
+@dataclass
+class Job:
+    """What one merge writes, decided from meta.json and the options alone (no tensor read yet)."""
+    meta: Meta
+    fmt: str
+    dtype: str  # of the output tensors: "bfloat16", "float16" or "float32"
+    from_master: bool
+    entries: list[Entry]
+    files: list[list[Entry]]  # the entries of each output file
+
+    @classmethod
+    def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int) -> Job:
+        target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
+        entries = plan(meta.spec, meta.padded_vocab, fmt)
+        files = split_files(entries, target, max_shard_size) if fmt == HF else [entries]
+        return cls(meta, fmt, target, from_master, entries, files)
+
+    @property
+    def total(self) -> int:
+        return sum(e.nbytes(self.dtype) for e in self.entries)
+
+    @property
+    def names(self) -> list[str]:
+        n = len(self.files)
+        return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def tensors(self, group: list[Entry]) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of each tensor of one output file, in order."""
+        return [(n, s) for e in group for n, s in zip(e.names, e.shapes)]
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors header's __metadata__."""
+        metadata = {"format": "pt"}
+        if self.fmt == SAFETENSORS:
+            m = self.meta
+            metadata["ckpt_tools"] = json.dumps({"model": m.spec.to_dict(), "iteration": m.iteration,
+                                                 "source_layout": {"tp": m.tp_size, "pp": m.pp_size}})
+        return metadata
+
+    def write(self, out: Path, force: bool, quiet: bool, tok_dir: Path | None,
+              write_file: Callable[[Path, list[Entry], object], None]) -> None:
+        """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
+        file (updating the progress bar per entry), then config, index and tokenizer files for HF."""
+        extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt == HF else None
+        with output.staged(out, force, directory=self.fmt == HF) as tmp:
+            bar = output.progress(self.total, "merge", quiet)
+            for name, group in zip(self.names, self.files):
+                write_file(tmp / name if self.fmt == HF else tmp, group, bar)
+            bar.close()
+            if extras is not None:
+                _write_hf_extras(tmp, *extras, tok_dir, self.files, self.names, self.total)
+
+    def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
+        meta, spec = self.meta, self.meta.spec
+        line = (f"merged {meta.dir} ({spec.architecture}, TP{meta.tp_size} x PP{meta.pp_size}, iteration "
+                f"{meta.iteration}) -> {out}: {sum(len(e.names) for e in self.entries)} tensors, "
+                f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
+                f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "
+                f"{spec.vocab_size} rows, {seconds:.1f}s")
+        return "\n".join(x for x in (line, *notes) if x)
+
+
+def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | None:
+    """The tokenizer dir to copy: --tokenizer, else the checkpoint's own tokenizer files (if any)."""
     if tokenizer is not None:
         path = Path(tokenizer)
         if not hf.tokenizer_files(path):
             raise ConfigError(f"{path}: no tokenizer files ({', '.join(hf.TOKENIZER_FILES[:2])}, ...): "
                               f"pass a HuggingFace tokenizer dir to --tokenizer")
         return path
-    return shards.meta.dir if hf.tokenizer_files(shards.meta.dir) else None
+    return checkpoint_dir if hf.tokenizer_files(checkpoint_dir) else None
+
+
+def find_tokenizer(shards: ShardSet, tokenizer: str | Path | None) -> Path | None:
+    return tokenizer_dir(shards.meta.dir, tokenizer)
 
 
 def _tied_copy_note(shards: ShardSet) -> str | None:
@@ -97,6 +182,7 @@ def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | Non
             check_hashes: bool) -> tuple[Path, str | None, ShardSet]:
     """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
     leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
+    from ckpt_tools.shards import open_checked
     out = output.check_target(out, force)
     return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes)
 
@@ -104,9 +190,30 @@ def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | Non
 def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None = None,
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-          no_preflight: bool = False) -> str:
-    """Write the merged model; returns the one-line summary."""
+          no_preflight: bool = False, fast: bool = True, torch_threads: int | None = None) -> str:
+    """Write the merged model; returns the one-line summary. The torch-free path is tried first unless
+    `fast` is False (or CKPT_MERGE_TORCH=1); `torch_threads` sets torch's intra-op threads for the torch path."""
     start = time.perf_counter()
+    options = {"fmt": fmt, "dtype": dtype, "from_master": from_master, "max_shard_size": max_shard_size,
+               "tokenizer": tokenizer, "vocab_size": vocab_size, "force": force, "quiet": quiet,
+               "check_hashes": check_hashes, "no_preflight": no_preflight, "start": start}
+    if fast and os.environ.get(TORCH_PATH, "0") in ("", "0"):
+        from ckpt_tools import fast_merge
+        summary = fast_merge.merge(src, out, **options)
+        if summary is not None:
+            return summary
+    return _merge_torch(src, out, torch_threads=torch_threads, **options)
+
+
+def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | None, from_master: bool,
+                 max_shard_size: int, tokenizer: str | Path | None, vocab_size: int | None, force: bool,
+                 quiet: bool, check_hashes: bool, no_preflight: bool, start: float,
+                 torch_threads: int | None) -> str:
+    import torch
+
+    from ckpt_tools.writers import SafetensorsWriter
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     if from_master and not shards.has_optimizer():
@@ -114,51 +221,31 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None 
                         f"({'Megatron-LM optimizer state is not read' if meta.source == 'megatron-lm' else 'saved without optimizer'}): "
                         f"merge without --from-master-weights")
     field = "master" if from_master else None
-    target = DTYPES[dtype] if dtype else (torch.float32 if from_master else TORCH_DTYPES[meta.params_dtype])
+    job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
+    target = getattr(torch, job.dtype)
     tok_dir = find_tokenizer(shards, tokenizer) if fmt == HF else None
-    entries = plan(spec, meta.padded_vocab, fmt)
-    files = split_files(entries, target, max_shard_size) if fmt == HF else [entries]
-    total = sum(e.nbytes(target) for e in entries)
-    names = (["model.safetensors"] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
-    output.preflight(out, total, no_preflight)
+    output.preflight(out, job.total, no_preflight)
     note = _tied_copy_note(shards)
-    extras = _hf_json(spec, target, tok_dir) if fmt == HF else None
-    with output.staged(out, force, directory=fmt == HF) as tmp:
-        bar = output.progress(total, "merge", quiet)
-        for name, group in zip(names, files):
-            path = tmp / name if fmt == HF else tmp
-            metadata = {"format": "pt"}
-            if fmt == SAFETENSORS:
-                metadata["ckpt_tools"] = json.dumps({"model": spec.to_dict(), "iteration": meta.iteration,
-                                                     "source_layout": {"tp": meta.tp_size, "pp": meta.pp_size}})
-            writer = SafetensorsWriter(path, [(n, target, s) for e in group for n, s in zip(e.names, e.shapes)],
-                                       metadata)
-            for e in group:
-                for n, t in zip(e.names, hf.to_hf(e.kind, shards.full(e.key, field), spec)):
-                    writer.write(n, t.to(target))
-                shards.release()
-                bar.update(e.nbytes(target))
-            writer.close()
-        bar.close()
-        if extras is not None:
-            _write_hf_extras(tmp, *extras, tok_dir, files, names, total)
+
+    def write_file(path: Path, group: list[Entry], bar) -> None:
+        writer = SafetensorsWriter(path, [(n, target, s) for n, s in job.tensors(group)], job.metadata())
+        for e in group:
+            for n, t in zip(e.names, hf.to_hf(e.kind, shards.full(e.key, field), spec)):
+                writer.write(n, t.to(target))
+            shards.release()
+            bar.update(e.nbytes(target))
+        writer.close()
+    job.write(out, force, quiet, tok_dir, write_file)
     shards.close()
-    seconds = time.perf_counter() - start
-    summary = (f"merged {meta.dir} ({spec.architecture}, TP{meta.tp_size} x PP{meta.pp_size}, iteration "
-               f"{meta.iteration}) -> {out}: {sum(len(e.names) for e in entries)} tensors, "
-               f"{total / 2**20:,.1f} MiB in {len(files)} file(s), {hf.DTYPE_NAMES[target]}"
-               f"{', from fp32 master weights' if from_master else ''}, vocab {meta.padded_vocab} -> "
-               f"{spec.vocab_size} rows, {seconds:.1f}s")
-    return "\n".join(x for x in (summary, note, leftover) if x)
+    return job.summary(out, time.perf_counter() - start, note, leftover)
 
 
-def _hf_json(spec: ModelSpec, dtype: torch.dtype, tok_dir: Path | None) -> tuple[dict, dict]:
+def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict]:
     """(config.json, generation_config.json) contents."""
     bos, eos = hf.special_ids(tok_dir)
     gen = {"_from_model_config": True, "do_sample": False}
     gen.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
-    return hf.hf_config(spec, dtype, bos, eos), gen
+    return hf.hf_config_named(spec, dtype, bos, eos), gen
 
 
 def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],

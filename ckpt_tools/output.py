@@ -88,8 +88,18 @@ def note_leftovers(out: Path) -> str | None:
             f"run (never a complete output): remove {'it' if len(names) == 1 else 'them'}")
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def progress(total: int, desc: str, quiet: bool, unit: str = "B"):
-    """A tqdm bar over bytes; off when quiet or when stderr is not a terminal."""
+    """A tqdm bar over bytes; off when quiet or when stderr is not a terminal (then tqdm, whose import
+    costs a fast merge a noticeable part of its time, is not imported)."""
+    if quiet or not sys.stderr.isatty():
+        return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024, leave=False,
-                disable=quiet or not sys.stderr.isatty(), file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)

@@ -118,38 +118,16 @@ class ShardSet:
         the recorded dtype; no shard files beyond the layout's. Problems as one-line messages."""
         meta, problems = self.meta, []
         if meta.source == "ckpt-tools":
-            expected_files = {(self.path(k, t, p)).name for k in (MODEL, OPTIMIZER)
-                              for t in range(meta.tp_size) for p in range(meta.pp_size)}
-            for f in sorted(meta.dir.glob("*_tp_*_pp_*.bin")):
-                if f.name not in expected_files and not f.name.startswith("rng_"):
-                    problems.append(f"{f}: extra shard, not part of a TP{meta.tp_size} x PP{meta.pp_size} "
-                                    f"checkpoint: remove it or fix meta.json")
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(meta.params_dtype)
+            problems += fmt.extra_shards(meta)
         for pp_rank in range(meta.pp_size):
-            expected = layout.stage_keys(meta.spec, meta.layer_counts, pp_rank)
             for tp_rank in range(meta.tp_size):
-                path = self.path(MODEL, tp_rank, pp_rank)
                 try:
                     state = self._state(MODEL, tp_rank, pp_rank)
                 except FormatError as e:
                     problems.append(str(e))
                     continue
-                want = {local for local, _ in expected}
-                fix = "restore the shard from the source checkpoint"
-                problems += [f"{path}: missing tensor {k}, which the layout table puts on TP rank {tp_rank}, "
-                             f"PP rank {pp_rank}: {fix}" for k, _ in expected if k not in state]
-                problems += [f"{path}: unexpected tensor {k}, not in the layout table of this {meta.spec.architecture} "
-                             f"model at PP{meta.pp_size}: remove it or {fix}" for k in state if k not in want]
-                for local, key in expected:
-                    t = state.get(local)
-                    shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
-                    if shape is not None and torch.is_tensor(t) and tuple(t.shape) != shape:
-                        problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape} "
-                                        f"(TP{meta.tp_size} x PP{meta.pp_size}): {fix}")
-                    elif shape is not None and torch.is_tensor(t) and dtype is not None and t.dtype != dtype:
-                        problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}: {fix}")
-                    elif shape is not None and not torch.is_tensor(t) and local in state:
-                        problems.append(f"{path}: {local} is a {type(t).__name__}, not a tensor: {fix}")
+                path = self.path(MODEL, tp_rank, pp_rank)
+                problems += fmt.shard_problems(meta, path, state, tp_rank, pp_rank, torch.is_tensor)
         return problems
 
     def has_optimizer(self) -> bool:

@@ -5,30 +5,66 @@ the layout table), writes the header, then each tensor's bytes in plan order; th
 standard safetensors file. `TorchFileWriter` writes a standard `torch.save` zip archive one
 storage record at a time and pickles the small object tree (with references to those records)
 last, so `torch.load(weights_only=True, mmap=True)` reads it like any other checkpoint file.
+`safetensors_header` and `copy_range` need no torch (the torch-free merge writes with them); torch
+is imported where tensors are handled.
 """
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import pickle
 import struct
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.io import fsync_file
+from ckpt_tools.torchfile import ELEMENT_SIZES, record_offset
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+if TYPE_CHECKING:
+    import torch
+
+SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+                     "int32": "I32", "uint8": "U8"}
+
+
+def __getattr__(name: str):
+    if name == "SAFETENSORS_DTYPES":  # torch dtype -> safetensors' name, made on first use (no torch at import)
+        import torch
+        return {getattr(torch, n): code for n, code in SAFETENSORS_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def safetensors_header(plan: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+    """What a safetensors file holding `plan` [(name, dtype name, shape)], in order, has before its data:
+    the header's length (8 bytes) and the JSON header, padded with spaces so that the data section
+    starts 8-byte aligned, as safetensors writes it."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, dtype, shape in plan:
+        nbytes = math.prod(shape) * ELEMENT_SIZES[dtype]
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _contiguous_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes (little-endian, row-major) without a copy when it is already contiguous."""
+    import torch
     t = t.detach().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -47,24 +83,12 @@ class SafetensorsWriter:
     def __init__(self, path: str | Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None):
         self.path = Path(path)
-        header: dict[str, Any] = {}
-        if metadata:
-            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        self._order: list[str] = []
-        self._expect: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        offset = 0
-        for name, dtype, shape in plan:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self._order.append(name)
-            self._expect[name] = (dtype, tuple(shape))
-            offset += nbytes
-        self.nbytes = offset
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+        self._order = [name for name, _, _ in plan]
+        self._expect = {name: (dtype, tuple(shape)) for name, dtype, shape in plan}
+        self.nbytes = sum(math.prod(shape) * ELEMENT_SIZES[dtype_name(dtype)] for _, dtype, shape in plan)
+        header = safetensors_header([(name, dtype_name(dtype), tuple(shape)) for name, dtype, shape in plan], metadata)
         self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(text)) + text)
+        self._f.write(header)
         self._next = 0
 
     def write(self, name: str, t: torch.Tensor) -> None:
@@ -95,6 +119,7 @@ class _TensorRef:
         self.storage, self.shape = storage, shape
 
     def __reduce_ex__(self, protocol):
+        import torch
         stride, acc = [], 1
         for n in reversed(self.shape):
             stride.append(acc)
@@ -103,13 +128,16 @@ class _TensorRef:
                 (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
 
 
-_STORAGE_TYPES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+def _storage_type(dtype: torch.dtype) -> type:
+    """torch.bfloat16 -> torch.BFloat16Storage, the class torch.save names for a storage of that dtype."""
+    import torch
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
         if isinstance(obj, _StorageRef):
-            return ("storage", _STORAGE_TYPES[obj.dtype], obj.key, "cpu", obj.numel)
+            return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
         return None
 
 
@@ -121,6 +149,7 @@ class TorchFileWriter:
     """
 
     def __init__(self, path: str | Path):
+        import torch
         self.path = Path(path)
         self._zip = torch._C.PyTorchFileWriter(str(self.path), False, 64)  # integrity: sha256 in meta.json
         self._count = 0
@@ -136,6 +165,7 @@ class TorchFileWriter:
         """A tensor whose bytes are byte ranges [(fd, offset, nbytes)] of other files, in order. Its record
         is reserved now (the archive's bytes do not depend on the data) and filled file to file in the
         kernel (copy_file_range: the bytes never pass through this process) when the archive is closed."""
+        import torch
         key, nbytes = self._key(), sum(n for _, _, n in ranges)
         if nbytes != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():
             raise LayoutError(f"{self.path}: {nbytes} bytes for a {dtype} tensor of shape {tuple(shape)}")
@@ -156,6 +186,7 @@ class TorchFileWriter:
         return _TensorRef(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
 
     def _refs(self, obj: Any) -> Any:
+        import torch
         if torch.is_tensor(obj):
             return self.tensor(obj)
         if isinstance(obj, dict):
@@ -187,8 +218,7 @@ class TorchFileWriter:
         fd = os.open(self.path, os.O_RDWR)
         try:
             for record, ranges in self._holes:
-                header = os.pread(fd, 30, where[record])  # the local header: data follows its name and extra field
-                pos = where[record] + 30 + sum(struct.unpack("<HH", header[26:30]))
+                pos = record_offset(fd, where[record])
                 for src, offset, nbytes in ranges:
                     copy_range(src, offset, fd, pos, nbytes)
                     pos += nbytes

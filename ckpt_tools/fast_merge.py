@@ -1,0 +1,319 @@
+"""The torch-free path of `ckpt merge` (merge.py tries it first): our own checkpoints, no dtype conversion.
+
+It applies when SRC is our format (not a Megatron-LM dir), the output dtype is the stored one (the model
+weights, or the fp32 master weights with --from-master-weights), and there is no --check-hashes. Before
+anything is written, every shard file it reads must pass the torch path's own checks (the size meta.json
+records, checkpoint.extra_shards, checkpoint.shard_problems), read by `torchfile` without torch; every
+source tensor must be of the output dtype, the TP replicas of a replicated tensor must be equal, and so
+must a tied embedding's last-stage copy. When anything differs, `merge` returns None having written
+nothing, and the torch path runs and reports it (or, for the tied copy, notes it).
+
+Each output tensor is row ranges of a full tensor (hf.hf_rows), and each full tensor is pieces of the
+source shards (layout.reshard_pieces to TP 1, vocab trimmed). Pieces of dim-0 shards are byte ranges of
+the shard files, copied file to file in the kernel (copy_file_range). A row-parallel tensor is joined in
+memory: each shard's rows are read (preadv) straight into their place in the full rows, one copy from
+the page cache, then written; GPT-2's transposed weights are transposed with numpy. Bytes are moved,
+never converted. Nothing here imports torch (nor numpy, for a Llama model).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output
+from ckpt_tools.errors import CkptError, LayoutError
+from ckpt_tools.merge import HF, Entry, Job, tokenizer_dir
+from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
+from ckpt_tools.writers import copy_range, safetensors_header
+
+Range = tuple[Path, int, int]  # bytes of a file: (file, offset, nbytes)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv call
+WRITEBACK = 32 << 20  # bytes written between two calls that start their writeback (the final fsync waits less)
+
+
+class NotFast(Exception):
+    """This merge takes the torch path."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One TP shard of a tensor: its bytes in a shard file."""
+    path: Path
+    info: TensorInfo
+
+    @property
+    def whole(self) -> Range:
+        return self.path, self.info.offset, self.info.nbytes
+
+    def byte_range(self, start: int, stop: int) -> Range:
+        """(file, offset, nbytes) of rows [start, stop) along dim 0."""
+        row = self.info.nbytes // self.info.shape[0]
+        return self.path, self.info.offset + start * row, (stop - start) * row
+
+
+Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
+
+
+def merge(src: str | Path, out: str | Path, *, fmt: str, dtype: str | None, from_master: bool,
+          max_shard_size: int, tokenizer: str | Path | None, vocab_size: int | None, force: bool, quiet: bool,
+          check_hashes: bool, no_preflight: bool, start: float) -> str | None:
+    """merge.merge without torch; None, with nothing written, when the torch path must do it."""
+    try:
+        out = output.check_target(out, force)
+        leftover = output.note_leftovers(out)
+        job, model, sources = _prepare(src, fmt, dtype, from_master, max_shard_size, vocab_size, check_hashes)
+        tok_dir = tokenizer_dir(job.meta.dir, tokenizer) if fmt == HF else None
+        output.preflight(out, job.total, no_preflight)
+    except (NotFast, Unreadable, CkptError):
+        return None
+    copier = _Copier(job, sources)
+    try:
+        if not copier.consistent(model):
+            return None
+        job.write(out, force, quiet, tok_dir, copier.write_file)
+    finally:
+        copier.close()
+    return job.summary(out, time.perf_counter() - start, leftover)
+
+
+# ---------------------------------------------------------------- when it applies
+def _prepare(src: str | Path, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int,
+             vocab_size: int | None, check_hashes: bool) -> tuple[Job, Shards, Shards]:
+    """(the job, the model shards, the shards to copy: model or master weights), or NotFast."""
+    if check_hashes or megatron_lm.is_megatron_lm(Path(src)):
+        raise NotFast("--check-hashes, or a Megatron-LM checkpoint")
+    meta = checkpoint.Meta.read(checkpoint.resolve(src))
+    if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
+        raise NotFast("--vocab-size differs from meta.json, or extra shard files")
+    job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
+    model = _model_shards(meta)
+    sources = _master_shards(meta) if from_master else model
+    if any(s.info.dtype != job.dtype for shards in sources.values() for s in shards):
+        raise NotFast(f"a conversion to {job.dtype}")
+    return job, model, sources
+
+
+def _state(meta: checkpoint.Meta, name: str, entry: str) -> tuple[Path, dict]:
+    """One shard file's `entry` dict, read without torch, when the file has the size meta.json records."""
+    path = meta.dir / name
+    record = meta.raw["files"].get(name)
+    if not path.is_file() or (record is not None and path.stat().st_size != record["size"]):
+        raise NotFast(f"{path}: missing, or not of the size meta.json records")
+    obj = read(path)
+    if not (isinstance(obj, dict) and isinstance(obj.get(entry), dict)):
+        raise NotFast(f"{path}: holds no {entry!r} state dict")
+    return path, obj[entry]
+
+
+def _shard(path: Path, info: TensorInfo) -> Shard:
+    if info.offset + info.nbytes > path.stat().st_size:
+        raise NotFast(f"{path}: a tensor beyond the end of the file")
+    return Shard(path, info)
+
+
+def _model_shards(meta: checkpoint.Meta) -> Shards:
+    """The tensors of every model shard, which must pass the checks the torch path makes."""
+    shards: Shards = {}
+    for pp_rank in range(meta.pp_size):
+        for tp_rank in range(meta.tp_size):
+            path, state = _state(meta, checkpoint.model_file(tp_rank, pp_rank), "model")
+            if checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank, lambda t: isinstance(t, TensorInfo)):
+                raise NotFast(f"{path}: does not match the layout table")
+            for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
+                if isinstance(state[local], TensorInfo):
+                    shards.setdefault(key, []).append(_shard(path, state[local]))
+    return shards
+
+
+def _master_shards(meta: checkpoint.Meta) -> Shards:
+    """The fp32 master weights of every optimizer shard, each of its parameter's shard shape."""
+    shards: Shards = {}
+    for pp_rank in range(meta.pp_size):
+        for tp_rank in range(meta.tp_size):
+            path, state = _state(meta, checkpoint.optimizer_file(tp_rank, pp_rank), "optimizer")
+            for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
+                shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+                if shape is None:
+                    continue
+                entry = state.get(local)
+                master = entry.get("master") if isinstance(entry, dict) else None
+                if not (isinstance(master, TensorInfo) and master.shape == shape):
+                    raise NotFast(f"{path}: no master weight of shape {shape} for {local}")
+                shards.setdefault(key, []).append(_shard(path, master))
+    return shards
+
+
+# ---------------------------------------------------------------- HF rows -> full rows -> source shards
+def _full_pieces(key: str, meta: checkpoint.Meta) -> list[layout.Piece]:
+    """The full (TP 1) tensor of `key`, vocab rows trimmed to the true vocab, as pieces of the source shards."""
+    spec = meta.spec
+    vocab = layout.find_rule(key, spec, meta.pp_size).split == layout.VOCAB
+    return layout.reshard_pieces(key, spec, meta.tp_size, meta.padded_vocab, 1,
+                                 spec.vocab_size if vocab else meta.padded_vocab, 0, meta.pp_size)
+
+
+def _byte_ranges(shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows) -> list[Range]:
+    """Rows of a full tensor made of dim-0 pieces -> byte ranges (file, offset, nbytes) of the shard files."""
+    out = []
+    for a, b in rows:
+        pos = 0
+        for p in pieces:
+            lo, hi = max(a, pos), min(b, pos + p.stop - p.start)
+            if lo < hi:
+                out.append(shards[p.rank].byte_range(p.start + lo - pos, p.start + hi - pos))
+            pos += p.stop - p.start
+    return out
+
+
+class _Files:
+    """The source files, opened read-only on first use."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def read_into(self, views: list[memoryview], path: Path, offset: int) -> None:
+        """Fill `views`, in order, with the file's bytes from `offset` on (preadv: a scatter read)."""
+        fd, i = self.fd(path), 0
+        while i < len(views):
+            chunk = views[i:i + IOV_MAX]
+            n = os.preadv(fd, chunk, offset)
+            if n <= 0:
+                raise OSError(f"{path}: ended at byte {offset}")
+            offset += n
+            if n == sum(map(len, chunk)):
+                i += len(chunk)
+                continue
+            while n >= len(views[i]):  # a short read: skip the views it filled, trim the one it ended in
+                n -= len(views[i])
+                i += 1
+            views[i] = views[i][n:]
+
+    def same(self, a: Range, b: Range, chunk: int = 1 << 24) -> bool:
+        if a[2] != b[2]:
+            return False
+        return all(os.pread(self.fd(a[0]), min(chunk, a[2] - k), a[1] + k)
+                   == os.pread(self.fd(b[0]), min(chunk, a[2] - k), b[1] + k) for k in range(0, a[2], chunk))
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
+def _pwrite(fd: int, data: memoryview, pos: int) -> int:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], pos + done)
+    return done
+
+
+def _transposed(data: memoryview, shape: tuple[int, int], itemsize: int) -> memoryview:
+    """The bytes of a [b, a] tensor -> those of its [a, b] transpose (GPT-2's Conv1D weights): moved, not
+    converted. numpy is imported only here."""
+    import numpy as np
+    arr = np.frombuffer(data, np.dtype(f"<u{itemsize}")).reshape(shape[::-1])
+    return memoryview(np.ascontiguousarray(arr.T)).cast("B")
+
+
+class _Copier:
+    """Writes a Job's safetensors files from the source shards."""
+
+    def __init__(self, job: Job, shards: Shards):
+        self.job, self.shards, self.files = job, shards, _Files()
+        self.itemsize = ELEMENT_SIZES[job.dtype]
+        self._buf = bytearray()
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """Memory for one tensor, reused: its pages stay mapped from one tensor to the next."""
+        if len(self._buf) < nbytes:
+            self._buf = bytearray(nbytes)
+        return memoryview(self._buf)[:nbytes]
+
+    def write_file(self, path: Path, group: list[Entry], bar) -> None:
+        header = safetensors_header([(n, self.job.dtype, s) for n, s in self.job.tensors(group)],
+                                    self.job.metadata())
+        with open(path, "wb") as f:
+            f.write(header)
+            f.flush()
+            pos = written = len(header)
+            for e in group:
+                pos = self._entry(f.fileno(), pos, e)
+                bar.update(e.nbytes(self.job.dtype))
+                if pos - written >= WRITEBACK:
+                    io.start_writeback(f.fileno(), written, pos - written)
+                    written = pos
+            os.fsync(f.fileno())
+
+    def _entry(self, dst: int, pos: int, e: Entry) -> int:
+        """The HF tensors of one entry, written at `pos` of dst; returns the position after them."""
+        meta = self.job.meta
+        pieces = _full_pieces(e.key, meta)
+        full_rows = layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[0]
+        for name, rows, shape in zip(e.names, hf.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
+            transpose = e.kind in hf.TRANSPOSED and len(shape) == 2
+            if pieces[0].dim == 0 and not transpose:
+                n = self._copy(dst, pos, _byte_ranges(self.shards[e.key], pieces, rows))
+            else:
+                data = self._read(self.shards[e.key], pieces, rows)
+                n = _pwrite(dst, _transposed(data, shape, self.itemsize) if transpose else data, pos)
+            if n != math.prod(shape) * self.itemsize:
+                raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * self.itemsize}")
+            pos += n
+        return pos
+
+    def _copy(self, dst: int, pos: int, ranges: list[Range]) -> int:
+        """Byte ranges of the source files -> dst at pos, file to file in the kernel."""
+        for path, offset, nbytes in ranges:
+            copy_range(self.files.fd(path), offset, dst, pos, nbytes)
+            pos += nbytes
+        return sum(n for _, _, n in ranges)
+
+    def _read(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows) -> memoryview:
+        """Rows of the full tensor in memory: dim-0 pieces one after another; the shards of a row-parallel
+        tensor side by side, each shard's rows read straight into their place in the output rows."""
+        if pieces[0].dim == 0:
+            ranges = _byte_ranges(shards, pieces, rows)
+            buf, pos = self._buffer(sum(n for _, _, n in ranges)), 0
+            for path, offset, n in ranges:
+                self.files.read_into([buf[pos:pos + n]], path, offset)
+                pos += n
+            return buf
+        widths = [(p.stop - p.start) * self.itemsize for p in pieces]  # bytes of each shard's part of a row
+        width, nrows = sum(widths), sum(b - a for a, b in rows)
+        buf, col = self._buffer(nrows * width), 0
+        for p, w in zip(pieces, widths):
+            shard = shards[p.rank]
+            if w * shard.info.shape[0] != shard.info.nbytes:
+                raise LayoutError(f"{p}: a piece of some of a shard's columns, not of a merge to TP 1")
+            out_row = 0
+            for a, b in rows:
+                path, offset, _ = shard.byte_range(a, b)
+                starts = [(out_row + i) * width + col for i in range(b - a)]
+                self.files.read_into([buf[x:x + w] for x in starts], path, offset)
+                out_row += b - a
+            col += w
+        return buf
+
+    def consistent(self, model: Shards) -> bool:
+        """Whether the torch path would take these bytes as they are: the TP replicas of each replicated
+        tensor equal (it refuses a checkpoint whose replicas differ), and with tied embeddings and PP > 1
+        the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
+        meta = self.job.meta
+        pairs = [(s.whole, shards[0].whole) for key, shards in self.shards.items()
+                 if layout.find_rule(key, meta.spec, meta.pp_size).split == layout.REPLICATED for s in shards[1:]]
+        if meta.spec.tie_word_embeddings and "output_layer.weight" in model:
+            rows = [(0, meta.spec.vocab_size)]
+            emb, out = (_byte_ranges(model[k], _full_pieces(k, meta), rows)
+                        for k in ("embedding.word_embeddings.weight", "output_layer.weight"))
+            pairs += list(zip(emb, out))  # the same pieces: both are vocab tensors of one shape (checked)
+        return all(self.files.same(a, b) for a, b in pairs)
+
+    def close(self) -> None:
+        self.files.close()

@@ -1,0 +1,165 @@
+"""Reading a torch.save zip archive without torch: its object tree, each tensor a `TensorInfo` that says
+where its bytes are in the file, so they can be copied file to file.
+
+Only what our shard files hold is understood: dicts, lists, tuples, numbers, strings, None, and tensors
+(`torch._utils._rebuild_tensor_v2` of a `torch.<Type>Storage` record, stored uncompressed). The pickle is
+read by an Unpickler whose find_class knows only those names and collections.OrderedDict, and maps them
+to plain records; any other global, a compressed record, a non-contiguous tensor or a damaged archive
+raises `Unreadable`. Nothing is ever executed. Record CRCs are not checked, as torch does not check
+them. The caller then takes the torch path, which loads the file with its allow-list and reports what
+is wrong in its own words.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# dtype name -> bytes per element; torch's storage classes -> dtype name
+ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+                 "int8": 1, "uint8": 1, "bool": 1}
+STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
+                  "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+                  "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+_LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+
+
+class Unreadable(Exception):
+    """The file is not one this reader understands (or is damaged): read it with torch instead."""
+
+
+@dataclass(frozen=True, slots=True)  # slots: unpickling cannot alter one
+class TensorInfo:
+    """A contiguous tensor inside a torch.save archive: its bytes are file[offset:offset + nbytes]."""
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ELEMENT_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageType:
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Storage:
+    dtype: str
+    numel: int
+    offset: int  # of its record's data in the file
+
+
+def record_offset(fd: int, header_offset: int) -> int:
+    """Where the data of the zip record whose local header is at `header_offset` starts: after the header,
+    its name and its extra field (whose lengths the local header gives; they may differ from the central
+    directory's)."""
+    header = os.pread(fd, _LOCAL_HEADER, header_offset)
+    if len(header) != _LOCAL_HEADER or header[:4] != b"PK\x03\x04":
+        raise Unreadable(f"no zip local header at byte {header_offset}")
+    return header_offset + _LOCAL_HEADER + sum(struct.unpack("<HH", header[26:30]))
+
+
+def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(stride)):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, archive: _Archive, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.archive = archive
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _StorageType(STORAGE_DTYPES[name])
+        raise Unreadable(f"global {module}.{name} is not one of a plain checkpoint's")
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and isinstance(pid[4], int)):
+            raise Unreadable(f"persistent id {pid!r:.80} is not a storage")
+        return self.archive.storage(pid[2], pid[1].dtype, pid[4])
+
+
+def _rebuild_tensor(storage: Any, offset: Any, shape: Any, stride: Any, requires_grad: Any = False,
+                    hooks: Any = None, metadata: Any = None) -> TensorInfo:
+    """Stands for torch._utils._rebuild_tensor_v2: the tensor's place in the file, checked."""
+    if not (isinstance(storage, _Storage) and isinstance(shape, tuple) and isinstance(stride, tuple)
+            and len(shape) == len(stride) and not hooks and metadata is None
+            and all(type(n) is int and n >= 0 for n in (offset, *shape, *stride))):
+        raise Unreadable("a tensor record of an unknown form")
+    if not _is_contiguous(shape, stride) or offset + math.prod(shape) > storage.numel:
+        raise Unreadable(f"a tensor of shape {shape} that is not a contiguous part of its storage")
+    return TensorInfo(storage.dtype, shape, storage.offset + offset * ELEMENT_SIZES[storage.dtype])
+
+
+class _Archive:
+    def __init__(self, fd: int, z: zipfile.ZipFile):
+        self.fd, self.z = fd, z
+        pickles = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pickles) != 1:
+            raise Unreadable("not a torch.save archive (no single <name>/data.pkl)")
+        self.prefix = pickles[0][: -len("data.pkl")]
+        self._storages: dict[str, _Storage] = {}
+
+    def load(self) -> Any:
+        order = self.prefix + "byteorder"
+        if order in self.z.namelist() and self._read(order) != b"little":
+            raise Unreadable("big-endian tensors")
+        return _Unpickler(self, self._read(self.prefix + "data.pkl")).load()
+
+    def _record(self, name: str) -> tuple[int, int]:
+        """(offset, nbytes) of a stored record's data in the file."""
+        info = self.z.getinfo(name)
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise Unreadable(f"record {name} is compressed")
+        return record_offset(self.fd, info.header_offset), info.file_size
+
+    def _read(self, name: str) -> bytes:
+        """A record's bytes, its CRC not checked: torch does not check it (our writer leaves it 0; the
+        integrity check is meta.json's sha256), and this reader must read what torch reads."""
+        offset, nbytes = self._record(name)
+        data = os.pread(self.fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise Unreadable(f"record {name} ends beyond the file")
+        return data
+
+    def storage(self, key: str, dtype: str, numel: int) -> _Storage:
+        if key not in self._storages:
+            offset, nbytes = self._record(f"{self.prefix}data/{key}")
+            if nbytes != numel * ELEMENT_SIZES[dtype]:
+                raise Unreadable(f"storage record {key} is not of its {numel} {dtype} elements")
+            self._storages[key] = _Storage(dtype, numel, offset)
+        if self._storages[key].dtype != dtype:
+            raise Unreadable(f"storage record {key} is read as two dtypes")
+        return self._storages[key]
+
+
+def read(path: str | Path) -> Any:
+    """The object a torch.save archive holds, with a TensorInfo for each tensor; Unreadable for anything
+    this reader does not understand (the file is then for torch to read, or to refuse)."""
+    try:
+        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            return _Archive(f.fileno(), z).load()
+    except Unreadable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged zip or pickle fails in any way; torch will say how
+        raise Unreadable(f"{path}: {type(e).__name__}: {e}") from None
