@@ -163,9 +163,12 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
 def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | None, dtype: str | None,
             no_optimizer: bool, force: bool, quiet: bool) -> None:
     """Import a HuggingFace Llama / GPT-2 model into sharded checkpoints (a save dir OUT)."""
-    from ckpt_tools.merge import DTYPES
+    import torch
+
+    from ckpt_tools.merge import DTYPE_OPTIONS
     from ckpt_tools.reshard import import_hf
-    click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage), dtype=DTYPES[dtype] if dtype else None,
+    dtype = getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None
+    click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage), dtype=dtype,
                          optimizer=not no_optimizer, force=force, quiet=quiet))
 
 

@@ -149,23 +149,7 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
 GPT2_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
-def _dtype_names() -> dict:
-    import torch
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def __getattr__(name: str):
-    if name == "DTYPE_NAMES":  # torch dtype -> name, made on first use: importing this module does not import torch
-        return _dtype_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def hf_config(spec: ModelSpec, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
-    """hf_config_named for a torch dtype."""
-    return hf_config_named(spec, _dtype_names()[dtype], bos, eos)
-
-
-def hf_config_named(spec: ModelSpec, dtype: str, bos: int | None, eos: int | None) -> dict:
+def hf_config(spec: ModelSpec, dtype: str, bos: int | None, eos: int | None) -> dict:
     """config.json for transformers' LlamaConfig / GPT2Config, weights of dtype `dtype` ("bfloat16", ...):
     every field that changes the math is set explicitly (transformers fills the rest with its defaults).
     Written without importing transformers, which would cost seconds per merge."""

@@ -38,14 +38,6 @@ HF, SAFETENSORS = "hf", "safetensors"
 TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always the torch path (for comparisons)
 
 
-def __getattr__(name: str):
-    if name in ("DTYPES", "TORCH_DTYPES"):  # option / dtype name -> torch dtype, made on first use (no torch at import)
-        import torch
-        names = DTYPE_OPTIONS if name == "DTYPES" else {n: n for n in DTYPE_OPTIONS.values()}
-        return {k: getattr(torch, v) for k, v in names.items()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass
 class Entry:
     """One source tensor and what it becomes: output names, conversion kind, output shapes."""
@@ -245,7 +237,7 @@ def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, d
     bos, eos = hf.special_ids(tok_dir)
     gen = {"_from_model_config": True, "do_sample": False}
     gen.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
-    return hf.hf_config_named(spec, dtype, bos, eos), gen
+    return hf.hf_config(spec, dtype, bos, eos), gen
 
 
 def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],

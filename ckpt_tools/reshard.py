@@ -25,9 +25,7 @@ from ckpt_tools.hf import HFTensors
 from ckpt_tools.merge import prepare
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, ShardSet
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.writers import TorchFileWriter
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from ckpt_tools.writers import TorchFileWriter, dtype_name
 
 
 class Target:
@@ -287,9 +285,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
             target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
-        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, DTYPE_NAMES[params_dtype], None, {}, {}, origin)
+        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin)
         _finish(tmp, 0, target, meta, hf_dir if hf.tokenizer_files(hf_dir) else None)
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} TP{tp} x PP{pp} "
-            f"(layers {counts}), {DTYPE_NAMES[params_dtype]}, "
+            f"(layers {counts}), {dtype_name(params_dtype)}, "
             f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
             f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")

@@ -32,13 +32,6 @@ SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "fl
                      "int32": "I32", "uint8": "U8"}
 
 
-def __getattr__(name: str):
-    if name == "SAFETENSORS_DTYPES":  # torch dtype -> safetensors' name, made on first use (no torch at import)
-        import torch
-        return {getattr(torch, n): code for n, code in SAFETENSORS_NAMES.items()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16"."""
     return str(dtype).removeprefix("torch.")
