@@ -93,3 +93,10 @@ def gpt2_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     """tiny gpt2 (tied embeddings), TP2 x PP2 x DP1, 6 iterations."""
     save = tmp_path_factory.mktemp("gpt2") / "run"
     return save, train("tiny_gpt2.yaml", save, 4, train_iters=6)
+
+
+@pytest.fixture(scope="session")
+def bases(tmp_path_factory):
+    """The good checkpoints (and their merges) that bad-input tests damage copies of (bad_inputs.Bases)."""
+    from bad_inputs import make_bases
+    return make_bases(tmp_path_factory.mktemp("bad-input-bases"))

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bad_inputs as bad
 import pytest
-import test_bad_input as bad
 import torch
 
 from ckpt_tools import checkpoint as fmt

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from bad_inputs import invoke, llama, make_ckpt
 from safetensors.torch import load_file as load_safetensors
-from test_bad_input import invoke, llama, make_ckpt
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools.layout import same_bits
