@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,13 +44,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import output
+from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.spec import ModelSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import (  # noqa: E402
+    POLL,
+    child_env,
+    free_port,
+    kill_group,
+    sleep_ms,
+    start,
+    tail,
+    wait_until,
+)
+
 CONFIG = ROOT / "fixtures" / "configs" / "tiny_llama.yaml"
 CKPT = [sys.executable, "-m", "ckpt_tools.cli"]
-POLL = 0.0005
 
 
 @dataclass
@@ -71,95 +80,6 @@ class Trial:
         return not self.problems
 
 
-# ---------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
-
-
-def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """A child in its own session (process group), stdout + stderr to `log`."""
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _env(), cwd=ROOT,
-                                start_new_session=True)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (Linux /proc/<pid>/task/<tid>/children), parents first."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            try:
-                kids = [int(x) for x in task.read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's process group and every process below it, then wait until all are gone.
-
-    The group alone is not enough under torchrun: its agent starts each worker in a session of its
-    own (start_new_session=True), and a worker whose agent was killed trains and saves on.
-    """
-    pids = descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    end = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.01)
-
-
-def wait_until(proc: subprocess.Popen, ready, timeout: float) -> bool:
-    """Poll `ready()` until true; False when the process exits first or time runs out."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if ready():
-            return True
-        if proc.poll() is not None:
-            return bool(ready())
-        time.sleep(POLL)
-    return False
-
-
-def sleep_ms(ms: float) -> None:
-    end = time.perf_counter() + ms / 1000
-    while (left := end - time.perf_counter()) > 0:
-        time.sleep(min(left, POLL))
-
-
-def tail(path: Path, n: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
 # ---------------------------------------------------------------- shared checks
 def checkpoint_problems(ckpt_dir: Path) -> list[str]:
     """A checkpoint dir is complete: meta.json reads and every file it records is intact."""
@@ -172,16 +92,8 @@ def checkpoint_problems(ckpt_dir: Path) -> list[str]:
 def tree_digest(path: Path) -> dict[str, str]:
     """relative name -> sha256 of every file under path (or of path itself when it is a file)."""
     if path.is_file():
-        return {"<file>": _sha(path)}
-    return {str(f.relative_to(path)): _sha(f) for f in sorted(path.rglob("*")) if f.is_file()}
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+        return {"<file>": io.sha256_file(path)}
+    return {str(f.relative_to(path)): io.sha256_file(f) for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 def diff_trees(got: dict[str, str], want: dict[str, str], label: str) -> list[str]:
@@ -272,7 +184,7 @@ class TrainerTrials:
         sets += [f"load={load}"] if load else []
         for item in sets:
             cmd += ["--set", item]
-        return cmd, {**_env(), "MASTER_PORT": str(port)}
+        return cmd, {**child_env(), "MASTER_PORT": str(port)}
 
     def launch(self, train_iters: int, load: Path | None = None) -> tuple[subprocess.Popen, Path]:
         self.runs += 1
