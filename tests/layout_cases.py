@@ -1,0 +1,74 @@
+"""Specs, cases and bitwise helpers shared by the layout-table tests (test_layout, test_layout_table).
+All sizes divide 8, so every TP in TPS is valid for every spec."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_tools import layout
+from ckpt_tools.spec import ModelSpec
+
+TPS = (1, 2, 4, 8)
+DTYPES = (torch.float32, torch.bfloat16)
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float64: torch.int64}
+
+
+# ---------------------------------------------------------------- specs whose sizes all divide 8
+def llama(tie: bool = False, **kw) -> ModelSpec:
+    """GQA with 2 heads per group; 8 query groups so TP 8 divides; ffn 32 so gated TP 8 divides."""
+    d = dict(architecture="llama", num_layers=4, hidden_size=64, num_attention_heads=16,
+             num_query_groups=8, ffn_hidden_size=32, vocab_size=1000, max_position_embeddings=32,
+             tie_word_embeddings=tie)
+    d.update(kw)
+    return ModelSpec(**d)
+
+
+def gpt2(**kw) -> ModelSpec:
+    d = dict(architecture="gpt2", num_layers=4, hidden_size=64, num_attention_heads=8,
+             ffn_hidden_size=32, vocab_size=1000, max_position_embeddings=32, tie_word_embeddings=True)
+    d.update(kw)
+    return ModelSpec(**d)
+
+
+SPECS = {
+    "llama_untied": llama(tie=False),
+    "llama_tied": llama(tie=True),
+    "gpt2": gpt2(),
+}
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert torch.is_tensor(a) and torch.is_tensor(b), what
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    iv = _INT_VIEW[a.dtype]
+    assert torch.equal(a.contiguous().view(iv), b.contiguous().view(iv)), f"{what}: bits differ"
+
+
+def random_full(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values plus a few special bit patterns (-0.0, +-inf) that a value compare would blur."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    flat = t.view(-1)
+    flat[0] = -0.0
+    if flat.numel() > 2:
+        flat[1] = float("inf")
+        flat[-1] = float("-inf")
+    return t
+
+
+def layer0(rule: layout.Rule) -> str:
+    return rule.name.format(i=0)
+
+
+def all_cases():
+    for name, spec in SPECS.items():
+        for pp in (1, 2):
+            for tp in TPS:
+                yield pytest.param(spec, pp, tp, id=f"{name}-pp{pp}-tp{tp}")
+
+
+# a 4 x 4 gpt2 whose splits are written out by hand
+SMALL_GPT2 = ModelSpec(architecture="gpt2", num_layers=1, hidden_size=4, num_attention_heads=2,
+                       ffn_hidden_size=4, vocab_size=4, max_position_embeddings=2, tie_word_embeddings=True)

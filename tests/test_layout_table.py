@@ -1,0 +1,356 @@
+"""Tests for ckpt_tools/layout.py, the table itself: one-line errors for what does not divide or is
+unknown, the table's coverage of megatron-core's keys, stage keys (even and uneven), vocab padding,
+and shard_shape against split. Expected values are written by hand (see test_layout.py)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from layout_cases import (
+    SMALL_GPT2,
+    SPECS,
+    TPS,
+    all_cases,
+    assert_bitwise,
+    gpt2,
+    layer0,
+    llama,
+    random_full,
+)
+
+from ckpt_tools import layout
+from ckpt_tools.errors import ConfigError, LayoutError
+from ckpt_tools.spec import ModelSpec
+
+
+# ---------------------------------------------------------------- 4. errors
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, f"message is not one line: {msg!r}"
+    return msg
+
+
+@pytest.mark.parametrize("key,spec_kwargs,expected", [
+    # qkv rows 16 are divisible by 4: only the query-group check can catch it
+    ("decoder.layers.1.self_attention.linear_qkv.weight",
+     dict(num_attention_heads=4, num_query_groups=2, hidden_size=8), "num_query_groups 2"),
+    # fc1 rows 12 are divisible by 4, ffn 6 is not
+    ("decoder.layers.0.mlp.linear_fc1.weight", dict(ffn_hidden_size=6), "ffn_hidden_size 6"),
+])
+def test_tp_not_dividing_groups_or_ffn(key: str, spec_kwargs: dict, expected: str) -> None:
+    spec = llama(**spec_kwargs)
+    full = torch.zeros(layout.full_shape(key, spec, 1024))
+    assert full.shape[0] % 4 == 0
+    for call in (lambda: layout.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
+        with pytest.raises(LayoutError) as e:
+            call()
+        msg = one_line(e)
+        assert key in msg and expected in msg and "TP 4" in msg and "choose" in msg, msg
+
+
+def test_plain_dim_not_divisible() -> None:
+    key = "decoder.layers.0.self_attention.linear_proj.weight"
+    with pytest.raises(LayoutError) as e:
+        layout.split(key, torch.zeros(4, 6), SMALL_GPT2, 4)
+    msg = one_line(e)
+    assert key in msg and "TP 4" in msg and "dim 1" in msg, msg
+
+
+def test_check_tp() -> None:
+    llama(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=32).check_tp(4)  # fine: no raise
+    with pytest.raises(ConfigError) as e:
+        llama(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=36).check_tp(8)
+    msg = one_line(e)
+    assert "num_query_groups 4 is not divisible by TP 8" in msg, msg
+    assert "ffn_hidden_size 36 is not divisible by TP 8" in msg, msg
+    assert "num_attention_heads" not in msg, msg  # 8 heads do divide
+    assert "choose a TP" in msg, msg
+
+
+def test_layers_per_stage() -> None:
+    assert layout.layers_per_stage(4, 1) == [4]
+    assert layout.layers_per_stage(4, 2) == [2, 2]
+    assert layout.layers_per_stage(4, 4) == [1, 1, 1, 1]
+    assert layout.layers_per_stage(4, 2, [1, 3]) == [1, 3]
+    with pytest.raises(ConfigError) as e:
+        layout.layers_per_stage(2, 4)
+    msg = one_line(e)
+    assert "PP 4" in msg and "2 layers" in msg and "PP <= 2" in msg, msg
+    with pytest.raises(ConfigError) as e:
+        layout.layers_per_stage(5, 2)
+    msg = one_line(e)
+    assert "5" in msg and "PP 2" in msg and "explicit" in msg, msg
+    for bad in ([1, 2], [0, 4], [4], [1, 1, 2], [-1, 5]):
+        with pytest.raises(ConfigError) as e:
+            layout.layers_per_stage(4, 2, bad)
+        msg = one_line(e)
+        assert "4 layers" in msg and "2 stages" in msg and "give 2 positive numbers that sum to 4" in msg, msg
+
+
+@pytest.mark.parametrize("key", ["decoder.layers.0.self_attention.q_proj.weight", "model.embed_tokens.weight",
+                                 "decoder.layers.x.input_layernorm.weight", "output_layer.bias"])
+def test_unknown_key(key: str) -> None:
+    for call in (lambda: layout.find_rule(key, SPECS["llama_untied"]),
+                 lambda: layout.split(key, torch.zeros(2), SPECS["llama_untied"], 1),
+                 lambda: layout.full_shape(key, SPECS["llama_untied"], 1024)):
+        with pytest.raises(LayoutError) as e:
+            call()
+        msg = one_line(e)
+        assert "unknown tensor key" in msg and key in msg, msg
+
+
+@pytest.mark.parametrize("spec_name,key,pp", [
+    ("llama_untied", "decoder.layers.0.input_layernorm.bias", 1),
+    ("llama_untied", "decoder.final_layernorm.bias", 1),
+    ("llama_untied", "decoder.layers.2.self_attention.linear_proj.bias", 1),
+    ("llama_untied", "decoder.layers.0.mlp.linear_fc1.bias", 1),
+    ("llama_untied", "embedding.position_embeddings.weight", 1),
+    ("llama_tied", "output_layer.weight", 1),
+    ("gpt2", "output_layer.weight", 1),
+])
+def test_key_not_expected_for_arch(spec_name: str, key: str, pp: int) -> None:
+    with pytest.raises(LayoutError) as e:
+        layout.find_rule(key, SPECS[spec_name], pp)
+    msg = one_line(e)
+    assert key in msg and "not expected" in msg, msg
+
+
+def test_kind_selected_by_arch() -> None:
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert layout.find_rule(fc1, SPECS["llama_untied"]).split == layout.GATED
+    assert layout.find_rule(fc1, SPECS["gpt2"]).split == layout.COLUMN
+    assert layout.find_rule("output_layer.weight", SPECS["gpt2"], 2).split == layout.VOCAB
+    # a global (non-zero) layer index resolves to the same row
+    assert layout.find_rule("decoder.layers.17.mlp.linear_fc2.weight", SPECS["gpt2"]).split == layout.ROW
+
+
+# ---------------------------------------------------------------- 5. table coverage
+COVERAGE = {
+    "llama_untied_pp1": (llama(tie=False), 1),
+    "llama_untied_pp2": (llama(tie=False), 2),
+    "llama_tied_pp1": (llama(tie=True), 1),
+    "llama_tied_pp2": (llama(tie=True), 2),
+    "gpt2_pp1": (gpt2(), 1),
+    "gpt2_pp2": (gpt2(), 2),
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def present_matches(key: str, spec: ModelSpec, pp: int) -> list[layout.Rule]:
+    m = _LAYER_RE.match(key)
+    pattern = f"decoder.layers.{{i}}.{m.group(2)}" if m else key
+    return [r for r in layout.TABLE if r.name == pattern and r.when(spec, pp)]
+
+
+def test_table_coverage() -> None:
+    used: set[int] = set()
+    for name, (spec, pp) in COVERAGE.items():
+        counts = layout.layers_per_stage(spec.num_layers, pp)
+        global_layers: Counter = Counter()
+        for stage in range(pp):
+            pairs = layout.stage_keys(spec, counts, stage)
+            locals_ = [k for k, _ in pairs]
+            assert len(set(locals_)) == len(locals_), f"{name} stage {stage}: duplicate keys"
+            local_idx = set()
+            for local, glob in pairs:
+                matches = present_matches(local, spec, pp)
+                assert len(matches) == 1, f"{name}: {local} matches {len(matches)} present rules"
+                assert layout.find_rule(local, spec, pp) is matches[0], local
+                used.add(id(matches[0]))
+                m, g = _LAYER_RE.match(local), _LAYER_RE.match(glob)
+                if m:
+                    local_idx.add(int(m.group(1)))
+                    assert g and g.group(2) == m.group(2), (local, glob)
+                    global_layers[(int(g.group(1)), m.group(2))] += 1
+                else:
+                    assert local == glob, (local, glob)
+                if local.startswith("embedding."):
+                    assert stage == 0, f"{name}: {local} on stage {stage}"
+                if local.startswith(("decoder.final_layernorm", "output_layer")):
+                    assert stage == pp - 1, f"{name}: {local} on stage {stage}"
+            assert local_idx == set(range(counts[stage])), f"{name} stage {stage}: local layers {sorted(local_idx)}"
+            first = [k for k in locals_ if k.startswith("embedding.word_embeddings")]
+            last = [k for k in locals_ if k == "decoder.final_layernorm.weight"]
+            assert bool(first) == (stage == 0), f"{name} stage {stage}: word embeddings"
+            assert bool(last) == (stage == pp - 1), f"{name} stage {stage}: final norm"
+            out_w = "output_layer.weight" in locals_
+            if stage == pp - 1:
+                expect = not spec.tie_word_embeddings or pp > 1
+                assert out_w == expect, f"{name}: output_layer.weight present={out_w}, expected {expect}"
+                assert "output_layer._extra_state" in locals_, name
+            else:
+                assert not out_w, name
+        suffixes = {s for _, s in global_layers}
+        for s in suffixes:
+            idx = sorted(i for i, t in global_layers if t == s)
+            assert idx == list(range(spec.num_layers)), f"{name}: {s} global layers {idx}"
+        assert all(c == 1 for c in global_layers.values()), f"{name}: a global layer key repeats"
+    unused = [(r.name, r.split) for r in layout.TABLE if id(r) not in used]
+    assert unused == UNREACHABLE, f"rules never used by any spec: {unused} (known unreachable: {UNREACHABLE})"
+
+
+# The gated fc1 bias row needs add_bias_linear and gated_linear_unit together, which neither
+# architecture has (llama: gated, no biases; gpt2: biases, not gated). It is dead today; it is the
+# only such row, and its split/join is still tested below through a spec that claims both.
+UNREACHABLE = [("decoder.layers.{i}.mlp.linear_fc1.bias", "gated")]
+
+
+def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
+    reachable = set()
+    for arch in ("llama", "gpt2"):
+        for tie in ((False, True) if arch == "llama" else (True,)):
+            spec = llama(tie=tie) if arch == "llama" else gpt2()
+            for pp in (1, 2):
+                reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
+    assert [(r.name, r.split) for r in layout.TABLE if (r.name, r.split) not in reachable] == UNREACHABLE
+
+
+class _GatedWithBias(ModelSpec):
+    """A llama spec that claims linear biases, only to exercise the (otherwise dead) gated-bias row."""
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_gated_bias_row_roundtrip_and_rows(tp: int) -> None:
+    spec = _GatedWithBias(architecture="llama", num_layers=1, hidden_size=64, num_attention_heads=8,
+                          ffn_hidden_size=32, vocab_size=1000)
+    key = "decoder.layers.0.mlp.linear_fc1.bias"
+    rule = layout.find_rule(key, spec)
+    assert (rule.name, rule.split) == UNREACHABLE[0]
+    full = random_full(layout.full_shape(key, spec, 1024), torch.bfloat16, seed=tp)
+    assert full.shape == (64,)
+    shards = layout.split(key, full, spec, tp)
+    c = 32 // tp
+    for r, s in enumerate(shards):
+        exp = torch.cat([full[r * c:(r + 1) * c], full[32 + r * c:32 + (r + 1) * c]])
+        assert_bitwise(s, exp, f"gated bias rank {r}")
+        assert tuple(s.shape) == layout.shard_shape(key, spec, 1024, tp)
+    assert_bitwise(layout.join(key, shards, spec), full, "gated bias roundtrip")
+
+
+def test_stage_keys_exact_order_llama_untied_one_layer() -> None:
+    """Hand-written from DESIGN.md Contract 1 / megatron-core registration order (linear_proj first)."""
+    spec = llama(num_layers=1)
+    L = "decoder.layers.0."
+    expected = [
+        "embedding.word_embeddings.weight",
+        L + "input_layernorm.weight",
+        L + "self_attention.linear_proj.weight", L + "self_attention.linear_proj._extra_state",
+        L + "self_attention.linear_qkv.weight", L + "self_attention.linear_qkv._extra_state",
+        L + "pre_mlp_layernorm.weight",
+        L + "mlp.linear_fc1.weight", L + "mlp.linear_fc1._extra_state",
+        L + "mlp.linear_fc2.weight", L + "mlp.linear_fc2._extra_state",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight", "output_layer._extra_state",
+    ]
+    assert [k for k, _ in layout.stage_keys(spec, [1], 0)] == expected
+
+
+def test_stage_keys_exact_order_gpt2_one_layer_tied() -> None:
+    spec = gpt2(num_layers=1)
+    L = "decoder.layers.0."
+    expected = [
+        "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+        L + "input_layernorm.weight", L + "input_layernorm.bias",
+        L + "self_attention.linear_proj.weight", L + "self_attention.linear_proj.bias",
+        L + "self_attention.linear_proj._extra_state",
+        L + "self_attention.linear_qkv.weight", L + "self_attention.linear_qkv.bias",
+        L + "self_attention.linear_qkv._extra_state",
+        L + "pre_mlp_layernorm.weight", L + "pre_mlp_layernorm.bias",
+        L + "mlp.linear_fc1.weight", L + "mlp.linear_fc1.bias", L + "mlp.linear_fc1._extra_state",
+        L + "mlp.linear_fc2.weight", L + "mlp.linear_fc2.bias", L + "mlp.linear_fc2._extra_state",
+        "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
+        "output_layer._extra_state",  # tied at PP=1: no output_layer.weight
+    ]
+    assert [k for k, _ in layout.stage_keys(spec, [1], 0)] == expected
+
+
+# ---------------------------------------------------------------- 6. uneven explicit split
+def test_stage_keys_uneven_split_rebases_layers() -> None:
+    spec = llama(num_layers=4)
+    counts = layout.layers_per_stage(4, 2, [1, 3])
+    s0 = layout.stage_keys(spec, counts, 0)
+    s1 = layout.stage_keys(spec, counts, 1)
+    fc2 = "mlp.linear_fc2.weight"
+    assert [p for p in s0 if p[0].endswith(fc2)] == [(f"decoder.layers.0.{fc2}", f"decoder.layers.0.{fc2}")]
+    assert [p for p in s1 if p[0].endswith(fc2)] == [
+        (f"decoder.layers.0.{fc2}", f"decoder.layers.1.{fc2}"),
+        (f"decoder.layers.1.{fc2}", f"decoder.layers.2.{fc2}"),
+        (f"decoder.layers.2.{fc2}", f"decoder.layers.3.{fc2}"),
+    ]
+    for local, glob in s1:
+        li, gi = layout.layer_index(local), layout.layer_index(glob)
+        if li is not None:
+            assert gi == 1 + li, (local, glob)
+            assert layout.with_layer_index(glob, li) == local
+            assert layout.with_layer_index(local, gi) == glob
+    assert s0[0][0] == "embedding.word_embeddings.weight"
+    assert not any(k.startswith("embedding.") for k, _ in s1)
+    assert s1[-2:] == [("output_layer.weight",) * 2, ("output_layer._extra_state",) * 2]
+    assert not any(k.startswith(("output_layer", "decoder.final")) for k, _ in s0)
+
+
+# ---------------------------------------------------------------- 7. vocab padding
+def test_pad_and_trim_vocab() -> None:
+    spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
+    key = "embedding.word_embeddings.weight"
+    true = random_full((10, 8), torch.bfloat16, seed=7)
+    padded = layout.pad_vocab(key, true, spec, 16)
+    assert padded.shape == (16, 8) and padded.dtype == torch.bfloat16
+    assert_bitwise(padded[:10], true, "true rows kept")
+    assert torch.equal(padded[10:].view(torch.int16), torch.zeros(6, 8, dtype=torch.int16)), "padding is +0.0"
+    # re-padding a padded tensor with garbage padding: garbage is not carried
+    garbage = torch.cat([true, torch.full((6, 8), 7.0, dtype=torch.bfloat16)])
+    repadded = layout.pad_vocab("output_layer.weight", garbage, spec, 32)
+    assert repadded.shape == (32, 8)
+    assert_bitwise(repadded[:10], true, "true rows kept (re-pad)")
+    assert not repadded[10:].any()
+    trimmed = layout.trim_vocab(key, garbage, spec)
+    assert_bitwise(trimmed, true, "trim drops padding")
+    assert_bitwise(layout.trim_vocab(key, padded, spec), true, "trim(pad(x))")
+    with pytest.raises(LayoutError) as e:
+        layout.trim_vocab(key, padded, llama(vocab_size=20, hidden_size=8, num_attention_heads=2, num_query_groups=2))
+    msg = one_line(e)
+    assert key in msg and "16" in msg and "20" in msg, msg
+    with pytest.raises(LayoutError):
+        layout.pad_vocab("decoder.final_layernorm.weight", torch.zeros(8), spec, 16)
+    with pytest.raises(LayoutError):
+        layout.trim_vocab("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(8, 8), spec)
+
+
+def test_pad_vocab_refuses_fewer_rows_than_true_vocab() -> None:
+    """trim_vocab refuses a tensor with fewer rows than the true vocab; pad_vocab does too (no zero-filled real rows)."""
+    spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
+    with pytest.raises(LayoutError, match="cannot pad 6 rows to 16 for a true vocab of 10"):
+        layout.pad_vocab("embedding.word_embeddings.weight", torch.ones(6, 8), spec, 16)
+    with pytest.raises(LayoutError, match="cannot pad 12 rows to 8"):
+        layout.pad_vocab("embedding.word_embeddings.weight", torch.ones(12, 8), spec, 8)
+
+
+@pytest.mark.parametrize("vocab,tp,expected", [
+    (1000, 1, 1024), (1000, 2, 1024), (1000, 4, 1024), (1000, 8, 1024), (1000, 16, 2048),
+    (50257, 1, 50304), (1024, 8, 1024), (1025, 1, 1152),
+])
+def test_padded_vocab_size(vocab: int, tp: int, expected: int) -> None:
+    assert llama(vocab_size=vocab).padded_vocab_size(tp) == expected
+
+
+# ---------------------------------------------------------------- 8. shard_shape agrees with split
+@pytest.mark.parametrize("spec,pp,tp", list(all_cases()))
+def test_shard_shape_matches_split(spec: ModelSpec, pp: int, tp: int) -> None:
+    padded = spec.padded_vocab_size(tp)
+    for rule in layout.rules_for(spec, pp):
+        key = layer0(rule)
+        ss = layout.shard_shape(key, spec, padded, tp, pp)
+        if rule.split == layout.EXTRA:
+            assert ss is None, key
+            continue
+        full = torch.empty(layout.full_shape(key, spec, padded, pp))
+        for r, s in enumerate(layout.split(key, full, spec, tp, pp)):
+            assert tuple(s.shape) == ss, f"{key} rank {r} TP {tp}: split {tuple(s.shape)} vs shard_shape {ss}"
