@@ -211,6 +211,9 @@ def assert_no_out(out: Path) -> None:
 
 
 def tree(path: Path) -> dict[str, bytes]:
+    """relative name -> bytes of every file under path (or of path itself when it is a file)."""
+    if path.is_file():
+        return {".": path.read_bytes()}
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 

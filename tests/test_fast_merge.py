@@ -96,12 +96,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def tree(path: Path) -> dict[str, bytes]:
-    if path.is_file():
-        return {".": path.read_bytes()}
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
-
-
 def without_time(summary: str) -> str:
     return summary.rsplit(",", 1)[0]
 
@@ -115,7 +109,7 @@ def assert_same_as_torch(src: Path, tmp: Path, **options) -> dict[str, bytes]:
     assert summary is not None, "the fast path did not take this checkpoint"
     expected = merge(src, slow, fast=False, quiet=True, **options)
     assert without_time(summary.replace(str(fast), str(slow))) == without_time(expected)
-    ours, theirs = tree(fast), tree(slow)
+    ours, theirs = bad.tree(fast), bad.tree(slow)
     assert ours.keys() == theirs.keys()
     assert [n for n in ours if ours[n] != theirs[n]] == []
     return ours
@@ -289,7 +283,7 @@ def test_cli_merge_imports_no_torch(checkpoints, tmp_path, args):
     assert not {m for m in imported(fast) if m == "torch" or m.startswith("torch.")}
     slow = run_cli("merge", str(src), str(tmp_path / "torch"), "-q", *args, torch_path=True)
     assert slow.returncode == 0 and "torch" in imported(slow)  # the check above can fail
-    assert tree(tmp_path / "fast") == tree(tmp_path / "torch")
+    assert bad.tree(tmp_path / "fast") == bad.tree(tmp_path / "torch")
     summary = fast.stdout.replace(str(tmp_path / "fast"), str(tmp_path / "torch"))
     assert without_time(summary) == without_time(slow.stdout)
 
