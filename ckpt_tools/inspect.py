@@ -31,25 +31,46 @@ def parameter_count(meta: fmt.Meta) -> tuple[int, int]:
     return total, padding
 
 
-def needs(meta: fmt.Meta) -> str:
-    """Bytes merge writes and the peak RAM merge/reshard need: one full tensor joined (plus its
-    converted copy) on top of the process itself; it does not grow with the number of layers."""
-    size = {"bfloat16": 2, "float16": 2}.get(meta.params_dtype, 4)
-    largest_key, largest = "", 0
-    merged = 0
-    for _, key in layout.stage_keys(meta.spec, [meta.spec.num_layers], 0):
-        shape = layout.full_shape(key, meta.spec, meta.padded_vocab, 1)
-        if shape is None:
-            continue
+# Resident memory of the processes themselves, rounded up from what benchmarks/merge_reshard.py measures
+# (~30 MiB for a torch-free merge: Python, click and the toolkit; ~230 MiB once torch is imported).
+PROCESS_RAM, TORCH_PROCESS_RAM = 64 << 20, 400 << 20
+
+
+def needs(meta: fmt.Meta) -> dict[str, int]:
+    """Bytes merge writes (HF, the checkpoint's dtype) and the peak RAM merge and reshard need, in bytes.
+
+    Each holds at most two copies of one full tensor on top of the process, so none grows with the
+    number of layers: merge's torch path a join and its converted copy (output dtype), reshard a join and
+    its re-padded copy (fp32 optimizer fields). Merge's torch-free path (our own checkpoints, no dtype
+    conversion) copies file to file and holds only the rows of a tensor it must assemble in memory: a
+    row-parallel join, or a GPT-2 Conv1D weight with its transposed copy.
+    """
+    from ckpt_tools import hf
+    from ckpt_tools.merge import plan
+    from ckpt_tools.torchfile import ELEMENT_SIZES
+    size = ELEMENT_SIZES.get(meta.params_dtype, 4)
+    merged = largest = buffered = 0
+    for e in plan(meta.spec, meta.padded_vocab, "hf"):
+        merged += e.nbytes(meta.params_dtype)
+        shape = layout.full_shape(e.key, meta.spec, meta.padded_vocab, 1)
         n = math.prod(shape)
-        rows = meta.spec.vocab_size if layout.find_rule(key, meta.spec, 1).split == layout.VOCAB else shape[0]
-        merged += n // shape[0] * rows * size
-        if n * 4 > largest:  # optimizer fields are fp32
-            largest_key, largest = key, n * 4
-    peak = 2 * largest + (400 << 20)
-    return (f"merge writes {human_bytes(merged)} ({meta.params_dtype}); merge/reshard peak RAM about "
-            f"{human_bytes(peak)} (2 x the largest full tensor, {largest_key} in fp32 {human_bytes(largest)}, "
-            f"+ ~400 MB for the process)")
+        largest = max(largest, n)
+        if layout.find_rule(e.key, meta.spec, 1).dim == 1:
+            buffered = max(buffered, n)
+        if e.kind in hf.TRANSPOSED and len(shape) == 2:
+            buffered = max(buffered, 2 * n)
+    return {"merge_bytes": merged, "merge_ram": PROCESS_RAM + buffered * size,
+            "merge_ram_torch": TORCH_PROCESS_RAM + 2 * largest * max(size, 2),
+            "reshard_ram": TORCH_PROCESS_RAM + 2 * largest * 4}
+
+
+def needs_line(meta: fmt.Meta) -> str:
+    n = needs(meta)
+    merge = (f"merge ~{human_bytes(n['merge_ram'])} (torch-free path) / ~{human_bytes(n['merge_ram_torch'])} "
+             "(with --dtype, --check-hashes)" if meta.source == "ckpt-tools" else
+             f"merge ~{human_bytes(n['merge_ram_torch'])}")
+    return (f"merge writes {human_bytes(n['merge_bytes'])} ({meta.params_dtype}); peak RAM {merge}, "
+            f"reshard ~{human_bytes(n['reshard_ram'])}; none grows with the number of layers")
 
 
 def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None = None) -> str:
@@ -76,7 +97,7 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
         f"layers per stage {','.join(map(str, meta.layer_counts))}",
         f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}",
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",
-        f"needs       {needs(meta)}",
+        f"needs       {needs_line(meta)}",
         f"files       {len(files)} files, {human_bytes(size)}" if files else f"source      {meta.source} checkpoint",
     ]
     width = max((len(n) for n in files), default=0)
