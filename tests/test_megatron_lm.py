@@ -196,6 +196,15 @@ def test_vocab_size_argument_and_recorded_vocab(tmp_path):
         mlm.read_meta(ckpt, vocab_size=300)
 
 
+def test_inspect_describes_a_megatron_dir(llama_ckpt):
+    from ckpt_tools.inspect import describe
+    text = describe(llama_ckpt)
+    needs = next(line for line in text.splitlines() if line.startswith("needs"))
+    # a Megatron-LM dir is merged through torch: one estimate for merge, none for a torch-free path
+    assert "merge writes" in needs and "torch-free" not in needs and "reshard ~" in needs, text
+    assert "TP 2 x PP 2" in text, text
+
+
 # ---------------------------------------------------------------- errors
 def test_missing_rank_dir(llama_ckpt):
     shutil.rmtree(llama_ckpt / "iter_0000100" / "mp_rank_01_001")
