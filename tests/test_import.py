@@ -1,0 +1,201 @@
+"""`ckpt import`: ckpt_tools/reshard.py's import_hf, against transformers' own models and files.
+
+- HF -> shards -> HF gives transformers' own tensors back bit for bit (fp32 and bf16, tied and untied,
+  Llama and GPT-2), with a fresh optimizer state and zero vocab padding rows;
+- the imported shards give transformers' logits in the trainer's model;
+- invalid targets, an existing OUT and unsupported HF models are refused with one line, before anything
+  is written.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import sharded_logits
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save_file as save_safetensors
+from test_reshard import BAD_TARGETS, assert_nothing_written, full_tensors, meta, one_line_error, run
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import io
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import import_hf
+
+# ---------------------------------------------------------------- HF import -> merge, and logits
+VOCAB = 1000
+HF_MODELS = ("llama", "llama_tied", "gpt2")
+LLAMA_KW = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5}
+
+
+def hf_model(arch: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if arch.startswith("llama"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_KW, bos_token_id=1, eos_token_id=2,
+                                             tie_word_embeddings=arch == "llama_tied"))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_inner=96, n_positions=128,
+            activation_function="gelu_new", bos_token_id=0, eos_token_id=0))
+    with torch.no_grad():  # every tensor distinct from its neighbours: norms 1 and biases 0 hide mis-orderings
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """{(arch, dtype): HF model dir saved by transformers}; fp32 and bf16 of the same weights."""
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for arch in HF_MODELS:
+        model = hf_model(arch)
+        for dtype, tdtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            path = root / f"{arch}-{dtype}"
+            model.to(tdtype).save_pretrained(path, safe_serialization=True)
+            dirs[arch, dtype] = path
+    return dirs
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", HF_MODELS)
+def test_import_then_merge_gives_the_hf_tensors_back(arch, dtype, hf_dirs, tmp_path):
+    hf_dir = hf_dirs[arch, dtype]
+    import_hf(hf_dir, tmp_path / "shards", tp=2, pp=2, quiet=True)
+    ckpt = tmp_path / "shards" / "checkpoint-0"
+    m = meta(ckpt)
+    assert m["parallel"]["layers_per_stage"] == [2, 2] and m["vocab"] == {
+        "true": VOCAB, "padded": 1024, "divisible_by": 128, "padding": "zeros"}
+    want = torch.float32 if dtype == "fp32" else torch.bfloat16
+    for t in range(2):  # a fresh optimizer: fp32 master = the weights, zero moments, step 0
+        for p in range(2):
+            model = io.load_file(ckpt / fmt.model_file(t, p))["model"]
+            state = io.load_file(ckpt / fmt.optimizer_file(t, p))["optimizer"]
+            assert list(state) == [k for k, v in model.items() if torch.is_tensor(v)]
+            for key, s in state.items():
+                assert model[key].dtype == want and s["master"].dtype == torch.float32, key
+                assert torch.equal(s["master"], model[key].float()), key
+                assert not s["exp_avg"].any() and not s["exp_avg_sq"].any() and float(s["step"]) == 0, key
+    # the padding rows (1000..1023, all on TP rank 1) are zeros: merge drops them, so only this sees them
+    full = full_tensors(ckpt)
+    vocab_keys = [k for k in full if k.endswith(("word_embeddings.weight", "output_layer.weight"))]
+    assert len(vocab_keys) == 2  # embedding and output layer (a tied model keeps a copy on the last stage at PP2)
+    for key in vocab_keys:
+        for field in ("model", "master"):
+            assert full[key][field].shape[0] == 1024 and not full[key][field][VOCAB:].any(), (key, field)
+            assert full[key][field][:VOCAB].abs().min() > 0, (key, field)
+
+    merge(tmp_path / "shards", tmp_path / "merged", quiet=True)
+    original = load_safetensors(hf_dir / "model.safetensors")
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(original)
+    assert ("lm_head.weight" in merged) == (arch == "llama")  # tied heads are not saved
+    for name, t in original.items():
+        assert t.dtype == want, name
+        assert merged[name].dtype == t.dtype and torch.equal(merged[name], t), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_imported_model_gives_the_transformers_logits(arch, hf_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+    hf_dir = hf_dirs[arch, "fp32"]
+    import_hf(hf_dir, tmp_path / "shards", tp=2, pp=1, optimizer=False, quiet=True)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(tokens).logits.float()
+    ours = sharded_logits(tmp_path / "shards", tokens, tmp_path, tp=2, pp=1)
+    assert ours.shape == expected.shape == (2, 40, VOCAB)
+    rel = ((ours - expected).norm() / expected.norm()).item()
+    assert rel < 1e-5, rel
+
+
+# ---------------------------------------------------------------- invalid targets, existing OUT
+@pytest.mark.parametrize("args,expected", BAD_TARGETS)
+def test_import_refuses_an_invalid_target_before_writing(args, expected, hf_dirs, tmp_path):
+    out = tmp_path / "out"
+    line = one_line_error(run("import", hf_dirs["llama", "fp32"], out, *args, "-q"))
+    for text in expected:
+        assert text in line, line
+    assert_nothing_written(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["reshard", "import"])
+def test_existing_out_is_left_untouched_without_force(command, llama_run, hf_dirs, tmp_path):
+    src = llama_run[0] if command == "reshard" else hf_dirs["llama", "fp32"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    line = one_line_error(run(command, src, out, "--tp", "1", "--pp", "2", "-q"))
+    assert str(out) in line and "already exists" in line and "--force" in line, line
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    result = run(command, src, out, "--tp", "1", "--pp", "2", "--force", "-q")  # and --force does replace it
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and (out / "latest").is_file()
+
+
+# ---------------------------------------------------------------- unsupported HF models
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"rope_scaling": LLAMA3_ROPE}, "rope scaling llama3"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_import_refuses_an_unsupported_llama_config(changes, expected, hf_dirs, tmp_path):
+    from transformers import LlamaConfig
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_dirs["llama", "fp32"], hf_dir)
+    LlamaConfig(**{**LLAMA_KW, **changes}).save_pretrained(hf_dir)  # config.json as transformers writes it
+    out = tmp_path / "out"
+    line = one_line_error(run("import", hf_dir, out, "--tp", "2", "--pp", "2", "-q"))
+    assert "config.json" in line and expected in line, line
+    assert_nothing_written(out)
+
+
+def test_import_refuses_an_unsupported_gpt2_config(hf_dirs, tmp_path):
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_dirs["gpt2", "fp32"], hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["activation_function"] = "relu"
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    line = one_line_error(run("import", hf_dir, out, "-q"))
+    assert "activation_function 'relu'" in line, line
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("edit,expected", [
+    ("drop", "missing model.layers.1.self_attn.k_proj.weight"),
+    ("add", "unexpected model.layers.4.input_layernorm.weight"),
+    ({"intermediate_size": 128}, "model.layers.0.mlp.gate_proj.weight [96, 64], expected [128, 64]"),
+    ({"num_key_value_heads": 4}, "model.layers.0.self_attn.k_proj.weight [32, 64], expected [64, 64]"),
+    ({"vocab_size": 900}, "model.embed_tokens.weight [1000, 64], expected [900, 64]"),  # not a silent truncation
+])
+def test_import_refuses_weights_that_do_not_fit_the_config(edit, expected, hf_dirs, tmp_path):
+    from transformers import LlamaConfig
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_dirs["llama", "fp32"], hf_dir)
+    if isinstance(edit, dict):
+        LlamaConfig(**{**LLAMA_KW, **edit}).save_pretrained(hf_dir)
+    else:
+        tensors = load_safetensors(hf_dir / "model.safetensors")
+        if edit == "drop":
+            del tensors["model.layers.1.self_attn.k_proj.weight"]
+        else:
+            tensors["model.layers.4.input_layernorm.weight"] = torch.ones(64)
+        save_safetensors(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    line = one_line_error(run("import", hf_dir, out, "--tp", "2", "--pp", "2", "-q"))
+    assert expected in line and "config.json" in line, line
+    assert_nothing_written(out)
