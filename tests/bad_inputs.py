@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -246,3 +247,15 @@ def make_bases(root: Path) -> Bases:
 
 def ckpt_of(save_dir: Path) -> Path:
     return save_dir / (save_dir / fmt.LATEST).read_text().strip()
+
+
+# ---------------------------------------------------------------- the table of test_bad_input.py
+CASES: list = []  # pytest.param(build, table) rows; build(bases, tmp) -> (args, expected substrings, OUT or None)
+
+
+def case(kind: str, verb: str, table: bool = False):
+    """Register `fn(bases, tmp) -> (args, expected substrings, OUT or None)` as one row of the table."""
+    def register(fn):
+        CASES.append(pytest.param(fn, table, id=f"{verb}:{kind}"))
+        return fn
+    return register
