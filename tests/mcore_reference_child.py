@@ -1,0 +1,160 @@
+"""One rank of tests/mcore_reference.py: builds megatron-core's GPTModel (local spec) on CPU over gloo
+and writes its state dict's (key, shape, dtype) list as JSON. Run as
+``python mcore_reference_child.py --child RANK CONFIG.json OUT.json`` by mcore_reference.py (whose
+docstring says how the model is built and why)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)
+    for name in ("megatron", "megatron.core", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _build_model(model: dict, tp: int, pp: int):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = model["architecture"]
+    heads = int(model["num_attention_heads"])
+    common = dict(
+        num_layers=int(model["num_layers"]),
+        hidden_size=int(model["hidden_size"]),
+        num_attention_heads=heads,
+        ffn_hidden_size=int(model["ffn_hidden_size"]),
+        kv_channels=(int(model["kv_channels"]) if model.get("kv_channels") else None),
+        layernorm_epsilon=float(model["norm_epsilon"]),
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if arch == "llama":
+        tied = bool(model.get("tie_word_embeddings", False))
+        rotary_base = model.get("rotary_base") or 10000
+        config = TransformerConfig(
+            **common,
+            num_query_groups=int(model["num_query_groups"]),
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+        )
+        pos_kw = dict(position_embedding_type="rope", rotary_base=rotary_base)
+    elif arch == "gpt2":
+        tied = True
+        config = TransformerConfig(
+            **common,
+            num_query_groups=heads,
+            normalization="LayerNorm",
+            gated_linear_unit=False,
+            activation_func=F.gelu,
+            add_bias_linear=True,
+        )
+        pos_kw = dict(position_embedding_type="learned_absolute")
+    else:
+        raise ValueError(f"unknown architecture {arch!r}")
+
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=int(model["padded_vocab_size"]),
+        max_sequence_length=int(model["max_position_embeddings"]),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=tied,
+        **pos_kw,
+    )
+
+
+def _child_main(rank: int, cfg_path: str, out_path: str) -> int:
+    import traceback
+
+    _quiet()
+    tmp_out = out_path + ".tmp"
+    try:
+        cfg = json.loads(Path(cfg_path).read_text())
+        tp, pp = int(cfg["tp"]), int(cfg["pp"])
+
+        import datetime
+
+        import torch
+
+        torch.set_num_threads(1)
+        # megatron-core's tied-embedding setup calls ``weight.data.cuda()`` before the
+        # all-reduce between first and last PP stage; keep tensors on CPU instead.
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+        _quiet()  # importing megatron may have reset filters
+
+        torch.distributed.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=tp * pp,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        from megatron.core import parallel_state
+
+        _quiet()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+        torch.manual_seed(1234)
+        gpt = _build_model(cfg["model"], tp, pp)
+        entries = []
+        for k, v in gpt.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                entries.append([k, list(v.shape), str(v.dtype).removeprefix("torch.")])
+            else:
+                entries.append([k, None, None])
+        result = {
+            "rank": rank,
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "entries": entries,
+        }
+        Path(tmp_out).write_text(json.dumps(result))
+        os.replace(tmp_out, out_path)
+        # Keep ranks together so nobody tears the store down under a slower peer.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return 0
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        tb = traceback.format_exc()
+        try:
+            if not Path(out_path).exists():
+                Path(tmp_out).write_text(json.dumps({"rank": rank, "error": tb}))
+                os.replace(tmp_out, out_path)
+        finally:
+            sys.stderr.write(tb)
+            sys.stderr.flush()
+        return 1
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--child":
+    # Run as a script, sys.path[0] is tests/; drop it so nothing there can shadow a package.
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]
+    # os._exit: skip interpreter teardown (gloo/megatron atexit hooks can hang).
+    sys.stdout.flush()
+    _code = _child_main(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_code)
