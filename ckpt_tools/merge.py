@@ -151,10 +151,6 @@ def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | 
     return checkpoint_dir if hf.tokenizer_files(checkpoint_dir) else None
 
 
-def find_tokenizer(shards: ShardSet, tokenizer: str | Path | None) -> Path | None:
-    return tokenizer_dir(shards.meta.dir, tokenizer)
-
-
 def _tied_copy_note(shards: ShardSet) -> str | None:
     """With tied embeddings and PP > 1 the last stage keeps a copy; HF keeps one tensor. Say if they differ."""
     spec = shards.meta.spec
@@ -215,7 +211,7 @@ def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | Non
     field = "master" if from_master else None
     job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
     target = getattr(torch, job.dtype)
-    tok_dir = find_tokenizer(shards, tokenizer) if fmt == HF else None
+    tok_dir = tokenizer_dir(meta.dir, tokenizer) if fmt == HF else None
     output.preflight(out, job.total, no_preflight)
     note = _tied_copy_note(shards)
 
