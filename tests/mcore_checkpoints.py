@@ -1,0 +1,175 @@
+"""Real Megatron-LM checkpoints, written by megatron-core itself, and megatron-core's own logits.
+
+Run under torchrun with TP x PP processes (gloo, CPU):
+
+    torchrun --nproc-per-node TP*PP tests/mcore_checkpoints.py CONFIG.json OUT
+
+CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "iteration": N}. Each rank builds megatron-core's
+`GPTModel` (local spec, as tests/mcore_reference_child.py does), makes its norm weights and biases non-trivial
+(replicas equal), runs megatron-core's own forward on fixed tokens through the pipeline, and saves the model
+the ways Megatron-LM's `save_checkpoint` does:
+
+    OUT/torch_dist/  latest_checkpointed_iteration.txt, iter_NNNNNNN/{.metadata, __*_*.distcp, common.pt,
+                     metadata.json}: `dist_checkpointing.save` of {args, iteration, checkpoint_version,
+                     model: GPTModel.sharded_state_dict(), rng_state: ShardedObject}
+    OUT/torch/       iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt: torch.save of {args, iteration,
+                     checkpoint_version, model: GPTModel.state_dict_for_save_checkpoint(), rng_state}
+    OUT/torch_te/    the same with Transformer Engine's key names, renamed by the map megatron-core's local
+                     spec itself declares for that purpose (`sharded_state_dict_keys_map`)
+    OUT/tokens.pt, OUT/logits.pt   tokens [b, s] and megatron-core's logits [b, s, padded vocab] (fp32)
+
+CPU shims (the model's math is untouched): `Tensor.cuda` is the identity, `torch.cuda.current_device` is
+"cpu", `torch.cuda.synchronize` does nothing, the CUDA RNG tracker's fork is a no-op (no dropout), and the
+causal mask is passed explicitly (megatron-core would build its default one on "cuda").
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import types
+import warnings
+from pathlib import Path
+
+BATCH, SEQ = 2, 16
+
+
+def _shim_cuda(torch) -> None:
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _perturb(model, torch) -> None:
+    """Norm weights and biases are ones and zeros at init: give them values (the same on every TP rank,
+    seeded by the parameter's global layer and name), so that a misplaced one changes the logits."""
+    offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+    for name, p in model.named_parameters():
+        if not (name.endswith("bias") or "norm" in name):
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(int(parts[2]) + offset)
+        g = torch.Generator().manual_seed(_stable(".".join(parts)))
+        full = torch.randn(p.shape, generator=g) * 0.2
+        with torch.no_grad():
+            p.copy_(full + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+
+
+def _stable(text: str) -> int:
+    import zlib
+    return zlib.crc32(text.encode())
+
+
+def _forward(model, tokens, torch):
+    """megatron-core's own forward through the pipeline (gloo send/recv); the last stage returns the
+    logits gathered over TP [b, s, padded vocab], other stages None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s), 1).bool()[None, None]
+    if not ps.is_pipeline_first_stage():
+        x = torch.empty(s, b, model.config.hidden_size)
+        dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(x)
+    with torch.no_grad():
+        out = model(tokens, positions, mask)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1).float()
+
+
+def _args(spec, tp: int, pp: int, padded: int, iteration: int) -> argparse.Namespace:
+    from megatron_lm_writer import megatron_args
+    meta = types.SimpleNamespace(spec=spec, raw={"dtypes": {"params": "float32"}, "config": {}}, padded_vocab=padded,
+                                 tp_size=tp, pp_size=pp, iteration=iteration)
+    args = megatron_args(meta, vocab_recorded=False)
+    args.ckpt_format = "torch_dist"
+    return args
+
+
+def _te_names(state: dict, keys_map: dict[str, str]) -> dict:
+    """The state dict with the names a Transformer Engine layer has (megatron-core's own map)."""
+    out = {}
+    for key, value in state.items():
+        for local, te in keys_map.items():
+            if f".{local}" in key:
+                key = key.replace(f".{local}", f".{te}")
+                break
+        out[key] = value
+    return out
+
+
+def main(config_path: str, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    _shim_cuda(torch)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from mcore_reference_child import _build_model
+
+    from ckpt_tools.spec import ModelSpec
+    cfg = json.loads(Path(config_path).read_text())
+    tp, pp, iteration = cfg["tp"], cfg["pp"], cfg.get("iteration", 5)
+    spec = ModelSpec.from_dict(cfg["model"])
+    padded = spec.padded_vocab_size(tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    torch.manual_seed(1234)
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, tp, pp)
+    _perturb(model, torch)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    out_dir = Path(out)
+    tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    logits = _forward(model, tokens, torch)
+    if logits is not None and tp_rank == 0:
+        torch.save(tokens, out_dir / "tokens.pt")
+        torch.save(logits, out_dir / "logits.pt")
+
+    args = _args(spec, tp, pp, padded, iteration)
+    name = f"iter_{iteration:07d}"
+    rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": None, "rng_tracker_states": {}}]
+    # torch_dist: what Megatron-LM's save_checkpoint hands to dist_checkpointing.save
+    rng_object = ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank), replica_id=0)
+    state = {"args": args, "iteration": iteration, "checkpoint_version": 3.0,
+             "model": model.sharded_state_dict(), "rng_state": rng_object}
+    dist_dir = out_dir / "torch_dist" / name
+    if dist.get_rank() == 0:
+        dist_dir.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(dist_dir))
+
+    # legacy torch format, and the same with Transformer Engine names
+    local = model.state_dict_for_save_checkpoint()
+    keys_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map if len(model.decoder.layers) else {}
+    rank_dir = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    for form, model_state in (("torch", local), ("torch_te", _te_names(local, keys_map))):
+        path = out_dir / form / name / rank_dir / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0, "model": model_state,
+                    "rng_state": rng}, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for form in ("torch_dist", "torch", "torch_te"):
+            (out_dir / form / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.append(sys.path.pop(0))  # tests/ last: its helpers import, but nothing there shadows a package
+    main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    os._exit(0)
