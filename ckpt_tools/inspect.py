@@ -75,7 +75,8 @@ def needs_line(meta: fmt.Meta) -> str:
 
 def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None = None) -> str:
     from ckpt_tools.shards import open_checkpoint
-    meta = open_checkpoint(src, vocab_size).meta
+    reader = open_checkpoint(src, vocab_size)
+    meta = reader.meta
     ckpt = meta.dir
     s, raw = meta.spec, meta.raw
     arch = (f"{s.architecture}: {s.num_layers} layers, hidden {s.hidden_size}, heads {s.num_attention_heads} "
@@ -109,10 +110,8 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
         lines.append(f"note        incomplete checkpoint dir(s) left by an interrupted save: {', '.join(temps)}")
     if show_tensors:  # the listing is the table's; the shards are loaded (allow-list) and checked against it
         from ckpt_tools.errors import FormatError, collect
-        from ckpt_tools.shards import ShardSet
-        shards = ShardSet(meta)
-        collect(shards.validate()[:5], FormatError)
-        shards.close()
+        collect(reader.validate()[:5], FormatError)
+        reader.close()
         lines.append("tensors     (global key: full shape, split)")
         for pp_rank in range(meta.pp_size):
             for _, key in layout.stage_keys(s, meta.layer_counts, pp_rank):

@@ -1,14 +1,17 @@
-"""Reading real Megatron-LM checkpoints (DESIGN.md Contract 3), `--ckpt-format torch` layout:
+"""Reading real Megatron-LM checkpoints (DESIGN.md Contract 3): the save dir, its forms, and the
+legacy `--ckpt-format torch` reader:
 
     CKPT/latest_checkpointed_iteration.txt                       "100" or "release"
-    CKPT/iter_0000100/mp_rank_<TT>/model_optim_rng.pt            PP = 1
-    CKPT/iter_0000100/mp_rank_<TT>_<PPP>/model_optim_rng.pt      PP > 1
+    CKPT/iter_0000100/mp_rank_<TT>/model_optim_rng.pt            torch, PP = 1
+    CKPT/iter_0000100/mp_rank_<TT>_<PPP>/model_optim_rng.pt      torch, PP > 1
+    CKPT/iter_0000100/{metadata.json, .metadata, *.distcp, common.pt}   torch_dist (formats/torch_dist.py)
     CKPT/release/...                                             when the tracker says "release"
 
-Each file holds `args` (an argparse.Namespace), `model` (megatron-core GPTModel state dict, the
-layout table's keys with stage-local layer numbers), `iteration`, `checkpoint_version`, `rng_state`,
-`optimizer`, `opt_param_scheduler`. Only `args` and the model keys of the (tp0, pp0) file are read
-here, through io.load_file's allow-list; ShardSet reads the tensors later. Argument names are
+Each legacy file holds `args` (an argparse.Namespace), `model` (megatron-core GPTModel state dict, the
+layout table's keys with stage-local layer numbers; local-spec or Transformer Engine names, see
+names.py), `iteration`, `checkpoint_version`, `rng_state`, `optimizer`, `opt_param_scheduler`. Only
+`args` and the model keys of the (tp0, pp0) file are read here, through io.load_file's allow-list;
+formats/megatron_torch.py reads the tensors later. Argument names are
 Megatron-LM's; two were renamed when the arguments became generated from TransformerConfig
 (norm_epsilon -> layernorm_epsilon, apply_layernorm_1p -> layernorm_zero_centered_gamma), and
 older Namespaces lack newer arguments, so every lookup has a default.
@@ -63,12 +66,38 @@ def _is_iter_dir(path: Path) -> bool:
     return (path.name == RELEASE or bool(_ITER_DIR.match(path.name))) and path.is_dir()
 
 
+TORCH, TORCH_DIST = "torch", "torch_dist"
+DIST_MARKERS = ("metadata.json", ".metadata")  # metadata.json: dist_checkpointing; .metadata: DCP
+
+
 def is_megatron_lm(path) -> bool:
     """A Megatron-LM save dir (holds the tracker) or one iter_NNNNNNN / release dir of one."""
     path = Path(path)
     if (path / TRACKER).is_file():
         return True
-    return _is_iter_dir(path) and any(p.is_dir() for p in path.glob("mp_rank_*"))
+    return _is_iter_dir(path) and (any(p.is_dir() for p in path.glob("mp_rank_*"))
+                                   or any((path / n).is_file() for n in DIST_MARKERS))
+
+
+def form(iter_dir: Path) -> str:
+    """Which `--ckpt-format` wrote an iter dir (Megatron-LM tells them apart the same way)."""
+    if (iter_dir / "metadata.json").is_file():
+        return TORCH_DIST
+    if (iter_dir / ".metadata").is_file() and not any(iter_dir.glob("mp_rank_*")):
+        raise FormatError(f"{iter_dir}: a .metadata without metadata.json: Megatron-LM's torch_dcp / fsdp_dtensor "
+                          f"form, which is not read; save with --ckpt-format torch_dist (or convert with "
+                          f"--ckpt-convert-format torch_dist)")
+    return TORCH
+
+
+def open_reader(path: Path, vocab_size: int | None = None):
+    """The reader of a Megatron-LM save dir or iter dir, in whichever form it was saved."""
+    iter_dir = _iter_dir(Path(path))
+    if form(iter_dir) == TORCH_DIST:
+        from ckpt_tools.formats.torch_dist import open_torch_dist
+        return open_torch_dist(iter_dir, vocab_size)
+    from ckpt_tools.formats.megatron_torch import LegacyShards
+    return LegacyShards(read_meta(iter_dir, vocab_size))
 
 
 def _iter_dir(path: Path) -> Path:
@@ -176,10 +205,6 @@ def _first_file(iter_dir: Path) -> Path:
     for pp_size in (1, 2):
         if model_path(iter_dir, 0, 0, pp_size).is_file():
             return model_path(iter_dir, 0, 0, pp_size)
-    if any((iter_dir / n).exists() for n in (".metadata", "common.pt", "metadata.json")):
-        raise FormatError(f"{iter_dir}: a torch_dist (distributed) checkpoint, not the torch format with "
-                          f"mp_rank_* dirs: convert it with Megatron-LM (--ckpt-convert-format torch "
-                          f"--ckpt-convert-save DIR) and pass DIR/torch")
     raise FormatError(f"{iter_dir}: neither {model_path(iter_dir, 0, 0, 1)} nor {model_path(iter_dir, 0, 0, 2)} "
                       f"exists: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
 
@@ -203,45 +228,42 @@ def _check_model_keys(path: Path, state: dict) -> None:
     if not isinstance(model, dict):
         raise FormatError(f"{path}: no 'model' state dict (found {', '.join(sorted(map(str, state))[:8])}): "
                           f"not a single-chunk Megatron-LM model file; pass a GPT checkpoint saved by pretrain_gpt.py")
-    te = next((k for k in model if k.endswith((".layer_norm_weight", ".layer_norm_bias"))), None)
-    if te is not None:
-        raise FormatError(f"{path}: key {te} is Transformer Engine's fused norm (--transformer-impl "
-                          f"transformer_engine); ckpt-tools reads megatron-core's local spec (input_layernorm / "
-                          f"pre_mlp_layernorm): re-save the model with --transformer-impl local")
     legacy = next((k for k in model if k.startswith("language_model.")), None)
     if legacy is not None:
         raise FormatError(f"{path}: key {legacy} belongs to Megatron-LM's legacy model, not megatron-core's "
                           f"GPTModel: convert it to a megatron-core checkpoint first (tools/checkpoint)")
 
 
-def read_meta(path, vocab_size: int | None = None) -> Meta:
-    """A Megatron-LM save dir or iter dir -> Meta (source 'megatron-lm', root = the iter dir)."""
-    iter_dir = _iter_dir(Path(path))
-    first = _first_file(iter_dir)
-    state = io.load_file(first)
+def args_of(path: Path, state) -> object:
+    """The `args` Namespace of a legacy file or of a torch_dist checkpoint's common state."""
     args = state.get("args") if isinstance(state, dict) else None
     if args is None or not hasattr(args, "num_layers"):
-        raise FormatError(f"{first}: holds no Megatron-LM 'args' Namespace: cannot tell the model or its "
+        raise FormatError(f"{path}: holds no Megatron-LM 'args' Namespace: cannot tell the model or its "
                           f"parallel layout; pass a checkpoint saved by Megatron-LM's training loop")
+    return args
+
+
+def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int, int, list[int]]:
+    """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
     tp, pp = _arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1)
     try:
         spec = spec_from_args(args, vocab_size)
         spec.check_tp(tp)
-        counts = _layer_counts(args, pp)
+        return spec, tp, pp, _layer_counts(args, pp)
     except ConfigError as e:
-        raise ConfigError(f"{first}: {e}") from None
-    _check_rank_dirs(iter_dir, tp, pp)
-    _check_model_keys(first, state)
-    padded = _arg(args, "padded_vocab_size")
-    if padded is None:
-        padded = state["model"]["embedding.word_embeddings.weight"].shape[0] * tp
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: int, pp: int, counts: list[int],
+            padded: int, source: str) -> Meta:
+    """The Meta of a Megatron-LM checkpoint (any form): `path` holds its args, `state` its common state."""
     if spec.vocab_size > padded:
-        raise ConfigError(f"{first}: true vocab {spec.vocab_size} exceeds padded_vocab_size {padded}: "
+        raise ConfigError(f"{path}: true vocab {spec.vocab_size} exceeds padded_vocab_size {padded}: "
                           f"pass the tokenizer's vocab size with --vocab-size")
     iteration = state.get("iteration", 0)
     dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
     raw = {
-        "format": "megatron-lm",
+        "format": source,
         "model": spec.to_dict(),
         "parallel": {"tp_size": tp, "pp_size": pp, "dp_size": None, "layers_per_stage": counts},
         "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
@@ -252,5 +274,20 @@ def read_meta(path, vocab_size: int | None = None) -> Meta:
         "files": {},
         "checkpoint_version": state.get("checkpoint_version"),
     }
-    return Meta(path=first, raw=raw, spec=spec, tp_size=tp, pp_size=pp, layer_counts=counts, padded_vocab=padded,
-                iteration=iteration, source="megatron-lm", root=iter_dir)
+    return Meta(path=path, raw=raw, spec=spec, tp_size=tp, pp_size=pp, layer_counts=counts, padded_vocab=padded,
+                iteration=iteration, source=source, root=iter_dir)
+
+
+def read_meta(path, vocab_size: int | None = None) -> Meta:
+    """A Megatron-LM save dir or iter dir in the torch form -> Meta (source 'megatron-lm', root = the iter dir)."""
+    iter_dir = _iter_dir(Path(path))
+    first = _first_file(iter_dir)
+    state = io.load_file(first)
+    args = args_of(first, state)
+    spec, tp, pp, counts = layout_of(first, args, vocab_size)
+    _check_rank_dirs(iter_dir, tp, pp)
+    _check_model_keys(first, state)
+    padded = _arg(args, "padded_vocab_size")
+    if padded is None:
+        padded = state["model"]["embedding.word_embeddings.weight"].shape[0] * tp
+    return meta_of(first, iter_dir, args, state, spec, tp, pp, counts, padded, "megatron-lm")

@@ -31,7 +31,7 @@ from ckpt_tools.torchfile import ELEMENT_SIZES
 if TYPE_CHECKING:
     import torch
 
-    from ckpt_tools.shards import ShardSet
+    from ckpt_tools.shards import Reader
 
 DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HF, SAFETENSORS = "hf", "safetensors"
@@ -151,7 +151,7 @@ def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | 
     return checkpoint_dir if hf.tokenizer_files(checkpoint_dir) else None
 
 
-def _tied_copy_note(shards: ShardSet) -> str | None:
+def _tied_copy_note(shards: Reader) -> str | None:
     """With tied embeddings and PP > 1 the last stage keeps a copy; HF keeps one tensor. Say if they differ."""
     spec = shards.meta.spec
     if not spec.tie_word_embeddings or "output_layer.weight" not in shards.keys():
@@ -167,7 +167,7 @@ def _tied_copy_note(shards: ShardSet) -> str | None:
 
 
 def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | None,
-            check_hashes: bool) -> tuple[Path, str | None, ShardSet]:
+            check_hashes: bool) -> tuple[Path, str | None, Reader]:
     """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
     leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
     from ckpt_tools.shards import open_checked

@@ -23,7 +23,7 @@ from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.merge import prepare
-from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, ShardSet
+from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter, dtype_name
 
@@ -98,7 +98,7 @@ def _record_and_sync(path: Path) -> dict:
 class Resharder:
     """Target shards straight from the source shards: `reshard_pieces` of the layout table, gathered."""
 
-    def __init__(self, shards: ShardSet, target: Target):
+    def __init__(self, shards: Reader, target: Target):
         self.shards, self.target = shards, target
         self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
         self._buffer = torch.empty(0, dtype=torch.uint8)
@@ -214,7 +214,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             + (f"\n{leftover}" if leftover else ""))
 
 
-def _copy_rng(shards: ShardSet, target: Target, tp: int, pp: int) -> None:
+def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
     """RNG and data position: the source's rank (0, 0) state for every target rank (no dropout in TP regions)."""
     path = shards.meta.dir / fmt.rng_file(0, 0)
     if shards.meta.source != "ckpt-tools" or not path.is_file():

@@ -1,7 +1,13 @@
-"""Lazy, rank-ordered access to a checkpoint's shards, and the full tensors joined from them.
+"""The reader seam: lazy, rank-ordered access to a checkpoint's TP shards, and the full tensors joined
+from them, whatever form the checkpoint is on disk in.
 
-Works for our format (Contract 2) and for real Megatron-LM checkpoints (Contract 3). Files are
-opened with mmap on first use, so holding a ShardSet costs address space, not RAM; `full()` reads
+`Reader` is the interface every verb reads through (merge, reshard, verify, inspect, the trainer's
+forward): `meta` (a typed description), `keys()`, `shards(key, field)`, `full(key, field)`,
+`stage_state(tp, pp)`, `validate()`, `has_optimizer()`, `release()`. One reader per on-disk form:
+`ShardSet` here (our format, Contract 2, and the per-rank files of Megatron-LM's legacy `torch` format,
+whose subclass lives in megatron_lm.py) and `formats.torch_dist.TorchDistShards` (Megatron-LM's default
+`torch_dist`). `open_checkpoint` picks one from what the directory holds; verbs never ask which.
+Files are opened with mmap on first use, so holding a reader costs address space, not RAM; `full()` reads
 only the TP shards of one tensor and joins them with the layout table, and `release()` drops the
 resident pages of everything handed out since the last call, so memory stays near one tensor.
 """
@@ -21,11 +27,11 @@ MODEL, OPTIMIZER = "model", "optimizer"
 OPTIMIZER_FIELDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-class ShardSet:
+class Reader:
+    """What every form's reader gives: the shared part (keys, joins, page release, file locations)."""
+
     def __init__(self, meta: fmt.Meta):
         self.meta = meta
-        self._open: dict[tuple[str, int, int], dict] = {}
-        self._files: dict[tuple[str, int, int], dict] = {}
         self._ranges: list[tuple[int, int, int]] = []
         self._mapped: list[tuple[int, int, int, Path]] = []  # (start, end, file offset, path) of each mapping
         self._fds: dict[Path, int] = {}
@@ -34,6 +40,33 @@ class ShardSet:
         for pp_rank in range(meta.pp_size):
             for local, global_key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
                 self._where[global_key] = (pp_rank, local)
+
+    def shards(self, global_key: str, field: str | None = None) -> list:
+        """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
+        raise NotImplementedError
+
+    def validate(self) -> list[str]:
+        """Problems (one line each) that make the checkpoint unreadable as the layout table says."""
+        raise NotImplementedError
+
+    def has_optimizer(self) -> bool:
+        return False
+
+    def check_hashes(self) -> None:
+        """sha256 of every file the checkpoint records (merge/reshard --check-hashes, verify tier 1)."""
+
+    def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
+        """One rank's model state dict at the checkpoint's own layout (stage-local keys)."""
+        state = {}
+        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, pp_rank):
+            state[local] = self.shards(key)[tp_rank]
+        return state
+
+    def _map(self, path: Path) -> None:
+        """Note the ranges where `path` is mapped (after the mapping is made), for release() and locate()."""
+        maps = io.file_mappings(path)
+        self._ranges += maps
+        self._mapped += [(start, end, offset, path) for start, end, offset in maps]
 
     def keys(self) -> list[str]:
         """Global keys in megatron-core order (a tied output copy appears once, on the last stage)."""
@@ -46,12 +79,54 @@ class ShardSet:
             return "embedding.word_embeddings.weight"
         return key
 
+    def full(self, global_key: str, field: str | None = None):
+        return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
+
+    def release(self) -> None:
+        """Drop the resident pages of every shard tensor handed out since the last call."""
+        io.release_pages(self._handed, self._ranges)
+        self._handed.clear()
+
+    def locate(self, t) -> tuple[int, int] | None:
+        """(read-only fd, byte offset) of a contiguous tensor's bytes in the shard file it is mapped from,
+        so they can be copied file to file; None for anything else (a copy in memory, a strided view)."""
+        if not torch.is_tensor(t) or not t.is_contiguous() or t.numel() == 0:
+            return None
+        ptr = t.data_ptr()
+        for start, end, offset, path in self._mapped:
+            if start <= ptr and ptr + t.nbytes <= end:
+                if path not in self._fds:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+                return self._fds[path], ptr - start + offset
+        return None
+
+    def close(self) -> None:
+        self._handed.clear()
+        self._ranges.clear()
+        self._mapped.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for key in self.keys():
+            yield key, self.full(key)
+
+
+class ShardSet(Reader):
+    """Per-rank shard files: our format (model and optimizer files per TP x PP rank)."""
+
+    def __init__(self, meta: fmt.Meta):
+        super().__init__(meta)
+        self._files: dict[tuple[str, int, int], dict] = {}
+
     def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
-        if self.meta.source == "megatron-lm":
-            from ckpt_tools import megatron_lm
-            return megatron_lm.model_path(self.meta.dir, tp_rank, pp_rank, self.meta.pp_size)
         name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
         return self.meta.dir / name
+
+    def _loaded(self, path: Path, kind: str, obj) -> dict:
+        """The object of a freshly loaded file, as the rest of the reader reads it (a form may rename keys)."""
+        return obj
 
     def file(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
         """The whole (lazily mapped) object of one shard file."""
@@ -66,10 +141,8 @@ class ShardSet:
             if not isinstance(obj, dict) or not isinstance(obj.get(kind), dict):
                 raise FormatError(f"{path}: holds no {kind!r} state dict: not a {kind} shard of this checkpoint; "
                                   f"restore it from the source checkpoint")
-            self._files[slot] = obj
-            maps = io.file_mappings(path)
-            self._ranges += maps
-            self._mapped += [(start, end, offset, path) for start, end, offset in maps]
+            self._files[slot] = self._loaded(path, kind, obj)
+            self._map(path)
         return self._files[slot]
 
     def check_size(self, path: Path) -> None:
@@ -87,6 +160,9 @@ class ShardSet:
 
     def _state(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
         return self.file(kind, tp_rank, pp_rank)[kind]
+
+    def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
+        return dict(self._state(MODEL, tp_rank, pp_rank))
 
     def shards(self, global_key: str, field: str | None = None) -> list:
         """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
@@ -110,15 +186,10 @@ class ShardSet:
         self._handed += out
         return out
 
-    def full(self, global_key: str, field: str | None = None):
-        return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
-
     def validate(self) -> list[str]:
         """Every model shard holds exactly its stage's keys, each of the layout table's shard shape and
         the recorded dtype; no shard files beyond the layout's. Problems as one-line messages."""
-        meta, problems = self.meta, []
-        if meta.source == "ckpt-tools":
-            problems += fmt.extra_shards(meta)
+        meta, problems = self.meta, self._extra_files()
         for pp_rank in range(meta.pp_size):
             for tp_rank in range(meta.tp_size):
                 try:
@@ -130,51 +201,26 @@ class ShardSet:
                 problems += fmt.shard_problems(meta, path, state, tp_rank, pp_rank, torch.is_tensor)
         return problems
 
+    def _extra_files(self) -> list[str]:
+        return fmt.extra_shards(self.meta)
+
     def has_optimizer(self) -> bool:
         """Optimizer shards exist or meta.json records them (then a missing one is an error, not "no optimizer")."""
-        if self.meta.source != "ckpt-tools":
-            return False
         recorded = self.meta.raw.get("files", {})
         paths = [self.path(OPTIMIZER, t, p) for t in range(self.meta.tp_size) for p in range(self.meta.pp_size)]
         return any(path.is_file() or path.name in recorded for path in paths)
 
-    def release(self) -> None:
-        """Drop the resident pages of every shard tensor handed out since the last call."""
-        io.release_pages(self._handed, self._ranges)
-        self._handed.clear()
-
-    def locate(self, t) -> tuple[int, int] | None:
-        """(read-only fd, byte offset) of a contiguous tensor's bytes in the shard file it is mapped from,
-        so they can be copied file to file; None for anything else (a copy in memory, a strided view)."""
-        if not torch.is_tensor(t) or not t.is_contiguous() or t.numel() == 0:
-            return None
-        ptr = t.data_ptr()
-        for start, end, offset, path in self._mapped:
-            if start <= ptr and ptr + t.nbytes <= end:
-                if path not in self._fds:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-                return self._fds[path], ptr - start + offset
-        return None
-
     def close(self) -> None:
-        self._handed.clear()
         self._files.clear()
-        self._ranges.clear()
-        self._mapped.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for key in self.keys():
-            yield key, self.full(key)
+        super().close()
 
 
-def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> ShardSet:
-    """Our checkpoint dir or save dir, or a Megatron-LM checkpoint dir (then `vocab_size` may be needed)."""
+def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> Reader:
+    """Our checkpoint dir or save dir, or a Megatron-LM checkpoint dir in any of its forms (then `vocab_size`
+    may be needed): the reader of its form."""
     from ckpt_tools import megatron_lm
     if megatron_lm.is_megatron_lm(Path(src)):
-        return ShardSet(megatron_lm.read_meta(Path(src), vocab_size))
+        return megatron_lm.open_reader(Path(src), vocab_size)
     meta = fmt.Meta.read(fmt.resolve(src))
     if vocab_size is not None and vocab_size != meta.spec.vocab_size:
         raise FormatError(f"{meta.path}: records a true vocab of {meta.spec.vocab_size}, --vocab-size says "
@@ -182,7 +228,7 @@ def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> ShardSet:
     return ShardSet(meta)
 
 
-def open_checked(src: str | Path, vocab_size: int | None = None, check_hashes: bool = False) -> ShardSet:
+def open_checked(src: str | Path, vocab_size: int | None = None, check_hashes: bool = False) -> Reader:
     """open_checkpoint, then refuse (before any output exists) a checkpoint whose shards do not
     match the layout table, and with `check_hashes` one whose files differ from meta.json."""
     from ckpt_tools.errors import collect

@@ -111,9 +111,37 @@ def _rebuild_tensor(storage: Any, offset: Any, shape: Any, stride: Any, requires
     return TensorInfo(storage.dtype, shape, storage.offset + offset * ELEMENT_SIZES[storage.dtype])
 
 
+class _Window(io.RawIOBase):
+    """Bytes [base, base + length) of an open file, as a file of their own (a torch.save archive embedded in
+    a larger file: a chunk of a torch.distributed.checkpoint .distcp file)."""
+
+    def __init__(self, f, base: int, length: int):
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.length + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.f.fileno(), n, self.base + self.pos)
+        b[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
 class _Archive:
-    def __init__(self, fd: int, z: zipfile.ZipFile):
-        self.fd, self.z = fd, z
+    def __init__(self, fd: int, z: zipfile.ZipFile, base: int = 0):
+        self.fd, self.z, self.base = fd, z, base
         pickles = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise Unreadable("not a torch.save archive (no single <name>/data.pkl)")
@@ -131,7 +159,7 @@ class _Archive:
         info = self.z.getinfo(name)
         if info.compress_type != zipfile.ZIP_STORED:
             raise Unreadable(f"record {name} is compressed")
-        return record_offset(self.fd, info.header_offset), info.file_size
+        return record_offset(self.fd, self.base + info.header_offset), info.file_size
 
     def _read(self, name: str) -> bytes:
         """A record's bytes, its CRC not checked: torch does not check it (our writer leaves it 0; the
@@ -153,13 +181,16 @@ class _Archive:
         return self._storages[key]
 
 
-def read(path: str | Path) -> Any:
-    """The object a torch.save archive holds, with a TensorInfo for each tensor; Unreadable for anything
-    this reader does not understand (the file is then for torch to read, or to refuse)."""
+def read(path: str | Path, offset: int = 0, length: int | None = None) -> Any:
+    """The object a torch.save archive holds, with a TensorInfo for each tensor (offsets in the file);
+    Unreadable for anything this reader does not understand (the file is then for torch to read, or to
+    refuse). `offset` and `length` name an archive embedded in a larger file."""
     try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
-            return _Archive(f.fileno(), z).load()
-    except Unreadable:
+        with open(path, "rb") as f:
+            window = f if offset == 0 and length is None else _Window(f, offset, length)
+            with zipfile.ZipFile(window) as z:
+                return _Archive(f.fileno(), z, offset).load()
+    except (Unreadable, FileNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip or pickle fails in any way; torch will say how
         raise Unreadable(f"{path}: {type(e).__name__}: {e}") from None

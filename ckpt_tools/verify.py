@@ -25,7 +25,7 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, layout
 from ckpt_tools.errors import CkptError
 from ckpt_tools.merge import HF, SAFETENSORS, plan
-from ckpt_tools.shards import ShardSet, open_checkpoint
+from ckpt_tools.shards import Reader, open_checkpoint
 
 TOLERANCES = {  # per compute dtype; documented in docs/verify.md
     "fp32": {"hidden_rel": 1e-4, "logits_rel": 1e-4, "kl": 1e-8, "top1": 0.999},
@@ -70,7 +70,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tuple(a.shape) == tuple(b.shape) and layout.same_bits(a.to(b.dtype), b)
 
 
-def integrity(src: ShardSet, tier: Tier) -> None:
+def integrity(src: Reader, tier: Tier) -> None:
     """Sizes and sha256 of every recorded file; every shard's keys and shapes as the layout table says."""
     meta = src.meta
     if meta.source == "ckpt-tools":
@@ -85,7 +85,7 @@ def integrity(src: ShardSet, tier: Tier) -> None:
                       + (f" ({len(problems)} problem(s))" if problems else ""))
 
 
-def tier1(src: ShardSet, other: Path | None) -> Tier:
+def tier1(src: Reader, other: Path | None) -> Tier:
     tier = Tier("1 weights")
     integrity(src, tier)
     if other is None:
@@ -252,7 +252,7 @@ def tier3(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, tol: dict) -> 
     return tier
 
 
-def make_tokens(src: ShardSet, other: Path | None, text_file: Path | None, batch: int, seq: int, seed: int) -> torch.Tensor:
+def make_tokens(src: Reader, other: Path | None, text_file: Path | None, batch: int, seq: int, seed: int) -> torch.Tensor:
     spec = src.meta.spec
     seq = min(seq, spec.max_position_embeddings)
     if text_file is None:

@@ -171,5 +171,8 @@ if __name__ == "__main__":
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         sys.path.append(sys.path.pop(0))  # tests/ last: its helpers import, but nothing there shadows a package
     main(sys.argv[1], sys.argv[2])
+    import multiprocessing
+    for child in multiprocessing.active_children():  # dist_checkpointing's results-queue manager would outlive us
+        child.terminate()
     sys.stdout.flush()
     os._exit(0)

@@ -256,14 +256,15 @@ def test_not_megatron_dir(tmp_path):
         mlm.read_meta(tmp_path)
 
 
-def test_torch_dist_checkpoint_is_named(tmp_path):
+def test_torch_dcp_checkpoint_is_named(tmp_path):
+    """A DCP dir without dist_checkpointing's metadata.json is Megatron-LM's torch_dcp / fsdp_dtensor form."""
     iter_dir = tmp_path / "iter_0000010"
     iter_dir.mkdir()
-    (iter_dir / "common.pt").write_bytes(b"")
     (iter_dir / ".metadata").write_bytes(b"")
     (tmp_path / mlm.TRACKER).write_text("10")
-    with pytest.raises(FormatError, match="torch_dist .*--ckpt-convert-format torch"):
-        mlm.read_meta(tmp_path)
+    with pytest.raises(FormatError, match="torch_dcp / fsdp_dtensor form, which is not read; save with "
+                                          "--ckpt-format torch_dist"):
+        mlm.open_reader(tmp_path)
 
 
 @pytest.mark.parametrize("changes,expected", [
@@ -330,8 +331,6 @@ def test_uneven_split_read_from_args(llama_ckpt):
 
 
 @pytest.mark.parametrize("old,new,expected", [
-    ("decoder.layers.0.input_layernorm.weight", "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
-     "Transformer Engine"),
     ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight", "legacy model"),
 ])
 def test_foreign_model_keys(llama_ckpt, old, new, expected):

@@ -20,11 +20,11 @@ from megatron.core import parallel_state as ps
 
 from ckpt_tools import io, layout
 from ckpt_tools.errors import CkptError
-from ckpt_tools.shards import MODEL, ShardSet, open_checkpoint
+from ckpt_tools.shards import Reader, open_checkpoint
 from trainer.model import GPTStage, megatron_config
 
 
-def build_from_checkpoint(shards: ShardSet, tp_size: int, counts: list[int], device: torch.device,
+def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], device: torch.device,
                           dtype: torch.dtype = torch.float32) -> GPTStage:
     """This rank's stage at the target layout, with its weights loaded from the checkpoint."""
     meta, spec = shards.meta, shards.meta.spec
@@ -36,7 +36,7 @@ def build_from_checkpoint(shards: ShardSet, tp_size: int, counts: list[int], dev
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     stage = GPTStage(spec, mcfg, tp_size=tp_size, pp_rank=pp_rank, layer_counts=counts, padded_vocab=padded)
     if tp_size == meta.tp_size and counts == meta.layer_counts:
-        state = dict(shards.file(MODEL, tp_rank, pp_rank)[MODEL])
+        state = shards.stage_state(tp_rank, pp_rank)
     else:
         state = {}
         for local, key in stage.global_keys().items():

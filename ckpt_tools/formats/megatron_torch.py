@@ -1,0 +1,26 @@
+"""Megatron-LM's legacy `--ckpt-format torch`: one `mp_rank_TT[_PPP]/model_optim_rng.pt` per TP x PP rank
+(megatron_lm.py finds the dir and reads its args). The model state dict has the layout table's keys with
+stage-local layer numbers, in megatron-core's local-spec names or Transformer Engine's (names.py), which are
+read as the table's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpt_tools import megatron_lm, names
+from ckpt_tools.shards import MODEL, ShardSet
+
+
+class LegacyShards(ShardSet):
+    def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
+        return megatron_lm.model_path(self.meta.dir, tp_rank, pp_rank, self.meta.pp_size)
+
+    def _loaded(self, path: Path, kind: str, obj) -> dict:
+        obj[MODEL] = {names.from_te(k): v for k, v in obj[MODEL].items()}
+        return obj
+
+    def _extra_files(self) -> list[str]:
+        return []  # rank dirs beyond the layout are refused when the meta is read
+
+    def has_optimizer(self) -> bool:
+        return False

@@ -1,0 +1,196 @@
+"""Megatron-LM's forms as megatron-core itself writes them (tests/mcore_checkpoints.py): torch_dist (the default),
+legacy torch with local-spec names and with Transformer Engine names. megatron-core's own forward is the
+reference: every form merges to an HF model whose logits are megatron-core's, and to the same bytes.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from bad_inputs import SystemCall, assert_no_out, error_line, invoke
+from conftest import torchrun
+
+from ckpt_tools import megatron_lm as mlm
+from ckpt_tools.formats import dcp
+
+FORMS = ("torch_dist", "torch", "torch_te")
+VOCAB = 250
+MODELS = {  # llama: GQA, SwiGLU, RMSNorm, RoPE, untied; gpt2: LayerNorm, biases, learned positions, tied
+    "llama": {"architecture": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+              "num_query_groups": 2, "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128,
+              "norm_epsilon": 1e-6, "rotary_base": 500000.0},
+    "gpt2": {"architecture": "gpt2", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+             "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128, "tie_word_embeddings": True,
+             "activation": "gelu"},
+}
+
+
+@pytest.fixture(scope="session")
+def mcore_checkpoints(tmp_path_factory):
+    """arch -> a dir with megatron-core's GPTModel at TP2 x PP2, saved in every form, with its own logits
+    (made on first use, once per session)."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            out = tmp_path_factory.mktemp(f"mcore-{arch}")
+            config = out / "config.json"
+            config.write_text(json.dumps({"model": MODELS[arch], "tp": 2, "pp": 2, "iteration": 5}))
+            torchrun(4, ["tests/mcore_checkpoints.py", str(config), str(out)], timeout=600)
+            made[arch] = out
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="session", params=sorted(MODELS))
+def mcore(request, mcore_checkpoints) -> Path:
+    return mcore_checkpoints(request.param)
+
+
+@pytest.fixture
+def llama_dist(mcore_checkpoints, tmp_path) -> Path:
+    """A copy of the llama torch_dist save dir, to damage."""
+    return Path(shutil.copytree(mcore_checkpoints("llama") / "torch_dist", tmp_path / "src"))
+
+
+@pytest.fixture(scope="session")
+def merged(mcore, tmp_path_factory) -> dict[str, Path]:
+    """Each form merged to an HF dir by `ckpt merge`."""
+    out = {}
+    for form in FORMS:
+        hf = tmp_path_factory.mktemp(f"hf-{mcore.name}-{form}") / "hf"
+        result = invoke("merge", mcore / form, hf, "--vocab-size", VOCAB, "--quiet")
+        assert result.exit_code == 0, result.output
+        out[form] = hf
+    return out
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_merged_logits_are_megatron_cores(mcore, merged, form):
+    tokens, reference = torch.load(mcore / "tokens.pt"), torch.load(mcore / "logits.pt")
+    assert reference.shape[-1] == 256  # megatron-core's logits cover the padded vocab; HF's the true one
+    assert rel_err(hf_logits(merged[form], tokens), reference[..., :VOCAB]) < 1e-5
+
+
+def test_every_form_merges_to_the_same_bytes(merged):
+    data = {form: (merged[form] / "model.safetensors").read_bytes() for form in FORMS}
+    assert data["torch_dist"] == data["torch"] == data["torch_te"]
+
+
+def test_forms_are_what_megatron_lm_writes(mcore):
+    dist = mcore / "torch_dist" / "iter_0000005"
+    assert json.loads((dist / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    keys = dcp.read_metadata(dist).tensors
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys  # TE names, stacked layers
+    assert keys["decoder.layers.mlp.linear_fc1.weight"].shape[0] == 4
+    te = torch.load(mlm.model_path(mcore / "torch_te" / "iter_0000005", 0, 0, 2), weights_only=False)["model"]
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
+    assert mlm.form(dist) == mlm.TORCH_DIST and mlm.form(mcore / "torch" / "iter_0000005") == mlm.TORCH
+
+
+def test_inspect_torch_dist(mcore):
+    result = invoke("inspect", mcore / "torch_dist", "--vocab-size", VOCAB, "--tensors")
+    assert result.exit_code == 0, result.output
+    assert "TP 2 x PP 2" in result.output and "torch_dist checkpoint" in result.output
+    assert "pp1 decoder.layers.3.mlp.linear_fc2.weight: 64x96, row" in result.output
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 4)])
+def test_reshard_torch_dist_into_our_layout(mcore, merged, tmp_path, tp, pp):
+    """torch_dist -> our shards at another layout -> merge: the same bytes as the direct merge."""
+    out = tmp_path / "ours"
+    result = invoke("reshard", mcore / "torch_dist", out, "--tp", tp, "--pp", pp, "--vocab-size", VOCAB, "--quiet")
+    assert result.exit_code == 0, result.output
+    again = tmp_path / "hf"
+    assert invoke("merge", out, again, "--quiet").exit_code == 0
+    assert (again / "model.safetensors").read_bytes() == (merged["torch_dist"] / "model.safetensors").read_bytes()
+
+
+def test_verify_torch_dist_against_its_merge(mcore, merged):
+    result = invoke("verify", mcore / "torch_dist", merged["torch_dist"], "--vocab-size", VOCAB, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"(\d+) tensors compared: \1 bit-exact, 0 differ", result.output), result.output
+    assert "verify passed" in result.output
+
+
+# ---------------------------------------------------------------- damaged and hostile torch_dist dirs
+def _rewrite_metadata(iter_dir: Path, change) -> None:
+    """Edit .metadata with torch's own classes (the test may unpickle what it wrote itself)."""
+    path = iter_dir / ".metadata"
+    meta = pickle.loads(path.read_bytes())
+    change(meta)
+    path.write_bytes(pickle.dumps(meta))
+
+
+def _drop_chunk(meta) -> None:
+    entry = meta.state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
+    entry.chunks.pop(3)
+
+
+def _overlap_chunk(meta) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    entry = meta.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"]
+    c = entry.chunks[1]
+    entry.chunks[1] = ChunkStorageMetadata(offsets=entry.chunks[0].offsets, sizes=c.sizes)
+
+
+def _extra_tensor(meta) -> None:
+    meta.state_dict_metadata["decoder.layers.mlp.experts.router.weight"] = \
+        meta.state_dict_metadata["decoder.final_layernorm.weight"]
+
+
+def _truncate_distcp(iter_dir: Path) -> None:
+    path = max(iter_dir.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage,expected", [
+    (lambda d: _rewrite_metadata(d, _drop_chunk), "decoder.layers.self_attention.linear_qkv.weight: chunks cover"),
+    (lambda d: _rewrite_metadata(d, _overlap_chunk), "decoder.layers.mlp.linear_fc2.weight: chunks at"),
+    (lambda d: _rewrite_metadata(d, _extra_tensor), "decoder.layers.mlp.experts.router.weight"),
+    (_truncate_distcp, "the file is truncated"),
+    (lambda d: (d / ".metadata").write_bytes(b"\x80\x04garbage"), ".metadata: unreadable"),
+    (lambda d: (d / ".metadata").unlink(), ".metadata: missing"),
+    (lambda d: (d / "common.pt").unlink(), "common.pt: missing"),
+], ids=["missing-chunk", "overlapping-chunk", "unknown-tensor", "truncated-distcp", "corrupt-metadata",
+        "no-metadata", "no-common"])
+@pytest.mark.parametrize("verb", ["merge", "reshard"])
+def test_damaged_torch_dist_is_refused(llama_dist, tmp_path, damage, expected, verb):
+    src = llama_dist
+    damage(src / "iter_0000005")
+    out = tmp_path / "out"
+    args = ["--tp", 1, "--pp", 1] if verb == "reshard" else []
+    line = error_line(invoke(verb, src, out, "--vocab-size", VOCAB, *args))
+    assert expected in line, line
+    assert_no_out(out)
+
+
+@pytest.mark.parametrize("victim", [".metadata", "common.pt"])
+def test_malicious_torch_dist_pickle_never_runs(llama_dist, tmp_path, victim):
+    src = llama_dist
+    marker = tmp_path / "MARKER"
+    path = src / "iter_0000005" / victim
+    if victim == "common.pt":
+        torch.save({"args": SystemCall(f"touch {marker}")}, path)
+    else:
+        path.write_bytes(pickle.dumps(SystemCall(f"touch {marker}")))
+    for verb in (["merge", src, tmp_path / "out"], ["inspect", src]):
+        line = error_line(invoke(*verb, "--vocab-size", VOCAB))
+        assert str(path) in line and "refused" in line, line
+        assert not marker.exists()
