@@ -40,18 +40,36 @@ class NotFast(Exception):
 
 @dataclass(frozen=True)
 class Shard:
-    """One TP shard of a tensor: its bytes in a shard file."""
-    path: Path
-    info: TensorInfo
+    """One TP shard of a tensor: its bytes in files, as parts along dim 0 (one part in a per-rank shard file;
+    a torch_dist SwiGLU shard is two chunks, [gate_r; up_r])."""
+    parts: tuple[tuple[Path, TensorInfo], ...]
 
     @property
-    def whole(self) -> Range:
-        return self.path, self.info.offset, self.info.nbytes
+    def dtype(self) -> str:
+        return self.parts[0][1].dtype
 
-    def byte_range(self, start: int, stop: int) -> Range:
-        """(file, offset, nbytes) of rows [start, stop) along dim 0."""
-        row = self.info.nbytes // self.info.shape[0]
-        return self.path, self.info.offset + start * row, (stop - start) * row
+    @property
+    def rows(self) -> int:
+        return sum(info.shape[0] for _, info in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for _, info in self.parts)
+
+    @property
+    def whole(self) -> list[Range]:
+        return [(path, info.offset, info.nbytes) for path, info in self.parts]
+
+    def byte_ranges(self, start: int, stop: int) -> list[Range]:
+        """(file, offset, nbytes) of rows [start, stop) along dim 0, one per part they fall in."""
+        out, first = [], 0
+        for path, info in self.parts:
+            row = info.nbytes // info.shape[0]
+            lo, hi = max(start, first), min(stop, first + info.shape[0])
+            if lo < hi:
+                out.append((path, info.offset + (lo - first) * row, (hi - lo) * row))
+            first += info.shape[0]
+        return out
 
 
 Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
@@ -83,15 +101,20 @@ def merge(src: str | Path, out: str | Path, *, fmt: str, dtype: str | None, from
 def _prepare(src: str | Path, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int,
              vocab_size: int | None, check_hashes: bool) -> tuple[Job, Shards, Shards]:
     """(the job, the model shards, the shards to copy: model or master weights), or NotFast."""
-    if check_hashes or megatron_lm.is_megatron_lm(Path(src)):
-        raise NotFast("--check-hashes, or a Megatron-LM checkpoint")
-    meta = checkpoint.Meta.read(checkpoint.resolve(src))
-    if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
-        raise NotFast("--vocab-size differs from meta.json, or extra shard files")
+    if check_hashes:
+        raise NotFast("--check-hashes")
+    if megatron_lm.is_megatron_lm(Path(src)):
+        if from_master:
+            raise NotFast("no optimizer state is read from a Megatron-LM checkpoint")
+        meta, model = _megatron_shards(Path(src), vocab_size)
+    else:
+        meta = checkpoint.Meta.read(checkpoint.resolve(src))
+        if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
+            raise NotFast("--vocab-size differs from meta.json, or extra shard files")
+        model = _model_shards(meta)
     job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
-    model = _model_shards(meta)
     sources = _master_shards(meta) if from_master else model
-    if any(s.info.dtype != job.dtype for shards in sources.values() for s in shards):
+    if any(s.dtype != job.dtype for shards in sources.values() for s in shards):
         raise NotFast(f"a conversion to {job.dtype}")
     return job, model, sources
 
@@ -111,7 +134,36 @@ def _state(meta: checkpoint.Meta, name: str, entry: str) -> tuple[Path, dict]:
 def _shard(path: Path, info: TensorInfo) -> Shard:
     if info.offset + info.nbytes > path.stat().st_size:
         raise NotFast(f"{path}: a tensor beyond the end of the file")
-    return Shard(path, info)
+    return Shard(((path, info),))
+
+
+def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta, Shards]:
+    """A Megatron-LM checkpoint's meta and model shards as byte ranges, read torch-free, in either form; every
+    check the torch path's reader makes must pass."""
+    iter_dir = megatron_lm.resolve_iter_dir(src)
+    if megatron_lm.form(iter_dir) == megatron_lm.TORCH_DIST:
+        from ckpt_tools.formats.torch_dist import DistCheckpoint
+        ckpt = DistCheckpoint.read(iter_dir, vocab_size, load=read)
+        if ckpt.validate():
+            raise NotFast("the checkpoint does not match the layout table")
+        parts = ckpt.byte_parts()
+        if parts is None:
+            raise NotFast("a TP shard that is not whole chunks")
+        return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}
+    meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
+    shards: Shards = {}
+    for pp_rank in range(meta.pp_size):
+        for tp_rank in range(meta.tp_size):
+            path = megatron_lm.model_path(iter_dir, tp_rank, pp_rank, meta.pp_size)
+            obj = read(path)
+            state = megatron_lm.model_state(obj)
+            if state is None or checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank,
+                                                          lambda t: isinstance(t, TensorInfo)):
+                raise NotFast(f"{path}: does not match the layout table")
+            for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
+                if isinstance(state[local], TensorInfo):
+                    shards.setdefault(key, []).append(_shard(path, state[local]))
+    return meta, shards
 
 
 def _model_shards(meta: checkpoint.Meta) -> Shards:
@@ -163,7 +215,7 @@ def _byte_ranges(shards: list[Shard], pieces: list[layout.Piece], rows: layout.R
         for p in pieces:
             lo, hi = max(a, pos), min(b, pos + p.stop - p.start)
             if lo < hi:
-                out.append(shards[p.rank].byte_range(p.start + lo - pos, p.start + hi - pos))
+                out += shards[p.rank].byte_ranges(p.start + lo - pos, p.start + hi - pos)
             pos += p.stop - p.start
     return out
 
@@ -290,11 +342,11 @@ class _Copier:
         buf, col = self._buffer(nrows * width), 0
         for p, w in zip(pieces, widths):
             shard = shards[p.rank]
-            if w * shard.info.shape[0] != shard.info.nbytes:
+            if w * shard.rows != shard.nbytes or len(shard.parts) != 1:
                 raise LayoutError(f"{p}: a piece of some of a shard's columns, not of a merge to TP 1")
             out_row = 0
             for a, b in rows:
-                path, offset, _ = shard.byte_range(a, b)
+                (path, offset, _), = shard.byte_ranges(a, b)
                 starts = [(out_row + i) * width + col for i in range(b - a)]
                 self.files.read_into([buf[x:x + w] for x in starts], path, offset)
                 out_row += b - a
@@ -306,8 +358,9 @@ class _Copier:
         tensor equal (it refuses a checkpoint whose replicas differ), and with tied embeddings and PP > 1
         the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
         meta = self.job.meta
-        pairs = [(s.whole, shards[0].whole) for key, shards in self.shards.items()
-                 if layout.find_rule(key, meta.spec, meta.pp_size).split == layout.REPLICATED for s in shards[1:]]
+        pairs = [(a, b) for key, shards in self.shards.items()
+                 if layout.find_rule(key, meta.spec, meta.pp_size).split == layout.REPLICATED
+                 for s in shards[1:] for a, b in zip(s.whole, shards[0].whole)]
         if meta.spec.tie_word_embeddings and "output_layer.weight" in model:
             rows = [(0, meta.spec.vocab_size)]
             emb, out = (_byte_ranges(model[k], _full_pieces(k, meta), rows)

@@ -19,9 +19,10 @@ older Namespaces lack newer arguments, so every lookup has a default.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import io, layout
+from ckpt_tools import io, layout, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.spec import ModelSpec
@@ -94,10 +95,15 @@ def open_reader(path: Path, vocab_size: int | None = None):
     """The reader of a Megatron-LM save dir or iter dir, in whichever form it was saved."""
     iter_dir = _iter_dir(Path(path))
     if form(iter_dir) == TORCH_DIST:
-        from ckpt_tools.formats.torch_dist import open_torch_dist
+        from ckpt_tools.formats.torch_dist_tensors import open_torch_dist
         return open_torch_dist(iter_dir, vocab_size)
     from ckpt_tools.formats.megatron_torch import LegacyShards
     return LegacyShards(read_meta(iter_dir, vocab_size))
+
+
+def resolve_iter_dir(path: Path) -> Path:
+    """A Megatron-LM save dir (through its tracker) or iter dir -> the iter dir to read."""
+    return _iter_dir(Path(path))
 
 
 def _iter_dir(path: Path) -> Path:
@@ -278,11 +284,18 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
                 iteration=iteration, source=source, root=iter_dir)
 
 
-def read_meta(path, vocab_size: int | None = None) -> Meta:
-    """A Megatron-LM save dir or iter dir in the torch form -> Meta (source 'megatron-lm', root = the iter dir)."""
+def model_state(obj) -> dict | None:
+    """A legacy file's model state dict with the layout table's names (Transformer Engine's renamed)."""
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return {names.from_te(k): v for k, v in model.items()} if isinstance(model, dict) else None
+
+
+def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file) -> Meta:
+    """A Megatron-LM save dir or iter dir in the torch form -> Meta (source 'megatron-lm', root = the iter dir).
+    `load` reads the first rank's file: torch's allow-listed loader, or the torch-free torchfile.read."""
     iter_dir = _iter_dir(Path(path))
     first = _first_file(iter_dir)
-    state = io.load_file(first)
+    state = load(first)
     args = args_of(first, state)
     spec, tp, pp, counts = layout_of(first, args, vocab_size)
     _check_rank_dirs(iter_dir, tp, pp)

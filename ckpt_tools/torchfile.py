@@ -1,11 +1,12 @@
 """Reading a torch.save zip archive without torch: its object tree, each tensor a `TensorInfo` that says
 where its bytes are in the file, so they can be copied file to file.
 
-Only what our shard files hold is understood: dicts, lists, tuples, numbers, strings, None, and tensors
-(`torch._utils._rebuild_tensor_v2` of a `torch.<Type>Storage` record, stored uncompressed). The pickle is
-read by an Unpickler whose find_class knows only those names and collections.OrderedDict, and maps them
-to plain records; any other global, a compressed record, a non-contiguous tensor or a damaged archive
-raises `Unreadable`. Nothing is ever executed. Record CRCs are not checked, as torch does not check
+Only what our shard files and Megatron-LM's files hold is understood: dicts, lists, tuples, numbers, strings,
+None, tensors (`torch._utils._rebuild_tensor_v2` of a `torch.<Type>Storage` record, stored uncompressed),
+torch dtypes (read as their names), Megatron-LM's `argparse.Namespace` of arguments (a `Record` with its
+attributes) and numpy RNG states (opaque `Record`s). The pickle is read by an Unpickler whose find_class
+knows only those names and collections.OrderedDict, and maps them to plain records; any other global, a
+compressed record, a non-contiguous tensor or a damaged archive raises `Unreadable`. Nothing is ever executed. Record CRCs are not checked, as torch does not check
 them. The caller then takes the torch path, which loads the file with its allow-list and reports what
 is wrong in its own words.
 """
@@ -78,6 +79,43 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
+class Record:
+    """Stands for an object of an allow-listed class: keeps what it was built with (constructor arguments
+    in `_args`, pickled state as attributes), runs nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
+        obj = super().__new__(cls)
+        obj.__dict__["_args"] = args
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots)
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+
+class Namespace(Record):
+    """Megatron-LM's `args`: its attributes, read as an argparse.Namespace's."""
+
+
+_OPAQUE = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+           ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+           ("numpy._core.multiarray", "scalar")}
+TORCH_DTYPES = {"float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise Unreadable("an encoded byte string of an unknown form")
+    return text.encode("latin1")
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, archive: _Archive, data: bytes):
         super().__init__(io.BytesIO(data))
@@ -90,6 +128,14 @@ class _Unpickler(pickle.Unpickler):
             return _rebuild_tensor
         if module == "torch" and name in STORAGE_DTYPES:
             return _StorageType(STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_DTYPES:
+            return name
+        if (module, name) == ("argparse", "Namespace"):
+            return Namespace
+        if (module, name) in _OPAQUE or (module.startswith("numpy.dtypes") and name.endswith("DType")):
+            return Record
+        if (module, name) == ("_codecs", "encode"):  # protocol 2 pickles bytes (numpy's) as latin-1 text
+            return _latin1
         raise Unreadable(f"global {module}.{name} is not one of a plain checkpoint's")
 
     def persistent_load(self, pid: Any) -> _Storage:

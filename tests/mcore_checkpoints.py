@@ -4,7 +4,9 @@ Run under torchrun with TP x PP processes (gloo, CPU):
 
     torchrun --nproc-per-node TP*PP tests/mcore_checkpoints.py CONFIG.json OUT
 
-CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "iteration": N}. Each rank builds megatron-core's
+CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "iteration": N, optional "dtype": "bfloat16" (the
+weights' dtype, as --bf16 keeps them; default float32) and "forward": false (no reference logits: for the
+benchmark's large checkpoints, benchmarks/megatron_forms.py)}. Each rank builds megatron-core's
 `GPTModel` (local spec, as tests/mcore_reference_child.py does), makes its norm weights and biases non-trivial
 (replicas equal), runs megatron-core's own forward on fixed tokens through the pipeline, and saves the model
 the ways Megatron-LM's `save_checkpoint` does:
@@ -85,9 +87,9 @@ def _forward(model, tokens, torch):
     return torch.cat(parts, dim=-1).float()
 
 
-def _args(spec, tp: int, pp: int, padded: int, iteration: int) -> argparse.Namespace:
+def _args(spec, tp: int, pp: int, padded: int, iteration: int, dtype: str) -> argparse.Namespace:
     from megatron_lm_writer import megatron_args
-    meta = types.SimpleNamespace(spec=spec, raw={"dtypes": {"params": "float32"}, "config": {}}, padded_vocab=padded,
+    meta = types.SimpleNamespace(spec=spec, raw={"dtypes": {"params": dtype}, "config": {}}, padded_vocab=padded,
                                  tp_size=tp, pp_size=pp, iteration=iteration)
     args = megatron_args(meta, vocab_recorded=False)
     args.ckpt_format = "torch_dist"
@@ -130,13 +132,16 @@ def main(config_path: str, out: str) -> None:
     _perturb(model, torch)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     out_dir = Path(out)
-    tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
-    logits = _forward(model, tokens, torch)
-    if logits is not None and tp_rank == 0:
-        torch.save(tokens, out_dir / "tokens.pt")
-        torch.save(logits, out_dir / "logits.pt")
+    if cfg.get("forward", True):
+        tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+        logits = _forward(model, tokens, torch)
+        if logits is not None and tp_rank == 0:
+            torch.save(tokens, out_dir / "tokens.pt")
+            torch.save(logits, out_dir / "logits.pt")
+    dtype = cfg.get("dtype", "float32")
+    model.to(getattr(torch, dtype))
 
-    args = _args(spec, tp, pp, padded, iteration)
+    args = _args(spec, tp, pp, padded, iteration, dtype)
     name = f"iter_{iteration:07d}"
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": None, "rng_tracker_states": {}}]

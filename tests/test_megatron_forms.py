@@ -194,3 +194,21 @@ def test_malicious_torch_dist_pickle_never_runs(llama_dist, tmp_path, victim):
         line = error_line(invoke(*verb, "--vocab-size", VOCAB))
         assert str(path) in line and "refused" in line, line
         assert not marker.exists()
+
+
+# ---------------------------------------------------------------- the torch-free merge path
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("fmt", ["hf", "safetensors"])
+def test_torch_free_merge_of_every_form_equals_the_torch_path(mcore, tmp_path, form, fmt):
+    from test_fast_merge import assert_same_as_torch
+    assert_same_as_torch(mcore / form, tmp_path, fmt=fmt, vocab_size=VOCAB)
+
+
+def test_cli_merge_of_torch_dist_imports_no_torch(mcore_checkpoints, tmp_path):
+    from test_fast_merge import imported, run_cli
+    fast = run_cli("merge", str(mcore_checkpoints("llama") / "torch_dist"), str(tmp_path / "hf"), "-q",
+                   "--vocab-size", str(VOCAB))
+    assert fast.returncode == 0, fast.stderr[-2000:]
+    assert "ckpt_tools.formats.torch_dist" in imported(fast)
+    assert not {m for m in imported(fast) if m == "torch" or m.startswith("torch.")}
+

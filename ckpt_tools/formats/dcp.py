@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import FormatError
-from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable
+from ckpt_tools.torchfile import ELEMENT_SIZES, Record, TensorInfo, Unreadable
 from ckpt_tools.torchfile import read as read_torch_file
 
 METADATA = ".metadata"
@@ -35,32 +35,16 @@ _RECORDS = {
 }
 
 
-class Record:
-    """Stands for one class of the pickle: keeps what it was built with (constructor arguments, state)."""
+class _Record(Record):
+    """A Record whose missing fields are a FormatError naming the class (a damaged or unknown .metadata)."""
     kind = "Record"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
-        obj = super().__new__(cls)
-        obj.__dict__["_args"] = args
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
-            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots)
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["_state"] = state
 
     def __getattr__(self, name: str) -> Any:
         raise FormatError(f"a {self.kind} record of the checkpoint's {METADATA} has no field {name!r}: "
                           f"the file is damaged or of a form this version does not know")
 
 
-_CLASSES: dict[tuple[str, str], type] = {(m, n): type(n, (Record,), {"kind": n}) for m, names in _RECORDS.items()
+_CLASSES: dict[tuple[str, str], type] = {(m, n): type(n, (_Record,), {"kind": n}) for m, names in _RECORDS.items()
                                          for n in names}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_tools import megatron_lm, names
+from ckpt_tools import megatron_lm
 from ckpt_tools.shards import MODEL, ShardSet
 
 
@@ -16,7 +16,7 @@ class LegacyShards(ShardSet):
         return megatron_lm.model_path(self.meta.dir, tp_rank, pp_rank, self.meta.pp_size)
 
     def _loaded(self, path: Path, kind: str, obj) -> dict:
-        obj[MODEL] = {names.from_te(k): v for k, v in obj[MODEL].items()}
+        obj[MODEL] = megatron_lm.model_state(obj)
         return obj
 
     def _extra_files(self) -> list[str]:

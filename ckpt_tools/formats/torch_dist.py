@@ -13,62 +13,60 @@ is the TP=1 tensor of the layout table (a SwiGLU fc1 is [all gate; all up], QKV 
 The reader presents the checkpoint at the TP x PP its args record: a TP shard is the layout table's split of
 the global tensor, assembled from the chunks it overlaps. Chunks are views of the memory-mapped .distcp files,
 so a shard that is one chunk (every split but SwiGLU's) costs no copy and can be copied file to file.
+
+This module plans without torch (the names, the parts of each TP shard, the checks), so the torch-free merge
+reads the same plan; formats/torch_dist_tensors.py makes the tensors.
 """
 from __future__ import annotations
 
-import bisect
 import math
-import mmap
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from ckpt_tools import io, layout, megatron_lm, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
-from ckpt_tools.shards import Reader
 
 COMMON = "common.pt"
 _LAYERS = "decoder.layers."
 # entries that hold no model weights: carried by Megatron-LM for its own resume, never an error
 _NOT_WEIGHTS = ("rng_state", "optimizer.", "common_state")
+Box = list[tuple[int, int]]  # [start, stop) along each dim of a global tensor
 
 
-def open_torch_dist(iter_dir: Path, vocab_size: int | None = None) -> TorchDistShards:
-    common_path = iter_dir / COMMON
-    if not common_path.is_file():
-        raise FormatError(f"{common_path}: missing: a torch_dist checkpoint keeps Megatron-LM's args there "
-                          f"(saves after mid-2026 embed them in the .distcp files, which this version does not "
-                          f"read yet); restore common.pt from the source")
-    common = io.load_file(common_path, mmap=False)
-    args = megatron_lm.args_of(common_path, common)
-    spec, tp, pp, counts = megatron_lm.layout_of(common_path, args, vocab_size)
-    index = dcp.read_metadata(iter_dir)
-    emb = index.tensors.get("embedding.word_embeddings.weight")
-    padded = megatron_lm._arg(args, "padded_vocab_size") or (emb.shape[0] if emb is not None else None)
-    if padded is None:
-        raise FormatError(f"{iter_dir / dcp.METADATA}: no embedding.word_embeddings.weight and no padded_vocab_size "
-                          f"in args: not a GPT model checkpoint")
-    meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, "torch_dist")
-    if emb is not None:  # the stored dtype is what the run kept its weights in
-        meta.raw["dtypes"]["params"] = emb.dtype
-    return TorchDistShards(meta, index)
+class DistCheckpoint:
+    """A torch_dist iteration dir: its Meta (from the args in common.pt) and its .metadata index."""
 
-
-class TorchDistShards(Reader):
     def __init__(self, meta: Meta, index: dcp.Index):
-        super().__init__(meta)
-        self.index = index
-        self._maps: dict[str, mmap.mmap] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.meta, self.index = meta, index
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
 
-    # ------------------------------------------------------------ names
+    @classmethod
+    def read(cls, iter_dir: Path, vocab_size: int | None = None, load: Callable = io.load_file) -> DistCheckpoint:
+        """`load` reads common.pt: torch's allow-listed loader, or the torch-free torchfile.read."""
+        common_path = iter_dir / COMMON
+        if not common_path.is_file():
+            raise FormatError(f"{common_path}: missing: a torch_dist checkpoint keeps Megatron-LM's args there "
+                              f"(saves after mid-2026 embed them in the .distcp files, which this version does not "
+                              f"read yet); restore common.pt from the source")
+        common = load(common_path)
+        args = megatron_lm.args_of(common_path, common)
+        spec, tp, pp, counts = megatron_lm.layout_of(common_path, args, vocab_size)
+        index = dcp.read_metadata(iter_dir)
+        emb = index.tensors.get("embedding.word_embeddings.weight")
+        padded = megatron_lm._arg(args, "padded_vocab_size") or (emb.shape[0] if emb is not None else None)
+        if padded is None:
+            raise FormatError(f"{iter_dir / dcp.METADATA}: no embedding.word_embeddings.weight and no "
+                              f"padded_vocab_size in args: not a GPT model checkpoint")
+        meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, "torch_dist")
+        if emb is not None:  # the stored dtype is what the run kept its weights in
+            meta.raw["dtypes"]["params"] = emb.dtype
+        return cls(meta, index)
+
     def entry(self, key: str) -> tuple[dcp.Entry, int | None]:
         """The stored tensor of a global key, and its layer on the stacked axis (None: not stacked)."""
-        spec = self.meta.spec
-        if key == "output_layer.weight" and key not in self.index.tensors and spec.tie_word_embeddings:
+        if key == "output_layer.weight" and key not in self.index.tensors and self.meta.spec.tie_word_embeddings:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
         i = layout.layer_index(key)
         if i is None:
@@ -82,38 +80,44 @@ class TorchDistShards(Reader):
         raise FormatError(f"{self.meta.dir / dcp.METADATA}: no tensor {' or '.join(f for f, _ in candidates)} "
                           f"(for {key}): the checkpoint is not the model its args describe; restore it from the source")
 
-    def _expected_shape(self, key: str, layer: int | None) -> tuple[int, ...]:
+    def expected_shape(self, key: str, layer: int | None) -> tuple[int, ...]:
         full = layout.full_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.pp_size)
         return full if layer is None else (self.meta.spec.num_layers,) + full
 
-    # ------------------------------------------------------------ bytes
-    def _file(self, name: str) -> mmap.mmap:
-        if name not in self._maps:
-            path = self.meta.dir / name
-            with open(path, "rb") as f:  # private, copy-on-write: tensors over it are writable, the file never is
-                self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._map(path)
-        return self._maps[name]
+    def rank_boxes(self, key: str, rank: int) -> tuple[dcp.Entry, list[Box], int, bool]:
+        """TP rank `rank`'s shard of `key` (at the checkpoint's TP) as parts of the stored tensor: (entry, the
+        box of each part in order, the dim they are joined on, whether the leading layer axis is dropped)."""
+        meta = self.meta
+        entry, layer = self.entry(key)
+        full = self.expected_shape(key, layer)
+        if entry.shape != full:
+            raise FormatError(f"{meta.dir / dcp.METADATA}: {entry.fqn} has global shape {list(entry.shape)}, the "
+                              f"layout table says {list(full)} for this {meta.spec.architecture} model: the args and "
+                              f"the weights disagree; restore the checkpoint from the source")
+        lead = [] if layer is None else [(layer, layer + 1)]
+        full = full[len(lead):]
+        pieces = layout.reshard_pieces(key, meta.spec, 1, meta.padded_vocab, meta.tp_size, meta.padded_vocab,
+                                       rank, meta.pp_size)
+        boxes = [lead + [(p.start, p.stop) if d == p.dim else (0, n) for d, n in enumerate(full)] for p in pieces]
+        return entry, boxes, pieces[0].dim, bool(lead)
 
-    def _chunk(self, entry: dcp.Entry, chunk: dcp.Chunk) -> torch.Tensor:
-        slot = (entry.fqn, chunk.offsets)
-        if slot not in self._chunks:
-            info = dcp.chunk_info(self.meta.dir, chunk)
-            if info.dtype != entry.dtype:
-                raise FormatError(f"{self.meta.dir / chunk.file}: chunk of {entry.fqn} at {list(chunk.offsets)} is "
-                                  f"{info.dtype}, .metadata says {entry.dtype}: restore the file from the source")
-            size = (self.meta.dir / chunk.file).stat().st_size
-            if info.offset + info.nbytes > size:
-                raise FormatError(f"{self.meta.dir / chunk.file}: {size} bytes, but the chunk of {entry.fqn} at "
-                                  f"{list(chunk.offsets)} ends at byte {info.offset + info.nbytes}: the file is "
-                                  f"truncated; restore it from the source")
-            dtype = getattr(torch, info.dtype)  # chunks need not be aligned to their element size in the file
-            t = torch.frombuffer(self._file(chunk.file), dtype=dtype, count=math.prod(info.shape), offset=info.offset)
-            self._chunks[slot] = t.view(info.shape)
-        return self._chunks[slot]
+    def hits(self, entry: dcp.Entry, box: Box) -> list[tuple[dcp.Chunk, Box]]:
+        """The chunks that overlap a box, each with the overlap."""
+        out = []
+        for c in self._candidates(entry, *box[0]) if box else entry.chunks:
+            inter = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(box, c.offsets, c.sizes)]
+            if all(lo < hi for lo, hi in inter):
+                out.append((c, inter))
+        covered = sum(math.prod(hi - lo for lo, hi in inter) for _, inter in out)
+        if covered != math.prod(b - a for a, b in box):
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {entry.fqn}: the chunks cover {covered} of the "
+                              f"{math.prod(b - a for a, b in box)} elements of {[list(b) for b in box]} (a chunk is "
+                              f"missing): restore the checkpoint from the source")
+        return out
 
     def _candidates(self, entry: dcp.Entry, lo: int, hi: int) -> list[dcp.Chunk]:
         """The chunks whose dim-0 range meets [lo, hi)."""
+        import bisect
         if entry.fqn not in self._starts:
             ordered = sorted(entry.chunks, key=lambda c: c.offsets[:1])
             self._starts[entry.fqn] = ([c.offsets[0] if c.offsets else 0 for c in ordered], ordered)
@@ -121,64 +125,13 @@ class TorchDistShards(Reader):
         found = ordered[:bisect.bisect_left(starts, hi)]
         return [c for c in found if not c.offsets or c.offsets[0] + c.sizes[0] > lo]
 
-    def _box(self, entry: dcp.Entry, box: list[tuple[int, int]]) -> torch.Tensor:
-        """The part [start, stop) per dim of a global tensor: a chunk view when one chunk is exactly it,
-        else assembled from the chunks it overlaps (one copy). A part not covered is an error."""
-        shape = tuple(b - a for a, b in box)
-        hits = []
-        for c in self._candidates(entry, *box[0]) if box else entry.chunks:
-            inter = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(box, c.offsets, c.sizes)]
-            if all(lo < hi for lo, hi in inter):
-                hits.append((c, inter))
-        if len(hits) == 1 and hits[0][1] == box:
-            c, inter = hits[0]
-            t = self._chunk(entry, c)
-            return t[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets))]
-        out = torch.empty(shape, dtype=getattr(torch, entry.dtype))
-        covered = 0
-        for c, inter in hits:
-            src = self._chunk(entry, c)[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets))]
-            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, box))] = src
-            covered += math.prod(hi - lo for lo, hi in inter)
-        if covered != math.prod(shape):
-            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {entry.fqn}: the chunks cover {covered} of the "
-                              f"{math.prod(shape)} elements of {[list(b) for b in box]} (a chunk is missing): restore "
-                              f"the checkpoint from the source")
-        return out
-
-    # ------------------------------------------------------------ the reader interface
-    def shards(self, global_key: str, field: str | None = None) -> list:
-        if field is not None:
-            raise FormatError(f"{self.meta.dir}: the optimizer state of a torch_dist checkpoint is not read yet "
-                              f"(no {field!r} for {global_key}): use the model weights")
-        meta, spec = self.meta, self.meta.spec
-        rule = layout.find_rule(global_key, spec, meta.pp_size)
-        if rule.split == layout.EXTRA:
-            return [None] * meta.tp_size
-        entry, layer = self.entry(global_key)
-        full = self._expected_shape(global_key, layer)
-        if entry.shape != full:
-            raise FormatError(f"{meta.dir / dcp.METADATA}: {entry.fqn} has global shape {list(entry.shape)}, the layout "
-                              f"table says {list(full)} for this {spec.architecture} model: the args and the weights "
-                              f"disagree; restore the checkpoint from the source")
-        lead = [] if layer is None else [(layer, layer + 1)]
-        full = full[len(lead):]
-        out = []
-        for rank in range(meta.tp_size):
-            pieces = layout.reshard_pieces(global_key, spec, 1, meta.padded_vocab, meta.tp_size, meta.padded_vocab,
-                                           rank, meta.pp_size)
-            parts = []
-            for p in pieces:
-                box = lead + [(p.start, p.stop) if d == p.dim else (0, n) for d, n in enumerate(full)]
-                part = self._box(entry, box)
-                parts.append(part[0] if lead else part)
-            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0].dim))
-        self._handed += out
-        return out
+    def keys(self) -> list[str]:
+        return [key for p in range(self.meta.pp_size)
+                for _, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, p)]
 
     def validate(self) -> list[str]:
-        """Every tensor the layout table expects, of its global shape and a known dtype, its chunks covering it
-        once; no weights beyond the table's; every chunk inside its file."""
+        """Every tensor the layout table expects, of its global shape, its chunks covering it once; no weights
+        beyond the table's; every chunk inside its file."""
         meta, problems, used = self.meta, [], set()
         where = meta.dir / dcp.METADATA
         for key in self.keys():
@@ -192,7 +145,7 @@ class TorchDistShards(Reader):
             if entry.fqn in used:
                 continue
             used.add(entry.fqn)
-            want = self._expected_shape(key, layer)
+            want = self.expected_shape(key, layer)
             if entry.shape != want:
                 problems.append(f"{where}: {entry.fqn} has global shape {list(entry.shape)}, the layout table says "
                                 f"{list(want)}: the args and the weights disagree; restore the checkpoint")
@@ -215,8 +168,40 @@ class TorchDistShards(Reader):
                             f"does not read (experts, extra heads); the checkpoint cannot be converted without them")
         return problems
 
-    def close(self) -> None:
-        self._chunks.clear()
-        self._starts.clear()
-        self._maps.clear()  # each mapping goes with the last tensor over it
-        super().close()
+    def chunk_info(self, entry: dcp.Entry, chunk: dcp.Chunk):
+        """Where a chunk's bytes are (torchfile.TensorInfo, absolute offset), checked against .metadata."""
+        info = dcp.chunk_info(self.meta.dir, chunk)
+        path = self.meta.dir / chunk.file
+        if info.dtype != entry.dtype:
+            raise FormatError(f"{path}: chunk of {entry.fqn} at {list(chunk.offsets)} is {info.dtype}, .metadata "
+                              f"says {entry.dtype}: restore the file from the source")
+        if info.offset + info.nbytes > path.stat().st_size:
+            raise FormatError(f"{path}: {path.stat().st_size} bytes, but the chunk of {entry.fqn} at "
+                              f"{list(chunk.offsets)} ends at byte {info.offset + info.nbytes}: the file is "
+                              f"truncated; restore it from the source")
+        return info
+
+    def byte_parts(self) -> dict[str, list[list[tuple[Path, object]]]] | None:
+        """Every model tensor's TP shards as whole chunks in the files, [(file, TensorInfo)] per rank along
+        dim 0 (the leading layer axis dropped); None when some shard is not made of whole chunks."""
+        out = {}
+        for key in self.keys():
+            if layout.find_rule(key, self.meta.spec, self.meta.pp_size).split == layout.EXTRA:
+                continue
+            ranks = []
+            for rank in range(self.meta.tp_size):
+                entry, boxes, dim, stacked = self.rank_boxes(key, rank)
+                parts = []
+                for box in boxes:
+                    hits = self.hits(entry, box)
+                    if len(hits) != 1 or [(o, o + s) for o, s in zip(hits[0][0].offsets, hits[0][0].sizes)] != box:
+                        return None
+                    info = self.chunk_info(entry, hits[0][0])
+                    if stacked:
+                        info = type(info)(info.dtype, info.shape[1:], info.offset)
+                    parts.append((self.meta.dir / hits[0][0].file, info))
+                if len(parts) > 1 and dim != 0:
+                    return None
+                ranks.append(parts)
+            out[key] = ranks
+        return out
