@@ -205,8 +205,9 @@ def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | Non
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     if from_master and not shards.has_optimizer():
+        unread = shards.unread_optimizer()
         raise CkptError(f"{meta.dir}: no optimizer shards with fp32 master weights "
-                        f"({'Megatron-LM optimizer state is not read' if meta.source == 'megatron-lm' else 'saved without optimizer'}): "
+                        f"({f'its {unread} is not read by this version' if unread else 'saved without optimizer'}): "
                         f"merge without --from-master-weights")
     field = "master" if from_master else None
     job = Job.make(meta, fmt, dtype, from_master, max_shard_size)

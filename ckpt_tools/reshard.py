@@ -178,7 +178,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
-    with_opt = shards.has_optimizer()
+    with_opt, unread = shards.has_optimizer(), shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
@@ -209,7 +209,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
                  f"rows beyond the true vocab {spec.vocab_size} are zeros)")
     return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} (layers {meta.layer_counts}) -> {out} "
             f"TP{tp} x PP{pp} (layers {counts}), iteration {meta.iteration}, "
-            f"{'model + optimizer' if with_opt else 'model only (the source has no optimizer state we read)'}, "
+            f"{'model + optimizer' if with_opt else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
             f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
             + (f"\n{leftover}" if leftover else ""))
 

@@ -52,6 +52,11 @@ class Reader:
     def has_optimizer(self) -> bool:
         return False
 
+    def unread_optimizer(self) -> str | None:
+        """The optimizer state the checkpoint holds in a form this version does not read, in words; None if
+        there is none (then no optimizer state is left behind by a verb that carries only what it reads)."""
+        return None
+
     def check_hashes(self) -> None:
         """sha256 of every file the checkpoint records (merge/reshard --check-hashes, verify tier 1)."""
 

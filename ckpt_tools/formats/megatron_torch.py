@@ -24,3 +24,11 @@ class LegacyShards(ShardSet):
 
     def has_optimizer(self) -> bool:
         return False
+
+    def unread_optimizer(self) -> str | None:
+        first = self.file(MODEL, 0, 0)
+        if (self.meta.dir / self.path(MODEL, 0, 0).parent.name / "distrib_optim.pt").is_file():
+            return "distributed-optimizer state (distrib_optim.pt)"
+        if first.get("optimizer"):
+            return "optimizer state (model_optim_rng.pt['optimizer'])"
+        return None

@@ -55,7 +55,7 @@ class DistCheckpoint:
         spec, tp, pp, counts = megatron_lm.layout_of(common_path, args, vocab_size)
         index = dcp.read_metadata(iter_dir)
         emb = index.tensors.get("embedding.word_embeddings.weight")
-        padded = megatron_lm._arg(args, "padded_vocab_size") or (emb.shape[0] if emb is not None else None)
+        padded = getattr(args, "padded_vocab_size", None) or (emb.shape[0] if emb is not None else None)
         if padded is None:
             raise FormatError(f"{iter_dir / dcp.METADATA}: no embedding.word_embeddings.weight and no "
                               f"padded_vocab_size in args: not a GPT model checkpoint")

@@ -76,6 +76,10 @@ class TorchDistShards(Reader):
     def validate(self) -> list[str]:
         return self.ckpt.validate()
 
+    def unread_optimizer(self) -> str | None:
+        n = sum(1 for f in self.ckpt.index.tensors if f.startswith("optimizer."))
+        return f"torch_dist optimizer state ({n} optimizer.* tensors)" if n else None
+
     def close(self) -> None:
         self._chunks.clear()
         self._maps.clear()  # each mapping goes with the last tensor over it
