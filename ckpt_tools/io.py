@@ -36,6 +36,19 @@ def _allowed_globals() -> list:
 TRUST_PICKLE = False  # set only by `ckpt --trust-pickle`: full unpickling, which can run code
 
 
+def load_bytes(data, what: str) -> Any:
+    """A torch.save archive held in memory (a byte entry of a torch_dist checkpoint), loaded with the allow-list;
+    `what` names it in errors."""
+    import io as _io
+    import torch
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(_io.BytesIO(bytes(data)), map_location="cpu", weights_only=TRUST_PICKLE is False)
+    except Exception as e:  # noqa: BLE001 - refused or damaged: one line either way
+        raise FormatError(f"{what}: refused or unreadable ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}): "
+                          f"restore the checkpoint from the source") from None
+
+
 def load_file(path: str | Path, mmap: bool = True) -> Any:
     """Load a torch-saved file safely (weights only), lazily via mmap when the file allows it."""
     import torch

@@ -184,7 +184,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir()
         target = Target(ckpt, spec, tp, counts, padded, with_opt)
-        extras = ({k: v for k, v in shards.file(OPTIMIZER, 0, 0).items() if k != OPTIMIZER} if with_opt else {})
+        extras = shards.optimizer_extras() if with_opt else {}
         kinds = (MODEL, OPTIMIZER) if with_opt else (MODEL,)
         bar = output.progress(len(kinds) * tp * pp, "reshard", quiet, unit="file")
         resharder = Resharder(shards, target)

@@ -52,6 +52,11 @@ class Reader:
     def has_optimizer(self) -> bool:
         return False
 
+    def optimizer_extras(self) -> dict:
+        """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler); for a
+        Megatron-LM source, what `ckpt import` writes (its Megatron-LM param groups and scheduler are its own)."""
+        return {"param_groups": [], "scheduler": {"iteration": self.meta.iteration}, "scaler": None}
+
     def unread_optimizer(self) -> str | None:
         """The optimizer state the checkpoint holds in a form this version does not read, in words; None if
         there is none (then no optimizer state is left behind by a verb that carries only what it reads)."""
@@ -129,9 +134,14 @@ class ShardSet(Reader):
         name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
         return self.meta.dir / name
 
-    def _loaded(self, path: Path, kind: str, obj) -> dict:
-        """The object of a freshly loaded file, as the rest of the reader reads it (a form may rename keys)."""
+    def _loaded(self, path: Path, kind: str, obj, tp_rank: int, pp_rank: int) -> dict:
+        """The object of a freshly loaded file, as the rest of the reader reads it (a form may rename keys or
+        decode its optimizer state into ours)."""
         return obj
+
+    def optimizer_extras(self) -> dict:
+        """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler)."""
+        return {k: v for k, v in self.file(OPTIMIZER, 0, 0).items() if k != OPTIMIZER}
 
     def file(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
         """The whole (lazily mapped) object of one shard file."""
@@ -146,7 +156,7 @@ class ShardSet(Reader):
             if not isinstance(obj, dict) or not isinstance(obj.get(kind), dict):
                 raise FormatError(f"{path}: holds no {kind!r} state dict: not a {kind} shard of this checkpoint; "
                                   f"restore it from the source checkpoint")
-            self._files[slot] = self._loaded(path, kind, obj)
+            self._files[slot] = self._loaded(path, kind, obj, tp_rank, pp_rank)
             self._map(path)
         return self._files[slot]
 

@@ -166,11 +166,15 @@ def test_options_it_leaves_to_torch(checkpoints, tmp_path, options):
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
-def test_megatron_lm_dir_is_left_to_torch(tmp_path):
+def test_megatron_lm_dir_takes_the_fast_path_with_the_torch_paths_bytes(tmp_path):
+    """A legacy Megatron-LM dir (its files hold an args Namespace and RNG states) is merged torch-free; with
+    --from-master-weights it is left to torch, which reads the Megatron-LM optimizer state."""
     from megatron_lm_writer import write_megatron_lm
     ck = bad.make_ckpt(tmp_path / "ours", ModelSpec(**{**LLAMA.to_dict(), "vocab_size": 250}))
     mlm = write_megatron_lm(ck, tmp_path / "mlm")
-    assert fast_merge.merge(mlm, tmp_path / "out", **{**OPTIONS, "vocab_size": 250, "start": 0.0}) is None
+    assert_same_as_torch(mlm, tmp_path, vocab_size=250)
+    masters = {**OPTIONS, "vocab_size": 250, "from_master": True, "start": 0.0}
+    assert fast_merge.merge(mlm, tmp_path / "out", **masters) is None
 
 
 def test_a_tied_copy_that_differs_is_left_to_torch(checkpoints, tmp_path):

@@ -1,34 +1,62 @@
 """Megatron-LM's legacy `--ckpt-format torch`: one `mp_rank_TT[_PPP]/model_optim_rng.pt` per TP x PP rank
 (megatron_lm.py finds the dir and reads its args). The model state dict has the layout table's keys with
 stage-local layer numbers, in megatron-core's local-spec names or Transformer Engine's (names.py), which are
-read as the table's.
+read as the table's. Its optimizer state, plain (in the same file) or of the distributed optimizer
+(`distrib_optim.pt` beside it), is decoded into ours by formats/megatron_optim.py.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_tools import megatron_lm
-from ckpt_tools.shards import MODEL, ShardSet
+from ckpt_tools import io, megatron_lm
+from ckpt_tools.formats import megatron_optim as mo
+from ckpt_tools.shards import MODEL, OPTIMIZER, ShardSet
+
+DISTRIB_OPTIM = "distrib_optim.pt"
 
 
 class LegacyShards(ShardSet):
     def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
         return megatron_lm.model_path(self.meta.dir, tp_rank, pp_rank, self.meta.pp_size)
 
-    def _loaded(self, path: Path, kind: str, obj) -> dict:
-        obj[MODEL] = megatron_lm.model_state(obj)
-        return obj
+    def _loaded(self, path: Path, kind: str, obj, tp_rank: int, pp_rank: int) -> dict:
+        model = megatron_lm.model_state(obj)
+        if kind == MODEL:
+            return {**obj, MODEL: model}
+        return {OPTIMIZER: self._decode(path, obj, model, pp_rank)}
+
+    def _shared(self, pp_rank: int) -> set[str]:
+        """The tied embedding's copies at PP > 1, which megatron-core's grad buffer keeps in buckets of their own."""
+        if not self.meta.spec.tie_word_embeddings or self.meta.pp_size == 1:
+            return set()
+        return ({"embedding.word_embeddings.weight"} if pp_rank == 0 else set()) | \
+            ({"output_layer.weight"} if pp_rank == self.meta.pp_size - 1 else set())
+
+    def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
+        params = mo.params_of(model, self._shared(pp_rank))
+        flat = path.parent / DISTRIB_OPTIM
+        if flat.is_file():
+            args, dp = obj["args"], mo.dp_size_of(obj["args"])
+            layout = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
+                                      bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+            groups = obj["optimizer"]["optimizer"]["param_groups"]
+            return mo.decode_flat(flat, io.load_file(flat), params, layout, groups)
+        return mo.decode_plain(path, obj["optimizer"], params, model)
 
     def _extra_files(self) -> list[str]:
         return []  # rank dirs beyond the layout are refused when the meta is read
 
+    def _form(self) -> str | None:
+        first = self.file(MODEL, 0, 0)
+        if (self.path(MODEL, 0, 0).parent / DISTRIB_OPTIM).is_file():
+            return "flat"
+        opt = first.get("optimizer")
+        if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict) and opt["optimizer"].get("state"):
+            return "plain"
+        return "other" if opt else None
+
     def has_optimizer(self) -> bool:
-        return False
+        return self._form() in ("plain", "flat")
 
     def unread_optimizer(self) -> str | None:
-        first = self.file(MODEL, 0, 0)
-        if (self.meta.dir / self.path(MODEL, 0, 0).parent.name / "distrib_optim.pt").is_file():
-            return "distributed-optimizer state (distrib_optim.pt)"
-        if first.get("optimizer"):
-            return "optimizer state (model_optim_rng.pt['optimizer'])"
-        return None
+        return "optimizer state (model_optim_rng.pt['optimizer'], a form not read)" if self._form() == "other" else None

@@ -29,6 +29,10 @@ from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 
 COMMON = "common.pt"
+OPT_STATE, OPT_BUCKETS = "optimizer.state.", "optimizer.distributed."
+PER_PARAM, BUCKETS = "per-parameter", "dp_reshardable buckets"
+# our optimizer field -> its names in the per-parameter forms (non-distributed optimizer; fully_reshardable)
+PER_PARAM_NAMES = {"master": ("fp32_param", "param"), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
 _LAYERS = "decoder.layers."
 # entries that hold no model weights: carried by Megatron-LM for its own resume, never an error
 _NOT_WEIGHTS = ("rng_state", "optimizer.", "common_state")
@@ -38,8 +42,8 @@ Box = list[tuple[int, int]]  # [start, stop) along each dim of a global tensor
 class DistCheckpoint:
     """A torch_dist iteration dir: its Meta (from the args in common.pt) and its .metadata index."""
 
-    def __init__(self, meta: Meta, index: dcp.Index):
-        self.meta, self.index = meta, index
+    def __init__(self, meta: Meta, index: dcp.Index, common: dict | None = None):
+        self.meta, self.index, self.common = meta, index, common or {}
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
 
     @classmethod
@@ -62,11 +66,22 @@ class DistCheckpoint:
         meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, "torch_dist")
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
-        return cls(meta, index)
+        return cls(meta, index, common)
 
-    def entry(self, key: str) -> tuple[dcp.Entry, int | None]:
-        """The stored tensor of a global key, and its layer on the stacked axis (None: not stacked)."""
-        if key == "output_layer.weight" and key not in self.index.tensors and self.meta.spec.tie_word_embeddings:
+    def optimizer_form(self) -> str | None:
+        """PER_PARAM (`optimizer.state.<field>.<key>`: the non-distributed optimizer, or fully_reshardable),
+        BUCKETS (dp_reshardable), or None."""
+        if any(f.startswith(OPT_STATE) for f in self.index.tensors):
+            return PER_PARAM
+        if any(f.startswith(OPT_BUCKETS) for f in self.index.tensors):
+            return BUCKETS
+        return None
+
+    def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, int | None]:
+        """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its layer
+        on the stacked axis (None: not stacked)."""
+        tied = "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
+        if key == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
         i = layout.layer_index(key)
         if i is None:
@@ -74,6 +89,9 @@ class DistCheckpoint:
         else:
             rest = names.to_te(key[len(f"{_LAYERS}{i}."):])
             candidates = [(f"{_LAYERS}{i}.{rest}", None), (f"{_LAYERS}{rest}", i)]
+        if field is not None:
+            candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
+                          for fqn, layer in candidates]
         for fqn, layer in candidates:
             if fqn in self.index.tensors:
                 return self.index.tensors[fqn], layer
@@ -84,11 +102,11 @@ class DistCheckpoint:
         full = layout.full_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.pp_size)
         return full if layer is None else (self.meta.spec.num_layers,) + full
 
-    def rank_boxes(self, key: str, rank: int) -> tuple[dcp.Entry, list[Box], int, bool]:
+    def rank_boxes(self, key: str, rank: int, field: str | None = None) -> tuple[dcp.Entry, list[Box], int, bool]:
         """TP rank `rank`'s shard of `key` (at the checkpoint's TP) as parts of the stored tensor: (entry, the
         box of each part in order, the dim they are joined on, whether the leading layer axis is dropped)."""
         meta = self.meta
-        entry, layer = self.entry(key)
+        entry, layer = self.entry(key, field)
         full = self.expected_shape(key, layer)
         if entry.shape != full:
             raise FormatError(f"{meta.dir / dcp.METADATA}: {entry.fqn} has global shape {list(entry.shape)}, the "
@@ -205,3 +223,37 @@ class DistCheckpoint:
                 ranks.append(parts)
             out[key] = ranks
         return out
+
+    # ------------------------------------------------------------ the bucket form (dp_reshardable)
+    def stage_params(self, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        """(global key, TP shard shape, shared embedding) of a stage's parameters in named_parameters() order."""
+        meta, spec, out = self.meta, self.meta.spec, []
+        shared = spec.tie_word_embeddings and meta.pp_size > 1
+        for _, key in layout.stage_keys(spec, meta.layer_counts, pp_rank):
+            shape = layout.shard_shape(key, spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+            if shape is not None:
+                out.append((key, shape, shared and key in ("embedding.word_embeddings.weight", "output_layer.weight")))
+        return out
+
+    def bucket_entry(self, group: int, bucket: int, name: str) -> dcp.Entry:
+        """The 1-D tensor of one bucket and field of one model-parallel rank's grad buffer."""
+        head, tail = f"{OPT_BUCKETS}dp_group_idx_{group}.gbuf_idx_0.", f".bucket_idx_{bucket}.{name}"
+        found = [e for f, e in self.index.tensors.items() if f.startswith(head) and f.endswith(tail)]
+        others = {f.split(".")[3] for f in self.index.tensors if f.startswith(f"{OPT_BUCKETS}dp_group_idx_{group}.")}
+        if len(found) != 1 or others != {"gbuf_idx_0"}:
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {len(found)} tensors {head}dtype_*{tail} (grad buffers "
+                              f"{', '.join(sorted(others))}): one grad buffer of one dtype pair (a dense model) is read")
+        return found[0]
+
+    def step(self):
+        """Adam's step: per parameter group in common.pt or the dp_reshardable optimizer object, or `common_step`."""
+        opt = self.common.get("optimizer") or {}
+        inner = opt.get("optimizer") if isinstance(opt, dict) else None
+        if isinstance(inner, dict):
+            common_step = (inner.get("state") or {}).get("common_step")
+            if common_step is not None:
+                return float(common_step)
+            steps = [g.get("step") for g in inner.get("param_groups", []) if g.get("step") is not None]
+            if steps:
+                return float(max(steps))
+        return None

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import layout
+from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
-from ckpt_tools.formats.torch_dist import Box, DistCheckpoint
+from ckpt_tools.formats import megatron_optim as mo
+from ckpt_tools.formats.torch_dist import BUCKETS, OPT_BUCKETS, OPT_STATE, PER_PARAM_NAMES, Box, DistCheckpoint
 from ckpt_tools.shards import Reader
 
 
@@ -27,6 +28,7 @@ class TorchDistShards(Reader):
         self.ckpt = ckpt
         self._maps: dict[str, mmap.mmap] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._layouts: dict[int, mo.Layout] = {}
 
     def _file(self, name: str) -> mmap.mmap:
         if name not in self._maps:
@@ -58,27 +60,89 @@ class TorchDistShards(Reader):
         return out
 
     def shards(self, global_key: str, field: str | None = None) -> list:
-        if field is not None:
-            raise FormatError(f"{self.meta.dir}: the optimizer state of a torch_dist checkpoint is not read yet "
-                              f"(no {field!r} for {global_key}): use the model weights")
         meta = self.meta
         if layout.find_rule(global_key, meta.spec, meta.pp_size).split == layout.EXTRA:
             return [None] * meta.tp_size
-        out = []
-        for rank in range(meta.tp_size):
-            entry, boxes, dim, stacked = self.ckpt.rank_boxes(global_key, rank)
-            parts = [self._box(entry, box) for box in boxes]
-            parts = [p[0] for p in parts] if stacked else parts
-            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim))
+        form = self.ckpt.optimizer_form() if field is not None else None
+        if field is not None and form is None:
+            raise FormatError(f"{meta.dir}: no optimizer state (no {field!r} for {global_key}): use the model weights")
+        if field == "step":
+            return [torch.tensor(self._step())] * meta.tp_size
+        if form == BUCKETS:
+            out = [self._bucket_shard(global_key, field, rank) for rank in range(meta.tp_size)]
+        else:
+            if field == "master" and not self._has_masters():  # fp32 training: the weights are the masters
+                return [t.float() for t in self.shards(global_key)]
+            out = []
+            for rank in range(meta.tp_size):
+                entry, boxes, dim, stacked = self.ckpt.rank_boxes(global_key, rank, field)
+                parts = [self._box(entry, box) for box in boxes]
+                parts = [p[0] for p in parts] if stacked else parts
+                out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim))
         self._handed += out
         return out
+
+    # ------------------------------------------------------------ optimizer state
+    def has_optimizer(self) -> bool:
+        return self.ckpt.optimizer_form() is not None
+
+    def _has_masters(self) -> bool:
+        return any(f.startswith(tuple(f"{OPT_STATE}{n}." for n in PER_PARAM_NAMES["master"]))
+                   for f in self.ckpt.index.tensors)
+
+    def _step(self) -> float:
+        step = self.ckpt.step()
+        if step is None:  # dp_reshardable: in each model-parallel rank's optimizer object (the same step)
+            blob = f"{OPT_BUCKETS}dp_group_idx_0.optimizer/shard_0_1"
+            if blob not in self.ckpt.index.blobs:
+                raise FormatError(f"{self.meta.dir / dcp.METADATA}: no Adam step (no {blob}, no param_groups in "
+                                  f"common.pt): the optimizer state is incomplete; restore the checkpoint")
+            file, offset, length = self.ckpt.index.blobs[blob]
+            obj = io.load_bytes(self._file(file)[offset:offset + length], f"{self.meta.dir / file} ({blob})")
+            obj = obj[0] if isinstance(obj, list) and obj else obj
+            steps = [g.get("step") for g in (obj or {}).get("param_groups", []) if g.get("step") is not None]
+            if not steps:
+                raise FormatError(f"{self.meta.dir / file}: {blob} holds no param_groups with a step: restore it")
+            step = float(max(steps))
+        return step
+
+    def _layout(self, pp_rank: int) -> mo.Layout:
+        """megatron-core's grad-buffer layout of a stage's parameters (every TP rank's is alike), checked against
+        the stored buckets' lengths."""
+        if pp_rank not in self._layouts:
+            args = self.ckpt.common.get("args")
+            dp = mo.dp_size_of(args)
+            params = [mo.Param(k, shape, shared) for k, shape, shared in self.ckpt.stage_params(pp_rank)]
+            found = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
+                                     bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+            group = self.meta.tp_size * pp_rank
+            stored = [self.ckpt.bucket_entry(group, b, "param").shape for b in range(len(found.buckets))]
+            extra = f"{OPT_BUCKETS}dp_group_idx_{group}.gbuf_idx_0."
+            count = len({f.split(".bucket_idx_")[1].split(".")[0] for f in self.ckpt.index.tensors if f.startswith(extra)})
+            want = [(n,) for _, _, n in found.buckets]
+            if stored != want or count != len(want):
+                raise FormatError(f"{self.meta.dir / dcp.METADATA}: the grad buffer of PP rank {pp_rank} has {count} "
+                                  f"bucket(s) of {[s[0] for s in stored]} elements, megatron-core's layout of its "
+                                  f"parameters has {[n for (n,) in want]} (from args: overlap_grad_reduce, "
+                                  f"ddp_bucket_size, data-parallel size): the optimizer state cannot be mapped")
+            self._layouts[pp_rank] = found
+        return self._layouts[pp_rank]
+
+    def _bucket_shard(self, key: str, field: str, rank: int) -> torch.Tensor:
+        pp_rank, _ = self._where[key]
+        found = self._layout(pp_rank)
+        start, end, bucket = found.where[key]
+        first = found.buckets[bucket][0]
+        entry = self.ckpt.bucket_entry(rank + self.meta.tp_size * pp_rank, bucket, mo.FLAT_FIELDS[field])
+        shape = layout.shard_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.tp_size, self.meta.pp_size)
+        return self._box(entry, [(start - first, end - first)]).view(shape)
 
     def validate(self) -> list[str]:
         return self.ckpt.validate()
 
     def unread_optimizer(self) -> str | None:
         n = sum(1 for f in self.ckpt.index.tensors if f.startswith("optimizer."))
-        return f"torch_dist optimizer state ({n} optimizer.* tensors)" if n else None
+        return f"torch_dist optimizer state ({n} optimizer.* tensors)" if n and not self.has_optimizer() else None
 
     def close(self) -> None:
         self._chunks.clear()

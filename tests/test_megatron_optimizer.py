@@ -1,0 +1,137 @@
+"""Megatron-LM optimizer state, as megatron-core's own optimizers wrote it after 3 real steps on a GPU
+(fixtures/megatron_optimizer/, made by tests/mcore_optimizer_checkpoints.py): every form decodes to megatron-core's
+own per-parameter state bit for bit, `reshard` carries it into our layout, `merge --from-master-weights` writes its
+fp32 masters. The fixtures' reference.pt holds what megatron-core's optimizer object itself held, and its
+grad-buffer layout.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from bad_inputs import assert_no_out, error_line, invoke
+from safetensors.torch import load_file
+
+from ckpt_tools import layout
+from ckpt_tools import megatron_lm as mlm
+from ckpt_tools.formats import megatron_optim as mo
+from ckpt_tools.shards import open_checkpoint
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_optimizer"
+VOCAB = 120
+FIELDS = ("master", "exp_avg", "exp_avg_sq")
+FORMS = ["plain/torch", "plain/torch_dist", "dist/torch", "dist/torch_dist", "dist/torch_dist_full",
+         "dist_buckets/torch", "dist_buckets/torch_dist"]
+IDS = ["plain-legacy", "plain-torch_dist", "distrib_optim.pt", "dp_reshardable", "fully_reshardable",
+       "distrib_optim.pt-buckets", "dp_reshardable-buckets"]
+
+
+def reference(form: str) -> dict:
+    return torch.load(FIXTURES / form.split("/")[0] / "reference.pt", weights_only=False)
+
+
+def assert_state_equals_reference(reader, ref: dict) -> int:
+    """Every parameter's master, exp_avg, exp_avg_sq and step equal megatron-core's, bit for bit."""
+    compared = 0
+    for key in reader.keys():
+        if layout.find_rule(key, reader.meta.spec, reader.meta.pp_size).split == layout.EXTRA:
+            continue
+        for field in FIELDS:
+            got, want = reader.full(key, field), ref[key][field]
+            assert got.dtype == torch.float32 and torch.equal(got, want), (key, field)
+            compared += 1
+        assert float(reader.shards(key, "step")[0]) == float(ref[key]["step"]) == 3.0, key
+        reader.release()
+    return compared
+
+
+@pytest.mark.parametrize("form", FORMS, ids=IDS)
+def test_every_form_decodes_to_megatron_cores_state(form):
+    reader = open_checkpoint(FIXTURES / form, VOCAB)
+    assert reader.has_optimizer() and reader.unread_optimizer() is None
+    assert assert_state_equals_reference(reader, reference(form)) == 15 * 3
+
+
+@pytest.mark.parametrize("variant", ["dist", "dist_buckets"])
+def test_buffer_layout_is_megatron_cores(variant):
+    """The grad-buffer layout recomputed from the parameter list and args equals megatron-core's own."""
+    path = mlm.model_path(FIXTURES / variant / "torch" / "iter_0000003", 0, 0, 1)
+    obj = torch.load(path, weights_only=False, map_location="cpu")
+    params = mo.params_of(mlm.model_state(obj), set())
+    dp = mo.dp_size_of(obj["args"])
+    found = mo.buffer_layout(params, dp, mo.bucket_size_of(obj["args"], 0, dp))
+    theirs = reference(variant)["_buffers"]
+    assert len(theirs) == 1
+    assert {k: list(v) for k, v in found.where.items()} == theirs[0]["params"]
+    assert [[a, b] for a, b, _ in found.buckets] == theirs[0]["buckets"]
+    assert len(found.buckets) == (6 if variant == "dist_buckets" else 1)
+
+
+@pytest.mark.parametrize("form", ["plain/torch", "dist/torch_dist", "dist_buckets/torch"],
+                         ids=["plain-legacy", "dp_reshardable", "distrib_optim.pt-buckets"])
+def test_reshard_carries_the_optimizer_into_our_layout(form, tmp_path):
+    out = tmp_path / "ours"
+    result = invoke("reshard", FIXTURES / form, out, "--tp", 2, "--pp", 2, "--vocab-size", VOCAB, "--quiet")
+    assert result.exit_code == 0 and "model + optimizer" in result.output, result.output
+    ours = open_checkpoint(out)
+    assert ours.meta.tp_size == 2 and ours.has_optimizer()
+    ref = reference(form)
+    for key in ours.keys():  # the vocab tensors are re-padded for TP2: compare the true rows
+        if layout.find_rule(key, ours.meta.spec, 2).split == layout.EXTRA:
+            continue
+        for field in FIELDS:
+            got, want = ours.full(key, field), ref[key][field]
+            rows = VOCAB if layout.find_rule(key, ours.meta.spec, 2).split == layout.VOCAB else want.shape[0]
+            assert torch.equal(got[:rows], want[:rows]), (key, field)
+
+
+@pytest.mark.parametrize("form", ["plain/torch_dist", "dist/torch"], ids=["plain-torch_dist", "distrib_optim.pt"])
+def test_merge_from_master_weights(form, tmp_path):
+    out = tmp_path / "masters.safetensors"
+    result = invoke("merge", FIXTURES / form, out, "--format", "safetensors", "--from-master-weights",
+                    "--vocab-size", VOCAB, "--quiet")
+    assert result.exit_code == 0, result.output
+    merged, ref = load_file(out), reference(form)
+    assert merged and all(torch.equal(t, ref[k]["master"][: t.shape[0]]) for k, t in merged.items())
+    assert merged["embedding.word_embeddings.weight"].shape[0] == VOCAB
+
+
+def _args_edit(src: Path, change) -> None:
+    """Re-save the args of every file that holds them (a run's args that do not describe its buffers)."""
+    for path in list(src.rglob("model_optim_rng.pt")) + list(src.rglob("common.pt")):
+        obj = torch.load(path, weights_only=False, map_location="cpu")
+        change(obj["args"])
+        torch.save(obj, path)
+
+
+def test_buckets_that_the_args_do_not_describe_are_refused(tmp_path):
+    """dp_reshardable keeps each bucket apart: args that say one bucket where there were six are refused."""
+    src = Path(shutil.copytree(FIXTURES / "dist_buckets/torch_dist", tmp_path / "src"))
+    _args_edit(src, lambda a: setattr(a, "overlap_grad_reduce", False))
+    out = tmp_path / "out"
+    line = error_line(invoke("reshard", src, out, "--tp", 1, "--pp", 1, "--vocab-size", VOCAB))
+    assert "has 6 bucket(s)" in line, line
+    assert "the optimizer state cannot be mapped" in line, line
+    assert_no_out(out)
+
+
+def _flat_edit(src: Path, change) -> None:
+    path = next(src.rglob("distrib_optim.pt"))
+    obj = torch.load(path, weights_only=False)
+    change(obj[0][(torch.bfloat16, torch.float32)])
+    torch.save(obj, path)
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda s: s.__setitem__("numel_unpadded", s["numel_unpadded"] - 64), "elements, the model's grad-buffer layout"),
+    (lambda s: s["param"].__setitem__(4128, 1.0), "alignment gap"),  # between final_layernorm and linear_fc2
+], ids=["numel", "data-in-a-gap"])
+def test_a_distrib_optim_file_that_does_not_fit_the_model_is_refused(change, expected, tmp_path):
+    src = Path(shutil.copytree(FIXTURES / "dist_buckets/torch", tmp_path / "src"))
+    _flat_edit(src, change)
+    out = tmp_path / "out"
+    line = error_line(invoke("reshard", src, out, "--tp", 1, "--pp", 1, "--vocab-size", VOCAB))
+    assert "distrib_optim.pt" in line and expected in line and "cannot be mapped" in line, line
+    assert_no_out(out)
