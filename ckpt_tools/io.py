@@ -1,8 +1,8 @@
 """Every read of a `.bin`/`.pt` file and every atomic write goes through here.
 
 Reads use `torch.load(weights_only=True)`: nothing in a checkpoint may run code when loaded.
-Real Megatron-LM files also hold an argparse.Namespace and numpy RNG states; those types are
-allow-listed explicitly, nothing else. torch is imported where it is used: the torch-free merge
+Real Megatron-LM files also hold an argparse.Namespace, numpy RNG states and (Transformer Engine's
+`_extra_state` in older TE versions) io.BytesIO; those types are allow-listed explicitly, nothing else. torch is imported where it is used: the torch-free merge
 path (ckpt_tools.fast_merge) writes through this module too.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from ckpt_tools.errors import FormatError
 
 
 def _allowed_globals() -> list:
-    allowed: list = [argparse.Namespace]
+    import io as _io
+    allowed: list = [argparse.Namespace, _io.BytesIO]  # BytesIO: Transformer Engine's _extra_state in older TE
     try:
         import numpy as np
         reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct

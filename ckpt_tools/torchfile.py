@@ -104,7 +104,8 @@ class Namespace(Record):
     """Megatron-LM's `args`: its attributes, read as an argparse.Namespace's."""
 
 
-_OPAQUE = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+_OPAQUE = {("_io", "BytesIO"),  # Transformer Engine's _extra_state (older TE versions)
+           ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
            ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
            ("numpy._core.multiarray", "scalar")}
 TORCH_DTYPES = {"float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}

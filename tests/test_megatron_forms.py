@@ -212,3 +212,22 @@ def test_cli_merge_of_torch_dist_imports_no_torch(mcore_checkpoints, tmp_path):
     assert "ckpt_tools.formats.torch_dist" in imported(fast)
     assert not {m for m in imported(fast) if m == "torch" or m.startswith("torch.")}
 
+
+
+def test_transformer_engine_extra_state_as_bytes_is_carried(mcore_checkpoints, tmp_path):
+    """Older Transformer Engine versions keep a module's _extra_state as an io.BytesIO: it holds no weights; both
+    merge paths take the file and write the model of the local-spec save."""
+    import io as _io
+
+    from ckpt_tools.merge import merge
+    from test_fast_merge import assert_same_as_torch
+    arch_dir = mcore_checkpoints("llama")
+    src = Path(shutil.copytree(arch_dir / "torch_te", tmp_path / "src"))
+    for path in src.rglob("model_optim_rng.pt"):
+        obj = torch.load(path, weights_only=False)
+        obj["model"] = {k: _io.BytesIO(b"fp8 meta") if k.endswith("_extra_state") else v for k, v in obj["model"].items()}
+        torch.save(obj, path)
+    files = assert_same_as_torch(src, tmp_path, vocab_size=VOCAB)
+    direct = tmp_path / "direct"
+    merge(arch_dir / "torch", direct, vocab_size=VOCAB, quiet=True)
+    assert files["model.safetensors"] == (direct / "model.safetensors").read_bytes()
