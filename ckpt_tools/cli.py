@@ -10,6 +10,11 @@ import click
 from ckpt_tools.errors import CkptError
 
 
+def one_line(message: str) -> str:
+    """An error is one line, even when it quotes a damaged file's bytes."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _handle_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -19,7 +24,7 @@ def _handle_errors(fn):
         except CkptError as e:
             if ctx.find_root().params.get("debug"):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(str(e))}", err=True)
             ctx.exit(1)
     return wrapper
 

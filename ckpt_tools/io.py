@@ -64,9 +64,11 @@ def load_file(path: str | Path, mmap: bool = True) -> Any:
     except pickle.UnpicklingError as e:
         # name the global, not torch's advice (which is to allow-list it)
         found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(e))
-        rest = [l.strip() for l in str(e).splitlines()
-                if l.strip() and not l.startswith(("Weights only load failed", "Check the documentation"))]
-        what = f"it needs {found.group(1)}" if found else (rest[0][:200] if rest else "unsafe content")
+        if not found:  # not a refused global: a damaged pickle that the weights-only unpickler could not read
+            detail = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()
+            raise FormatError(f"{path}: not a readable torch file ({(detail[0] if detail else 'damaged pickle')[:160]}): "
+                              f"the file is truncated or corrupt; restore it from the source checkpoint") from None
+        what = f"it needs {found.group(1)}"
         raise FormatError(f"{path}: refused to load, unpickling it would need code outside the allow-list "
                           f"({what}): it is not a plain checkpoint; only if you trust its origin, "
                           f"rerun with `ckpt --trust-pickle ...`, which lets it run code") from None

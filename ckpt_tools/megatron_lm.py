@@ -251,22 +251,32 @@ def args_of(path: Path, state) -> object:
 
 def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int, int, list[int]]:
     """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
-    tp, pp = _arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1)
     try:
+        tp, pp = _arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1)
         spec = spec_from_args(args, vocab_size)
         spec.check_tp(tp)
         return spec, tp, pp, _layer_counts(args, pp)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+        raise ConfigError(f"{path}: Megatron-LM's args are incomplete or malformed ({type(e).__name__}: "
+                          f"{str(e)[:120]}): the file is damaged or not written by Megatron-LM's training loop; "
+                          f"restore it from the source") from None
 
 
 def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: int, pp: int, counts: list[int],
             padded: int, source: str) -> Meta:
     """The Meta of a Megatron-LM checkpoint (any form): `path` holds its args, `state` its common state."""
+    if not isinstance(padded, int) or isinstance(padded, bool):
+        raise FormatError(f"{path}: padded_vocab_size is {padded!r:.40}, expected an integer: the args are damaged; "
+                          f"restore the file from the source")
     if spec.vocab_size > padded:
         raise ConfigError(f"{path}: true vocab {spec.vocab_size} exceeds padded_vocab_size {padded}: "
                           f"pass the tokenizer's vocab size with --vocab-size")
-    iteration = state.get("iteration", 0)
+    iteration = state.get("iteration")
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise FormatError(f"{path}: 'iteration' is {iteration!r:.40}, expected an integer >= 0 (Megatron-LM always "
+                          f"saves it): the file is damaged; restore it from the source")
     dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
     raw = {
         "format": source,

@@ -29,7 +29,9 @@ ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64
 STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
                   "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
-_LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+STORAGE_ALIGNMENT = 64  # torch.save (PyTorchStreamWriter) starts every tensor record's data on this boundary
+_LOCAL_HEADER = 30
+_DATA_DESCRIPTOR = 24  # at most, after a record's data (zip64)  # bytes of a zip local file header before its name and extra field
 
 
 class Unreadable(Exception):
@@ -127,6 +129,10 @@ class _Unpickler(pickle.Unpickler):
             return collections.OrderedDict
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_tensor
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _rebuild_from_type
+        if (module, name) == ("torch", "Tensor"):
+            return _TENSOR
         if module == "torch" and name in STORAGE_DTYPES:
             return _StorageType(STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_DTYPES:
@@ -144,6 +150,17 @@ class _Unpickler(pickle.Unpickler):
                 and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and isinstance(pid[4], int)):
             raise Unreadable(f"persistent id {pid!r:.80} is not a storage")
         return self.archive.storage(pid[2], pid[1].dtype, pid[4])
+
+
+_TENSOR = object()  # stands for the class torch.Tensor
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> TensorInfo:
+    """Stands for torch._tensor._rebuild_from_type_v2: a plain tensor that carried Python attributes (Megatron-LM's
+    fp32 masters); the attributes are dropped, nothing else is allowed."""
+    if func is not _rebuild_tensor or new_type is not _TENSOR or not isinstance(args, tuple):
+        raise Unreadable("a tensor of a subclass, or rebuilt by an unknown function")
+    return _rebuild_tensor(*args)
 
 
 def _rebuild_tensor(storage: Any, offset: Any, shape: Any, stride: Any, requires_grad: Any = False,
@@ -187,8 +204,10 @@ class _Window(io.RawIOBase):
 
 
 class _Archive:
-    def __init__(self, fd: int, z: zipfile.ZipFile, base: int = 0):
-        self.fd, self.z, self.base = fd, z, base
+    def __init__(self, fd: int, z: zipfile.ZipFile, base: int = 0, end: int | None = None):
+        self.fd, self.z, self.base, self.end = fd, z, base, end
+        starts = sorted(info.header_offset for info in z.infolist()) + [z.start_dir]
+        self._next = {info.filename: starts[starts.index(info.header_offset) + 1] for info in z.infolist()}
         pickles = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise Unreadable("not a torch.save archive (no single <name>/data.pkl)")
@@ -206,7 +225,17 @@ class _Archive:
         info = self.z.getinfo(name)
         if info.compress_type != zipfile.ZIP_STORED:
             raise Unreadable(f"record {name} is compressed")
-        return record_offset(self.fd, self.base + info.header_offset), info.file_size
+        offset = record_offset(self.fd, self.base + info.header_offset)
+        if "/data/" in name and (offset - self.base) % STORAGE_ALIGNMENT:
+            raise Unreadable(f"record {name} starts at byte {offset - self.base} of the archive, not on the "
+                             f"{STORAGE_ALIGNMENT}-byte boundary torch.save puts tensor data on: a damaged zip header")
+        if self.end is not None and offset + info.file_size > self.end:
+            raise Unreadable(f"record {name} ends beyond its archive")
+        gap = self.base + self._next[name] - (offset + info.file_size)
+        if not 0 <= gap <= _DATA_DESCRIPTOR:  # torch.save writes records back to back (each + its descriptor)
+            raise Unreadable(f"record {name} does not end where the next one begins ({gap} bytes apart): a damaged "
+                             f"zip header")
+        return offset, info.file_size
 
     def _read(self, name: str) -> bytes:
         """A record's bytes, its CRC not checked: torch does not check it (our writer leaves it 0; the
@@ -234,9 +263,11 @@ def read(path: str | Path, offset: int = 0, length: int | None = None) -> Any:
     refuse). `offset` and `length` name an archive embedded in a larger file."""
     try:
         with open(path, "rb") as f:
-            window = f if offset == 0 and length is None else _Window(f, offset, length)
+            if length is None:
+                length = os.fstat(f.fileno()).st_size - offset
+            window = f if offset == 0 else _Window(f, offset, length)
             with zipfile.ZipFile(window) as z:
-                return _Archive(f.fileno(), z, offset).load()
+                return _Archive(f.fileno(), z, offset, offset + length).load()
     except (Unreadable, FileNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip or pickle fails in any way; torch will say how

@@ -231,3 +231,83 @@ def test_transformer_engine_extra_state_as_bytes_is_carried(mcore_checkpoints, t
     direct = tmp_path / "direct"
     merge(arch_dir / "torch", direct, vocab_size=VOCAB, quiet=True)
     assert files["model.safetensors"] == (direct / "model.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------- fuzz
+FUZZ_SECONDS = float(__import__("os").environ.get("CKPT_FUZZ_SECONDS", "20"))
+
+
+def _data_ranges(iter_dir: Path) -> dict[str, list[tuple[int, int]]]:
+    """file -> the byte ranges that hold tensor data (a flipped byte there changes a value, nothing else)."""
+    from ckpt_tools.formats import dcp as _dcp
+    out: dict[str, list[tuple[int, int]]] = {}
+    for entry in _dcp.read_metadata(iter_dir).tensors.values():
+        for c in entry.chunks:
+            info = _dcp.chunk_info(iter_dir, c)
+            out.setdefault(c.file, []).append((info.offset, info.offset + info.nbytes))
+    return out
+
+
+def test_fuzz_torch_dist(mcore_checkpoints, tmp_path):
+    """Random bytes of .metadata, common.pt and the .distcp files flipped: every command answers with its output
+    or one error line, never a traceback or a half-written OUT. An output that differs from the undamaged one
+    only ever comes from flipped tensor data, or from a flipped value of the args (a Megatron-LM checkpoint has no
+    hashes to catch either): printed by `inspect`, or, when it unties the embeddings, named by merge's note that
+    the output layer differs from the embedding."""
+    import random
+    import time
+
+    from safetensors.torch import load_file as load_safetensors
+    clean = mcore_checkpoints("llama") / "torch_dist"
+    iter_name = "iter_0000005"
+    data = _data_ranges(clean / iter_name)
+    commands = {"merge": ["merge", "{src}", "{out}", "--format", "safetensors", "-q", "--vocab-size", VOCAB],
+                "merge-torch": ["merge", "{src}", "{out}", "--format", "safetensors", "-q", "--vocab-size", VOCAB,
+                                "--dtype", "fp32"],
+                "inspect": ["inspect", "{src}", "--tensors", "--vocab-size", VOCAB]}
+    expected = {}
+    for name, args in commands.items():
+        out = tmp_path / f"expected-{name}.safetensors"
+        result = invoke(*[str(a).format(src=clean, out=out) for a in args])
+        assert result.exit_code == 0, result.output
+        expected[name] = load_safetensors(out) if name != "inspect" else result.output
+    files = sorted(p.name for p in (clean / iter_name).iterdir() if p.is_file())
+    outcomes: dict[str, int] = {}
+    start, i = time.monotonic(), 0
+    while time.monotonic() - start < FUZZ_SECONDS:
+        rng = random.Random(f"torch_dist-{i}")
+        i += 1
+        src = tmp_path / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(clean, src)
+        victim = rng.choice(files)
+        path = src / iter_name / victim
+        raw = bytearray(path.read_bytes())
+        spots = [rng.randrange(len(raw)) for _ in range(rng.randint(1, 4))] if raw else []
+        for s in spots:
+            raw[s] = rng.randrange(256)
+        path.write_bytes(bytes(raw))
+        in_data = any(a <= s < b for s in spots for a, b in data.get(victim, []))  # a value may change
+        name = rng.choice(list(commands))
+        out = tmp_path / "out.safetensors"
+        result = invoke(*[str(a).format(src=src, out=out) for a in commands[name]])
+        why = f"mutation {i - 1} ({victim} at {spots}, {name})"
+        assert result.exception is None or isinstance(result.exception, SystemExit), \
+            f"{why}: exception escaped: {result.exception!r}"
+        assert "Traceback" not in result.output, why
+        if result.exit_code == 1:
+            assert result.output.startswith("error:") and result.output.count("\n") == 1 and not out.exists(), \
+                f"{why}: {result.output}"
+            outcomes["error"] = outcomes.get("error", 0) + 1
+            continue
+        assert result.exit_code == 0, f"{why}: exit {result.exit_code}"
+        got = load_safetensors(out) if name != "inspect" else result.output.replace(str(src), str(clean))
+        same = got == expected[name] if name == "inspect" else \
+            list(got) == list(expected[name]) and all(torch.equal(got[k], expected[name][k]) for k in got)
+        if out.exists():
+            out.unlink()
+        outcomes["same" if same else "changed data"] = outcomes.get("same" if same else "changed data", 0) + 1
+        args_changed = victim == "common.pt" and (name == "inspect" or "note:" in result.output)
+        assert same or in_data or args_changed, f"{why}: a different output without an error or a note"
+    print(f"torch_dist fuzz: {i} mutations: {outcomes}")
+    assert i >= 10

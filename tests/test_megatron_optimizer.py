@@ -127,11 +127,48 @@ def _flat_edit(src: Path, change) -> None:
 @pytest.mark.parametrize("change,expected", [
     (lambda s: s.__setitem__("numel_unpadded", s["numel_unpadded"] - 64), "elements, the model's grad-buffer layout"),
     (lambda s: s["param"].__setitem__(4128, 1.0), "alignment gap"),  # between final_layernorm and linear_fc2
-], ids=["numel", "data-in-a-gap"])
+    (lambda s: s["param"].__setitem__(100, s["param"][100] + 1.0), "does not round to the weight"),
+    (lambda s: s.__setitem__("exp_avg", s["exp_avg"][:-1]), "expected fp32 of"),
+], ids=["numel", "data-in-a-gap", "a-master-moved", "a-field-short"])
 def test_a_distrib_optim_file_that_does_not_fit_the_model_is_refused(change, expected, tmp_path):
     src = Path(shutil.copytree(FIXTURES / "dist_buckets/torch", tmp_path / "src"))
     _flat_edit(src, change)
     out = tmp_path / "out"
     line = error_line(invoke("reshard", src, out, "--tp", 1, "--pp", 1, "--vocab-size", VOCAB))
     assert "distrib_optim.pt" in line and expected in line and "cannot be mapped" in line, line
+    assert_no_out(out)
+
+
+@pytest.mark.parametrize("form", ["plain/torch", "dist/torch"], ids=["plain-legacy", "distrib_optim.pt"])
+def test_gpu_saved_legacy_files_merge_torch_free(form, tmp_path):
+    """Files saved on a GPU hold CUDA storages and masters with Python attributes: the torch-free path reads them
+    and writes the torch path's bytes."""
+    from test_fast_merge import assert_same_as_torch
+    assert_same_as_torch(FIXTURES / form, tmp_path, vocab_size=VOCAB)
+
+
+def test_the_parameter_order_is_proven_by_the_weights(tmp_path):
+    """torch_dist does not say which spec trained the model, and a Transformer Engine layer orders its parameters
+    otherwise; args that name the other spec are tried first and disproven by the weights, then the right order is
+    taken: still megatron-core's state, bit for bit."""
+    src = Path(shutil.copytree(FIXTURES / "dist_buckets/torch_dist", tmp_path / "src"))
+    _args_edit(src, lambda a: setattr(a, "transformer_impl", "transformer_engine"))
+    assert_state_equals_reference(open_checkpoint(src, VOCAB), reference("dist_buckets/torch_dist"))
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda o: o["optimizer"]["fp32_from_fp16_params"][0].pop(), "fp32 masters for"),
+    (lambda o: o["optimizer"].pop("fp32_from_fp16_params"), "the fp32 masters are missing"),
+    (lambda o: o["optimizer"]["fp32_from_fp16_params"][0].reverse(), "is not the weight"),
+    (lambda o: o["optimizer"]["optimizer"]["param_groups"].reverse(), "fp32 masters for"),
+], ids=["a-master-short", "no-masters", "masters-shuffled", "groups-swapped"])
+def test_a_plain_optimizer_that_does_not_fit_the_model_is_refused(change, expected, tmp_path):
+    src = Path(shutil.copytree(FIXTURES / "plain/torch", tmp_path / "src"))
+    path = next(src.rglob("model_optim_rng.pt"))
+    obj = torch.load(path, weights_only=False, map_location="cpu")
+    change(obj)
+    torch.save(obj, path)
+    out = tmp_path / "out"
+    line = error_line(invoke("reshard", src, out, "--tp", 1, "--pp", 1, "--vocab-size", VOCAB))
+    assert expected in line and "model_optim_rng.pt" in line, line
     assert_no_out(out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from ckpt_tools.torchfile import ELEMENT_SIZES, Record, TensorInfo, Unreadable
 from ckpt_tools.torchfile import read as read_torch_file
 
 METADATA = ".metadata"
+_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # what DCP's FileSystemWriter names its files
+MAX_ENTRIES, MAX_CHUNKS = 1_000_000, 20_000_000  # a bound on what a (hostile) .metadata may make us hold
 _DTYPES = {name for name in ELEMENT_SIZES}
 _DCP = "torch.distributed.checkpoint"
 # Classes a DCP .metadata pickle names, by module; each becomes a Record of that name.
@@ -72,7 +75,7 @@ class _Unpickler(pickle.Unpickler):
             return collections.OrderedDict
         if (module, name) in (("builtins", "set"), ("builtins", "frozenset")):
             return {"set": set, "frozenset": frozenset}[name]
-        raise _Refused(f"global {module}.{name} is not one of a DCP checkpoint's metadata")
+        raise _Refused(f"global {f'{module}.{name}'!r:.100} is not one of a DCP checkpoint's metadata")
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def read_metadata(iter_dir: Path) -> Index:
                           f"corrupt; restore it from the source") from None
     try:
         return _index(meta)
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, ArithmeticError, FormatError) as e:
         raise FormatError(f"{path}: not the metadata of a torch_dist checkpoint ({type(e).__name__}: "
                           f"{str(e)[:120]}): restore it from the source") from None
 
@@ -128,8 +131,11 @@ def _index(meta: Any) -> Index:
     where: dict[tuple[str, tuple], tuple[str, int, int]] = {}
     for index, info in meta.storage_data.items():
         offset = index.__dict__.get("offset")  # absent (None) for a bytes entry
-        offset = tuple(offset) if offset is not None else None
-        where[(index.fqn, offset)] = (str(info.relative_path), int(info.offset), int(info.length))
+        offset = tuple(_int(x) for x in offset) if offset is not None else None
+        name = info.relative_path
+        if not (isinstance(name, str) and _FILE.match(name)):  # never a path outside the checkpoint dir
+            raise ValueError(f"storage file {name!r:.60} is not a .distcp file name of the checkpoint dir")
+        where[(index.fqn, offset)] = (name, _int(info.offset), _int(info.length))
     tensors: dict[str, Entry] = {}
     blobs: dict[str, tuple[str, int, int]] = {}
     for fqn, item in meta.state_dict_metadata.items():
@@ -141,14 +147,25 @@ def _index(meta: Any) -> Index:
             raise TypeError(f"{fqn} is a {item.kind}")
         props = item.properties.__dict__
         dtype = props["dtype"] if "dtype" in props else props["_state"][0]  # a dataclass, or its getstate tuple
+        if dtype not in ELEMENT_SIZES:
+            raise ValueError(f"{fqn} has dtype {dtype!r:.40}")
         chunks = []
         for c in item.chunks:
-            offsets, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+            offsets, sizes = tuple(_int(x) for x in c.offsets), tuple(_int(x) for x in c.sizes)
             if (fqn, offsets) not in where:
                 raise KeyError(f"chunk of {fqn} at {list(offsets)} has no storage record")
             chunks.append(Chunk(offsets, sizes, *where[(fqn, offsets)]))
-        tensors[fqn] = Entry(fqn, tuple(int(x) for x in item.size), str(dtype), tuple(chunks))
+        tensors[fqn] = Entry(fqn, tuple(_int(x) for x in item.size), str(dtype), tuple(chunks))
+        if len(tensors) > MAX_ENTRIES or sum(len(e.chunks) for e in tensors.values()) > MAX_CHUNKS:
+            raise ValueError(f"more than {MAX_ENTRIES} tensors or {MAX_CHUNKS} chunks")
     return Index(tensors, blobs)
+
+
+def _int(x: Any) -> int:
+    """A size or offset from the pickle: an int >= 0 (anything else is a damaged file)."""
+    if type(x) is not int or x < 0:
+        raise ValueError(f"{x!r:.40} is not a size")
+    return x
 
 
 def chunk_info(iter_dir: Path, chunk: Chunk) -> TensorInfo:

@@ -101,6 +101,32 @@ def buffer_layout(params: list[Param], dp_size: int, bucket_size: int | None, pa
     return Layout(where, buckets)
 
 
+def te_order(params: list) -> list:
+    """The parameters of a Transformer Engine layer in its named_parameters() order: its input norm is fused into
+    linear_qkv, which megatron-core builds after linear_proj, so the norm follows linear_proj (the local spec
+    registers input_layernorm first). Items are Params or (key, ...) tuples."""
+    def key(p) -> str:
+        return p.key if isinstance(p, Param) else p[0]
+    out, held = [], []
+    for i, p in enumerate(params):
+        k = key(p)
+        if ".input_layernorm." in k:
+            held.append(p)
+            continue
+        out.append(p)
+        following = key(params[i + 1]) if i + 1 < len(params) else ""
+        if ".self_attention.linear_proj." in k and following != k.rsplit(".", 1)[0] + ".bias":
+            out += held  # after linear_proj's last parameter
+            held = []
+    return out + held
+
+
+def same_as_weight(master, weight) -> bool:
+    """A fp32 master rounded to the weight's dtype is the weight (Megatron copies masters into the weights
+    after every step): the check that an optimizer state belongs to these weights at these places."""
+    return tuple(master.shape) == tuple(weight.shape) and bool(torch.equal(master.to(weight.dtype), weight))
+
+
 def bucket_size_of(args, pp_rank: int, dp_size: int) -> int | None:
     """The DDP bucket size a Megatron-LM run used on a pipeline stage: none without --overlap-grad-reduce and on
     every stage but the first."""
@@ -120,15 +146,15 @@ def params_of(model: dict, shared: set[str]) -> list[Param]:
 
 
 def _refuse(path: Path, what: str) -> FormatError:
-    return FormatError(f"{path}: {what}: the optimizer state cannot be mapped to the model's parameters; merge or "
-                       f"reshard without it (--no-optimizer is implied by omitting the optimizer)")
+    return FormatError(f"{path}: {what}: the optimizer state cannot be mapped to the model's parameters; the file is "
+                       f"damaged or of a layout this version does not read: restore it from the source")
 
 
-def _step(groups: list[dict], state: dict | None = None):
+def _step(path: Path, groups: list[dict]):
     steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-    if state:
-        steps |= {float(s["step"]) for s in state.values() if isinstance(s, dict) and s.get("step") is not None}
-    return torch.tensor(steps.pop() if len(steps) == 1 else max(steps, default=0.0))
+    if not steps:
+        raise _refuse(path, "its param groups hold no Adam step")
+    return torch.tensor(max(steps))
 
 
 def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dict[str, dict]:
@@ -140,6 +166,9 @@ def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dic
     by_wd = {1.0: [p for p in params if len(p.shape) > 1 and not p.key.endswith(".bias")]}
     by_wd[0.0] = [p for p in params if p not in by_wd[1.0]]
     masters = opt.get("fp32_from_fp16_params")
+    if masters is None and any(t.dtype != torch.float32 for t in (model[p.key] for p in params)):
+        raise _refuse(path, "no fp32_from_fp16_params beside the Adam state of 16-bit weights (the fp32 masters "
+                            "are missing)")
     out: dict[str, dict] = {}
     for g_index, group in enumerate(groups):
         mult = float(group.get("wd_mult", 1.0 if group.get("weight_decay", 0) else 0.0))
@@ -151,6 +180,9 @@ def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dic
         if len(members) != len(indices):
             raise _refuse(path, f"param group {g_index} lists {len(indices)} parameters, the model has {len(members)} "
                                 f"{'with' if mult else 'without'} weight decay")
+        if masters is not None and len(masters[g_index]) != len(indices):
+            raise _refuse(path, f"param group {g_index} has {len(masters[g_index])} fp32 masters for {len(indices)} "
+                                f"parameters (some weights are not 16-bit)")
         for j, (p, index) in enumerate(zip(members, indices)):
             s = state.get(index, {})
             if masters is not None:
@@ -162,16 +194,23 @@ def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dic
                 if not torch.is_tensor(t) or tuple(t.shape) != p.shape:
                     raise _refuse(path, f"{p.key}: its {name} (param {index} of group {g_index}) is "
                                         f"{tuple(t.shape) if torch.is_tensor(t) else t!r}, expected {p.shape}")
-            out[p.key] = {**{k: v.float() for k, v in fields.items()},
-                          "step": torch.tensor(float(s.get("step", group.get("step", 0))))}
+            if not same_as_weight(master, model[p.key]):
+                raise _refuse(path, f"{p.key}: its fp32 master (param {index} of group {g_index}) rounded to "
+                                    f"{model[p.key].dtype} is not the weight: the parameter numbering differs")
+            step = s.get("step", group.get("step"))
+            if step is None:
+                raise _refuse(path, f"{p.key}: no Adam step (neither per parameter nor per group)")
+            out[p.key] = {**{k: v.float() for k, v in fields.items()}, "step": torch.tensor(float(step))}
     missing = [p.key for p in params if p.key not in out]
     if missing:
         raise _refuse(path, f"no state for {', '.join(missing[:3])}")
     return out
 
 
-def decode_flat(path: Path, flat: dict, params: list[Param], layout: Layout, groups: list[dict]) -> dict[str, dict]:
-    """The legacy distributed-optimizer form (distrib_optim.pt): one grad buffer of one dtype pair."""
+def decode_flat(path: Path, flat: dict, params: list[Param], layout: Layout, groups: list[dict],
+                model: dict) -> dict[str, dict]:
+    """The legacy distributed-optimizer form (distrib_optim.pt): one grad buffer of one dtype pair; every master
+    must round to its weight (else the layout is not the run's, and nothing is decoded)."""
     buffers = [v for k, v in flat.items() if k != "buckets_coalesced"]
     if not flat.get("buckets_coalesced") or len(buffers) != 1 or len(buffers[0]) != 1:
         raise _refuse(path, f"{len(buffers)} grad buffers ({', '.join(map(str, flat))}); one buffer of one dtype pair "
@@ -181,16 +220,24 @@ def decode_flat(path: Path, flat: dict, params: list[Param], layout: Layout, gro
     if state.get("numel_unpadded") != unpadded:
         raise _refuse(path, f"{state.get('numel_unpadded')} elements, the model's grad-buffer layout has {unpadded} "
                             f"(check the run's --overlap-grad-reduce / --ddp-bucket-size / data-parallel size in args)")
+    for name in FLAT_FIELDS.values():
+        t = state.get(name)
+        if not torch.is_tensor(t) or t.dim() != 1 or t.numel() != unpadded or t.dtype != torch.float32:
+            raise _refuse(path, f"its {name!r} is {tuple(t.shape) if torch.is_tensor(t) else t!r:.40}, expected fp32 "
+                                f"of {unpadded} elements")
     master = state["param"]
     stray = [(a, b) for a, b in layout.gaps() if bool(master[a:b].any())]
     if stray:  # the gaps are zeros in the file: data there means the buckets were laid out otherwise
         raise _refuse(path, f"its fp32 masters hold data in {len(stray)} alignment gap(s) of the grad-buffer layout "
                             f"computed from args (first at element {stray[0][0]}): the run's bucketing differs from "
                             f"what args say (--overlap-grad-reduce, --ddp-bucket-size, data-parallel size)")
-    step = _step(groups)
+    step = _step(path, groups)
     out = {}
     for p in params:
         start = layout.flat_offset(p.key)
-        out[p.key] = {f: state[FLAT_FIELDS[f]][start:start + p.numel].view(p.shape).float() for f in FIELDS}
+        out[p.key] = {f: state[FLAT_FIELDS[f]][start:start + p.numel].view(p.shape) for f in FIELDS}
+        if not same_as_weight(out[p.key]["master"], model[p.key]):
+            raise _refuse(path, f"{p.key}: the fp32 master at element {start} of the grad-buffer layout does not "
+                                f"round to the weight: the run's buffer layout differs from the one computed")
         out[p.key]["step"] = step
     return out

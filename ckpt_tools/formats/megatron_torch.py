@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_tools import io, megatron_lm
+from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import megatron_optim as mo
 from ckpt_tools.shards import MODEL, OPTIMIZER, ShardSet
 
@@ -35,13 +36,20 @@ class LegacyShards(ShardSet):
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
         params = mo.params_of(model, self._shared(pp_rank))
         flat = path.parent / DISTRIB_OPTIM
-        if flat.is_file():
-            args, dp = obj["args"], mo.dp_size_of(obj["args"])
-            layout = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
-                                      bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
-            groups = obj["optimizer"]["optimizer"]["param_groups"]
-            return mo.decode_flat(flat, io.load_file(flat), params, layout, groups)
-        return mo.decode_plain(path, obj["optimizer"], params, model)
+        try:
+            if flat.is_file():
+                args, dp = obj["args"], mo.dp_size_of(obj["args"])
+                layout = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
+                                          bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+                groups = obj["optimizer"]["optimizer"]["param_groups"]
+                data = io.load_file(flat)
+                self._map(flat)
+                return mo.decode_flat(flat, data, params, layout, groups, model)
+            return mo.decode_plain(path, obj["optimizer"], params, model)
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError, RuntimeError) as e:
+            where = flat if flat.is_file() else path
+            raise FormatError(f"{where}: the optimizer state is malformed ({type(e).__name__}: {str(e)[:100]}): "
+                              f"it cannot be mapped to the model's parameters; restore the file") from None
 
     def _extra_files(self) -> list[str]:
         return []  # rank dirs beyond the layout are refused when the meta is read

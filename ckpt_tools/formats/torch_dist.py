@@ -45,6 +45,7 @@ class DistCheckpoint:
     def __init__(self, meta: Meta, index: dcp.Index, common: dict | None = None):
         self.meta, self.index, self.common = meta, index, common or {}
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
+        self._checked: set[str] = set()
 
     @classmethod
     def read(cls, iter_dir: Path, vocab_size: int | None = None, load: Callable = io.load_file) -> DistCheckpoint:
@@ -120,7 +121,14 @@ class DistCheckpoint:
         return entry, boxes, pieces[0].dim, bool(lead)
 
     def hits(self, entry: dcp.Entry, box: Box) -> list[tuple[dcp.Chunk, Box]]:
-        """The chunks that overlap a box, each with the overlap."""
+        """The chunks that overlap a box, each with the overlap (the entry's chunks checked once: inside its
+        shape, not overlapping, covering it)."""
+        if entry.fqn not in self._checked:
+            problems = dcp.coverage_problems(entry)
+            if problems:
+                raise FormatError(f"{self.meta.dir / dcp.METADATA}: {entry.fqn}: {problems[0]}: restore the "
+                                  f"checkpoint from the source")
+            self._checked.add(entry.fqn)
         out = []
         for c in self._candidates(entry, *box[0]) if box else entry.chunks:
             inter = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(box, c.offsets, c.sizes)]

@@ -53,7 +53,7 @@ class TorchDistShards(Reader):
         if len(hits) == 1 and hits[0][1] == box:
             c, inter = hits[0]
             return self._chunk(entry, c)[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets))]
-        out = torch.empty(tuple(b - a for a, b in box), dtype=getattr(torch, entry.dtype))
+        out = torch.zeros(tuple(b - a for a, b in box), dtype=getattr(torch, entry.dtype))
         for c, inter in hits:
             src = self._chunk(entry, c)[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets))]
             out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, box))] = src
@@ -106,36 +106,68 @@ class TorchDistShards(Reader):
             step = float(max(steps))
         return step
 
+    def _group(self, tp_rank: int, pp_rank: int) -> int:
+        """megatron-core's dp_group_idx of a rank: its rank in the TP x PP model-parallel group, TP fastest."""
+        return tp_rank + self.meta.tp_size * pp_rank
+
     def _layout(self, pp_rank: int) -> mo.Layout:
-        """megatron-core's grad-buffer layout of a stage's parameters (every TP rank's is alike), checked against
-        the stored buckets' lengths."""
+        """megatron-core's grad-buffer layout of a stage's parameters (every TP rank's is alike). The order of the
+        parameters is the trained spec's (a Transformer Engine layer's differs from the local spec's, and a
+        torch_dist file does not say which trained it): args' --transformer-impl is tried first, then the other;
+        a layout is taken only when the stored buckets have its lengths and every fp32 master, of every TP rank,
+        rounds to its weight. Otherwise nothing is decoded."""
         if pp_rank not in self._layouts:
             args = self.ckpt.common.get("args")
             dp = mo.dp_size_of(args)
             params = [mo.Param(k, shape, shared) for k, shape, shared in self.ckpt.stage_params(pp_rank)]
-            found = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
-                                     bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
-            group = self.meta.tp_size * pp_rank
-            stored = [self.ckpt.bucket_entry(group, b, "param").shape for b in range(len(found.buckets))]
-            extra = f"{OPT_BUCKETS}dp_group_idx_{group}.gbuf_idx_0."
-            count = len({f.split(".bucket_idx_")[1].split(".")[0] for f in self.ckpt.index.tensors if f.startswith(extra)})
-            want = [(n,) for _, _, n in found.buckets]
-            if stored != want or count != len(want):
-                raise FormatError(f"{self.meta.dir / dcp.METADATA}: the grad buffer of PP rank {pp_rank} has {count} "
-                                  f"bucket(s) of {[s[0] for s in stored]} elements, megatron-core's layout of its "
-                                  f"parameters has {[n for (n,) in want]} (from args: overlap_grad_reduce, "
-                                  f"ddp_bucket_size, data-parallel size): the optimizer state cannot be mapped")
-            self._layouts[pp_rank] = found
+            orders = [mo.te_order(params), params]
+            if getattr(args, "transformer_impl", "transformer_engine") == "local":
+                orders.reverse()
+            reasons = []
+            for order in orders:
+                found = mo.buffer_layout(order, dp, mo.bucket_size_of(args, pp_rank, dp),
+                                         bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+                reason = self._misfit(found, pp_rank)
+                if reason is None:
+                    self._layouts[pp_rank] = found
+                    break
+                reasons.append(reason)
+            else:
+                raise FormatError(f"{self.meta.dir / dcp.METADATA}: the grad buffer of PP rank {pp_rank} does not fit "
+                                  f"megatron-core's layout of its parameters in either spec's order ({reasons[0]}; "
+                                  f"{reasons[1]}): the optimizer state cannot be mapped")
         return self._layouts[pp_rank]
+
+    def _misfit(self, found: mo.Layout, pp_rank: int) -> str | None:
+        """Why the stored buckets are not this layout (None: they are)."""
+        for tp_rank in range(self.meta.tp_size):
+            group = self._group(tp_rank, pp_rank)
+            prefix = f"{OPT_BUCKETS}dp_group_idx_{group}.gbuf_idx_0."
+            count = len({f.split(".bucket_idx_")[1].split(".")[0] for f in self.ckpt.index.tensors
+                         if f.startswith(prefix) and ".bucket_idx_" in f})
+            want = [n for _, _, n in found.buckets]
+            if count != len(want):
+                return (f"rank {group} has {count} bucket(s), the layout {len(want)} (from args: overlap_grad_reduce, "
+                        f"ddp_bucket_size, data-parallel size)")
+            stored = [self.ckpt.bucket_entry(group, b, "param").shape[0] for b in range(len(want))]
+            if stored != want:
+                return f"rank {group}'s buckets hold {stored} elements, the layout {want}"
+            for key in found.where:
+                master = self._slice(found, key, "master", tp_rank, pp_rank)
+                if not mo.same_as_weight(master, self.shards(key)[tp_rank]):
+                    return f"the fp32 master of {key} (TP rank {tp_rank}) does not round to its weight"
+        return None
+
+    def _slice(self, found: mo.Layout, key: str, field: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
+        start, end, bucket = found.where[key]
+        first = found.buckets[bucket][0]
+        entry = self.ckpt.bucket_entry(self._group(tp_rank, pp_rank), bucket, mo.FLAT_FIELDS[field])
+        shape = layout.shard_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.tp_size, self.meta.pp_size)
+        return self._box(entry, [(start - first, end - first)]).view(shape)
 
     def _bucket_shard(self, key: str, field: str, rank: int) -> torch.Tensor:
         pp_rank, _ = self._where[key]
-        found = self._layout(pp_rank)
-        start, end, bucket = found.where[key]
-        first = found.buckets[bucket][0]
-        entry = self.ckpt.bucket_entry(rank + self.meta.tp_size * pp_rank, bucket, mo.FLAT_FIELDS[field])
-        shape = layout.shard_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.tp_size, self.meta.pp_size)
-        return self._box(entry, [(start - first, end - first)]).view(shape)
+        return self._slice(self._layout(pp_rank), key, field, rank, pp_rank)
 
     def validate(self) -> list[str]:
         return self.ckpt.validate()
