@@ -17,6 +17,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -218,7 +219,11 @@ class _Archive:
         order = self.prefix + "byteorder"
         if order in self.z.namelist() and self._read(order) != b"little":
             raise Unreadable("big-endian tensors")
-        return _Unpickler(self, self._read(self.prefix + "data.pkl")).load()
+        data = self._read(self.prefix + "data.pkl")
+        for op, _, _ in pickletools.genops(data):  # torch.save pickles with protocol 2: nothing newer is read
+            if op.proto > 2:
+                raise Unreadable(f"pickle opcode {op.name} (protocol {op.proto}), which torch.save does not write")
+        return _Unpickler(self, data).load()
 
     def _record(self, name: str) -> tuple[int, int]:
         """(offset, nbytes) of a stored record's data in the file."""
@@ -263,9 +268,10 @@ def read(path: str | Path, offset: int = 0, length: int | None = None) -> Any:
     refuse). `offset` and `length` name an archive embedded in a larger file."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             if length is None:
-                length = os.fstat(f.fileno()).st_size - offset
-            window = f if offset == 0 else _Window(f, offset, length)
+                length = size - offset
+            window = f if (offset, length) == (0, size) else _Window(f, offset, length)
             with zipfile.ZipFile(window) as z:
                 return _Archive(f.fileno(), z, offset, offset + length).load()
     except (Unreadable, FileNotFoundError):
