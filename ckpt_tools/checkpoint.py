@@ -58,7 +58,7 @@ class Meta:
     layer_counts: list[int]
     padded_vocab: int
     iteration: int
-    source: str = "ckpt-tools"  # or "megatron-lm" (Contract 3), read by ckpt_tools.megatron_lm
+    source: str = "ckpt-tools"  # or "megatron-lm" / "torch_dist" (Contract 3; ckpt_tools/formats/): for display
     root: Path | None = None  # the checkpoint dir when it is not path.parent (Megatron-LM's iter_N dir)
 
     @classmethod

@@ -216,13 +216,9 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
     """RNG and data position: the source's rank (0, 0) state for every target rank (no dropout in TP regions)."""
-    path = shards.meta.dir / fmt.rng_file(0, 0)
-    if shards.meta.source != "ckpt-tools" or not path.is_file():
-        if path.name in shards.meta.raw.get("files", {}):
-            raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
+    rng = shards.rng_state()
+    if rng is None:
         return
-    shards.check_size(path)
-    rng = io.load_file(path, mmap=False)
     for t in range(tp):
         for p in range(pp):
             dest = target.dir / fmt.rng_file(t, p)

@@ -65,6 +65,14 @@ class Reader:
     def check_hashes(self) -> None:
         """sha256 of every file the checkpoint records (merge/reshard --check-hashes, verify tier 1)."""
 
+    def file_problems(self) -> tuple[int, list[str]]:
+        """(files the checkpoint records sizes and hashes of, the problems found checking them)."""
+        return 0, []
+
+    def rng_state(self):
+        """The RNG and data position of rank (0, 0) in our format, to give every target rank; None if none."""
+        return None
+
     def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
         """One rank's model state dict at the checkpoint's own layout (stage-local keys)."""
         state = {}
@@ -166,6 +174,18 @@ class ShardSet(Reader):
         if record is not None and path.stat().st_size != record.get("size"):
             raise FormatError(f"{path}: {path.stat().st_size} bytes, meta.json records {record.get('size')}: "
                               f"the file is truncated or from another checkpoint; restore it")
+
+    def file_problems(self) -> tuple[int, list[str]]:
+        return len(self.meta.raw.get("files", {})), fmt.check_files(self.meta)
+
+    def rng_state(self):
+        path = self.meta.dir / fmt.rng_file(0, 0)
+        if not path.is_file():
+            if path.name in self.meta.raw.get("files", {}):
+                raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
+            return None
+        self.check_size(path)
+        return io.load_file(path, mmap=False)
 
     def check_hashes(self) -> None:
         """sha256 of every file meta.json records (merge/reshard --check-hashes, verify tier 1)."""

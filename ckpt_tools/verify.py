@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, layout
 from ckpt_tools.errors import CkptError
 from ckpt_tools.merge import HF, SAFETENSORS, plan
@@ -73,10 +72,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def integrity(src: Reader, tier: Tier) -> None:
     """Sizes and sha256 of every recorded file; every shard's keys and shapes as the layout table says."""
     meta = src.meta
-    if meta.source == "ckpt-tools":
-        for problem in fmt.check_files(meta):
-            tier.fail(problem)
-        tier.lines.append(f"{len(meta.raw.get('files', {}))} files: sizes and sha256 checked against meta.json")
+    recorded, file_problems = src.file_problems()
+    for problem in file_problems:
+        tier.fail(problem)
+    if recorded:
+        tier.lines.append(f"{recorded} files: sizes and sha256 checked against meta.json")
     problems = src.validate()
     for p in problems:
         tier.fail(p)

@@ -159,7 +159,7 @@ def _step(path: Path, groups: list[dict]):
 
 def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dict[str, dict]:
     """The legacy non-distributed form (Float16OptimizerWithFloat16Params or FP32Optimizer)."""
-    inner = opt.get("optimizer")
+    inner = opt.get("optimizer") if "param_groups" not in opt else opt  # FP32Optimizer: Adam's own state_dict
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
         raise _refuse(path, "['optimizer'] holds no Adam state_dict with param_groups")
     groups, state = inner["param_groups"], inner.get("state", {})

@@ -51,6 +51,12 @@ class LegacyShards(ShardSet):
             raise FormatError(f"{where}: the optimizer state is malformed ({type(e).__name__}: {str(e)[:100]}): "
                               f"it cannot be mapped to the model's parameters; restore the file") from None
 
+    def file_problems(self) -> tuple[int, list[str]]:
+        return 0, []  # Megatron-LM records no sizes or hashes
+
+    def rng_state(self):
+        return None  # Megatron-LM's RNG states are its own (CUDA, per rank); the trainer starts them afresh
+
     def _extra_files(self) -> list[str]:
         return []  # rank dirs beyond the layout are refused when the meta is read
 

@@ -72,6 +72,10 @@ class TorchDistShards(Reader):
             out = [self._bucket_shard(global_key, field, rank) for rank in range(meta.tp_size)]
         else:
             if field == "master" and not self._has_masters():  # fp32 training: the weights are the masters
+                if self.meta.params_dtype != "float32":
+                    raise FormatError(f"{meta.dir / dcp.METADATA}: no fp32 masters (optimizer.state.fp32_param.* or "
+                                      f".param.*) beside {self.meta.params_dtype} weights: the optimizer state is "
+                                      f"incomplete; restore the checkpoint from the source")
                 return [t.float() for t in self.shards(global_key)]
             out = []
             for rank in range(meta.tp_size):
