@@ -161,7 +161,7 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
                                                           lambda t: isinstance(t, TensorInfo)):
                 raise NotFast(f"{path}: does not match the layout table")
             for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-                if isinstance(state[local], TensorInfo):
+                if isinstance(state.get(local), TensorInfo):
                     shards.setdefault(key, []).append(_shard(path, state[local]))
     return meta, shards
 
@@ -175,7 +175,7 @@ def _model_shards(meta: checkpoint.Meta) -> Shards:
             if checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank, lambda t: isinstance(t, TensorInfo)):
                 raise NotFast(f"{path}: does not match the layout table")
             for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-                if isinstance(state[local], TensorInfo):
+                if isinstance(state.get(local), TensorInfo):
                     shards.setdefault(key, []).append(_shard(path, state[local]))
     return shards
 

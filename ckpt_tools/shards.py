@@ -197,7 +197,11 @@ class ShardSet(Reader):
         return self.file(kind, tp_rank, pp_rank)[kind]
 
     def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
-        return dict(self._state(MODEL, tp_rank, pp_rank))
+        state = dict(self._state(MODEL, tp_rank, pp_rank))
+        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, pp_rank):
+            if local not in state and layout.find_rule(key, self.meta.spec, self.meta.pp_size).split == layout.EXTRA:
+                state[local] = None  # a missing _extra_state holds no weights
+        return state
 
     def shards(self, global_key: str, field: str | None = None) -> list:
         """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
@@ -208,6 +212,10 @@ class ShardSet(Reader):
         out = []
         for tp_rank in range(self.meta.tp_size):
             state = self._state(kind, tp_rank, pp_rank)
+            if local not in state and field is None and \
+                    layout.find_rule(global_key, self.meta.spec, self.meta.pp_size).split == layout.EXTRA:
+                out.append(None)  # a missing _extra_state holds no weights
+                continue
             if local not in state:
                 raise FormatError(f"{self.path(kind, tp_rank, pp_rank)}: tensor {local} is missing: "
                                   f"the shard is incomplete; restore it from the source checkpoint")

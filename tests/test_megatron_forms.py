@@ -311,3 +311,21 @@ def test_fuzz_torch_dist(mcore_checkpoints, tmp_path):
         assert same or in_data or args_changed, f"{why}: a different output without an error or a note"
     print(f"torch_dist fuzz: {i} mutations: {outcomes}")
     assert i >= 10
+
+
+def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_path):
+    """`_extra_state` holds no weights: a legacy file without it merges (both paths) and reshards to the model."""
+    from ckpt_tools.merge import merge
+    from test_fast_merge import assert_same_as_torch
+    arch_dir = mcore_checkpoints("gpt2")
+    src = Path(shutil.copytree(arch_dir / "torch", tmp_path / "src"))
+    for path in src.rglob("model_optim_rng.pt"):
+        obj = torch.load(path, weights_only=False)
+        obj["model"] = {k: v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+        torch.save(obj, path)
+    files = assert_same_as_torch(src, tmp_path, vocab_size=VOCAB)
+    direct = tmp_path / "direct"
+    merge(arch_dir / "torch", direct, vocab_size=VOCAB, quiet=True)
+    assert files["model.safetensors"] == (direct / "model.safetensors").read_bytes()
+    result = invoke("reshard", src, tmp_path / "ours", "--tp", 1, "--pp", 2, "--vocab-size", VOCAB, "--quiet")
+    assert result.exit_code == 0, result.output
