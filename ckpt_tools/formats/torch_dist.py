@@ -257,11 +257,14 @@ class DistCheckpoint:
         """Adam's step: per parameter group in common.pt or the dp_reshardable optimizer object, or `common_step`."""
         opt = self.common.get("optimizer") or {}
         inner = opt.get("optimizer") if isinstance(opt, dict) else None
-        if isinstance(inner, dict):
+        if not isinstance(inner, dict):
+            return None
+        try:
             common_step = (inner.get("state") or {}).get("common_step")
             if common_step is not None:
                 return float(common_step)
-            steps = [g.get("step") for g in inner.get("param_groups", []) if g.get("step") is not None]
-            if steps:
-                return float(max(steps))
-        return None
+            steps = [float(g["step"]) for g in inner.get("param_groups", []) if g.get("step") is not None]
+        except (AttributeError, TypeError, ValueError, KeyError) as e:
+            raise FormatError(f"{self.meta.dir / COMMON}: the optimizer's param groups are malformed "
+                              f"({type(e).__name__}): restore the checkpoint from the source") from None
+        return max(steps) if steps else None

@@ -104,7 +104,8 @@ class TorchDistShards(Reader):
             file, offset, length = self.ckpt.index.blobs[blob]
             obj = io.load_bytes(self._file(file)[offset:offset + length], f"{self.meta.dir / file} ({blob})")
             obj = obj[0] if isinstance(obj, list) and obj else obj
-            steps = [g.get("step") for g in (obj or {}).get("param_groups", []) if g.get("step") is not None]
+            groups = obj.get("param_groups", []) if isinstance(obj, dict) else []
+            steps = [float(g["step"]) for g in groups if isinstance(g, dict) and isinstance(g.get("step"), (int, float))]
             if not steps:
                 raise FormatError(f"{self.meta.dir / file}: {blob} holds no param_groups with a step: restore it")
             step = float(max(steps))
