@@ -329,3 +329,18 @@ def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_pat
     assert files["model.safetensors"] == (direct / "model.safetensors").read_bytes()
     result = invoke("reshard", src, tmp_path / "ours", "--tp", 1, "--pp", 2, "--vocab-size", VOCAB, "--quiet")
     assert result.exit_code == 0, result.output
+
+
+def test_benchmark_quick_run():
+    """benchmarks/megatron_forms.py --quick: megatron-core writes both forms, every command runs, merge's memory
+    stays within the target."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    proc = subprocess.run([sys.executable, "benchmarks/megatron_forms.py", "--quick"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("4 ")]
+    ops = ["cp -r torch_dist iter dir", "ckpt merge torch_dist", "cp -r torch iter dir", "ckpt merge torch"]
+    assert len(rows) == 4 and all(r.split(None, 1)[1].startswith(op + " ") for r, op in zip(rows, ops)), rows
+    assert all(r.rstrip().endswith("yes") for r in rows if "ckpt merge" in r)
