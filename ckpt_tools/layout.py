@@ -169,6 +169,15 @@ def layers_per_stage(num_layers: int, pp_size: int, explicit: Sequence[int] | No
     return [num_layers // pp_size] * pp_size
 
 
+def tied_copies(spec: ModelSpec, pp_size: int, pp_rank: int) -> set[str]:
+    """The copies of a tied embedding a stage holds when PP > 1 (the first stage's embedding, the last stage's
+    output layer): megatron-core keeps each in a grad-buffer bucket of its own. Empty when untied or PP = 1."""
+    if not spec.tie_word_embeddings or pp_size == 1:
+        return set()
+    return ({"embedding.word_embeddings.weight"} if pp_rank == 0 else set()) | \
+        ({"output_layer.weight"} if pp_rank == pp_size - 1 else set())
+
+
 def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int) -> list[tuple[str, str]]:
     """(stage-local key, global key) pairs held by one PP stage, in megatron-core state-dict order."""
     pp_size = len(counts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_tools import io, megatron_lm
+from ckpt_tools import io, layout, megatron_lm
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import megatron_optim as mo
 from ckpt_tools.shards import MODEL, OPTIMIZER, ShardSet
@@ -26,25 +26,18 @@ class LegacyShards(ShardSet):
             return {**obj, MODEL: model}
         return {OPTIMIZER: self._decode(path, obj, model, pp_rank)}
 
-    def _shared(self, pp_rank: int) -> set[str]:
-        """The tied embedding's copies at PP > 1, which megatron-core's grad buffer keeps in buckets of their own."""
-        if not self.meta.spec.tie_word_embeddings or self.meta.pp_size == 1:
-            return set()
-        return ({"embedding.word_embeddings.weight"} if pp_rank == 0 else set()) | \
-            ({"output_layer.weight"} if pp_rank == self.meta.pp_size - 1 else set())
-
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
-        params = mo.params_of(model, self._shared(pp_rank))
+        params = mo.params_of(model, layout.tied_copies(self.meta.spec, self.meta.pp_size, pp_rank))
         flat = path.parent / DISTRIB_OPTIM
         try:
             if flat.is_file():
                 args, dp = obj["args"], mo.dp_size_of(obj["args"])
-                layout = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
-                                          bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+                found = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
+                                         bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
                 groups = obj["optimizer"]["optimizer"]["param_groups"]
                 data = io.load_file(flat)
                 self._map(flat)
-                return mo.decode_flat(flat, data, params, layout, groups, model)
+                return mo.decode_flat(flat, data, params, found, groups, model)
             return mo.decode_plain(path, obj["optimizer"], params, model)
         except (KeyError, TypeError, IndexError, AttributeError, ValueError, RuntimeError) as e:
             where = flat if flat.is_file() else path

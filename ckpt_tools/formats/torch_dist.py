@@ -19,7 +19,7 @@ reads the same plan; formats/torch_dist_tensors.py makes the tensors.
 """
 from __future__ import annotations
 
-import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +37,8 @@ _LAYERS = "decoder.layers."
 # entries that hold no model weights: carried by Megatron-LM for its own resume, never an error
 _NOT_WEIGHTS = ("rng_state", "optimizer.", "common_state")
 Box = list[tuple[int, int]]  # [start, stop) along each dim of a global tensor
+_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.(?P<gbuf>gbuf_idx_\d+)\.dtype_.*"
+                     r"\.bucket_idx_(?P<bucket>\d+)\.(?P<name>param|exp_avg|exp_avg_sq)$")
 
 
 class DistCheckpoint:
@@ -45,7 +47,20 @@ class DistCheckpoint:
     def __init__(self, meta: Meta, index: dcp.Index, common: dict | None = None):
         self.meta, self.index, self.common = meta, index, common or {}
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
-        self._checked: set[str] = set()
+        self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
+        # the optimizer entries, sorted once: which form, and the dp_reshardable buckets by (group, bucket, field)
+        self.optimizer_form = PER_PARAM if any(f.startswith(OPT_STATE) for f in index.tensors) else \
+            BUCKETS if any(f.startswith(OPT_BUCKETS) for f in index.tensors) else None
+        self.has_masters = any(f.startswith(tuple(f"{OPT_STATE}{n}." for n in PER_PARAM_NAMES["master"]))
+                               for f in index.tensors)
+        self._buckets: dict[tuple[int, int, str], list[dcp.Entry]] = {}
+        self._buffers: dict[int, set[str]] = {}  # group -> its grad buffers' names (gbuf_idx_g)
+        for f, e in index.tensors.items():
+            m = _BUCKET.match(f)
+            if m:
+                group, gbuf, bucket, name = int(m["group"]), m["gbuf"], int(m["bucket"]), m["name"]
+                self._buffers.setdefault(group, set()).add(gbuf)
+                self._buckets.setdefault((group, bucket, name), []).append(e)
 
     @classmethod
     def read(cls, iter_dir: Path, vocab_size: int | None = None, load: Callable = io.load_file) -> DistCheckpoint:
@@ -68,15 +83,6 @@ class DistCheckpoint:
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
         return cls(meta, index, common)
-
-    def optimizer_form(self) -> str | None:
-        """PER_PARAM (`optimizer.state.<field>.<key>`: the non-distributed optimizer, or fully_reshardable),
-        BUCKETS (dp_reshardable), or None."""
-        if any(f.startswith(OPT_STATE) for f in self.index.tensors):
-            return PER_PARAM
-        if any(f.startswith(OPT_BUCKETS) for f in self.index.tensors):
-            return BUCKETS
-        return None
 
     def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, int | None]:
         """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its layer
@@ -121,25 +127,24 @@ class DistCheckpoint:
         return entry, boxes, pieces[0].dim, bool(lead)
 
     def hits(self, entry: dcp.Entry, box: Box) -> list[tuple[dcp.Chunk, Box]]:
-        """The chunks that overlap a box, each with the overlap (the entry's chunks checked once: inside its
-        shape, not overlapping, covering it)."""
-        if entry.fqn not in self._checked:
-            problems = dcp.coverage_problems(entry)
-            if problems:
-                raise FormatError(f"{self.meta.dir / dcp.METADATA}: {entry.fqn}: {problems[0]}: restore the "
-                                  f"checkpoint from the source")
-            self._checked.add(entry.fqn)
+        """The chunks that overlap a box, each with the overlap. The entry's chunks are checked first (inside its
+        shape, not overlapping, covering it), so the overlaps cover the box exactly once."""
+        problems = self.coverage(entry)
+        if problems:
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {entry.fqn}: {problems[0]}: restore the checkpoint "
+                              f"from the source")
         out = []
         for c in self._candidates(entry, *box[0]) if box else entry.chunks:
             inter = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(box, c.offsets, c.sizes)]
             if all(lo < hi for lo, hi in inter):
                 out.append((c, inter))
-        covered = sum(math.prod(hi - lo for lo, hi in inter) for _, inter in out)
-        if covered != math.prod(b - a for a, b in box):
-            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {entry.fqn}: the chunks cover {covered} of the "
-                              f"{math.prod(b - a for a, b in box)} elements of {[list(b) for b in box]} (a chunk is "
-                              f"missing): restore the checkpoint from the source")
         return out
+
+    def coverage(self, entry: dcp.Entry) -> list[str]:
+        """dcp.coverage_problems of an entry, found once."""
+        if entry.fqn not in self._coverage:
+            self._coverage[entry.fqn] = dcp.coverage_problems(entry)
+        return self._coverage[entry.fqn]
 
     def _candidates(self, entry: dcp.Entry, lo: int, hi: int) -> list[dcp.Chunk]:
         """The chunks whose dim-0 range meets [lo, hi)."""
@@ -176,7 +181,7 @@ class DistCheckpoint:
                 problems.append(f"{where}: {entry.fqn} has global shape {list(entry.shape)}, the layout table says "
                                 f"{list(want)}: the args and the weights disagree; restore the checkpoint")
             problems += [f"{where}: {entry.fqn}: {p}: restore the checkpoint from the source"
-                         for p in dcp.coverage_problems(entry)]
+                         for p in self.coverage(entry)]
             for c in entry.chunks:
                 path = meta.dir / c.file
                 if not path.is_file():
@@ -236,21 +241,26 @@ class DistCheckpoint:
     def stage_params(self, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
         """(global key, TP shard shape, shared embedding) of a stage's parameters in named_parameters() order."""
         meta, spec, out = self.meta, self.meta.spec, []
-        shared = spec.tie_word_embeddings and meta.pp_size > 1
+        shared = layout.tied_copies(spec, meta.pp_size, pp_rank)
         for _, key in layout.stage_keys(spec, meta.layer_counts, pp_rank):
             shape = layout.shard_shape(key, spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
             if shape is not None:
-                out.append((key, shape, shared and key in ("embedding.word_embeddings.weight", "output_layer.weight")))
+                out.append((key, shape, key in shared))
         return out
+
+    def bucket_count(self, group: int) -> int:
+        """How many buckets one model-parallel rank's grad buffer has (its `param` tensors)."""
+        return sum(1 for g, _, name in self._buckets if g == group and name == "param")
 
     def bucket_entry(self, group: int, bucket: int, name: str) -> dcp.Entry:
         """The 1-D tensor of one bucket and field of one model-parallel rank's grad buffer."""
-        head, tail = f"{OPT_BUCKETS}dp_group_idx_{group}.gbuf_idx_0.", f".bucket_idx_{bucket}.{name}"
-        found = [e for f, e in self.index.tensors.items() if f.startswith(head) and f.endswith(tail)]
-        others = {f.split(".")[3] for f in self.index.tensors if f.startswith(f"{OPT_BUCKETS}dp_group_idx_{group}.")}
-        if len(found) != 1 or others != {"gbuf_idx_0"}:
-            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {len(found)} tensors {head}dtype_*{tail} (grad buffers "
-                              f"{', '.join(sorted(others))}): one grad buffer of one dtype pair (a dense model) is read")
+        found = self._buckets.get((group, bucket, name), [])
+        buffers = self._buffers.get(group, set())
+        if len(found) != 1 or buffers != {"gbuf_idx_0"}:
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: {len(found)} tensors {OPT_BUCKETS}dp_group_idx_"
+                              f"{group}.gbuf_idx_0.dtype_*.bucket_idx_{bucket}.{name} (grad buffers "
+                              f"{', '.join(sorted(buffers)) or 'none'}): one grad buffer of one dtype pair (a dense "
+                              f"model) is read")
         return found[0]
 
     def step(self):

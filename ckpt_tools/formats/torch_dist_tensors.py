@@ -14,7 +14,7 @@ from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 from ckpt_tools.formats import megatron_optim as mo
-from ckpt_tools.formats.torch_dist import BUCKETS, OPT_BUCKETS, OPT_STATE, PER_PARAM_NAMES, Box, DistCheckpoint
+from ckpt_tools.formats.torch_dist import BUCKETS, OPT_BUCKETS, Box, DistCheckpoint
 from ckpt_tools.shards import Reader
 
 
@@ -63,7 +63,7 @@ class TorchDistShards(Reader):
         meta = self.meta
         if layout.find_rule(global_key, meta.spec, meta.pp_size).split == layout.EXTRA:
             return [None] * meta.tp_size
-        form = self.ckpt.optimizer_form() if field is not None else None
+        form = self.ckpt.optimizer_form if field is not None else None
         if field is not None and form is None:
             raise FormatError(f"{meta.dir}: no optimizer state (no {field!r} for {global_key}): use the model weights")
         if field == "step":
@@ -71,7 +71,7 @@ class TorchDistShards(Reader):
         if form == BUCKETS:
             out = [self._bucket_shard(global_key, field, rank) for rank in range(meta.tp_size)]
         else:
-            if field == "master" and not self._has_masters():  # fp32 training: the weights are the masters
+            if field == "master" and not self.ckpt.has_masters:  # fp32 training: the weights are the masters
                 if self.meta.params_dtype != "float32":
                     raise FormatError(f"{meta.dir / dcp.METADATA}: no fp32 masters (optimizer.state.fp32_param.* or "
                                       f".param.*) beside {self.meta.params_dtype} weights: the optimizer state is "
@@ -88,11 +88,7 @@ class TorchDistShards(Reader):
 
     # ------------------------------------------------------------ optimizer state
     def has_optimizer(self) -> bool:
-        return self.ckpt.optimizer_form() is not None
-
-    def _has_masters(self) -> bool:
-        return any(f.startswith(tuple(f"{OPT_STATE}{n}." for n in PER_PARAM_NAMES["master"]))
-                   for f in self.ckpt.index.tensors)
+        return self.ckpt.optimizer_form is not None
 
     def _step(self) -> float:
         step = self.ckpt.step()
@@ -147,9 +143,7 @@ class TorchDistShards(Reader):
         """Why the stored buckets are not this layout (None: they are)."""
         for tp_rank in range(self.meta.tp_size):
             group = self._group(tp_rank, pp_rank)
-            prefix = f"{OPT_BUCKETS}dp_group_idx_{group}.gbuf_idx_0."
-            count = len({f.split(".bucket_idx_")[1].split(".")[0] for f in self.ckpt.index.tensors
-                         if f.startswith(prefix) and ".bucket_idx_" in f})
+            count = self.ckpt.bucket_count(group)
             want = [n for _, _, n in found.buckets]
             if count != len(want):
                 return (f"rank {group} has {count} bucket(s), the layout {len(want)} (from args: overlap_grad_reduce, "
