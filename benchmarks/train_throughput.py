@@ -68,12 +68,12 @@ def ours(row: dict, m: dict):
     from trainer.config import TrainConfig
     from trainer.optim import make_optimizer
     from trainer.train import Stepper, build_stage, setup_distributed, train_step
-    cfg = TrainConfig(architecture="llama", max_position_embeddings=m["seq_length"], dtype="bf16",
-                      tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
-                      sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
-                      use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
-                      lr=1e-4, min_lr=1e-5, lr_warmup_iters=0,
-                      **{k: v for k, v in m.items() if k != "vocab_size"})
+    cfg = TrainConfig.from_dict(dict(
+        architecture="llama", max_position_embeddings=m["seq_length"], dtype="bf16",
+        tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
+        sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
+        use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
+        lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, **{k: v for k, v in m.items() if k != "vocab_size"}))
     device, _ = setup_distributed(cfg)
     stage = build_stage(cfg, m["vocab_size"], device)
     opt, stepper = make_optimizer(stage, cfg), Stepper(cfg, stage, device)

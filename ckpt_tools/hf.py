@@ -1,6 +1,7 @@
 """HuggingFace names and conversions: megatron-core full (TP=1) tensors <-> transformers tensors.
 
-One row per megatron-core key: the HF name(s) it becomes and the conversion kind. How a tensor is
+Each family's record (ckpt_tools/families) holds one row per megatron-core key: the HF name(s) it
+becomes and the conversion kind. How a tensor is
 split across TP ranks is NOT here (that is `layout`); this module only sees full tensors.
 
 Conversion kinds:
@@ -9,7 +10,8 @@ Conversion kinds:
   qkv       grouped QKV [per group: q heads; k; v] -> q_proj, k_proj, v_proj (heads in order)
   gated     SwiGLU fc1 [gate; up] -> gate_proj, up_proj
   conv1d    transposed (HF GPT-2 Conv1D stores [in, out])
-  c_attn    grouped QKV -> one [q; k; v] tensor (whole blocks, not per head), transposed for weights
+  qkv_fused grouped QKV -> one [q; k; v] tensor (whole blocks, not per head): Phi-3's qkv_proj
+  c_attn    qkv_fused, transposed for weights (GPT-2)
 
 Every kind is a list of row ranges of the full tensor per HF tensor (`hf_rows`), then a transpose for
 the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take them from there.
@@ -17,60 +19,17 @@ the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import layout
+from ckpt_tools import families, layout
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
+from ckpt_tools.families import C_ATTN, CONV1D, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
 
-SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN = "same", "vocab", "qkv", "gated", "conv1d", "c_attn"
-
-
-@dataclass(frozen=True)
-class Name:
-    key: str  # megatron-core key, `{i}` = global layer index
-    kind: str
-    hf: tuple[str, ...]  # HF name(s), `{i}` = layer index
-
-
-_L, _LL, _GL = "decoder.layers.{i}.", "model.layers.{i}.", "transformer.h.{i}."
-NAMES: dict[str, tuple[Name, ...]] = {
-    "llama": (
-        Name("embedding.word_embeddings.weight", VOCAB, ("model.embed_tokens.weight",)),
-        Name(_L + "input_layernorm.weight", SAME, (_LL + "input_layernorm.weight",)),
-        Name(_L + "self_attention.linear_proj.weight", SAME, (_LL + "self_attn.o_proj.weight",)),
-        Name(_L + "self_attention.linear_qkv.weight", QKV,
-             tuple(_LL + f"self_attn.{p}_proj.weight" for p in "qkv")),
-        Name(_L + "pre_mlp_layernorm.weight", SAME, (_LL + "post_attention_layernorm.weight",)),
-        Name(_L + "mlp.linear_fc1.weight", GATED, (_LL + "mlp.gate_proj.weight", _LL + "mlp.up_proj.weight")),
-        Name(_L + "mlp.linear_fc2.weight", SAME, (_LL + "mlp.down_proj.weight",)),
-        Name("decoder.final_layernorm.weight", SAME, ("model.norm.weight",)),
-        Name("output_layer.weight", VOCAB, ("lm_head.weight",)),
-    ),
-    "gpt2": (
-        Name("embedding.word_embeddings.weight", VOCAB, ("transformer.wte.weight",)),
-        Name("embedding.position_embeddings.weight", SAME, ("transformer.wpe.weight",)),
-        Name(_L + "input_layernorm.weight", SAME, (_GL + "ln_1.weight",)),
-        Name(_L + "input_layernorm.bias", SAME, (_GL + "ln_1.bias",)),
-        Name(_L + "self_attention.linear_proj.weight", CONV1D, (_GL + "attn.c_proj.weight",)),
-        Name(_L + "self_attention.linear_proj.bias", SAME, (_GL + "attn.c_proj.bias",)),
-        Name(_L + "self_attention.linear_qkv.weight", C_ATTN, (_GL + "attn.c_attn.weight",)),
-        Name(_L + "self_attention.linear_qkv.bias", C_ATTN, (_GL + "attn.c_attn.bias",)),
-        Name(_L + "pre_mlp_layernorm.weight", SAME, (_GL + "ln_2.weight",)),
-        Name(_L + "pre_mlp_layernorm.bias", SAME, (_GL + "ln_2.bias",)),
-        Name(_L + "mlp.linear_fc1.weight", CONV1D, (_GL + "mlp.c_fc.weight",)),
-        Name(_L + "mlp.linear_fc1.bias", SAME, (_GL + "mlp.c_fc.bias",)),
-        Name(_L + "mlp.linear_fc2.weight", CONV1D, (_GL + "mlp.c_proj.weight",)),
-        Name(_L + "mlp.linear_fc2.bias", SAME, (_GL + "mlp.c_proj.bias",)),
-        Name("decoder.final_layernorm.weight", SAME, ("transformer.ln_f.weight",)),
-        Name("decoder.final_layernorm.bias", SAME, ("transformer.ln_f.bias",)),
-    ),
-}
 
 
 def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
@@ -78,7 +37,7 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
 
     `_extra_state` has no HF counterpart; a tied output layer is the embedding in HF.
     """
-    rows = {n.key: n for n in NAMES[spec.architecture]}
+    rows = {n.key: n for n in families.get(spec.architecture).names}
     out = []
     for local, key in layout.stage_keys(spec, [spec.num_layers], 0):
         if layout.find_rule(key, spec, 1).split == layout.EXTRA:
@@ -105,7 +64,7 @@ def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[layout.Rows]:
         return list(layout.qkv_head_rows(spec))
     if kind == GATED:  # [gate; up]
         return [[(0, rows // 2)], [(rows // 2, rows)]]
-    if kind == C_ATTN:
+    if kind in (C_ATTN, QKV_FUSED):
         return [[r for part in layout.qkv_head_rows(spec) for r in part]]
     raise LayoutError(f"unknown conversion kind {kind}")
 
@@ -138,38 +97,20 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
         return torch.cat(tensors, dim=0)
     if kind == CONV1D:
         return tensors[0].t()
-    if kind == C_ATTN:
-        whole = tensors[0].t() if tensors[0].dim() == 2 else tensors[0]
-        q, k, v = whole.chunk(3, dim=0)
+    if kind in (C_ATTN, QKV_FUSED):
+        whole = tensors[0].t() if kind == C_ATTN and tensors[0].dim() == 2 else tensors[0]
+        q_rows = spec.num_attention_heads * spec.kv_channels
+        q, k, v = whole.split([q_rows, (whole.shape[0] - q_rows) // 2, (whole.shape[0] - q_rows) // 2], dim=0)
         return layout.qkv_join_heads(q, k, v, spec)
     raise LayoutError(f"unknown conversion kind {kind}")
 
 
 # ---------------------------------------------------------------- config.json
-GPT2_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
-
-
 def hf_config(spec: ModelSpec, dtype: str, bos: int | None, eos: int | None) -> dict:
-    """config.json for transformers' LlamaConfig / GPT2Config, weights of dtype `dtype` ("bfloat16", ...):
-    every field that changes the math is set explicitly (transformers fills the rest with its defaults).
+    """config.json for the family's transformers class, weights of dtype `dtype` ("bfloat16", ...): every
+    field that changes the math is set explicitly (transformers fills the rest with its defaults).
     Written without importing transformers, which would cost seconds per merge."""
-    common = {"vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tie_word_embeddings,
-              "bos_token_id": bos, "eos_token_id": eos, "dtype": dtype, "use_cache": True}
-    if spec.architecture == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-                "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
-                "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
-                "num_key_value_heads": spec.num_query_groups, "head_dim": spec.kv_channels, "hidden_act": "silu",
-                "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.norm_epsilon,
-                "rope_parameters": {"rope_type": "default", "rope_theta": float(spec.rotary_base)},
-                "rope_theta": float(spec.rotary_base), "attention_bias": False, "attention_dropout": 0.0,
-                "mlp_bias": False, "pretraining_tp": 1, "initializer_range": 0.02}
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-            "n_embd": spec.hidden_size, "n_layer": spec.num_layers, "n_head": spec.num_attention_heads,
-            "n_inner": spec.ffn_hidden_size, "n_positions": spec.max_position_embeddings,
-            "layer_norm_epsilon": spec.norm_epsilon, "activation_function": GPT2_ACT[spec.activation],
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "initializer_range": 0.02}
+    return families.get(spec.architecture).hf_config(spec, dtype, bos, eos)
 
 
 def special_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:
@@ -196,19 +137,23 @@ def special_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:
 
 
 def _refuse(path: Path, what: str) -> None:
-    raise ConfigError(f"{path}: {what}: only plain Llama and GPT-2 models can be imported")
+    raise ConfigError(f"{path}: {what}: the supported families are {', '.join(families.names())} "
+                      f"(see docs/families.md)")
 
 
 def spec_from_hf(config_path: Path) -> ModelSpec:
-    """ModelSpec of an HF Llama / GPT-2 config.json; anything that the shard format cannot express is refused."""
+    """ModelSpec of an HF config.json of a known family; anything the family cannot express is refused."""
     try:
         c = json.loads(Path(config_path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{config_path}: unreadable config.json ({e}): pass a HuggingFace model dir") from None
     if not isinstance(c, dict):
         raise ConfigError(f"{config_path}: holds a JSON {type(c).__name__}, not an object: pass a HuggingFace model dir")
+    family = families.by_model_type(c.get("model_type"))
+    if family is None:
+        _refuse(config_path, f"model_type {c.get('model_type')!r}")
     try:
-        return _spec_from_config(c, config_path)
+        return ModelSpec.from_dict(family.spec_fields(c, lambda what: _refuse(config_path, what)))
     except ConfigError as e:  # ModelSpec's own checks (e.g. heads vs query groups) get the file named
         if str(e).startswith(str(config_path)):
             raise
@@ -219,44 +164,6 @@ def spec_from_hf(config_path: Path) -> ModelSpec:
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         raise ConfigError(f"{config_path}: malformed config.json ({type(e).__name__}: {e}): "
                           f"fix config.json or save the model again with transformers") from None
-
-
-def _spec_from_config(c: dict, config_path: Path) -> ModelSpec:
-    kind = c.get("model_type")
-    if kind == "llama":
-        rope = c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
-        if c.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-            _refuse(config_path, f"rope scaling {rope.get('rope_type') or c.get('rope_scaling')} is not supported")
-        for flag in ("attention_bias", "mlp_bias"):
-            if c.get(flag):
-                _refuse(config_path, f"{flag}=true is not supported")
-        if c.get("hidden_act", "silu") != "silu":
-            _refuse(config_path, f"hidden_act {c['hidden_act']!r} is not silu")
-        heads = c["num_attention_heads"]
-        return ModelSpec(
-            architecture="llama", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
-            num_attention_heads=heads, ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-            num_query_groups=c.get("num_key_value_heads") or heads,
-            kv_channels=c.get("head_dim") or c["hidden_size"] // heads,
-            max_position_embeddings=c.get("max_position_embeddings", 2048), norm_epsilon=c.get("rms_norm_eps", 1e-6),
-            rotary_base=float(rope.get("rope_theta", 10000.0)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
-    if kind == "gpt2":
-        act = {v: k for k, v in GPT2_ACT.items()}.get(c.get("activation_function", "gelu_new"))
-        if act is None:
-            _refuse(config_path, f"activation_function {c.get('activation_function')!r} is not gelu or gelu_new")
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if c.get(flag):
-                _refuse(config_path, f"{flag}=true is not supported")
-        if c.get("scale_attn_weights", True) is False:
-            _refuse(config_path, "scale_attn_weights=false is not supported")
-        return ModelSpec(
-            architecture="gpt2", num_layers=c["n_layer"], hidden_size=c["n_embd"], num_attention_heads=c["n_head"],
-            ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"], vocab_size=c["vocab_size"],
-            max_position_embeddings=c.get("n_positions", 1024), norm_epsilon=c.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=True, activation=act)
-    _refuse(config_path, f"model_type {kind!r}")
-    raise AssertionError  # unreachable
 
 
 class HFTensors:

@@ -6,7 +6,7 @@ shape, and when it exists. `split()` and `join()` are bit-exact inverses for eve
 Nothing else in the project may know which dim a tensor is split on: ask this module.
 
 Split kinds:
-  replicated   every TP rank holds the whole tensor (norms, row-parallel biases, positions)
+  replicated   every TP rank holds the whole tensor (norms, per-head q/k norms, row-parallel biases, positions)
   column       dim 0 in TP equal chunks
   row          dim 1 in TP equal chunks (its bias is replicated)
   qkv          dim 0; full rows are grouped per query group [q heads of the group; k; v] and the
@@ -67,8 +67,16 @@ def _bias(s: ModelSpec, pp: int) -> bool:
     return s.add_bias_linear
 
 
+def _qk_norm(s: ModelSpec, pp: int) -> bool:
+    return s.qk_layernorm
+
+
 def _h(s: ModelSpec, v: int) -> tuple[int, ...]:
     return (s.hidden_size,)
+
+
+def _d(s: ModelSpec, v: int) -> tuple[int, ...]:
+    return (s.kv_channels,)
 
 
 _L = "decoder.layers.{i}."
@@ -87,8 +95,11 @@ TABLE: tuple[Rule, ...] = (
          lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels, s.hidden_size),
          _always),
     Rule(_L + "self_attention.linear_qkv.bias", QKV, LAYER,
-         lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels,), _bias),
+         lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels,),
+         lambda s, pp: s.qkv_bias),
     Rule(_L + "self_attention.linear_qkv._extra_state", EXTRA, LAYER, None, _always),
+    Rule(_L + "self_attention.q_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm),
+    Rule(_L + "self_attention.k_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm),
     Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always),
     Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
     Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,

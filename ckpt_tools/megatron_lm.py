@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import io, layout, names
+from ckpt_tools import families, io, layout, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.spec import ModelSpec
@@ -31,24 +31,15 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 RELEASE = "release"
 _ITER_DIR = re.compile(r"^iter_\d{7,}$")
-_SUPPORTED = ("supported: llama (--swiglu --normalization RMSNorm --position-embedding-type rope "
-              "--disable-bias-linear) and gpt2 (LayerNorm, GELU, learned_absolute positions, linear biases, "
-              "tied embeddings)")
-_ARCH_DEFAULTS = {"swiglu": False, "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
-                  "add_bias_linear": True, "untie_embeddings_and_output_weights": False}
-_ARCHITECTURES = {  # what each architecture needs; llama may be tied or not
-    "llama": {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "add_bias_linear": False},
-    "gpt2": {**_ARCH_DEFAULTS},
-}
 # Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
 _REFUSED = {
     "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages",
     "num_experts": "mixture of experts",
     "pipeline_model_parallel_layout": "a custom pipeline layout", "multi_latent_attention": "multi-latent attention",
-    "mtp_num_layers": "multi-token prediction layers", "qk_layernorm": "query/key layer norms",
+    "mtp_num_layers": "multi-token prediction layers",
     "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
-    "rotary_interleaved": "interleaved rotary embeddings", "use_rope_scaling": "Llama-3.1 RoPE scaling",
+    "rotary_interleaved": "interleaved rotary embeddings",
     "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
     "squared_relu": "the squared-ReLU activation", "quick_geglu": "the quick-GeGLU activation",
 }
@@ -138,28 +129,65 @@ def _arg(args, name: str, default=None):
     return default if value is None else value
 
 
+# Each feature as the Megatron-LM argument that sets it: (argument, feature value -> argument value).
+_ARG_OF = {
+    "activation": ("swiglu", lambda v: v == "swiglu"), "normalization": ("normalization", None),
+    "position_embedding_type": ("position_embedding_type", None), "add_bias_linear": ("add_bias_linear", None),
+    "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
+    "rope_scaling": ("use_rope_scaling", lambda v: v is not None),
+    "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
+}
+
+
+def _as_args(bad: dict) -> list[str]:
+    """Misfitting features {feature: (found, allowed values)} in Megatron-LM's argument terms."""
+    out = []
+    for feature, (arg, to_arg) in _ARG_OF.items():
+        if feature in bad:
+            found, allowed = bad[feature]
+            conv = to_arg or (lambda v: v)
+            wants = sorted({repr(conv(v)) for v in allowed})
+            if conv(found) not in {conv(v) for v in allowed}:
+                out.append(f"{arg}={conv(found)!r} (needs {' or '.join(wants)})")
+    return out
+
+
+def features_of(args) -> dict:
+    """Megatron-LM's arguments -> ModelSpec feature fields (families.FEATURES)."""
+    bias = bool(_arg(args, "add_bias_linear", True))
+    if _arg(args, "swiglu", False):
+        activation = "swiglu"
+    else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
+        # openai_gelu only ever switched the legacy (non-core) model, so it is ignored here.
+        activation = "gelu_tanh" if _arg(args, "bias_gelu_fusion", True) else "gelu"
+    return {
+        "normalization": _arg(args, "normalization", "LayerNorm"), "activation": activation,
+        "add_bias_linear": bias, "add_qkv_bias": bool(_arg(args, "add_qkv_bias", False)) and not bias,
+        "qk_layernorm": bool(_arg(args, "qk_layernorm", False)),
+        "position_embedding_type": _arg(args, "position_embedding_type", "learned_absolute"),
+        "rope_scaling": "llama3" if _arg(args, "use_rope_scaling", False) else None,
+        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+    }
+
+
 def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
-    """Megatron-LM's arguments -> ModelSpec; anything the toolkit cannot represent is a ConfigError."""
+    """Megatron-LM's arguments -> ModelSpec (of the first family their features fit); anything the
+    toolkit cannot represent is a ConfigError."""
     refused = [f"{k}={getattr(args, k)!r} ({why})" for k, why in _REFUSED.items()
                if getattr(args, k, None) not in (None, False, 0)]
     if _arg(args, "rotary_percent", 1.0) != 1.0:
         refused.append(f"rotary_percent={args.rotary_percent!r} (partial rotary embeddings)")
-    bias, qkv_bias = bool(_arg(args, "add_bias_linear", True)), bool(_arg(args, "add_qkv_bias", False))
-    if qkv_bias != bias:
-        refused.append(f"add_qkv_bias={qkv_bias} with add_bias_linear={bias} (QKV bias unlike the other linears)")
+    supported = f"supported: {', '.join(families.names())} (docs/families.md)"
     if refused:
-        raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {_SUPPORTED}")
-    found = {k: _arg(args, k, default) for k, default in _ARCH_DEFAULTS.items()}
-    misfits = {arch: [f"{k}={found[k]!r} (needs {v!r})" for k, v in want.items() if found[k] != v]
-               for arch, want in _ARCHITECTURES.items()}
-    arch = next((a for a, m in misfits.items() if not m), None)
-    if arch is None:
+        raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
+    found = features_of(args)
+    family, misfits = families.for_features(found)
+    if family is None:
+        grouped: dict[str, list[str]] = {}  # families that miss in the same way are named together
+        for name, bad in misfits.items():
+            grouped.setdefault(", ".join(_as_args(bad)), []).append(name)
         raise ConfigError("Megatron-LM arguments fit no supported architecture: " + "; ".join(
-            f"for {a}: {', '.join(m)}" for a, m in misfits.items()) + f" ({_SUPPORTED})")
-    # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
-    # openai_gelu only ever switched the legacy (non-core) model, so it is ignored here.
-    activation = None if arch == "llama" else "gelu_tanh" if _arg(args, "bias_gelu_fusion", True) else "gelu"
-    tied = not found["untie_embeddings_and_output_weights"]
+            f"for {', '.join(names)}: {text}" for text, names in grouped.items()) + f" ({supported})")
     if vocab_size is None:
         vocab_size = getattr(args, "vocab_size", None)
     if vocab_size is None:
@@ -168,14 +196,15 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
                           f"so that padding rows are not kept")
     heads = args.num_attention_heads
     eps = getattr(args, "norm_epsilon", None)
+    scaling = {"rope_scaling_factor": float(_arg(args, "rope_scaling_factor", 8.0))} if found["rope_scaling"] else {}
     return ModelSpec(
-        architecture=arch, num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        architecture=family.name, num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
         ffn_hidden_size=_arg(args, "ffn_hidden_size", 4 * args.hidden_size), vocab_size=int(vocab_size),
         num_query_groups=args.num_query_groups if _arg(args, "group_query_attention", False) else heads,
         kv_channels=_arg(args, "kv_channels"), max_position_embeddings=_arg(args, "max_position_embeddings", 2048),
         norm_epsilon=float(eps if eps is not None else _arg(args, "layernorm_epsilon", 1e-5)),
-        rotary_base=float(_arg(args, "rotary_base", 10000)), tie_word_embeddings=tied,
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), activation=activation)
+        rotary_base=float(_arg(args, "rotary_base", 10000)),
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling)
 
 
 def _layer_counts(args, pp_size: int) -> list[int]:

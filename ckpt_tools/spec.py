@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 from ckpt_tools.errors import ConfigError
 
-ARCHITECTURES = ("llama", "gpt2")
-
 
 def build_dataclass(cls, d: dict, what: str, hint: str):
     """cls(**d), refusing unknown keys and bad values with one ConfigError naming them."""
@@ -25,7 +23,7 @@ def build_dataclass(cls, d: dict, what: str, hint: str):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    architecture: str
+    architecture: str  # the family (ckpt_tools/families): llama, mistral, qwen2, qwen3, phi3, gpt2
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -36,16 +34,33 @@ class ModelSpec:
     max_position_embeddings: int = 2048
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool | None = None  # None: the family's default (gpt2 tied, the others not)
     make_vocab_size_divisible_by: int = 128
-    activation: str | None = None  # None: the architecture's (llama: swiglu, gpt2: gelu); gpt2 may use gelu_tanh
+    # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
+    # values it cannot express (families.FEATURES lists them).
+    activation: str | None = None  # swiglu (gated silu) | gelu | gelu_tanh
+    normalization: str | None = None  # RMSNorm | LayerNorm
+    add_bias_linear: bool | None = None  # biases on every linear layer
+    add_qkv_bias: bool | None = None  # biases on the QKV projection only (Qwen2)
+    qk_layernorm: bool | None = None  # a per-head norm on queries and keys (Qwen3)
+    position_embedding_type: str | None = None  # rope | learned_absolute
+    rope_scaling: str | None = None  # None or llama3 (Llama 3.1 frequency scaling)
+    rope_scaling_factor: float = 8.0  # llama3 scaling parameters (megatron-core's defaults)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
+        from ckpt_tools import families
         self._check_types()
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(
-                f"unknown architecture {self.architecture!r}: expected one of {', '.join(ARCHITECTURES)}"
-            )
+        family = families.get(self.architecture)
+        for name, allowed in family.features.items():
+            value = getattr(self, name)
+            if value is None and None not in allowed:
+                object.__setattr__(self, name, allowed[0])
+            elif value not in allowed:
+                raise ConfigError(f"{name} {value!r} is not available for {self.architecture}: expected "
+                                  f"{' or '.join(map(repr, allowed))}")
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels is None:
@@ -60,17 +75,8 @@ class ModelSpec:
                 f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
                 f"{self.num_query_groups}: each query group must hold the same number of heads"
             )
-        if self.architecture == "gpt2":
-            if self.num_query_groups != self.num_attention_heads:
-                raise ConfigError("gpt2 has no grouped-query attention: set num_query_groups = num_attention_heads")
-            if not self.tie_word_embeddings:
-                raise ConfigError("gpt2 ties input and output embeddings: set tie_word_embeddings: true")
-        allowed = {"llama": ("swiglu",), "gpt2": ("gelu", "gelu_tanh")}[self.architecture]
-        if self.activation is None:
-            object.__setattr__(self, "activation", allowed[0])
-        elif self.activation not in allowed:
-            raise ConfigError(f"activation {self.activation!r} is not available for {self.architecture}: "
-                              f"expected one of {', '.join(allowed)}")
+        if family.check is not None:
+            family.check(self)
 
     def _check_types(self) -> None:
         """Each field of its type (a size a positive integer): a value read from a file may be anything."""
@@ -89,22 +95,14 @@ class ModelSpec:
             if not ok:
                 raise ConfigError(f"model field {f.name} is {value!r:.60}, expected {want}")
 
-    # What the architecture implies (megatron-core TransformerConfig terms).
-    @property
-    def normalization(self) -> str:
-        return "RMSNorm" if self.architecture == "llama" else "LayerNorm"
-
     @property
     def gated_linear_unit(self) -> bool:
-        return self.architecture == "llama"
+        return self.activation == "swiglu"
 
     @property
-    def add_bias_linear(self) -> bool:
-        return self.architecture == "gpt2"
-
-    @property
-    def position_embedding_type(self) -> str:
-        return "rope" if self.architecture == "llama" else "learned_absolute"
+    def qkv_bias(self) -> bool:
+        """megatron-core's linear_qkv has a bias when every linear has one or only QKV has."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def heads_per_group(self) -> int:

@@ -60,8 +60,8 @@ def _(b, tmp):
 
 @case("unsupported model_type", "import")
 def _(b, tmp):
-    hf = _hf_copy(b, tmp, lambda c: c.update(model_type="mistral"))
-    return (["import", hf, tmp / OUT], [f"{hf / 'config.json'}: model_type 'mistral'", "only plain Llama and GPT-2"],
+    hf = _hf_copy(b, tmp, lambda c: c.update(model_type="mamba"))
+    return (["import", hf, tmp / OUT], [f"{hf / 'config.json'}: model_type 'mamba'", "the supported families are llama, mistral"],
             tmp / OUT)
 
 

@@ -35,6 +35,8 @@ SPECS = {
     "llama_untied": llama(tie=False),
     "llama_tied": llama(tie=True),
     "gpt2": gpt2(),
+    "qwen2": llama(architecture="qwen2", tie=True),  # QKV biases
+    "qwen3": llama(architecture="qwen3", kv_channels=8),  # per-head q/k norms, head_dim x heads != hidden
 }
 
 

@@ -266,7 +266,7 @@ def _(b, tmp):
 def _(b, tmp):
     ck = _copy(b, tmp)
     reseal(ck, lambda m: m["model"].update(architecture="mamba"))
-    return ["inspect", ck], [f"{fmt.META}: unknown architecture 'mamba': expected one of llama, gpt2"], None
+    return ["inspect", ck], [f"{fmt.META}: unknown architecture 'mamba': expected one of llama, mistral, qwen2, qwen3, phi3, gpt2"], None
 
 
 @case("unsupported architecture in meta.json", "merge")

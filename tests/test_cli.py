@@ -30,7 +30,7 @@ def one_line_error(result) -> str:
 @pytest.mark.parametrize("sets,expected", [
     (["tp_degree=3"], "num_attention_heads 4 is not divisible by TP 3"),
     (["num_query_groups=1", "tp_degree=2"], "num_query_groups 1 is not divisible by TP 2"),
-    (["architecture=bert"], "unknown architecture 'bert': expected one of llama, gpt2"),
+    (["architecture=bert"], "unknown architecture 'bert': expected one of llama, mistral, qwen2, qwen3, phi3, gpt2"),
     (["pp_degree=8"], "PP 8 needs at least one layer per stage but the model has 4 layers"),
     (["pp_degree=3"], "num_layers 4 is not divisible by PP 3"),
     (["global_batch_size=7"], "global_batch_size 7 != micro_batch_size x num_micro_batches x DP"),

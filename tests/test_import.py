@@ -142,12 +142,11 @@ def test_existing_out_is_left_untouched_without_force(command, llama_run, hf_dir
 
 
 # ---------------------------------------------------------------- unsupported HF models
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 @pytest.mark.parametrize("changes,expected", [
-    ({"rope_scaling": LLAMA3_ROPE}, "rope scaling llama3"),
+    ({"rope_scaling": YARN_ROPE}, "rope scaling yarn"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),

@@ -21,7 +21,7 @@ from layout_cases import (
     random_full,
 )
 
-from ckpt_tools import layout
+from ckpt_tools import families, layout
 from ckpt_tools.errors import ConfigError, LayoutError
 from ckpt_tools.spec import ModelSpec
 
@@ -135,6 +135,7 @@ COVERAGE = {
     "llama_tied_pp2": (llama(tie=True), 2),
     "gpt2_pp1": (gpt2(), 1),
     "gpt2_pp2": (gpt2(), 2),
+    "qwen3_pp2": (llama(architecture="qwen3"), 2),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -192,33 +193,32 @@ def test_table_coverage() -> None:
     assert unused == UNREACHABLE, f"rules never used by any spec: {unused} (known unreachable: {UNREACHABLE})"
 
 
-# The gated fc1 bias row needs add_bias_linear and gated_linear_unit together, which neither
-# architecture has (llama: gated, no biases; gpt2: biases, not gated). It is dead today; it is the
+# The gated fc1 bias row needs add_bias_linear and gated_linear_unit together, which no family has
+# (the Llama-like: gated, no linear biases; gpt2: biases, not gated). It is dead today; it is the
 # only such row, and its split/join is still tested below through a spec that claims both.
 UNREACHABLE = [("decoder.layers.{i}.mlp.linear_fc1.bias", "gated")]
 
 
 def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
     reachable = set()
-    for arch in ("llama", "gpt2"):
-        for tie in ((False, True) if arch == "llama" else (True,)):
-            spec = llama(tie=tie) if arch == "llama" else gpt2()
+    for family in families.all_families():
+        for tie in family.features["tie_word_embeddings"]:
+            spec = gpt2() if family.name == "gpt2" else llama(architecture=family.name, tie=tie)
             for pp in (1, 2):
                 reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
     assert [(r.name, r.split) for r in layout.TABLE if (r.name, r.split) not in reachable] == UNREACHABLE
 
 
-class _GatedWithBias(ModelSpec):
-    """A llama spec that claims linear biases, only to exercise the (otherwise dead) gated-bias row."""
-
-    @property
-    def add_bias_linear(self) -> bool:
-        return True
+def _gated_with_bias(**kw) -> ModelSpec:
+    """A llama spec that claims linear biases (no family allows it), only to exercise the gated-bias row."""
+    spec = ModelSpec(**kw)
+    object.__setattr__(spec, "add_bias_linear", True)
+    return spec
 
 
 @pytest.mark.parametrize("tp", TPS)
 def test_gated_bias_row_roundtrip_and_rows(tp: int) -> None:
-    spec = _GatedWithBias(architecture="llama", num_layers=1, hidden_size=64, num_attention_heads=8,
+    spec = _gated_with_bias(architecture="llama", num_layers=1, hidden_size=64, num_attention_heads=8,
                           ffn_hidden_size=32, vocab_size=1000)
     key = "decoder.layers.0.mlp.linear_fc1.bias"
     rule = layout.find_rule(key, spec)

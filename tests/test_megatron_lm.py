@@ -272,8 +272,8 @@ def test_torch_dcp_checkpoint_is_named(tmp_path):
     ({"squared_relu": True}, "squared_relu=True"),
     ({"virtual_pipeline_model_parallel_size": 2}, "virtual_pipeline_model_parallel_size=2"),
     ({"rotary_percent": 0.5}, "rotary_percent=0.5"),
-    ({"add_qkv_bias": True}, "add_qkv_bias=True with add_bias_linear=False"),
-    ({"qk_layernorm": True}, "qk_layernorm=True"),
+    ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered norm weights)"),
+    ({"add_qkv_bias": True, "qk_layernorm": True}, "add_qkv_bias=True (needs False)"),  # neither qwen2 nor qwen3
     ({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),
     ({"position_embedding_type": "yarn"}, "position_embedding_type='yarn'"),
 ])
@@ -294,7 +294,7 @@ def test_gpt2_untied_is_refused(tmp_path):
     msg = str(e.value)
     assert "fit no supported architecture" in msg
     assert "for gpt2: untie_embeddings_and_output_weights=True (needs False)" in msg
-    assert "for llama: swiglu=False (needs True), normalization='LayerNorm' (needs 'RMSNorm')" in msg
+    assert "for llama, mistral, phi3: swiglu=False (needs True), normalization='LayerNorm' (needs 'RMSNorm')" in msg
 
 
 def test_args_of_other_megatron_versions(tmp_path):

@@ -14,29 +14,18 @@ import yaml
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec, build_dataclass
 
-MODEL_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "ffn_hidden_size", "max_position_embeddings", "norm_epsilon", "rotary_base",
-                "tie_word_embeddings", "make_vocab_size_divisible_by", "activation")
+# The model keys of a config file are ModelSpec's fields (vocab_size comes from the tokenizer), flat in the
+# file and kept together in `TrainConfig.model`; these are the trainer's defaults for a tiny model.
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.name != "vocab_size")
+MODEL_DEFAULTS = {"architecture": "llama", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                  "ffn_hidden_size": 172, "max_position_embeddings": 128, "norm_epsilon": 1e-5}
 PATH_FIELDS = ("corpus", "tokenizer", "data_cache_dir", "save_dir", "load")
 DTYPES = ("fp32", "bf16")
 
 
 @dataclass
 class TrainConfig:
-    # model (vocab_size comes from the tokenizer)
-    architecture: str = "llama"
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None
-    kv_channels: int | None = None
-    ffn_hidden_size: int = 172
-    max_position_embeddings: int = 128
-    norm_epsilon: float = 1e-5
-    rotary_base: float = 10000.0
-    tie_word_embeddings: bool = False
-    make_vocab_size_divisible_by: int = 128
-    activation: str | None = None  # None: the architecture's own (llama swiglu, gpt2 gelu)
+    model: dict = field(default_factory=lambda: dict(MODEL_DEFAULTS))  # ModelSpec fields, flat in the file
     seq_length: int = 64
     # parallelism (MegatronLMPlugin names); DP = world / (TP x PP)
     tp_degree: int = 1
@@ -91,9 +80,10 @@ class TrainConfig:
         if self.layers_per_stage is not None and not (
                 isinstance(self.layers_per_stage, list) and all(isinstance(n, int) for n in self.layers_per_stage)):
             raise ConfigError(f"layers_per_stage {self.layers_per_stage!r} must be a list of integers, e.g. [1, 3]")
-        if self.seq_length > self.max_position_embeddings:
+        positions = self.model.get("max_position_embeddings", 2048)
+        if self.seq_length > positions:
             raise ConfigError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
-                              f"{self.max_position_embeddings}: raise max_position_embeddings")
+                              f"{positions}: raise max_position_embeddings")
 
     @property
     def recompute(self) -> str | None:
@@ -109,7 +99,7 @@ class TrainConfig:
                               f"tokenizer dir")
 
     def model_spec(self, vocab_size: int) -> ModelSpec:
-        spec = ModelSpec(vocab_size=vocab_size, **{k: getattr(self, k) for k in MODEL_FIELDS})
+        spec = ModelSpec.from_dict({**self.model, "vocab_size": vocab_size})
         spec.check_tp(self.tp_degree)
         return spec
 
@@ -127,11 +117,17 @@ class TrainConfig:
         return dp
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Flat, as in the file."""
+        d = dataclasses.asdict(self)
+        return {**d.pop("model"), **d}
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        return build_dataclass(cls, d, "config key(s)", "see docs/config.md for the known keys")
+        """From the flat keys of a config file: ModelSpec's fields go to `model`, over the defaults."""
+        model = {**MODEL_DEFAULTS, **{k: v for k, v in d.items() if k in MODEL_FIELDS}}
+        rest = {k: v for k, v in d.items() if k not in MODEL_FIELDS and k != "model"}
+        return build_dataclass(cls, {**rest, "model": model}, "config key(s)",
+                               "see docs/config.md for the known keys")
 
 
 def _parse_value(text: str):

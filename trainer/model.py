@@ -7,6 +7,7 @@ layers run on CPU with gloo as well as on GPUs with NCCL.
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -33,18 +34,20 @@ def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dt
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu, perform_initialization=False,
         normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
-        add_bias_linear=spec.add_bias_linear, layernorm_epsilon=spec.norm_epsilon,
-        gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel,
+        add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias, qk_layernorm=spec.qk_layernorm,
+        layernorm_epsilon=spec.norm_epsilon, gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel,
     )
 
 
-def _norm(spec: ModelSpec, config: TransformerConfig) -> nn.Module:
-    """A norm in the weights' dtype; under sequence parallelism it sees 1/TP of the sequence, so its
-    parameters are marked as megatron-core marks them, for the TP all-reduce of their gradients."""
+def _norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None) -> nn.Module:
+    """A norm in the weights' dtype (over `size`, default hidden); under sequence parallelism it sees 1/TP of
+    the sequence, so its parameters are marked as megatron-core marks them, for the TP all-reduce of their
+    gradients. A per-head q/k norm sees its own heads whole: its gradients are per rank, not reduced."""
     cls = nn.RMSNorm if spec.normalization == "RMSNorm" else nn.LayerNorm
-    norm = cls(spec.hidden_size, eps=spec.norm_epsilon).to(config.params_dtype)
+    norm = cls(size or spec.hidden_size, eps=spec.norm_epsilon).to(config.params_dtype)
     for p in norm.parameters():
-        p.sequence_parallel = config.sequence_parallel
+        p.sequence_parallel = config.sequence_parallel and size is None
+        p.partial_over_tp = size is not None  # megatron-core sums q/k norm gradients over TP as well
     return norm
 
 
@@ -95,8 +98,23 @@ def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[to
     tables repeat these values for the second half of each head)."""
     d = spec.kv_channels
     inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    if spec.rope_scaling == "llama3":
+        inv_freq = llama3_scaling(inv_freq, spec)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)[:, None, None, None, :]
     return freqs.cos(), freqs.sin()
+
+
+def llama3_scaling(inv_freq: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (megatron-core's RotaryEmbedding._apply_scaling, transformers'
+    llama3 rope type): long wavelengths divided by the factor, short ones kept, a smooth blend between."""
+    factor, low, high = spec.rope_scaling_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    old = spec.rope_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 # cuDNN's fused attention is ~1.6x flash-attention 2 for forward + backward on Hopper at head dim 64
@@ -125,14 +143,19 @@ class SelfAttention(nn.Module):
             spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
             bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
         self.linear_qkv = tensor_parallel.ColumnParallelLinear(
-            spec.hidden_size, qkv_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.add_bias_linear,
+            spec.hidden_size, qkv_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.qkv_bias,
             gather_output=False)
+        if spec.qk_layernorm:  # megatron-core's order: after linear_qkv
+            self.q_layernorm = _norm(spec, config, spec.kv_channels)
+            self.k_layernorm = _norm(spec, config, spec.kv_channels)
 
     def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """[s, b, this rank's (q, k, v) per group] -> attention output [s, b, this rank's heads x d]."""
         s, b = qkv.shape[:2]
         hpg, d = self.spec.heads_per_group, self.spec.kv_channels
         q, k, v = qkv.view(s, b, self.groups, hpg + 2, d).split([hpg, 1, 1], dim=3)
+        if self.spec.qk_layernorm:  # per head, before the rotation (megatron-core and transformers alike)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.reshape(s, b, -1, d) for t in (q, k, v))

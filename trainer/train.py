@@ -118,10 +118,12 @@ class Stepper:
 
 
 def sync_sequence_parallel_grads(stage: GPTStage) -> None:
-    """Under SP a norm (or a row-parallel bias) saw only this rank's part of the sequence: sum its
-    gradients over TP, as megatron-core does for parameters marked `sequence_parallel`."""
-    grads = [p.grad for p in stage.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not stage.sequence_parallel or not grads:
+    """Under SP a norm (or a row-parallel bias) saw only this rank's part of the sequence, and a per-head
+    q/k norm saw only this rank's heads: sum their gradients over TP, as megatron-core's
+    finalize_model_grads does for parameters marked `sequence_parallel` and for q/k layernorms."""
+    grads = [p.grad for p in stage.parameters() if p.grad is not None and (
+        (stage.sequence_parallel and getattr(p, "sequence_parallel", False)) or getattr(p, "partial_over_tp", False))]
+    if stage.tp_size == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())

@@ -1,0 +1,211 @@
+"""Model families: one declarative record per HuggingFace model type (DESIGN.md: "adding a family").
+
+A `Family` says everything the tools need to know about one kind of model beyond the sizes:
+  features  the ModelSpec feature fields it fixes (normalization, activation, biases, qk norms,
+            positions, tying), each with the values it allows, the first being the default;
+  names     megatron-core key <-> HF name(s) and the conversion kind of each tensor (`Name` rows);
+            rows whose megatron-core key the model does not hold (a bias of an unbiased model) are unused;
+  config    config.json <-> ModelSpec, each key written once (`Field`, `Const`, `Rope`): reading a
+            config.json and writing one are both derived from this list.
+How a tensor is split across ranks is not here (that is `layout`). Each family lives in a module of
+this package; `FAMILIES` lists them, first match wins where two read the same Megatron-LM arguments.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_tools.errors import ConfigError
+
+# Conversion kinds (full megatron-core tensor <-> HF tensors; see ckpt_tools/hf.py):
+SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "gated", "conv1d", "c_attn", "qkv_fused"
+
+# ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
+FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+            "position_embedding_type", "rope_scaling", "tie_word_embeddings")
+
+
+@dataclass(frozen=True)
+class Name:
+    key: str  # megatron-core key, `{i}` = global layer index
+    kind: str
+    hf: tuple[str, ...]  # HF name(s), `{i}` = layer index
+
+
+REQUIRED = object()
+OMIT = object()
+
+
+@dataclass(frozen=True)
+class Field:
+    """config.json key `theirs` <-> ModelSpec field `ours`. `default`: the value transformers assumes when
+    the key is absent (a callable of the config dict for derived defaults); `values`: ours -> theirs
+    where the spellings differ (gelu_tanh <-> gelu_new)."""
+    theirs: str
+    ours: str
+    default: Any = REQUIRED
+    values: Mapping[Any, Any] | None = None
+
+    def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
+        v = c.get(self.theirs)
+        if v is None:
+            if self.default is REQUIRED:
+                raise KeyError(self.theirs)
+            v = self.default(c) if callable(self.default) else self.default
+        if self.values is not None:
+            back = {t: o for o, t in self.values.items()}
+            if v not in back:
+                refuse(f"{self.theirs} {v!r} is not one of {', '.join(map(repr, back))}")
+            v = back[v]
+        out[self.ours] = v
+
+    def write(self, spec, out: dict) -> None:
+        v = getattr(spec, self.ours)
+        out[self.theirs] = self.values[v] if self.values is not None else v
+
+
+@dataclass(frozen=True)
+class Const:
+    """A config.json key whose value the family fixes: written as `value` (unless OMIT); on reading, a
+    value outside `accept` (default: just `value`; an absent key or null is always accepted) is refused,
+    `why` saying what it would have meant."""
+    theirs: str
+    value: Any
+    why: str = ""
+    accept: Callable[[Any], bool] | None = None
+
+    def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
+        v = c.get(self.theirs)
+        ok = self.accept(v) if self.accept is not None else v == self.value
+        if v is not None and not ok:
+            shown = f"{self.theirs}={json.dumps(v)}" if isinstance(v, bool) else f"{self.theirs} {v!r:.60}"
+            refuse(f"{shown} is not supported" + (f" ({self.why})" if self.why else ""))
+
+    def write(self, spec, out: dict) -> None:
+        if self.value is not OMIT:
+            out[self.theirs] = self.value
+
+
+def anything(v) -> bool:
+    return True
+
+
+LLAMA3_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+ROPE_FIELDS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_position_embeddings"}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE base and scaling: transformers 5's `rope_parameters` {rope_type, rope_theta, ...}, or the older
+    top-level `rope_theta` + `rope_scaling`. Types other than default and llama3, and partial rotary
+    factors, are refused (megatron-core's GPTModel has neither)."""
+    default_theta: float = 10000.0
+
+    def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
+        params = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or {}
+        if not isinstance(params, dict) or not isinstance(scaling, dict):
+            raise TypeError("rope_parameters / rope_scaling is not an object")
+        merged = {**scaling, **params}
+        kind = merged.get("rope_type", merged.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            refuse(f"rope scaling {kind} is not supported (only default and llama3)")
+        partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            refuse(f"partial_rotary_factor {partial!r} is not supported (rotary embeddings on the whole head only)")
+        theta = merged.get("rope_theta", c.get("rope_theta", self.default_theta))
+        out["rotary_base"] = float(theta)
+        if kind == "llama3":
+            out["rope_scaling"] = "llama3"
+            for theirs, ours in ROPE_FIELDS.items():
+                out[ours] = type(LLAMA3_DEFAULTS[theirs])(merged.get(theirs, LLAMA3_DEFAULTS[theirs]))
+
+    def write(self, spec, out: dict) -> None:
+        params = {"rope_type": spec.rope_scaling or "default", "rope_theta": float(spec.rotary_base)}
+        if spec.rope_scaling == "llama3":
+            params.update({theirs: getattr(spec, ours) for theirs, ours in ROPE_FIELDS.items()})
+        out["rope_parameters"] = params
+        out["rope_theta"] = float(spec.rotary_base)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # ModelSpec.architecture
+    model_type: str  # config.json's model_type
+    hf_class: str  # config.json's architectures[0]
+    features: Mapping[str, tuple]  # ModelSpec feature -> allowed values, the default first
+    names: tuple[Name, ...]
+    config: tuple = ()
+    check: Callable | None = None  # extra constraints on a ModelSpec (raises ConfigError)
+    extras: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
+
+    def default(self, feature: str):
+        return self.features[feature][0]
+
+    def hf_config(self, spec, dtype: str, bos: int | None, eos: int | None) -> dict:
+        out = {"architectures": [self.hf_class], "model_type": self.model_type}
+        for f in self.config:
+            f.write(spec, out)
+        out.update({"bos_token_id": bos, "eos_token_id": eos, "dtype": dtype, "use_cache": True, **self.extras})
+        return out
+
+    def spec_fields(self, c: dict, refuse: Callable[[str], None]) -> dict:
+        """config.json -> ModelSpec keyword arguments (architecture included)."""
+        out: dict = {"architecture": self.name}
+        for f in self.config:
+            f.read(c, out, refuse)
+        return out
+
+
+def heads_dim(c: dict) -> int:
+    return c["hidden_size"] // c["num_attention_heads"]
+
+
+def kv_heads(c: dict) -> int:
+    return c["num_attention_heads"]
+
+
+def _families() -> tuple[Family, ...]:
+    from ckpt_tools.families import gpt2, llama, mistral, phi3, qwen2, qwen3
+    return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gpt2.FAMILY)
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def all_families() -> tuple[Family, ...]:
+    if not _REGISTRY:
+        _REGISTRY.update({f.name: f for f in _families()})
+    return tuple(_REGISTRY.values())
+
+
+def get(name: str) -> Family:
+    all_families()
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown architecture {name!r}: expected one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(f.name for f in all_families())
+
+
+def by_model_type(model_type) -> Family | None:
+    return next((f for f in all_families() if f.model_type == model_type), None)
+
+
+def for_features(found: Mapping[str, Any]) -> tuple[Family | None, dict[str, dict[str, tuple]]]:
+    """The first family whose features allow every value in `found` (Megatron-LM arguments read as
+    features) and, when none does, for each family what does not fit: {feature: (found, allowed)}."""
+    misfits = {}
+    for fam in all_families():
+        bad = {k: (v, fam.features[k]) for k, v in found.items() if k in fam.features and v not in fam.features[k]}
+        if not bad:
+            return fam, {}
+        misfits[fam.name] = bad
+    return None, misfits
