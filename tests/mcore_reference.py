@@ -153,8 +153,6 @@ def _validate(model: dict, tp: int, pp: int) -> None:
     if missing:
         raise ValueError(f"model config lacks keys {missing}")
     arch = model["architecture"]
-    if arch not in ("llama", "gpt2"):
-        raise ValueError(f"architecture must be 'llama' or 'gpt2', got {arch!r}")
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
     if model["num_layers"] % pp:

@@ -28,56 +28,35 @@ def _build_model(model: dict, tp: int, pp: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    arch = model["architecture"]
-    heads = int(model["num_attention_heads"])
-    common = dict(
-        num_layers=int(model["num_layers"]),
-        hidden_size=int(model["hidden_size"]),
-        num_attention_heads=heads,
-        ffn_hidden_size=int(model["ffn_hidden_size"]),
-        kv_channels=(int(model["kv_channels"]) if model.get("kv_channels") else None),
-        layernorm_epsilon=float(model["norm_epsilon"]),
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    if arch == "llama":
-        tied = bool(model.get("tie_word_embeddings", False))
-        rotary_base = model.get("rotary_base") or 10000
-        config = TransformerConfig(
-            **common,
-            num_query_groups=int(model["num_query_groups"]),
-            normalization="RMSNorm",
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=False,
-        )
-        pos_kw = dict(position_embedding_type="rope", rotary_base=rotary_base)
-    elif arch == "gpt2":
-        tied = True
-        config = TransformerConfig(
-            **common,
-            num_query_groups=heads,
-            normalization="LayerNorm",
-            gated_linear_unit=False,
-            activation_func=F.gelu,
-            add_bias_linear=True,
-        )
-        pos_kw = dict(position_embedding_type="learned_absolute")
-    else:
-        raise ValueError(f"unknown architecture {arch!r}")
+    from ckpt_tools.spec import ModelSpec
 
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    fields = {k: v for k, v in model.items() if k != "padded_vocab_size"}
+    s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features
+    activation = {"swiglu": F.silu, "gelu": F.gelu,
+                  "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
+    config = TransformerConfig(
+        num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
+        num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size, kv_channels=s.kv_channels,
+        layernorm_epsilon=s.norm_epsilon, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        hidden_dropout=0.0, attention_dropout=0.0, normalization=s.normalization,
+        gated_linear_unit=s.gated_linear_unit, activation_func=activation, add_bias_linear=s.add_bias_linear,
+        add_qkv_bias=s.add_qkv_bias, qk_layernorm=s.qk_layernorm,
+        bias_activation_fusion=False,
+    )
+    tied = s.tie_word_embeddings
+    if s.position_embedding_type == "rope":
+        pos_kw = dict(position_embedding_type="rope", rotary_base=s.rotary_base,
+                      rope_scaling=s.rope_scaling == "llama3", rope_scaling_factor=s.rope_scaling_factor)
+    else:
+        pos_kw = dict(position_embedding_type="learned_absolute")
+
+    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=int(model["padded_vocab_size"]),
-        max_sequence_length=int(model["max_position_embeddings"]),
+        max_sequence_length=s.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=tied,

@@ -26,7 +26,7 @@ PARAMS_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 def megatron_args(meta: Meta, vocab_recorded: bool = True) -> argparse.Namespace:
     """A Namespace with the arguments Megatron-LM would have had for this model and layout."""
     s, cfg = meta.spec, meta.raw.get("config", {})
-    llama = s.architecture == "llama"
+    rope = s.position_embedding_type == "rope"
     dtype = meta.raw.get("dtypes", {}).get("params", "float32")
     gqa = s.num_query_groups != s.num_attention_heads
     return argparse.Namespace(
@@ -35,14 +35,15 @@ def megatron_args(meta: Meta, vocab_recorded: bool = True) -> argparse.Namespace
         num_attention_heads=s.num_attention_heads, group_query_attention=gqa,
         num_query_groups=s.num_query_groups if gqa else 1,  # Megatron-LM's default when GQA is off
         kv_channels=s.kv_channels, max_position_embeddings=s.max_position_embeddings,
-        position_embedding_type=s.position_embedding_type, add_position_embedding=not llama,
+        position_embedding_type=s.position_embedding_type, add_position_embedding=not rope,
         use_rotary_position_embeddings=False, rotary_base=int(s.rotary_base), rotary_percent=1.0,
-        rotary_interleaved=False, rotary_seq_len_interpolation_factor=None, use_rope_scaling=False,
+        rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
+        use_rope_scaling=s.rope_scaling == "llama3", rope_scaling_factor=s.rope_scaling_factor,
         normalization=s.normalization, norm_epsilon=s.norm_epsilon, apply_layernorm_1p=False,
-        qk_layernorm=False, apply_residual_connection_post_layernorm=False,
-        swiglu=llama, openai_gelu=False, squared_relu=False, quick_geglu=False,
+        qk_layernorm=s.qk_layernorm, apply_residual_connection_post_layernorm=False,
+        swiglu=s.activation == "swiglu", openai_gelu=False, squared_relu=False, quick_geglu=False,
         bias_gelu_fusion=s.add_bias_linear and s.activation == "gelu_tanh", bias_swiglu_fusion=True,
-        add_bias_linear=s.add_bias_linear, add_qkv_bias=s.add_bias_linear,
+        add_bias_linear=s.add_bias_linear, add_qkv_bias=s.qkv_bias,
         untie_embeddings_and_output_weights=not s.tie_word_embeddings,
         make_vocab_size_divisible_by=s.make_vocab_size_divisible_by, padded_vocab_size=meta.padded_vocab,
         vocab_size=s.vocab_size if vocab_recorded else None,

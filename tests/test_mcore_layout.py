@@ -22,6 +22,8 @@ GPT2 = dict(architecture="gpt2", num_layers=4, hidden_size=64, num_attention_hea
 CASES = [("llama", LLAMA, tp, pp) for tp in (1, 2) for pp in (1, 2)]
 CASES += [("llama_tied", {**LLAMA, "tie_word_embeddings": True}, tp, pp) for tp, pp in ((1, 1), (1, 2))]
 CASES += [("gpt2", GPT2, tp, pp) for tp, pp in ((1, 1), (2, 2))]
+CASES += [("qwen2_tied", {**LLAMA, "architecture": "qwen2", "tie_word_embeddings": True}, 2, 2),
+          ("qwen3", {**LLAMA, "architecture": "qwen3", "kv_channels": 24}, 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +38,7 @@ def ours(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name,spec,tp,pp", CASES, ids=[f"{c[0]}-tp{c[2]}-pp{c[3]}" for c in CASES])
 def test_state_dict_equals_megatron_core(ours, name, spec, tp, pp):
     s = ModelSpec.from_dict(spec)
-    reference = mcore_state_dict_layout(
-        dict(architecture=s.architecture, num_layers=s.num_layers, hidden_size=s.hidden_size,
-             num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups,
-             ffn_hidden_size=s.ffn_hidden_size, kv_channels=s.kv_channels,
-             padded_vocab_size=s.padded_vocab_size(tp), max_position_embeddings=s.max_position_embeddings,
-             norm_epsilon=s.norm_epsilon, rotary_base=s.rotary_base, tie_word_embeddings=s.tie_word_embeddings),
-        tp, pp)
+    reference = mcore_state_dict_layout({**s.to_dict(), "padded_vocab_size": s.padded_vocab_size(tp)}, tp, pp)
     mine = ours[f"{name}-tp{tp}-pp{pp}"]
     assert sorted(mine) == sorted(f"{t},{p}" for t, p in reference)
     for (t, p), entries in reference.items():

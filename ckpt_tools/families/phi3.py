@@ -23,5 +23,6 @@ FAMILY = Family(
                         Const("sliding_window", None, "sliding-window attention: megatron-core's GPTModel attends "
                                                       "to every earlier position"),
                         Const("resid_pdrop", 0.0, accept=anything), Const("embd_pdrop", 0.0, accept=anything),
-                        Const("original_max_position_embeddings", OMIT, accept=anything)),
+                        Const("original_max_position_embeddings", OMIT, accept=anything),
+                        Const("pad_token_id", None, accept=anything)),  # transformers' default 32000 may be past the vocab
 )

@@ -1,0 +1,184 @@
+"""Model families (ckpt_tools/families), each against its independent references:
+
+- transformers builds the model (tiny, random, every norm and bias non-trivial); `ckpt import` at TP2 x PP2,
+  `ckpt reshard` to TP1 x PP2 and `ckpt merge` give every tensor back bit for bit, and transformers loads
+  the merge as the same class with the same logits;
+- `ckpt verify` of imported shards against the original runs the trainer's sharded forward (TP2) against
+  transformers' forward: logits within 1e-5 (fp32);
+- megatron-core's own GPTModel with the family's features (qkv bias, qk layernorm, llama3 rope scaling),
+  saved by megatron-core as Megatron-LM does, merged by `ckpt merge`: transformers' logits on the merge
+  equal megatron-core's own logits;
+- the trainer trains the family (loss falls) and a resharded checkpoint resumes the curve.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import train
+from safetensors.torch import load_file as load_safetensors
+
+from ckpt_tools import families, hf
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import import_hf, reshard
+from ckpt_tools.spec import ModelSpec
+
+VOCAB = 1000
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+          "bos_token_id": 1, "eos_token_id": 2}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# case -> (transformers config class, its arguments beyond COMMON, our family)
+CASES = {
+    "llama3_tied": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}, "llama"),
+    "mistral": ("MistralConfig", {"head_dim": 24, "sliding_window": None}, "mistral"),  # 4 x 24 heads != 64
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}, "qwen2"),
+    "qwen2_tied": ("Qwen2Config", {"tie_word_embeddings": True}, "qwen2"),
+    "qwen3": ("Qwen3Config", {"head_dim": 24}, "qwen3"),
+    "phi3": ("Phi3Config", {"pad_token_id": None}, "phi3"),
+}
+
+
+def hf_model(case: str):
+    import transformers
+    cls, extra, _ = CASES[case]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**COMMON, **extra}))
+    with torch.no_grad():  # every tensor distinct from its neighbours: norms 1 and biases 0 hide mis-orderings
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for case in CASES:
+        dirs[case] = root / case
+        hf_model(case).save_pretrained(dirs[case], safe_serialization=True)
+    return dirs
+
+
+def logits(hf_dir: Path, tokens: torch.Tensor) -> tuple[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return type(model).__name__, model(tokens).logits.float()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+TOKENS = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
+    src = hf_dirs[case]
+    spec = hf.spec_from_hf(src / "config.json")
+    assert spec.architecture == CASES[case][2]
+    import_hf(src, tmp_path / "tp2pp2", tp=2, pp=2, quiet=True)
+    reshard(tmp_path / "tp2pp2", tmp_path / "tp1pp2", tp=1, pp=2, quiet=True)
+    merge(tmp_path / "tp1pp2", tmp_path / "merged", quiet=True)
+    original = load_safetensors(src / "model.safetensors")
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(original)
+    for name, t in original.items():
+        assert merged[name].dtype == t.dtype and torch.equal(merged[name], t), name
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["model_type"] == json.loads((src / "config.json").read_text())["model_type"]
+    assert hf.spec_from_hf(tmp_path / "merged" / "config.json") == spec  # the config maps back to the same model
+    cls, ours = logits(tmp_path / "merged", TOKENS)
+    want_cls, want = logits(src, TOKENS)
+    assert cls == want_cls
+    assert rel(ours, want) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharded_forward_equals_transformers(case, hf_dirs, tmp_path):
+    from ckpt_tools import verify
+    import_hf(hf_dirs[case], tmp_path / "shards", tp=2, pp=1, optimizer=False, quiet=True)
+    tiers, _ = verify.run(tmp_path / "shards", hf_dirs[case], seq=48, batch=2)
+    assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
+    assert tiers[2].data["rel_l2"] < 1e-5, tiers[2].data["rel_l2"]
+
+
+def test_family_records_map_their_config_both_ways():
+    """Each family writes a config.json that it reads back as the same spec, and declares a default for
+    every feature field."""
+    for family in families.all_families():
+        assert set(family.features) == set(families.FEATURES), family.name
+        spec = ModelSpec(architecture=family.name, num_layers=2, hidden_size=64, num_attention_heads=4,
+                         num_query_groups=4 if family.name == "gpt2" else 2, ffn_hidden_size=96, vocab_size=VOCAB,
+                         kv_channels=16, max_position_embeddings=128)
+        config = hf.hf_config(spec, "float32", 1, 2)
+        assert config["model_type"] == family.model_type
+        back = ModelSpec.from_dict(family.spec_fields(config, pytest.fail))
+        assert back == spec, family.name
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096 is not supported (sliding-window"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true is not supported"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope scaling longrope"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5"),
+])
+def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
+    spec = ModelSpec(architecture=changes["model_type"], num_layers=2, hidden_size=64, num_attention_heads=4,
+                     ffn_hidden_size=96, vocab_size=VOCAB)
+    config = {**hf.hf_config(spec, "float32", None, None), **changes}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(Exception) as e:
+        hf.spec_from_hf(path)
+    assert expected in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- megatron-core's own model of each family
+MCORE = {  # ModelSpec fields of megatron-core GPTModels whose features the Llama-like families add
+    "qwen2_tied": {"architecture": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {"architecture": "qwen3", "kv_channels": 24},
+    "llama3": {"architecture": "llama", "rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rotary_base": 500000.0},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MCORE))
+def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_path):
+    from conftest import torchrun
+    model = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-5,
+             **MCORE[case]}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 2, "iteration": 5}))
+    torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
+    merge(tmp_path / "torch_dist", tmp_path / "merged", vocab_size=VOCAB, quiet=True)
+    tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    _, ours = logits(tmp_path / "merged", tokens)
+    assert rel(ours, expected) < 1e-5
+
+
+# ---------------------------------------------------------------- the trainer trains each family
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
+    """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), QKV biases split with
+    their weight; a checkpoint resharded to TP1 x PP2 continues the same curve."""
+    extra = {"architecture": arch, "kv_channels": 24} if arch == "qwen3" else {"architecture": arch}
+    run = tmp_path / "run" / "save"
+    first = train("tiny_llama.yaml", run, 2, tp_degree=2, pp_degree=1, train_iters=6, save_interval=3,
+                  num_micro_batches=2, **extra)
+    assert first[-1]["loss"] < first[0]["loss"] - 0.1, [m["loss"] for m in first]
+    reshard(run / "checkpoint-3", tmp_path / "re" / "save", tp=1, pp=2, quiet=True)
+    resumed = train("tiny_llama.yaml", tmp_path / "re" / "save", 2, tp_degree=1, pp_degree=2, train_iters=6,
+                    num_micro_batches=2, **extra)
+    assert [m["iteration"] for m in resumed] == [4, 5, 6]
+    for a, b in zip(first[3:], resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
