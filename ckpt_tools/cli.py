@@ -9,6 +9,8 @@ import click
 
 from ckpt_tools.errors import CkptError
 
+FORMS = ("ours", "torch_dist", "torch")  # to_megatron.CHOICES, without importing torch for --help
+
 
 def one_line(message: str) -> str:
     """An error is one line, even when it quotes a damaged file's bytes."""
@@ -140,17 +142,21 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--pp", type=int, required=True, help="Target pipeline-parallel size.")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
+@click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
+              help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch.")
+@click.option("--no-optimizer", is_flag=True, help="Write the weights only.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_safety_opts
 @_quiet_opt
 @_handle_errors
 def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, vocab_size: int | None,
-            force: bool, check_hashes: bool, no_preflight: bool, quiet: bool) -> None:
+            form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool, quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
-    from ckpt_tools.reshard import reshard as run
+    from ckpt_tools.reshard import reshard as reshard_checkpoint
     _one_thread()
-    click.echo(run(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force, quiet=quiet,
-                   check_hashes=check_hashes, no_preflight=no_preflight))
+    click.echo(reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
+                                  quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
+                                  optimizer=not no_optimizer))
 
 
 @main.command("import")
@@ -161,20 +167,22 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Model weight dtype (default: the HF weights' own).")
+@click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
+              help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch; weights only, 'release').")
 @click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_quiet_opt
 @_handle_errors
 def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | None, dtype: str | None,
-            no_optimizer: bool, force: bool, quiet: bool) -> None:
-    """Import a HuggingFace Llama / GPT-2 model into sharded checkpoints (a save dir OUT)."""
+            form: str, no_optimizer: bool, force: bool, quiet: bool) -> None:
+    """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     import torch
 
     from ckpt_tools.merge import DTYPE_OPTIONS
     from ckpt_tools.reshard import import_hf
     dtype = getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None
     click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage), dtype=dtype,
-                         optimizer=not no_optimizer, force=force, quiet=quiet))
+                         optimizer=not no_optimizer, force=force, quiet=quiet, form=form))
 
 
 @main.command()

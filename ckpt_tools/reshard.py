@@ -14,13 +14,14 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import hf, io, layout, output
-from ckpt_tools.errors import FormatError
+from ckpt_tools import hf, io, layout, output, to_megatron
+from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.merge import prepare
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
@@ -110,13 +111,22 @@ class Resharder:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8)
         return self._buffer[:nbytes].view(dtype).view(shape)
 
+    def shard(self, key: str, field: str | None, rank: int) -> torch.Tensor:
+        """Target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field), gathered."""
+        source, t = self.shards.source_key(key), self.target
+        shards = self.shards.shards(source, field)
+        if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
+            return layout.join(source, shards, t.spec, self.shards.meta.pp_size)
+        pieces = layout.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
+        return layout.gather(pieces, shards, self._scratch)
+
     def put(self, writer: TorchFileWriter, key: str, field: str | None, rank: int):
         """Write target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field). Pieces
         that are byte ranges of the source files, concatenated on dim 0, are copied file to file."""
         source, t = self.shards.source_key(key), self.target
+        if layout.find_rule(key, t.spec, t.pp).dim is None:
+            return writer.tensor(self.shard(key, field, rank))
         shards = self.shards.shards(source, field)
-        if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
-            return writer.tensor(layout.join(source, shards, t.spec, self.shards.meta.pp_size))
         pieces = layout.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
         parts = layout.gather_parts(pieces, shards)
         where = [self.shards.locate(p) for p in parts]
@@ -173,13 +183,15 @@ def _finish(tmp: Path, iteration: int, target: Target, meta: dict, tokenizer_dir
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-            no_preflight: bool = False) -> str:
+            no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True) -> str:
     start = time.perf_counter()
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
-    with_opt, unread = shards.has_optimizer(), shards.unread_optimizer()
+    with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
+    if form != to_megatron.OURS:
+        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start)
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir()
@@ -214,6 +226,28 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             + (f"\n{leftover}" if leftover else ""))
 
 
+def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
+                         with_opt: bool, force: bool, quiet: bool, start: float) -> str:
+    meta, spec = shards.meta, shards.meta.spec
+    if with_opt:
+        raise ConfigError(f"{meta.dir}: holds optimizer state, which this version does not write in Megatron-LM's "
+                          f"{form} form: pass --no-optimizer to write the weights only (Megatron-LM then starts a "
+                          f"fresh optimizer), or reshard into our format to keep it")
+    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form)
+    resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))
+
+    def shard_of(key: str, rank: int) -> torch.Tensor:
+        shard = resharder.shard(key, None, rank)
+        shards.release()
+        return shard
+    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype, shard_of, force=force,
+                               quiet=quiet, label="reshard")
+    shards.close()
+    return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
+            f"PP{len(counts)} (layers {counts}), weights only (release), {nbytes / 2**20:,.1f} MiB, "
+            f"{time.perf_counter() - start:.1f}s; load with {to_megatron.loads_with(form, out, tp, len(counts))}")
+
+
 def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
     """RNG and data position: the source's rank (0, 0) state for every target rank (no dropout in TP regions)."""
     rng = shards.rng_state()
@@ -228,7 +262,8 @@ def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
 
 # ---------------------------------------------------------------- import: HF -> shards
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-              dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False) -> str:
+              dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
+              form: str = to_megatron.OURS) -> str:
     start = time.perf_counter()
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
     spec = hf.spec_from_hf(hf_dir / "config.json")
@@ -257,6 +292,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                           f"the weights and config.json disagree")
     first = source.get(rows["embedding.word_embeddings.weight"][1][0])
     params_dtype = dtype or first.dtype
+    if form != to_megatron.OURS:
+        return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
+                                   quiet, start)
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir()
@@ -287,3 +325,23 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
             f"(layers {counts}), {dtype_name(params_dtype)}, "
             f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
             f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")
+
+
+def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
+                        counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
+                        start: float) -> str:
+    pp, current = len(counts), {}
+
+    def shard_of(key: str, rank: int) -> torch.Tensor:
+        if key not in current:  # one full tensor in memory, split for every TP rank
+            row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
+            full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
+            current.clear()
+            current[key] = layout.split(key, full, spec, tp, pp)
+        return current[key][rank]
+    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
+                               quiet=quiet, label="import")
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
+            f"TP{tp} x PP{pp} (layers {counts}), {dtype_name(params_dtype)}, weights only (release), padded vocab "
+            f"{padded}, {nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s; load with "
+            f"{to_megatron.loads_with(form, out, tp, pp)}")

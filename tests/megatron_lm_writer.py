@@ -18,59 +18,30 @@ import torch
 
 from ckpt_tools import io
 from ckpt_tools.checkpoint import Meta, model_file
+from ckpt_tools.megatron_args import build_args
 from ckpt_tools.megatron_lm import TRACKER, model_path
 
-PARAMS_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def megatron_args(meta: Meta, vocab_recorded: bool = True) -> argparse.Namespace:
-    """A Namespace with the arguments Megatron-LM would have had for this model and layout."""
-    s, cfg = meta.spec, meta.raw.get("config", {})
-    rope = s.position_embedding_type == "rope"
+    """A Namespace with the arguments Megatron-LM would have had for this model and layout: the package's
+    model and layout fields (ckpt_tools.megatron_args), and a training run's."""
+    cfg = meta.raw.get("config", {})
     dtype = meta.raw.get("dtypes", {}).get("params", "float32")
-    gqa = s.num_query_groups != s.num_attention_heads
-    return argparse.Namespace(
-        # network size
-        num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
-        num_attention_heads=s.num_attention_heads, group_query_attention=gqa,
-        num_query_groups=s.num_query_groups if gqa else 1,  # Megatron-LM's default when GQA is off
-        kv_channels=s.kv_channels, max_position_embeddings=s.max_position_embeddings,
-        position_embedding_type=s.position_embedding_type, add_position_embedding=not rope,
-        use_rotary_position_embeddings=False, rotary_base=int(s.rotary_base), rotary_percent=1.0,
-        rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
-        use_rope_scaling=s.rope_scaling == "llama3", rope_scaling_factor=s.rope_scaling_factor,
-        normalization=s.normalization, norm_epsilon=s.norm_epsilon, apply_layernorm_1p=False,
-        qk_layernorm=s.qk_layernorm, apply_residual_connection_post_layernorm=False,
-        swiglu=s.activation == "swiglu", openai_gelu=False, squared_relu=False, quick_geglu=False,
-        bias_gelu_fusion=s.add_bias_linear and s.activation == "gelu_tanh", bias_swiglu_fusion=True,
-        add_bias_linear=s.add_bias_linear, add_qkv_bias=s.qkv_bias,
-        untie_embeddings_and_output_weights=not s.tie_word_embeddings,
-        make_vocab_size_divisible_by=s.make_vocab_size_divisible_by, padded_vocab_size=meta.padded_vocab,
-        vocab_size=s.vocab_size if vocab_recorded else None,
-        num_experts=None, multi_latent_attention=False, mtp_num_layers=None,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-        transformer_impl="local", use_legacy_models=False, spec=None,
-        # parallelism
-        tensor_model_parallel_size=meta.tp_size, pipeline_model_parallel_size=meta.pp_size,
-        virtual_pipeline_model_parallel_size=None, decoder_first_pipeline_num_layers=None,
-        decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
-        account_for_loss_in_pipeline_split=False, pipeline_model_parallel_layout=None,
-        context_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False,
-        data_parallel_size=1, world_size=meta.tp_size * meta.pp_size, rank=0,
-        use_distributed_optimizer=False,
-        # precision
-        bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=PARAMS_DTYPE[dtype],
-        # training and data
+    args = build_args(meta.spec, meta.tp_size, list(getattr(meta, "layer_counts", None) or
+                                                    [meta.spec.num_layers // meta.pp_size] * meta.pp_size),
+                      meta.padded_vocab, dtype, "torch", meta.iteration, "fixtures/tokenizer")
+    vars(args).update(
+        vocab_size=meta.spec.vocab_size if vocab_recorded else None, init_method_std=0.02,
+        data_parallel_size=1, world_size=meta.tp_size * meta.pp_size, rank=0, use_distributed_optimizer=False,
         seq_length=cfg.get("seq_length", 64), micro_batch_size=cfg.get("micro_batch_size", 2),
         global_batch_size=cfg.get("micro_batch_size", 2), train_iters=cfg.get("train_iters", meta.iteration),
         lr=cfg.get("lr", 3e-3), min_lr=cfg.get("min_lr", 3e-4), lr_decay_style="cosine",
         lr_warmup_iters=cfg.get("lr_warmup_iters", 0), weight_decay=0.01, clip_grad=1.0,
         adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, seed=cfg.get("seed", 1234),
-        consumed_train_samples=meta.raw.get("consumed_samples", 0), consumed_valid_samples=0,
-        iteration=meta.iteration, tokenizer_type="HuggingFaceTokenizer", tokenizer_model="fixtures/tokenizer",
-        ckpt_format="torch", save=None, load=None, save_interval=meta.iteration, no_save_optim=None,
-        no_save_rng=None, data_parallel_random_init=False,
-    )
+        consumed_train_samples=meta.raw.get("consumed_samples", 0), save=None, load=None,
+        save_interval=meta.iteration, no_save_optim=None, no_save_rng=None, data_parallel_random_init=False)
+    return args
 
 
 def _rng_state() -> list[dict]:

@@ -1,0 +1,88 @@
+"""Megatron-LM's `args` for a model and layout: what a written Megatron-LM checkpoint carries.
+
+Megatron-LM keeps its whole argparse.Namespace in every checkpoint. At load it compares a few fields with
+the run's own (`check_checkpoint_args`: num_layers, hidden_size, num_attention_heads, add_position_embedding,
+max_position_embeddings, make_vocab_size_divisible_by, padded_vocab_size, tokenizer_type, TP/PP for the legacy
+form), and `--use-checkpoint-args` copies the model's fields from it (`load_args_from_checkpoint`). This module
+writes the model's and the layout's fields under Megatron-LM's names, so that both work and the readers
+(megatron_lm.spec_from_args) get the same ModelSpec back. Fields about training (batch sizes, schedule) are left
+to the run that loads the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ckpt_tools.errors import ConfigError
+from ckpt_tools.spec import ModelSpec
+
+# Megatron-LM's --rope-scaling applies megatron-core's fixed llama3 frequency bounds.
+MCORE_LLAMA3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                "rope_original_max_position_embeddings": 8192}
+
+
+def pipeline_split(counts: list[int]) -> dict:
+    """Megatron-LM's arguments for a layers-per-stage split: an even split needs none; otherwise the first and
+    last stage may differ from the (equal) middle ones."""
+    pp = len(counts)
+    if len(set(counts)) == 1:
+        return {"decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None}
+    middle = counts[1:-1]
+    if pp > 2 and len(set(middle)) != 1:
+        raise ConfigError(f"layers per stage {counts}: Megatron-LM can give only the first and last stage their own "
+                          f"layer counts (--decoder-first/last-pipeline-num-layers), the middle ones must be equal: "
+                          f"choose such a split")
+    first = counts[0] if pp == 2 or counts[0] != middle[0] else None
+    last = counts[-1] if pp == 2 or counts[-1] != middle[0] else None
+    return {"decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last}
+
+
+def check_expressible(spec: ModelSpec) -> None:
+    """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's)."""
+    if spec.rope_scaling == "llama3":
+        odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MCORE_LLAMA3.items() if getattr(spec, k) != v]
+        if odd:
+            raise ConfigError(f"llama3 rope scaling with {', '.join(odd)}: Megatron-LM's --use-rope-scaling fixes "
+                              f"these, so the written model would differ; keep the model in our format or HF")
+
+
+def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
+               iteration: int = 0, tokenizer: str | None = None) -> argparse.Namespace:
+    """The Namespace for `spec` at TP `tp` x PP len(counts), weights of dtype name `dtype`."""
+    check_expressible(spec)
+    rope = spec.position_embedding_type == "rope"
+    gqa = spec.num_query_groups != spec.num_attention_heads
+    pp = len(counts)
+    return argparse.Namespace(
+        # the model
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads, group_query_attention=gqa,
+        num_query_groups=spec.num_query_groups if gqa else 1, kv_channels=spec.kv_channels,
+        max_position_embeddings=spec.max_position_embeddings,
+        position_embedding_type=spec.position_embedding_type, add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope, rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer()
+        else spec.rotary_base, rotary_percent=1.0, rotary_interleaved=False,
+        rotary_seq_len_interpolation_factor=None, use_rope_scaling=spec.rope_scaling == "llama3",
+        rope_scaling_factor=spec.rope_scaling_factor,
+        normalization=spec.normalization, norm_epsilon=spec.norm_epsilon, apply_layernorm_1p=False,
+        qk_layernorm=spec.qk_layernorm, apply_residual_connection_post_layernorm=False,
+        swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=False, quick_geglu=False,
+        bias_gelu_fusion=spec.add_bias_linear and spec.activation == "gelu_tanh", bias_swiglu_fusion=True,
+        add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
+        untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
+        vocab_size=spec.vocab_size, num_experts=None, multi_latent_attention=False, mtp_num_layers=None,
+        hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
+        transformer_impl="local", use_legacy_models=False, spec=None,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
+        # the layout
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
+        pipeline_model_parallel_layout=None, context_parallel_size=1, expert_model_parallel_size=1,
+        sequence_parallel=False, **pipeline_split(counts),
+        # precision and the checkpoint itself
+        bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=getattr(torch, dtype),
+        ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
+        no_save_optim=True, no_save_rng=True,
+    )

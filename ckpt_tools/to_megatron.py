@@ -1,0 +1,60 @@
+"""`ckpt import ... --format torch_dist|torch` and `ckpt reshard ... --format torch_dist|torch`: a Megatron-LM
+save dir (formats/megatron_write.py says what is in it), written stage by stage, one tensor at a time.
+
+`shard_of(key, tp_rank)` gives the target TP rank's shard of a global key: the split of an HF tensor for import,
+the layout table's pieces of the source shards for reshard. The target is checked (TP divides the heads,
+groups and FFN; the layer split is one Megatron-LM can express) before anything is written.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ckpt_tools import io, layout, megatron_lm, output
+from ckpt_tools.formats.megatron_write import FORMS, writer_for
+from ckpt_tools.megatron_args import build_args
+from ckpt_tools.spec import ModelSpec
+
+OURS = "ours"
+CHOICES = (OURS, *FORMS)
+
+
+def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str):
+    """The args of the target (raises ConfigError for a target Megatron-LM cannot express)."""
+    return build_args(spec, tp, counts, padded, dtype, form)
+
+
+def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
+          shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str) -> int:
+    """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written."""
+    args = check(spec, tp, counts, padded, dtype, form)
+    pp = len(counts)
+    with output.staged(out, force) as tmp:
+        iter_dir = tmp / megatron_lm.RELEASE
+        iter_dir.mkdir()
+        writer = writer_for(form, iter_dir, spec, tp, counts, padded, args)
+        keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
+        bar = output.progress(sum(map(len, keys)), label, quiet, unit="tensor")
+        for p in range(pp):
+            for _, key in keys[p]:
+                if layout.find_rule(key, spec, pp).split == layout.EXTRA:
+                    writer.put_extra(p, key)
+                else:
+                    for t in range(tp):
+                        writer.put(t, p, key, shard_of(key, t))
+                bar.update(1)
+            writer.end_stage(p, 0)
+        writer.close(0)
+        bar.close()
+        io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
+    return writer.nbytes
+
+
+def loads_with(form: str, out: Path, tp: int, pp: int) -> str:
+    """The Megatron-LM command-line flags that load the written checkpoint."""
+    where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
+    if form == megatron_lm.TORCH:
+        where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+    return where

@@ -1,0 +1,71 @@
+"""megatron-core loads a Megatron-LM checkpoint written by `ckpt import/reshard --format ...` the way Megatron-LM's
+`load_checkpoint` does, into its own GPTModel, and runs its own forward. Run under torchrun (gloo, CPU):
+
+    torchrun --nproc-per-node TP*PP tests/mcore_load.py CONFIG.json
+
+CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "form": "torch_dist" | "torch", "load": the save dir,
+"tokens": tokens.pt, "out": logits.pt}. torch_dist: `dist_checkpointing.load` of the model's
+`sharded_state_dict()` (at this TP x PP, whatever the checkpoint's), then `load_state_dict(strict=True)`;
+torch: each rank's `mp_rank_TT[_PPP]/model_optim_rng.pt` into `load_state_dict(strict=True)`. The tracker
+names the dir, as Megatron-LM reads it. Rank 0 writes the logits [b, s, padded vocab] and the loaded args.
+The CPU shims are tests/mcore_checkpoints.py's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+
+def main(config_path: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    from mcore_checkpoints import _forward, _shim_cuda
+    _shim_cuda(torch)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from mcore_reference_child import _build_model
+
+    from ckpt_tools.spec import ModelSpec
+    cfg = json.loads(Path(config_path).read_text())
+    tp, pp, form, load = cfg["tp"], cfg["pp"], cfg["form"], Path(cfg["load"])
+    spec = ModelSpec.from_dict(cfg["model"])
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    tracker = (load / "latest_checkpointed_iteration.txt").read_text().strip()
+    iter_dir = load / (tracker if tracker == "release" else f"iter_{int(tracker):07d}")
+    torch.manual_seed(99)  # other weights than the checkpoint's: only a complete load gives its logits
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": cfg["padded_vocab"]}, tp, pp)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if form == "torch_dist":
+        common = dist_checkpointing.load_common_state_dict(str(iter_dir))
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
+        model.load_state_dict(state["model"], strict=True)
+    else:
+        name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        common = torch.load(iter_dir / name / "model_optim_rng.pt", weights_only=False)
+        model.load_state_dict(common["model"], strict=True)
+    logits = _forward(model, torch.load(cfg["tokens"]), torch)
+    if logits is not None and tp_rank == 0:
+        args = common["args"]
+        torch.save({"logits": logits, "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+                    "iteration": common["iteration"]}, cfg["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.append(sys.path.pop(0))
+    main(sys.argv[1])
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.terminate()
+    sys.stdout.flush()
+    os._exit(0)
