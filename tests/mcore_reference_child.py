@@ -30,7 +30,7 @@ def _build_model(model: dict, tp: int, pp: int):
 
     from ckpt_tools.spec import ModelSpec
 
-    fields = {k: v for k, v in model.items() if k != "padded_vocab_size"}
+    fields = {k: v for k, v in model.items() if k != "padded_vocab_size" and v is not None}
     s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features
     activation = {"swiglu": F.silu, "gelu": F.gelu,
                   "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]

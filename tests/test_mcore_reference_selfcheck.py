@@ -142,13 +142,13 @@ def test_gpt2_tp1_pp1_layout():
 
 
 def test_child_exception_surfaces_as_runtime_error():
-    # Passes the parent's pre-checks; float() fails inside the child while building the config.
+    # Passes the parent's pre-checks; the ModelSpec inside the child refuses it while building the config.
     bad = dict(LLAMA_TINY, num_layers=1, norm_epsilon="not-a-float")
     with pytest.raises(RuntimeError) as ei:
         mcore_state_dict_layout(bad, tp=1, pp=1)
     msg = str(ei.value)
     assert "rank 0 raised" in msg and "Traceback" in msg
-    assert "ValueError" in msg and "not-a-float" in msg and "_build_model" in msg
+    assert "ConfigError" in msg and "not-a-float" in msg and "_build_model" in msg
 
 
 def test_invalid_gqa_rejected_before_spawning():
