@@ -3,8 +3,9 @@
 1. megatron-core itself builds a Llama-style GPTModel (bf16 weights, TP2 x PP2, gloo on CPU) and saves it as
    Megatron-LM's `save_checkpoint` does, in the default `torch_dist` form and the legacy `torch` form
    (tests/mcore_checkpoints.py, under torchrun);
-2. times, as subprocesses, `cp -r` of each form's iteration dir (the bytes merge reads) and `ckpt merge SRC OUT
-   --format hf` of it (bf16, vocab trimmed), warm page cache, interleaved rounds, median wall time, each
+2. times, as subprocesses, `cp -r` of each form's iteration dir (the bytes merge reads), `ckpt merge SRC OUT
+   --format hf` of it (bf16, vocab trimmed) and `ckpt reshard` of the torch_dist save into each form at TP1 x PP2
+   (writing Megatron-LM checkpoints; weights only), warm page cache, interleaved rounds, median wall time, each
    command followed by `sync`; peak RSS of the command itself (GNU time);
 3. prints one table of ratios measured in one run (and writes it as markdown with --markdown PATH).
 
@@ -91,6 +92,10 @@ def main() -> None:
             ops[f"cp -r {form} iter dir"] = ["cp", "-r", str(iter_dir), str(out)]
             ops[f"ckpt merge {form}"] = CKPT + ["merge", str(mcore / form), str(out), "--format", "hf", "--quiet",
                                                 "--vocab-size", str(spec.vocab_size)]
+        for form in FORMS:  # writing Megatron-LM's forms: torch_dist TP2 x PP2 -> TP1 x PP2, weights only
+            ops[f"ckpt reshard -> {form} TP1xPP2"] = CKPT + [
+                "reshard", str(mcore / "torch_dist"), str(out), "--tp", "1", "--pp", str(PP), "--format", form,
+                "--no-optimizer", "--quiet", "--vocab-size", str(spec.vocab_size)]
         for argv in ops.values():  # warm the page cache and the bytecode cache
             run(argv, out, log, env)
         results: dict[str, list] = {name: [] for name in ops}
@@ -104,7 +109,8 @@ def main() -> None:
             read = tree_bytes(mcore / form / f"iter_{ITERATION:07d}")
             cp, merge = f"cp -r {form} iter dir", f"ckpt merge {form}"
             base = statistics.median(w for w, _, _ in results[cp])
-            for name in (cp, merge):
+            names = (cp, merge) if form == "torch" else (cp, merge) + tuple(f"ckpt reshard -> {f} TP1xPP2" for f in FORMS)
+            for name in names:
                 walls = [w for w, _, _ in results[name]]
                 rows.append({"layers": spec.num_layers, "op": name, "read": read, "written": results[name][0][2],
                              "wall": statistics.median(walls), "ratio": statistics.median(walls) / base,

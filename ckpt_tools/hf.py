@@ -205,8 +205,58 @@ class HFTensors:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
+TEMPLATES_DIR = "additional_chat_templates"  # transformers 5 saves named chat templates there
+ORIGINAL_CONFIG = "hf_config.json"  # an imported model's own config.json, kept beside our shards
 
 
 def tokenizer_files(directory: Path) -> list[Path]:
     return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+
+
+def carried_files(directory: Path) -> list[Path]:
+    """Every file of an HF model dir that is not weights and that a merge must give back: tokenizer files and chat
+    templates (also named ones in additional_chat_templates/), generation_config.json, and the model's own
+    config (`hf_config.json` in our checkpoints)."""
+    names = (*TOKENIZER_FILES, GENERATION_CONFIG, ORIGINAL_CONFIG)
+    found = [directory / n for n in names if (directory / n).is_file()]
+    templates = directory / TEMPLATES_DIR
+    return found + (sorted(p for p in templates.iterdir() if p.is_file()) if templates.is_dir() else [])
+
+
+def copy_carried(src: Path, dest: Path, hf_dir: bool = False) -> list[Path]:
+    """carried_files(src) into dest (an HF dir's config.json as hf_config.json when `hf_dir`); the copies."""
+    import shutil
+    out = []
+    files = carried_files(src) + ([src / "config.json"] if hf_dir and (src / "config.json").is_file() else [])
+    for f in files:
+        rel = f.relative_to(src)
+        target = dest / (ORIGINAL_CONFIG if hf_dir and rel == Path("config.json") else rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, target)
+        out.append(target)
+    return out
+
+
+def merged_config(ours: dict, spec: ModelSpec, carried: Path | None) -> dict:
+    """config.json of a merge: the imported model's own config (every field we do not compute: token ids,
+    model-specific extras) with the fields that follow from the weights (sizes, features, rope, dtype) ours."""
+    path = carried / ORIGINAL_CONFIG if carried is not None else None
+    if path is None or not path.is_file():
+        return ours
+    try:
+        original = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}): restore it from the HF model dir (its config.json)") from None
+    if not isinstance(original, dict) or original.get("model_type") != ours["model_type"]:
+        return ours
+    out = {**ours, **{k: v for k, v in original.items() if k != "transformers_version"}}
+    for key in families.get(spec.architecture).computed_keys():
+        if key in ours:
+            out[key] = ours[key]
+    if "torch_dtype" in original:
+        out["torch_dtype"] = ours["dtype"]
+    if "rope_parameters" in ours:
+        out.pop("rope_scaling", None)  # the older spelling of what rope_parameters now says
+    return out

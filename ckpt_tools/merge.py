@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,7 +147,7 @@ def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | 
             raise ConfigError(f"{path}: no tokenizer files ({', '.join(hf.TOKENIZER_FILES[:2])}, ...): "
                               f"pass a HuggingFace tokenizer dir to --tokenizer")
         return path
-    return checkpoint_dir if hf.tokenizer_files(checkpoint_dir) else None
+    return checkpoint_dir if hf.carried_files(checkpoint_dir) else None
 
 
 def _tied_copy_note(shards: Reader) -> str | None:
@@ -229,24 +228,30 @@ def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | Non
     return job.summary(out, time.perf_counter() - start, note, leftover)
 
 
-def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict]:
-    """(config.json, generation_config.json) contents."""
+def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict | None]:
+    """(config.json, generation_config.json) contents; None: the carried generation_config.json is copied."""
     bos, eos = hf.special_ids(tok_dir)
+    config = hf.merged_config(hf.hf_config(spec, dtype, bos, eos), spec, tok_dir)
+    if tok_dir is not None and (tok_dir / hf.GENERATION_CONFIG).is_file():
+        return config, None
     gen = {"_from_model_config": True, "do_sample": False}
     gen.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
-    return hf.hf_config(spec, dtype, bos, eos), gen
+    return config, gen
 
 
 def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],
                      names: list[str], total: int) -> None:
     io.write_json_atomic(tmp / "config.json", config)
-    io.write_json_atomic(tmp / "generation_config.json", gen)
+    if gen is not None:
+        io.write_json_atomic(tmp / hf.GENERATION_CONFIG, gen)
     if len(files) > 1:
         weight_map = {n: fname for fname, group in zip(names, files) for e in group for n in e.names}
         io.write_json_atomic(tmp / "model.safetensors.index.json",
                              {"metadata": {"total_size": total}, "weight_map": weight_map})
-    for f in hf.tokenizer_files(tok_dir) if tok_dir is not None else []:
-        shutil.copyfile(f, tmp / f.name)
+    if tok_dir is not None:  # tokenizer, chat templates, generation config; our copy of config.json stays behind
+        for f in hf.copy_carried(tok_dir, tmp):
+            if f.name == hf.ORIGINAL_CONFIG:
+                f.unlink()
 
 
 def parse_size(text: str) -> int:

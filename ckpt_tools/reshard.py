@@ -10,7 +10,6 @@ and fsynced in background threads while the next ones are written.
 """
 from __future__ import annotations
 
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -82,7 +81,7 @@ class Target:
 
     def add_file(self, path: Path) -> None:
         """Hash and fsync a finished file in the background; `records()` waits for all of them."""
-        self._hashes[path.name] = self._pool.submit(_record_and_sync, path)
+        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path)
 
     def records(self) -> dict[str, dict]:
         out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
@@ -170,11 +169,12 @@ def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
     return counts, padded
 
 
-def _finish(tmp: Path, iteration: int, target: Target, meta: dict, tokenizer_dir: Path | None) -> None:
+def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
+            hf_dir: bool = False) -> None:
+    """Tokenizer, chat templates, generation and HF config carried along; meta.json; `latest`."""
     ckpt = target.dir
-    for f in hf.tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []:
-        shutil.copyfile(f, ckpt / f.name)
-        target.add_file(ckpt / f.name)
+    for f in hf.copy_carried(carried_from, ckpt, hf_dir) if carried_from is not None else []:
+        target.add_file(f)
     meta["files"] = target.records()
     fmt.write_meta(ckpt / fmt.META, meta)
     io.fsync_dir(ckpt)
@@ -213,7 +213,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
                                             "padded_vocab": meta.padded_vocab}}
         new_meta = fmt.build_meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
                          meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {}, origin)
-        _finish(tmp, meta.iteration, target, new_meta, meta.dir if hf.tokenizer_files(meta.dir) else None)
+        _finish(tmp, meta.iteration, target, new_meta, meta.dir)
     shards.close()
     notes = ""
     if padded != meta.padded_vocab:
@@ -241,7 +241,7 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
         shards.release()
         return shard
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype, shard_of, force=force,
-                               quiet=quiet, label="reshard")
+                               quiet=quiet, label="reshard", carried_from=meta.dir)
     shards.close()
     return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
             f"PP{len(counts)} (layers {counts}), weights only (release), {nbytes / 2**20:,.1f} MiB, "
@@ -320,7 +320,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
         meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin)
-        _finish(tmp, 0, target, meta, hf_dir if hf.tokenizer_files(hf_dir) else None)
+        _finish(tmp, 0, target, meta, hf_dir, hf_dir=True)
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} TP{tp} x PP{pp} "
             f"(layers {counts}), {dtype_name(params_dtype)}, "
             f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
@@ -340,7 +340,7 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
             current[key] = layout.split(key, full, spec, tp, pp)
         return current[key][rank]
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
-                               quiet=quiet, label="import")
+                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True)
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
             f"TP{tp} x PP{pp} (layers {counts}), {dtype_name(params_dtype)}, weights only (release), padded vocab "
             f"{padded}, {nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s; load with "

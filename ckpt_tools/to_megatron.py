@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import io, layout, megatron_lm, output
+from ckpt_tools import hf, io, layout, megatron_lm, output
 from ckpt_tools.formats.megatron_write import FORMS, writer_for
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.spec import ModelSpec
@@ -27,8 +27,11 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
 
 
 def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
-          shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str) -> int:
-    """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written."""
+          shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
+          carried_from: Path | None = None, hf_dir: bool = False) -> int:
+    """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
+    The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
+    Megatron-LM ignores them and a later merge gives them back."""
     args = check(spec, tp, counts, padded, dtype, form)
     pp = len(counts)
     with output.staged(out, force) as tmp:
@@ -48,6 +51,8 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
             writer.end_stage(p, 0)
         writer.close(0)
         bar.close()
+        if carried_from is not None:
+            hf.copy_carried(carried_from, iter_dir, hf_dir)
         io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
     return writer.nbytes
 

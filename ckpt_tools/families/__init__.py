@@ -147,6 +147,16 @@ class Family:
     def default(self, feature: str):
         return self.features[feature][0]
 
+    def computed_keys(self) -> set[str]:
+        """The config.json keys that follow from the weights (a merge writes ours, never a carried original's)."""
+        keys = {"architectures", "model_type", "dtype"}
+        for f in self.config:
+            if isinstance(f, Field):
+                keys.add(f.theirs)
+            elif isinstance(f, Rope):
+                keys |= {"rope_parameters", "rope_theta"}
+        return keys
+
     def hf_config(self, spec, dtype: str, bos: int | None, eos: int | None) -> dict:
         out = {"architectures": [self.hf_class], "model_type": self.model_type}
         for f in self.config:

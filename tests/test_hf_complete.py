@@ -1,0 +1,90 @@
+"""Everything of an HF model survives `ckpt import` -> `ckpt reshard` -> `ckpt merge` (and a Megatron-LM detour):
+a real tokenizer (built locally with `tokenizers`: special tokens, a chat template, named templates), the
+generation config, and every config.json field, so that transformers' AutoTokenizer + apply_chat_template +
+AutoModelForCausalLM + generate behave identically on the original and the merged dir."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import import_hf, reshard
+
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOL_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Where is the corpus?"}]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train([str(ROOT / "fixtures" / "corpus.txt")], trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = {"default": CHAT, "tool_use": TOOL_TEMPLATE}
+    return fast
+
+
+@pytest.fixture(scope="module")
+def hf_chat(tmp_path_factory) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("chat") / "hf"
+    tok = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, 5],
+                                               pad_token_id=tok.pad_token_id, max_new_tokens=12, do_sample=False,
+                                               repetition_penalty=1.3)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def behaviour(path: Path) -> dict:
+    """What a user sees of a model dir: chat formatting, token ids, greedy generation, the configs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    tool = tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="tool_use")
+    ids = tok(text, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids))[0].tolist()
+    config = json.loads((path / "config.json").read_text())
+    return {"text": text, "tool": tool, "ids": ids[0].tolist(), "generated": generated,
+            "special": (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token, tok.all_special_tokens),
+            "generation": GenerationConfig.from_pretrained(path).to_diff_dict(), "config": config}
+
+
+@pytest.mark.parametrize("route", ["ours", "torch_dist"])
+def test_merged_chat_model_behaves_like_the_original(route, hf_chat, tmp_path):
+    if route == "ours":
+        import_hf(hf_chat, tmp_path / "a", tp=2, pp=2, quiet=True)
+        reshard(tmp_path / "a", tmp_path / "b", tp=1, pp=2, quiet=True)
+    else:  # through Megatron-LM's form and back
+        import_hf(hf_chat, tmp_path / "b", tp=2, pp=2, form="torch_dist", quiet=True)
+    merge(tmp_path / "b", tmp_path / "merged", quiet=True)
+    want, got = behaviour(hf_chat), behaviour(tmp_path / "merged")
+    assert len(want["generated"]) > len(want["ids"])  # generation ran
+    for key in ("text", "tool", "ids", "generated", "special", "generation"):
+        assert got[key] == want[key], key
+    for key, value in want["config"].items():  # every field of the original config.json, same value
+        if key != "transformers_version":
+            assert got["config"].get(key) == value, key
+    assert sorted(p.name for p in (tmp_path / "merged" / "additional_chat_templates").iterdir()) == ["tool_use.jinja"]
+    assert not (tmp_path / "merged" / "hf_config.json").exists()
