@@ -48,21 +48,25 @@ def main(debug: bool, trust_pickle: bool) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="YAML run config.")
 @click.option("--tp", type=int, default=None, help="Override tp_degree.")
 @click.option("--pp", type=int, default=None, help="Override pp_degree.")
-@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel size (world = TP x PP x DP).")
+@click.option("--dp", type=int, default=None, help="Data-parallel size (world = TP x PP x DP; default 1, or "
+                                                      "an Accelerate config's num_processes / (TP x PP)).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override any config key.")
-@click.option("--nnodes", type=int, default=1, show_default=True, help="torchrun: number of nodes.")
-@click.option("--node-rank", type=int, default=0, show_default=True, help="torchrun: this node's rank.")
-@click.option("--master-addr", default="127.0.0.1", show_default=True, help="torchrun: rendezvous address.")
+@click.option("--accelerate-config", type=click.Path(dir_okay=False), default=None,
+              help="An Accelerate config (MEGATRON_LM) for parallelism, precision and launch (docs/accelerate.md).")
+@click.option("--nnodes", type=int, default=None, help="torchrun: number of nodes (default 1).")
+@click.option("--node-rank", type=int, default=None, help="torchrun: this node's rank (default 0).")
+@click.option("--master-addr", default=None, help="torchrun: rendezvous address (default 127.0.0.1).")
 @click.option("--master-port", type=int, default=None, help="torchrun: rendezvous port (default: a free one).")
 @_handle_errors
-def train(config_path: str, tp: int | None, pp: int | None, dp: int, overrides: tuple[str, ...], nnodes: int,
-          node_rank: int, master_addr: str, master_port: int | None) -> None:
+def train(config_path: str, tp: int | None, pp: int | None, dp: int | None, overrides: tuple[str, ...],
+          accelerate_config: str | None, nnodes: int | None, node_rank: int | None, master_addr: str | None,
+          master_port: int | None) -> None:
     """Train with the bundled trainer: launches torchrun with TP x PP x DP processes."""
     import subprocess
 
     from trainer.launch import launch_command
     sets = list(overrides) + ([f"tp_degree={tp}"] if tp else []) + ([f"pp_degree={pp}"] if pp else [])
-    cmd = launch_command(config_path, sets, dp, nnodes, node_rank, master_addr, master_port)
+    cmd = launch_command(config_path, sets, dp, nnodes, node_rank, master_addr, master_port, accelerate_config)
     click.echo("launching: " + " ".join(cmd[2:]), err=True)
     code = subprocess.call(cmd, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if code:
@@ -93,8 +97,9 @@ def _safety_opts(fn):
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["hf", "safetensors"]), default="hf", show_default=True,
-              help="hf: a transformers model dir; safetensors: one file with megatron-core names.")
+@click.option("--format", "fmt", type=click.Choice(["hf", "safetensors", "torch"]), default="hf", show_default=True,
+              help="hf: a transformers model dir; safetensors: one file with megatron-core names; torch: one "
+                   "pytorch_model.bin (HF names).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Output dtype (default: the checkpoint's; fp32 with --from-master-weights).")
 @click.option("--from-master-weights", is_flag=True, help="Take the fp32 master weights from the optimizer shards.")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output
 from ckpt_tools.errors import CkptError, LayoutError
-from ckpt_tools.merge import HF, Entry, Job, tokenizer_dir
+from ckpt_tools.merge import HF, SAFETENSORS, Entry, Job, tokenizer_dir
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
 from ckpt_tools.writers import copy_range, safetensors_header
 
@@ -79,6 +79,8 @@ def merge(src: str | Path, out: str | Path, *, fmt: str, dtype: str | None, from
           max_shard_size: int, tokenizer: str | Path | None, vocab_size: int | None, force: bool, quiet: bool,
           check_hashes: bool, no_preflight: bool, start: float) -> str | None:
     """merge.merge without torch; None, with nothing written, when the torch path must do it."""
+    if fmt not in (HF, SAFETENSORS):
+        return None
     try:
         out = output.check_target(out, force)
         leftover = output.note_leftovers(out)

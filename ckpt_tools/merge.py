@@ -1,4 +1,5 @@
-"""`ckpt merge`: sharded checkpoint -> one HuggingFace model dir, or one safetensors file.
+"""`ckpt merge`: sharded checkpoint -> one HuggingFace model dir, one safetensors file (megatron-core names), or
+one `pytorch_model.bin` (a torch.save state dict with HF names).
 
 Model-free and streaming: the output files are planned from the layout table (names, dtypes,
 shapes) before any tensor is read; then, tensor by tensor, the TP shards are read from their
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from ckpt_tools.shards import Reader
 
 DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-HF, SAFETENSORS = "hf", "safetensors"
+HF, SAFETENSORS, TORCH = "hf", "safetensors", "torch"  # TORCH: one torch.save state dict with HF names
 TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always the torch path (for comparisons)
 
 
@@ -53,7 +54,7 @@ class Entry:
 
 def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
     """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
-    if fmt == HF:
+    if fmt in (HF, TORCH):
         rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
         rows = [(key, hf.VOCAB if layout.find_rule(key, spec, 1).split == layout.VOCAB else hf.SAME, [key])
@@ -198,7 +199,7 @@ def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | Non
                  torch_threads: int | None) -> str:
     import torch
 
-    from ckpt_tools.writers import SafetensorsWriter
+    from ckpt_tools.writers import SafetensorsWriter, TorchFileWriter
     if torch_threads:
         torch.set_num_threads(torch_threads)
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
@@ -216,13 +217,19 @@ def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | Non
     note = _tied_copy_note(shards)
 
     def write_file(path: Path, group: list[Entry], bar) -> None:
-        writer = SafetensorsWriter(path, [(n, target, s) for n, s in job.tensors(group)], job.metadata())
+        if fmt == TORCH:  # pytorch_model.bin: streamed record by record, the dict of references pickled last
+            writer, state = TorchFileWriter(path), {}
+        else:
+            writer = SafetensorsWriter(path, [(n, target, s) for n, s in job.tensors(group)], job.metadata())
         for e in group:
             for n, t in zip(e.names, hf.to_hf(e.kind, shards.full(e.key, field), spec)):
-                writer.write(n, t.to(target))
+                if fmt == TORCH:
+                    state[n] = writer.tensor(t.to(target))
+                else:
+                    writer.write(n, t.to(target))
             shards.release()
             bar.update(e.nbytes(target))
-        writer.close()
+        writer.close(state) if fmt == TORCH else writer.close()
     job.write(out, force, quiet, tok_dir, write_file)
     shards.close()
     return job.summary(out, time.perf_counter() - start, note, leftover)

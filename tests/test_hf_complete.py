@@ -88,3 +88,26 @@ def test_merged_chat_model_behaves_like_the_original(route, hf_chat, tmp_path):
             assert got["config"].get(key) == value, key
     assert sorted(p.name for p in (tmp_path / "merged" / "additional_chat_templates").iterdir()) == ["tool_use.jinja"]
     assert not (tmp_path / "merged" / "hf_config.json").exists()
+
+
+def test_merge_to_one_pytorch_model_bin(hf_chat, tmp_path):
+    """`--format torch`: one torch.save state dict with HF names, bit-equal to the HF merge, loadable with
+    weights_only=True, and a dir holding it is a transformers model."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    import_hf(hf_chat, tmp_path / "shards", tp=2, pp=2, quiet=True)
+    merge(tmp_path / "shards", tmp_path / "merged", quiet=True)
+    line = merge(tmp_path / "shards", tmp_path / "pytorch_model.bin", fmt="torch", quiet=True)
+    assert "pytorch_model.bin" in line
+    state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    want = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(state) == sorted(want)
+    assert all(state[k].dtype == want[k].dtype and torch.equal(state[k], want[k]) for k in want)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(tmp_path / "pytorch_model.bin", bin_dir / "pytorch_model.bin")
+    shutil.copy(tmp_path / "merged" / "config.json", bin_dir / "config.json")
+    model = AutoModelForCausalLM.from_pretrained(bin_dir, dtype=torch.float32)
+    assert torch.equal(model.model.embed_tokens.weight, want["model.embed_tokens.weight"])

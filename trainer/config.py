@@ -137,17 +137,37 @@ def _parse_value(text: str):
         return text
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read the YAML file, resolve its relative paths, apply `key=value` overrides."""
+def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found: pass an existing YAML file with --config")
+        raise ConfigError(f"config file {path} not found: pass an existing YAML file")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, found {type(raw).__name__}")
+    return raw
+
+
+def accelerate_keys_of(path: str | Path):
+    """The Accelerate config a run config holds (its megatron_lm_config block and launch keys), or None."""
+    from trainer import accelerate
+    raw = read_yaml(path)
+    if accelerate.BLOCK not in raw and "distributed_type" not in raw:
+        return None
+    return accelerate.parse({k: v for k, v in raw.items() if k in accelerate.ACCELERATE_KEYS}, str(path))
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read the YAML file, resolve its relative paths, apply `key=value` overrides. Accelerate keys in the file
+    (a megatron_lm_config block, mixed_precision, the launch) become the trainer keys they mean."""
+    path = Path(path)
+    raw = read_yaml(path)
+    acc = accelerate_keys_of(path)
+    if acc is not None:
+        from trainer import accelerate
+        raw = {**{k: v for k, v in raw.items() if k not in accelerate.ACCELERATE_KEYS}, **acc.settings}
     base = path.resolve().parent
     for k in PATH_FIELDS:
         if raw.get(k) is not None:

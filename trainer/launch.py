@@ -5,10 +5,12 @@ import socket
 import sys
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from ckpt_tools import layout
 from ckpt_tools.errors import ConfigError
-from trainer import data
-from trainer.config import load_config
+from trainer import accelerate, data
+from trainer.config import TrainConfig, accelerate_keys_of, load_config, read_yaml
 
 
 def free_port() -> int:
@@ -17,9 +19,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(config_path: str, overrides: list[str], dp: int, nnodes: int = 1, node_rank: int = 0,
-                   master_addr: str = "127.0.0.1", master_port: int | None = None) -> list[str]:
-    cfg = load_config(config_path, overrides)
+@dataclass
+class Launch:
+    cfg: TrainConfig
+    overrides: list[str]  # what the ranks get as --set items (an Accelerate file's settings first)
+    dp: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int | None
+    unknown: list[str]  # Accelerate keys that map to nothing here
+
+
+def resolve(config_path: str, overrides: list[str], dp: int | None = None, nnodes: int | None = None,
+            node_rank: int | None = None, master_addr: str | None = None, master_port: int | None = None,
+            accelerate_config: str | None = None) -> Launch:
+    """The run's config and launch: the run config, an Accelerate config (a file of its own, or the Accelerate
+    keys of the run config), then the command line, each over the one before."""
+    acc = accelerate.parse(read_yaml(accelerate_config), accelerate_config) if accelerate_config else \
+        accelerate_keys_of(config_path)
+    sets = (acc.overrides() if acc and accelerate_config else []) + list(overrides)
+    cfg = load_config(config_path, sets)
+    derived = acc.data_parallel(cfg.tp_degree, cfg.pp_degree) if acc else None
+    return Launch(cfg, sets, dp if dp is not None else derived or 1,
+                  nnodes if nnodes is not None else (acc.machines if acc else 1),
+                  node_rank if node_rank is not None else (acc.machine_rank if acc else 0),
+                  master_addr or (acc.main_ip if acc and acc.main_ip else "127.0.0.1"),
+                  master_port if master_port is not None else (acc.main_port if acc else None),
+                  acc.unknown if acc else [])
+
+
+def launch_command(config_path: str, overrides: list[str], dp: int | None = None, nnodes: int | None = None,
+                   node_rank: int | None = None, master_addr: str | None = None, master_port: int | None = None,
+                   accelerate_config: str | None = None) -> list[str]:
+    run = resolve(config_path, overrides, dp, nnodes, node_rank, master_addr, master_port, accelerate_config)
+    cfg, dp, nnodes, node_rank, master_addr, master_port = (run.cfg, run.dp, run.nnodes, run.node_rank,
+                                                            run.master_addr, run.master_port)
+    overrides = run.overrides
+    if run.unknown:
+        print(f"warning: Accelerate config keys not used by the trainer: {', '.join(run.unknown)}", file=sys.stderr)
     world = cfg.tp_degree * cfg.pp_degree * dp
     cfg.data_parallel_size(world)
     cfg.check_data_paths()
