@@ -39,7 +39,12 @@ def pipeline_split(counts: list[int]) -> dict:
 
 
 def check_expressible(spec: ModelSpec) -> None:
-    """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's)."""
+    """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's, Gemma's scaled
+    embeddings and zero-centred norms)."""
+    if spec.scale_embeddings or spec.zero_centered_norm:
+        raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
+                          f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "
+                          f"in our format or HF")
     if spec.rope_scaling == "llama3":
         odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MCORE_LLAMA3.items() if getattr(spec, k) != v]
         if odd:

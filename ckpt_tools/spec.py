@@ -38,7 +38,7 @@ class ModelSpec:
     make_vocab_size_divisible_by: int = 128
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
     # values it cannot express (families.FEATURES lists them).
-    activation: str | None = None  # swiglu (gated silu) | gelu | gelu_tanh
+    activation: str | None = None  # swiglu (gated silu) | geglu_tanh (gated tanh-GELU) | gelu | gelu_tanh
     normalization: str | None = None  # RMSNorm | LayerNorm
     add_bias_linear: bool | None = None  # biases on every linear layer
     add_qkv_bias: bool | None = None  # biases on the QKV projection only (Qwen2)
@@ -49,6 +49,8 @@ class ModelSpec:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    zero_centered_norm: bool | None = None  # norms scale by 1 + weight (Gemma; layernorm_zero_centered_gamma)
+    scale_embeddings: bool | None = None  # embeddings times sqrt(hidden_size) (Gemma)
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -97,7 +99,7 @@ class ModelSpec:
 
     @property
     def gated_linear_unit(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "geglu_tanh")
 
     @property
     def qkv_bias(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +44,29 @@ def _norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None) -
     """A norm in the weights' dtype (over `size`, default hidden); under sequence parallelism it sees 1/TP of
     the sequence, so its parameters are marked as megatron-core marks them, for the TP all-reduce of their
     gradients. A per-head q/k norm sees its own heads whole: its gradients are per rank, not reduced."""
-    cls = nn.RMSNorm if spec.normalization == "RMSNorm" else nn.LayerNorm
-    norm = cls(size or spec.hidden_size, eps=spec.norm_epsilon).to(config.params_dtype)
+    if spec.zero_centered_norm:
+        norm = ZeroCenteredRMSNorm(size or spec.hidden_size, spec.norm_epsilon).to(config.params_dtype)
+    else:
+        cls = nn.RMSNorm if spec.normalization == "RMSNorm" else nn.LayerNorm
+        norm = cls(size or spec.hidden_size, eps=spec.norm_epsilon).to(config.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel and size is None
         p.partial_over_tp = size is not None  # megatron-core sums q/k norm gradients over TP as well
     return norm
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose weight w scales by 1 + w (megatron-core's layernorm_zero_centered_gamma; Gemma), in fp32
+    and cast back, as transformers' GemmaRMSNorm computes it."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def _tp_group():
@@ -78,6 +96,7 @@ class Embedding(nn.Module):
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             padded_vocab, spec.hidden_size, init_method=_no_init, config=config, tp_group=_tp_group())
         self.sequence_parallel = config.sequence_parallel
+        self.scale = spec.hidden_size ** 0.5 if spec.scale_embeddings else None  # Gemma: in the weights' dtype
         self.position_embeddings = None
         if spec.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(spec.max_position_embeddings, spec.hidden_size,
@@ -85,6 +104,8 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))[None]
         x = x.transpose(0, 1).contiguous()
@@ -176,6 +197,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig):
         super().__init__()
         self.gated = spec.gated_linear_unit
+        self.gate_act = F.silu if spec.activation == "swiglu" else partial(F.gelu, approximate="tanh")
         self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         fc1_rows = spec.ffn_hidden_size * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
@@ -188,7 +210,7 @@ class MLP(nn.Module):
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = x.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
-            return F.silu(gate) * up
+            return self.gate_act(gate) * up
         return F.gelu(x, approximate=self.approximate)
 
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
@@ -276,7 +298,7 @@ def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
     if key.endswith(".bias"):
         return None
     if "layernorm" in key:
-        return -1.0  # ones
+        return None if spec.zero_centered_norm else -1.0  # a scale of one: ones, or zeros when zero-centred
     if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return std / (2.0 * spec.num_layers) ** 0.5
     return std

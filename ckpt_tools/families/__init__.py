@@ -24,7 +24,7 @@ SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "ga
 
 # ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
 FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-            "position_embedding_type", "rope_scaling", "tie_word_embeddings")
+            "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings")
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,8 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import gpt2, llama, mistral, phi3, qwen2, qwen3
-    return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gpt2.FAMILY)
+    from ckpt_tools.families import gemma, gpt2, llama, mistral, phi3, qwen2, qwen3
+    return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

@@ -23,10 +23,12 @@ NAMES = (
 # What every Llama-like family fixes; a family overrides single entries.
 FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_linear": (False,),
             "add_qkv_bias": (False,), "qk_layernorm": (False,), "position_embedding_type": ("rope",),
-            "rope_scaling": (None,), "tie_word_embeddings": (False, True)}
+            "rope_scaling": (None,), "tie_word_embeddings": (False, True), "zero_centered_norm": (False,),
+            "scale_embeddings": (False,)}
 
 
-def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts) -> tuple:
+def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,
+           act: Const = Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"), tied: bool = False) -> tuple:
     """The config.json keys of a Llama-like model; `consts` are the family's own fixed keys."""
     return (
         Field("vocab_size", "vocab_size"),
@@ -38,9 +40,9 @@ def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *co
         Field("head_dim", "kv_channels", head_dim),
         Field("max_position_embeddings", "max_position_embeddings", positions),
         Field("rms_norm_eps", "norm_epsilon", rms_eps),
-        Field("tie_word_embeddings", "tie_word_embeddings", False),
+        Field("tie_word_embeddings", "tie_word_embeddings", tied),
         Rope(),
-        Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"),
+        act,
         Const("attention_dropout", 0.0, accept=anything),
         Const("initializer_range", 0.02, accept=anything),
         *consts,
