@@ -172,12 +172,19 @@ def main(config_path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run_as_script(main, *args) -> None:
+    """Run a torchrun script's main, then leave at once: dist_checkpointing's results-queue manager process would
+    outlive us, holding the pipes torchrun waits on. tests/ goes last on sys.path: its helpers import, but nothing
+    there shadows a package."""
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.append(sys.path.pop(0))  # tests/ last: its helpers import, but nothing there shadows a package
-    main(sys.argv[1], sys.argv[2])
+        sys.path.append(sys.path.pop(0))
+    main(*args)
     import multiprocessing
-    for child in multiprocessing.active_children():  # dist_checkpointing's results-queue manager would outlive us
+    for child in multiprocessing.active_children():
         child.terminate()
     sys.stdout.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    run_as_script(main, sys.argv[1], sys.argv[2])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -61,11 +60,5 @@ def main(config_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.append(sys.path.pop(0))
-    main(sys.argv[1])
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-    sys.stdout.flush()
-    os._exit(0)
+    from mcore_checkpoints import run_as_script
+    run_as_script(main, sys.argv[1])

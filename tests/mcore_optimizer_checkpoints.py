@@ -24,7 +24,6 @@ Megatron-LM's `save_checkpoint` saves it:
 """
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -153,11 +152,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.append(sys.path.pop(0))
-    main(sys.argv[1])
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-    sys.stdout.flush()
-    os._exit(0)
+    from mcore_checkpoints import run_as_script
+    run_as_script(main, sys.argv[1])
