@@ -97,9 +97,10 @@ def _safety_opts(fn):
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["hf", "safetensors", "torch"]), default="hf", show_default=True,
-              help="hf: a transformers model dir; safetensors: one file with megatron-core names; torch: one "
-                   "pytorch_model.bin (HF names).")
+@click.option("--format", "fmt", type=click.Choice(["hf", "hf-bin", "safetensors", "torch"]), default="hf",
+              show_default=True, help="hf: a transformers model dir; hf-bin: the same with pytorch_model*.bin weights; "
+                                      "safetensors: one file with megatron-core names; torch: one pytorch_model.bin "
+                                      "(HF names).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Output dtype (default: the checkpoint's; fp32 with --from-master-weights).")
 @click.option("--from-master-weights", is_flag=True, help="Take the fp32 master weights from the optimizer shards.")

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HF, SAFETENSORS, TORCH = "hf", "safetensors", "torch"  # TORCH: one torch.save state dict with HF names
+HF_BIN = "hf-bin"  # an HF dir with pytorch_model*.bin weights, for tools that still expect them
+DIRS = (HF, HF_BIN)
 TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always the torch path (for comparisons)
 
 
@@ -54,7 +56,7 @@ class Entry:
 
 def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
     """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
-    if fmt in (HF, TORCH):
+    if fmt in (HF, HF_BIN, TORCH):
         rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
         rows = [(key, hf.VOCAB if layout.find_rule(key, spec, 1).split == layout.VOCAB else hf.SAME, [key])
@@ -92,7 +94,7 @@ class Job:
     def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int) -> Job:
         target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
         entries = plan(meta.spec, meta.padded_vocab, fmt)
-        files = split_files(entries, target, max_shard_size) if fmt == HF else [entries]
+        files = split_files(entries, target, max_shard_size) if fmt in DIRS else [entries]
         return cls(meta, fmt, target, from_master, entries, files)
 
     @property
@@ -102,7 +104,8 @@ class Job:
     @property
     def names(self) -> list[str]:
         n = len(self.files)
-        return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        stem, ext = ("pytorch_model", "bin") if self.fmt == HF_BIN else ("model", "safetensors")
+        return [f"{stem}.{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
 
     def tensors(self, group: list[Entry]) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of each tensor of one output file, in order."""
@@ -121,11 +124,11 @@ class Job:
               write_file: Callable[[Path, list[Entry], object], None]) -> None:
         """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
         file (updating the progress bar per entry), then config, index and tokenizer files for HF."""
-        extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt == HF else None
-        with output.staged(out, force, directory=self.fmt == HF) as tmp:
+        extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt in DIRS else None
+        with output.staged(out, force, directory=self.fmt in DIRS) as tmp:
             bar = output.progress(self.total, "merge", quiet)
             for name, group in zip(self.names, self.files):
-                write_file(tmp / name if self.fmt == HF else tmp, group, bar)
+                write_file(tmp / name if self.fmt in DIRS else tmp, group, bar)
             bar.close()
             if extras is not None:
                 _write_hf_extras(tmp, *extras, tok_dir, self.files, self.names, self.total)
@@ -212,24 +215,24 @@ def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | Non
     field = "master" if from_master else None
     job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
     target = getattr(torch, job.dtype)
-    tok_dir = tokenizer_dir(meta.dir, tokenizer) if fmt == HF else None
+    tok_dir = tokenizer_dir(meta.dir, tokenizer) if fmt in DIRS else None
     output.preflight(out, job.total, no_preflight)
     note = _tied_copy_note(shards)
 
     def write_file(path: Path, group: list[Entry], bar) -> None:
-        if fmt == TORCH:  # pytorch_model.bin: streamed record by record, the dict of references pickled last
+        if fmt in (TORCH, HF_BIN):  # .bin: streamed record by record, the dict of references pickled last
             writer, state = TorchFileWriter(path), {}
         else:
             writer = SafetensorsWriter(path, [(n, target, s) for n, s in job.tensors(group)], job.metadata())
         for e in group:
             for n, t in zip(e.names, hf.to_hf(e.kind, shards.full(e.key, field), spec)):
-                if fmt == TORCH:
+                if fmt in (TORCH, HF_BIN):
                     state[n] = writer.tensor(t.to(target))
                 else:
                     writer.write(n, t.to(target))
             shards.release()
             bar.update(e.nbytes(target))
-        writer.close(state) if fmt == TORCH else writer.close()
+        writer.close(state) if fmt in (TORCH, HF_BIN) else writer.close()
     job.write(out, force, quiet, tok_dir, write_file)
     shards.close()
     return job.summary(out, time.perf_counter() - start, note, leftover)
@@ -253,8 +256,8 @@ def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, f
         io.write_json_atomic(tmp / hf.GENERATION_CONFIG, gen)
     if len(files) > 1:
         weight_map = {n: fname for fname, group in zip(names, files) for e in group for n in e.names}
-        io.write_json_atomic(tmp / "model.safetensors.index.json",
-                             {"metadata": {"total_size": total}, "weight_map": weight_map})
+        index = "pytorch_model.bin.index.json" if names[0].endswith(".bin") else "model.safetensors.index.json"
+        io.write_json_atomic(tmp / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
     if tok_dir is not None:  # tokenizer, chat templates, generation config; our copy of config.json stays behind
         for f in hf.copy_carried(tok_dir, tmp):
             if f.name == hf.ORIGINAL_CONFIG:

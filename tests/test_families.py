@@ -168,7 +168,7 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma", "llama3"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), QKV biases split with
     their weight, Gemma's zero-centred norms start at zero; a checkpoint resharded to TP1 x PP2 continues the
@@ -176,6 +176,9 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     extra = {"architecture": arch, "kv_channels": 24} if arch in ("qwen3", "gemma") else {"architecture": arch}
     if arch == "gemma":
         extra["tie_word_embeddings"] = True
+    if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
+        extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
+                 "rope_original_max_position_embeddings": 32}
     run = tmp_path / "run" / "save"
     first = train("tiny_llama.yaml", run, 2, tp_degree=2, pp_degree=1, train_iters=6, save_interval=3,
                   num_micro_batches=2, **extra)

@@ -111,3 +111,21 @@ def test_merge_to_one_pytorch_model_bin(hf_chat, tmp_path):
     shutil.copy(tmp_path / "merged" / "config.json", bin_dir / "config.json")
     model = AutoModelForCausalLM.from_pretrained(bin_dir, dtype=torch.float32)
     assert torch.equal(model.model.embed_tokens.weight, want["model.embed_tokens.weight"])
+
+
+def test_merge_to_an_hf_dir_with_bin_weights(hf_chat, tmp_path):
+    """`--format hf-bin`: the HF dir with pytorch_model*.bin (sharded with an index past --max-shard-size)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    import_hf(hf_chat, tmp_path / "shards", tp=2, pp=2, quiet=True)
+    merge(tmp_path / "shards", tmp_path / "merged", quiet=True)
+    merge(tmp_path / "shards", tmp_path / "bin", fmt="hf-bin", max_shard_size=200_000, quiet=True)
+    index = json.loads((tmp_path / "bin" / "pytorch_model.bin.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(f.startswith("pytorch_model-") and f.endswith(".bin") for f in files)
+    want = load_file(tmp_path / "merged" / "model.safetensors")
+    got = {k: v for f in files for k, v in torch.load(tmp_path / "bin" / f, weights_only=True).items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bin", dtype=torch.float32)
+    assert torch.equal(model.model.layers[3].mlp.down_proj.weight, want["model.layers.3.mlp.down_proj.weight"])
+    assert behaviour(tmp_path / "bin")["generated"] == behaviour(hf_chat)["generated"]

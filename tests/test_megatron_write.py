@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import torchrun
 from safetensors.torch import load_file as load_safetensors
+from test_families import hf_model as family_model
 from test_import import VOCAB, hf_model
 from test_reshard import assert_nothing_written, one_line_error, run
 
@@ -33,6 +34,9 @@ def hf_dirs(tmp_path_factory):
     for arch in ("llama", "llama_tied", "gpt2"):
         dirs[arch] = root / arch
         hf_model(arch).save_pretrained(dirs[arch], safe_serialization=True)
+    for case in ("qwen2_tied", "qwen3"):  # QKV biases; per-head q/k norms with head_dim x heads != hidden
+        dirs[case] = root / case
+        family_model(case).save_pretrained(dirs[case], safe_serialization=True)
     return dirs
 
 
@@ -46,7 +50,8 @@ def same_tensors(a, b) -> None:
 # (HF model, form, written TP x PP, TP x PP megatron-core loads it at)
 LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("gpt2", "torch_dist", (2, 2), (2, 1)),
          ("llama_tied", "torch_dist", (1, 2), (2, 2)), ("llama_tied", "torch", (2, 2), (2, 2)),
-         ("gpt2", "torch", (1, 2), (1, 2))]
+         ("gpt2", "torch", (1, 2), (1, 2)), ("qwen2_tied", "torch_dist", (2, 2), (1, 2)),
+         ("qwen3", "torch", (2, 1), (2, 1))]
 
 
 @pytest.mark.slow
@@ -76,7 +81,7 @@ def test_megatron_core_loads_what_we_write(arch, form, written, loaded, hf_dirs,
         spec.num_layers, spec.hidden_size, spec.num_attention_heads)
     assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == written
     assert args["padded_vocab_size"] == spec.padded_vocab_size(written[0]) and result["iteration"] == 0
-    assert args["untie_embeddings_and_output_weights"] == (arch == "llama")
+    assert args["untie_embeddings_and_output_weights"] == (not spec.tie_word_embeddings)
 
 
 @pytest.mark.parametrize("form", ["torch_dist", "torch"])
