@@ -35,11 +35,14 @@ from bad_inputs import (
 )
 
 from ckpt_tools import checkpoint as fmt
+from ckpt_tools.families import names as family_names
 
 # ---------------------------------------------------------------- the table: damaged checkpoints
 # (the rows for wrong arguments and foreign inputs are in bad_input_foreign.py)
 def _copy(b: Bases, tmp: Path, which: str = "base") -> Path:
     return copy_save(getattr(b, which), tmp / "src")
+
+FAMILY_NAMES = ", ".join(family_names())
 
 
 @case("missing model shard", "merge")
@@ -266,7 +269,7 @@ def _(b, tmp):
 def _(b, tmp):
     ck = _copy(b, tmp)
     reseal(ck, lambda m: m["model"].update(architecture="mamba"))
-    return ["inspect", ck], [f"{fmt.META}: unknown architecture 'mamba': expected one of llama, mistral, qwen2, qwen3, phi3, gpt2"], None
+    return ["inspect", ck], [f"{fmt.META}: unknown architecture 'mamba': expected one of {FAMILY_NAMES}"], None
 
 
 @case("unsupported architecture in meta.json", "merge")
