@@ -100,8 +100,11 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
+FORWARD = ("gemma", "llama3_tied", "phi3", "qwen2", "qwen3")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", FORWARD)
 def test_sharded_forward_equals_transformers(case, hf_dirs, tmp_path):
     from ckpt_tools import verify
     import_hf(hf_dirs[case], tmp_path / "shards", tp=2, pp=1, optimizer=False, quiet=True)
@@ -168,11 +171,11 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma", "llama3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "llama3"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
-    """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), QKV biases split with
-    their weight, Gemma's zero-centred norms start at zero; a checkpoint resharded to TP1 x PP2 continues the
-    same curve."""
+    """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), Gemma's zero-centred norms
+    start at zero, llama3 scaling enters the rotary tables; a checkpoint resharded to TP1 x PP2 continues the same
+    curve. (QKV biases are linear biases: split with their weight like gpt2's, trained in the tests of gpt2.)"""
     extra = {"architecture": arch, "kv_channels": 24} if arch in ("qwen3", "gemma") else {"architecture": arch}
     if arch == "gemma":
         extra["tie_word_embeddings"] = True

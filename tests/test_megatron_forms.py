@@ -332,8 +332,8 @@ def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_pat
 
 
 def test_benchmark_quick_run():
-    """benchmarks/megatron_forms.py --quick: megatron-core writes both forms, every command runs, merge's memory
-    stays within the target."""
+    """benchmarks/megatron_forms.py --quick: megatron-core writes both forms, every command (merge of each, reshard
+    into each) runs, merge's memory stays within the target."""
     import subprocess
     import sys
     from conftest import ROOT
@@ -341,6 +341,7 @@ def test_benchmark_quick_run():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("4 ")]
-    ops = ["cp -r torch_dist iter dir", "ckpt merge torch_dist", "cp -r torch iter dir", "ckpt merge torch"]
-    assert len(rows) == 4 and all(r.split(None, 1)[1].startswith(op + " ") for r, op in zip(rows, ops)), rows
+    ops = ["cp -r torch_dist iter dir", "ckpt merge torch_dist", "ckpt reshard -> torch_dist TP1xPP2",
+           "ckpt reshard -> torch TP1xPP2", "cp -r torch iter dir", "ckpt merge torch"]
+    assert len(rows) == 6 and all(r.split(None, 1)[1].startswith(op + " ") for r, op in zip(rows, ops)), rows
     assert all(r.rstrip().endswith("yes") for r in rows if "ckpt merge" in r)
