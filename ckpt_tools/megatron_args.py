@@ -90,4 +90,7 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
         bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=getattr(torch, dtype),
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         no_save_optim=True, no_save_rng=True,
+        # not Megatron-LM's (it ignores it): the HF family, for families that share one set of Megatron-LM
+        # arguments (Mistral and Phi-3 are Llama's); megatron_lm.spec_from_args reads it back
+        hf_family=spec.architecture,
     )

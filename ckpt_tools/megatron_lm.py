@@ -182,6 +182,11 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
         raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
     found = features_of(args)
     family, misfits = families.for_features(found)
+    named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
+    if family is not None and named in families.names() and named != family.name:
+        candidate = families.get(named)
+        if all(v in candidate.features[k] for k, v in found.items() if k in candidate.features):
+            family = candidate
     if family is None:
         grouped: dict[str, list[str]] = {}  # families that miss in the same way are named together
         for name, bad in misfits.items():

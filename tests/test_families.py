@@ -199,3 +199,15 @@ def test_gemma_is_not_written_in_megatron_lm_forms(hf_dirs, tmp_path):
     with pytest.raises(ConfigError, match="no embedding scaling"):
         import_hf(hf_dirs["gemma"], tmp_path / "out", tp=1, pp=1, form="torch_dist", quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["mistral", "phi3"])
+def test_families_sharing_megatron_arguments_come_back_as_themselves(case, hf_dirs, tmp_path):
+    """Mistral's and Phi-3's Megatron-LM arguments are Llama's: the written args name the family, so a merge of
+    the Megatron-LM checkpoint is a Mistral / Phi-3 model again."""
+    import_hf(hf_dirs[case], tmp_path / "megatron", tp=1, pp=2, form="torch", quiet=True)
+    merge(tmp_path / "megatron", tmp_path / "merged", quiet=True)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == case
+    original = load_safetensors(hf_dirs[case] / "model.safetensors")
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(original) and all(torch.equal(merged[k], original[k]) for k in original)
