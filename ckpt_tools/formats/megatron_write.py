@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import layout, megatron_lm, names
+from ckpt_tools import layout, megatron_lm
+from ckpt_tools.formats.torch_dist import stacked_key
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
 
@@ -33,14 +34,6 @@ FORMS = (TORCH_DIST, TORCH)
 CHECKPOINT_VERSION = 3.0
 DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
-
-
-def dist_key(key: str) -> tuple[str, int | None]:
-    """A global layout-table key -> (megatron-core sharded key, its index on the stacked layer axis or None)."""
-    i = layout.layer_index(key)
-    if i is None:
-        return key, None
-    return "decoder.layers." + names.to_te(key[len(f"decoder.layers.{i}."):]), i
 
 
 class DistWriter:
@@ -78,7 +71,7 @@ class DistWriter:
         rule = layout.find_rule(key, spec, self.pp)
         if rule.dim is None and tp_rank > 0:
             return  # replicated: TP rank 0's copy is the one saved
-        fqn, layer = dist_key(key)
+        fqn, layer = stacked_key(key)
         full = layout.full_shape(key, spec, self.padded, self.pp)
         pieces = layout.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, tp_rank, self.pp)
         lead = () if layer is None else (layer,)
@@ -100,7 +93,7 @@ class DistWriter:
 
     def put_extra(self, pp_rank: int, key: str) -> None:
         """A layer's `_extra_state` (None for megatron-core's own layers): one object per layer, TP rank 0's."""
-        fqn, layer = dist_key(key)
+        fqn, layer = stacked_key(key)
         if layer is None:
             return  # the output layer's extra state is not part of megatron-core's sharded state dict
         buf = _io.BytesIO()

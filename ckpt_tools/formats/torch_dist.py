@@ -41,6 +41,15 @@ _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.(?P
                      r"\.bucket_idx_(?P<bucket>\d+)\.(?P<name>param|exp_avg|exp_avg_sq)$")
 
 
+def stacked_key(key: str) -> tuple[str, int | None]:
+    """A global layout-table key -> (its key in megatron-core's sharded state dict, its index on the stacked layer
+    axis, or None when not a layer's). The one place that knows the naming; the writer uses it too."""
+    i = layout.layer_index(key)
+    if i is None:
+        return key, None
+    return _LAYERS + names.to_te(key[len(f"{_LAYERS}{i}."):]), i
+
+
 class DistCheckpoint:
     """A torch_dist iteration dir: its Meta (from the args in common.pt) and its .metadata index."""
 
@@ -94,8 +103,8 @@ class DistCheckpoint:
         if i is None:
             candidates = [(key, None)]
         else:
-            rest = names.to_te(key[len(f"{_LAYERS}{i}."):])
-            candidates = [(f"{_LAYERS}{i}.{rest}", None), (f"{_LAYERS}{rest}", i)]
+            stacked, _ = stacked_key(key)
+            candidates = [(f"{_LAYERS}{i}.{stacked[len(_LAYERS):]}", None), (stacked, i)]
         if field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
