@@ -20,7 +20,8 @@ import torch
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout, output, to_megatron
-from ckpt_tools.errors import ConfigError, FormatError
+from ckpt_tools.errors import FormatError
+from ckpt_tools.formats import megatron_resume
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.merge import prepare
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
@@ -229,23 +230,37 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
                          with_opt: bool, force: bool, quiet: bool, start: float) -> str:
     meta, spec = shards.meta, shards.meta.spec
-    if with_opt:
-        raise ConfigError(f"{meta.dir}: holds optimizer state, which this version does not write in Megatron-LM's "
-                          f"{form} form: pass --no-optimizer to write the weights only (Megatron-LM then starts a "
-                          f"fresh optimizer), or reshard into our format to keep it")
-    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form)
+    resume = _resume_state(shards) if with_opt else None
+    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
     resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))
 
-    def shard_of(key: str, rank: int) -> torch.Tensor:
-        shard = resharder.shard(key, None, rank)
+    def state_of(key: str, field: str | None, rank: int) -> torch.Tensor:
+        shard = resharder.shard(key, field, rank)
         shards.release()
         return shard
-    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype, shard_of, force=force,
-                               quiet=quiet, label="reshard", carried_from=meta.dir)
+    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype,
+                               lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
+                               label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of)
     shards.close()
+    what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
+            f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
     return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
-            f"PP{len(counts)} (layers {counts}), weights only (release), {nbytes / 2**20:,.1f} MiB, "
-            f"{time.perf_counter() - start:.1f}s; load with {to_megatron.loads_with(form, out, tp, len(counts))}")
+            f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, "
+            f"{time.perf_counter() - start:.1f}s; load with "
+            f"{to_megatron.loads_with(form, out, tp, len(counts), resume is not None)}")
+
+
+def _resume_state(shards: Reader) -> megatron_resume.ResumeState:
+    """What Megatron-LM needs to resume beside the tensors: the source's own param groups and schedule when it is
+    a Megatron-LM checkpoint, else Megatron-LM's for the trainer's config."""
+    meta = shards.meta
+    consumed = int(meta.raw.get("consumed_samples") or 0)
+    saved = shards.megatron_optimizer()
+    if saved is not None:
+        where, groups, scheduler = saved
+        return megatron_resume.from_megatron(where, groups, scheduler, meta.iteration, shards.step(), consumed)
+    return megatron_resume.from_ours(dict(meta.raw.get("config") or {}), meta.raw.get("parallel", {}).get("dp_size"),
+                                     meta.iteration, shards.step(), consumed)
 
 
 def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:

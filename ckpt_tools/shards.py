@@ -57,6 +57,17 @@ class Reader:
         Megatron-LM source, what `ckpt import` writes (its Megatron-LM param groups and scheduler are its own)."""
         return {"param_groups": [], "scheduler": {"iteration": self.meta.iteration}, "scaler": None}
 
+    def megatron_optimizer(self) -> tuple[Path, object, object] | None:
+        """(file, param groups, opt_param_scheduler state) as a Megatron-LM source saved them beside its optimizer
+        state; None for a source that is not Megatron-LM's."""
+        return None
+
+    def step(self) -> float:
+        """Adam's step (the same for every parameter)."""
+        key = next(k for k in self.keys() if layout.find_rule(k, self.meta.spec, self.meta.pp_size).split
+                   != layout.EXTRA)
+        return float(self.shards(self.source_key(key), "step")[0])
+
     def unread_optimizer(self) -> str | None:
         """The optimizer state the checkpoint holds in a form this version does not read, in words; None if
         there is none (then no optimizer state is left behind by a verb that carries only what it reads)."""

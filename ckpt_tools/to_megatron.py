@@ -2,8 +2,10 @@
 save dir (formats/megatron_write.py says what is in it), written stage by stage, one tensor at a time.
 
 `shard_of(key, tp_rank)` gives the target TP rank's shard of a global key: the split of an HF tensor for import,
-the layout table's pieces of the source shards for reshard. The target is checked (TP divides the heads,
-groups and FFN; the layer split is one Megatron-LM can express) before anything is written.
+the layout table's pieces of the source shards for reshard; with optimizer state, `state_of(key, field, tp_rank)`
+gives its fp32 master and Adam moments alike, and `resume` the iteration, step, param groups and schedule
+(formats/megatron_resume.py). The target is checked (TP divides the heads, groups and FFN; the layer split is one
+Megatron-LM can express) before anything is written.
 """
 from __future__ import annotations
 
@@ -13,29 +15,45 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import hf, io, layout, megatron_lm, output
-from ckpt_tools.formats.megatron_write import FORMS, writer_for
+from ckpt_tools.errors import ConfigError
+from ckpt_tools.formats.megatron_resume import ResumeState
+from ckpt_tools.formats.megatron_write import FORMS, TORCH_DIST, writer_for
 from ckpt_tools.megatron_args import build_args
+from ckpt_tools.shards import OPTIMIZER_FIELDS
 from ckpt_tools.spec import ModelSpec
 
 OURS = "ours"
 CHOICES = (OURS, *FORMS)
 
 
-def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str):
+def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
+          resume: ResumeState | None = None, where: object = None):
     """The args of the target (raises ConfigError for a target Megatron-LM cannot express)."""
-    return build_args(spec, tp, counts, padded, dtype, form)
+    if resume is not None and form != TORCH_DIST:
+        raise ConfigError(f"{where}: holds optimizer state, which this version writes in Megatron-LM's torch_dist "
+                          f"form only (the distributed optimizer's fully_reshardable state), not in {form}: pass "
+                          f"--format torch_dist, or --no-optimizer to write the weights only (Megatron-LM then starts "
+                          f"a fresh optimizer)")
+    args = build_args(spec, tp, counts, padded, dtype, form)
+    if resume is not None:
+        args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
+        args.no_save_optim, args.use_distributed_optimizer = False, True
+    return args
 
 
 def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
           shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
-          carried_from: Path | None = None, hf_dir: bool = False) -> int:
+          carried_from: Path | None = None, hf_dir: bool = False, resume: ResumeState | None = None,
+          state_of: Callable[[str, str, int], torch.Tensor] | None = None) -> int:
     """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
     The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
     Megatron-LM ignores them and a later merge gives them back."""
-    args = check(spec, tp, counts, padded, dtype, form)
+    args = check(spec, tp, counts, padded, dtype, form, resume, out)
     pp = len(counts)
+    iteration = resume.iteration if resume is not None else 0
+    name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
     with output.staged(out, force) as tmp:
-        iter_dir = tmp / megatron_lm.RELEASE
+        iter_dir = tmp / name
         iter_dir.mkdir()
         writer = writer_for(form, iter_dir, spec, tp, counts, padded, args)
         keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
@@ -47,19 +65,24 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
                 else:
                     for t in range(tp):
                         writer.put(t, p, key, shard_of(key, t))
+                    for field in OPTIMIZER_FIELDS if resume is not None else ():
+                        for t in range(tp):  # one field at a time: one full tensor in memory, not four
+                            writer.put(t, p, key, state_of(key, field, t), field)
                 bar.update(1)
-            writer.end_stage(p, 0)
-        writer.close(0)
+            writer.end_stage(p, iteration)
+        writer.close(iteration, resume.common() if resume is not None else None)
         bar.close()
         if carried_from is not None:
             hf.copy_carried(carried_from, iter_dir, hf_dir)
-        io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
+        io.write_text_atomic(tmp / megatron_lm.TRACKER, str(iteration) if resume is not None else megatron_lm.RELEASE)
     return writer.nbytes
 
 
-def loads_with(form: str, out: Path, tp: int, pp: int) -> str:
+def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False) -> str:
     """The Megatron-LM command-line flags that load the written checkpoint."""
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
+    if resume:
+        where += " --use-distributed-optimizer"
     if form == megatron_lm.TORCH:
         where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
     return where

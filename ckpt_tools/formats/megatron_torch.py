@@ -62,6 +62,12 @@ class LegacyShards(ShardSet):
             return "plain"
         return "other" if opt else None
 
+    def megatron_optimizer(self):
+        first = self.file(MODEL, 0, 0)
+        opt = first.get("optimizer")
+        groups = opt.get("optimizer", {}).get("param_groups") if isinstance(opt, dict) else None
+        return self.path(MODEL, 0, 0), groups, first.get("opt_param_scheduler")
+
     def has_optimizer(self) -> bool:
         return self._form() in ("plain", "flat")
 

@@ -7,7 +7,11 @@
 
 The weights only, as a `release` checkpoint: Megatron-LM loads it as a pretrained model (iteration 0, a fresh
 optimizer, no RNG state) with no extra flags, whatever TP x PP the run uses for torch_dist, at the written one for
-torch. torch_dist keys are megatron-core's `sharded_state_dict` keys (layers stacked on a leading axis, norms in
+torch. With optimizer state (torch_dist only): `iter_NNNNNNN/` at the source's iteration, the fp32 masters and
+Adam's moments in the distributed optimizer's `fully_reshardable` form beside the weights, and what resuming needs
+in common.pt (formats/megatron_resume.py); no RNG state (args.no_save_rng, so Megatron-LM does not ask for it).
+
+torch_dist keys are megatron-core's `sharded_state_dict` keys (layers stacked on a leading axis, norms in
 Transformer Engine's names, a SwiGLU fc1 as two chunks per rank, a tied output layer saved only as the embedding,
 each linear layer's `_extra_state` as one object per layer); the legacy form has the local spec's state dict
 per rank, for `--transformer-impl local`. What goes where is the layout table's split (`layout.reshard_pieces`
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import layout, megatron_lm
+from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import stacked_key
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
@@ -63,15 +68,18 @@ class DistWriter:
             f.write(blob)
         return name, start, f.tell() - start
 
-    def put(self, tp_rank: int, pp_rank: int, key: str, shard: torch.Tensor) -> None:
-        """TP rank `tp_rank`'s shard of global key `key`, as the chunks of the stored global tensor."""
+    def put(self, tp_rank: int, pp_rank: int, key: str, shard: torch.Tensor, field: str | None = None) -> None:
+        """TP rank `tp_rank`'s shard of global key `key` (or of its optimizer `field`: master, exp_avg,
+        exp_avg_sq), as the chunks of the stored global tensor."""
         spec = self.spec
         if key == "output_layer.weight" and spec.tie_word_embeddings:
-            return  # megatron-core saves the tied output layer only as the embedding
+            return  # megatron-core saves the tied output layer (and its optimizer state) only as the embedding
         rule = layout.find_rule(key, spec, self.pp)
         if rule.dim is None and tp_rank > 0:
             return  # replicated: TP rank 0's copy is the one saved
         fqn, layer = stacked_key(key)
+        if field is not None:
+            fqn = megatron_resume.state_key(field, fqn)
         full = layout.full_shape(key, spec, self.padded, self.pp)
         pieces = layout.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, tp_rank, self.pp)
         lead = () if layer is None else (layer,)
@@ -108,7 +116,7 @@ class DistWriter:
                 os.fsync(f.fileno())
                 f.close()
 
-    def close(self, iteration: int) -> None:
+    def close(self, iteration: int, common: dict | None = None) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                            MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -124,8 +132,8 @@ class DistWriter:
             storage[MetadataIndex(fqn=fqn, offset=None, index=None)] = _StorageInfo(name, offset, length)
         (self.dir / ".metadata").write_bytes(pickle.dumps(
             Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage)))
-        torch.save({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
-                   self.dir / "common.pt")
+        torch.save({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                    **(common or {})}, self.dir / "common.pt")
         (self.dir / "metadata.json").write_text(json.dumps(DIST_METADATA))
 
 
@@ -167,7 +175,7 @@ class LegacyWriter:
             writer.close({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                           "model": self._state.pop((t, pp_rank))})
 
-    def close(self, iteration: int) -> None:
+    def close(self, iteration: int, common: dict | None = None) -> None:
         pass
 
 

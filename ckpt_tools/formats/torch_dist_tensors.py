@@ -14,7 +14,7 @@ from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 from ckpt_tools.formats import megatron_optim as mo
-from ckpt_tools.formats.torch_dist import BUCKETS, OPT_BUCKETS, Box, DistCheckpoint
+from ckpt_tools.formats.torch_dist import BUCKETS, COMMON, OPT_BUCKETS, Box, DistCheckpoint
 from ckpt_tools.shards import Reader
 
 
@@ -93,19 +93,36 @@ class TorchDistShards(Reader):
     def _step(self) -> float:
         step = self.ckpt.step()
         if step is None:  # dp_reshardable: in each model-parallel rank's optimizer object (the same step)
-            blob = f"{OPT_BUCKETS}dp_group_idx_0.optimizer/shard_0_1"
-            if blob not in self.ckpt.index.blobs:
-                raise FormatError(f"{self.meta.dir / dcp.METADATA}: no Adam step (no {blob}, no param_groups in "
-                                  f"common.pt): the optimizer state is incomplete; restore the checkpoint")
-            file, offset, length = self.ckpt.index.blobs[blob]
-            obj = io.load_bytes(self._file(file)[offset:offset + length], f"{self.meta.dir / file} ({blob})")
-            obj = obj[0] if isinstance(obj, list) and obj else obj
-            groups = obj.get("param_groups", []) if isinstance(obj, dict) else []
+            where, groups = self._blob_groups()
             steps = [float(g["step"]) for g in groups if isinstance(g, dict) and isinstance(g.get("step"), (int, float))]
             if not steps:
-                raise FormatError(f"{self.meta.dir / file}: {blob} holds no param_groups with a step: restore it")
+                raise FormatError(f"{where}: holds no param_groups with a step: restore it")
             step = float(max(steps))
         return step
+
+    def _blob_groups(self) -> tuple[str, list]:
+        """The param groups in the dp_reshardable optimizer object (model-parallel rank 0's)."""
+        blob = f"{OPT_BUCKETS}dp_group_idx_0.optimizer/shard_0_1"
+        if blob not in self.ckpt.index.blobs:
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: no Adam step (no {blob}, no param_groups in "
+                              f"common.pt): the optimizer state is incomplete; restore the checkpoint")
+        file, offset, length = self.ckpt.index.blobs[blob]
+        where = f"{self.meta.dir / file} ({blob})"
+        obj = io.load_bytes(self._file(file)[offset:offset + length], where)
+        obj = obj[0] if isinstance(obj, list) and obj else obj
+        return where, obj.get("param_groups", []) if isinstance(obj, dict) else []
+
+    def step(self) -> float:
+        return self._step()
+
+    def megatron_optimizer(self):
+        opt = self.ckpt.common.get("optimizer")
+        inner = opt.get("optimizer") if isinstance(opt, dict) else None
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        where = self.meta.dir / COMMON
+        if groups is None and self.ckpt.optimizer_form == BUCKETS:
+            where, groups = self._blob_groups()
+        return where, groups, self.ckpt.common.get("opt_param_scheduler")
 
     def _group(self, tp_rank: int, pp_rank: int) -> int:
         """megatron-core's dp_group_idx of a rank: its rank in the TP x PP model-parallel group, TP fastest."""

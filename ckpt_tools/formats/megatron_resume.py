@@ -1,0 +1,87 @@
+"""What a resumable Megatron-LM torch_dist checkpoint holds beside the tensors (its common.pt), so that a run with
+`--use-distributed-optimizer` resumes from a checkpoint we write: Adam's moments and the fp32 masters as
+`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` (the `fully_reshardable` form, sharded like the weights, loaded
+at any TP x PP x DP), and in common.pt
+
+    optimizer          {"optimizer": {"param_groups": [...]}, "param_state_sharding_type": "fully_reshardable"}
+    opt_param_scheduler  OptimizerParamScheduler.state_dict() (max_lr, lr_warmup_steps, num_steps, ...)
+    content_metadata   {"distrib_optim_sharding_type": "fully_reshardable", ...}: how the loader builds its keys
+
+megatron-core matches the param groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) and takes Adam's
+step from them. A Megatron-LM source's groups and schedule are carried as it saved them (the step set to the one
+read); ours are written from the trainer's config (its two groups: decayed, and biases and norms not decayed).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_tools.errors import FormatError
+
+SHARDING = "fully_reshardable"
+CONTENT_METADATA = {"distrib_optim_sharding_type": SHARDING, "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True}
+# our optimizer field -> its name in the fully_reshardable keys
+FIELD_NAMES = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+IDENTIFIERS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def state_key(field: str, fqn: str) -> str:
+    return f"optimizer.state.{FIELD_NAMES[field]}.{fqn}"
+
+
+@dataclass
+class ResumeState:
+    iteration: int
+    step: float
+    consumed_samples: int
+    param_groups: list[dict]
+    scheduler: dict
+    note: str  # where the groups and schedule came from, for the summary line
+
+    def common(self) -> dict:
+        """The common.pt entries of the optimizer (beside args, iteration, checkpoint_version)."""
+        groups = [{**g, "step": self.step} for g in self.param_groups]
+        return {"optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING},
+                "opt_param_scheduler": self.scheduler, "content_metadata": dict(CONTENT_METADATA)}
+
+
+def from_megatron(where: Path, groups, scheduler, iteration: int, step: float, consumed: int) -> ResumeState:
+    """A Megatron-LM source's param groups and scheduler state, as its optimizer saved them."""
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise FormatError(f"{where}: no optimizer param groups (found {type(groups).__name__}): Megatron-LM saves them "
+                          f"with the optimizer state; restore the checkpoint, or pass --no-optimizer")
+    missing = sorted({k for g in groups for k in IDENTIFIERS if k not in g and f"pre_{k}" not in g})
+    if missing:
+        raise FormatError(f"{where}: the optimizer's param groups lack {', '.join(missing)} (megatron-core matches "
+                          f"groups by {', '.join(IDENTIFIERS)}): written by a Megatron-LM this version does not "
+                          f"write for; pass --no-optimizer")
+    if not isinstance(scheduler, dict):
+        raise FormatError(f"{where}: no opt_param_scheduler state (found {type(scheduler).__name__}): restore the "
+                          f"checkpoint, or pass --no-optimizer")
+    kept = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups]
+    return ResumeState(iteration, step, consumed, kept, copy.deepcopy(scheduler), "its param groups and schedule")
+
+
+def from_ours(config: dict, dp_size: int | None, iteration: int, step: float, consumed: int) -> ResumeState:
+    """Megatron-LM's param groups and scheduler state for a checkpoint of our trainer (its config.yaml values)."""
+    lr, min_lr = float(config.get("lr", 3e-3)), float(config.get("min_lr", 3e-4))
+    weight_decay = float(config.get("weight_decay", 0.01))
+    micro, micros = int(config.get("micro_batch_size", 1)), int(config.get("num_micro_batches", 1))
+    gbs = int(config.get("global_batch_size") or micro * micros * (dp_size or 1))
+    train_iters = int(config.get("train_iters", max(iteration, 1)))
+    decay_iters = int(config.get("lr_decay_iters") or train_iters)
+    base = {"lr": lr, "betas": (float(config.get("adam_beta1", 0.9)), float(config.get("adam_beta2", 0.95))),
+            "eps": float(config.get("adam_eps", 1e-8)), "amsgrad": False, "maximize": False, "foreach": None,
+            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+            "bias_correction": True, "adam_w_mode": True, "max_lr": lr, "min_lr": min_lr, "lr_mult": 1.0,
+            "is_expert_parallel": False, "is_decoupled_lr": False, "default_config": True}
+    groups = [{**base, "wd_mult": 1.0, "weight_decay": weight_decay},
+              {**base, "wd_mult": 0.0, "weight_decay": weight_decay}]
+    scheduler = {"max_lr": lr, "lr_warmup_steps": int(config.get("lr_warmup_iters", 0)) * gbs,
+                 "num_steps": iteration * gbs, "lr_decay_style": "cosine", "lr_decay_steps": decay_iters * gbs,
+                 "min_lr": min_lr, "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_style": "constant",
+                 "wd_incr_steps": train_iters * gbs}
+    return ResumeState(iteration, step, consumed or iteration * gbs, groups, scheduler,
+                       "param groups and schedule from the trainer's config")
