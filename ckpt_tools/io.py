@@ -34,6 +34,14 @@ def _allowed_globals() -> list:
     return allowed
 
 
+def _allowing():
+    """The allow-list for one load, adding only what the process has not allowed already: leaving the context
+    removes what it added, and must not remove what others (megatron-core registers argparse.Namespace) rely on."""
+    import torch
+    have = torch.serialization.get_safe_globals()
+    return torch.serialization.safe_globals([g for g in _allowed_globals() if g not in have])
+
+
 TRUST_PICKLE = False  # set only by `ckpt --trust-pickle`: full unpickling, which can run code
 
 
@@ -43,7 +51,7 @@ def load_bytes(data, what: str) -> Any:
     import io as _io
     import torch
     try:
-        with torch.serialization.safe_globals(_allowed_globals()):
+        with _allowing():
             return torch.load(_io.BytesIO(bytes(data)), map_location="cpu", weights_only=TRUST_PICKLE is False)
     except Exception as e:  # noqa: BLE001 - refused or damaged: one line either way
         raise FormatError(f"{what}: refused or unreadable ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}): "
@@ -59,7 +67,7 @@ def load_file(path: str | Path, mmap: bool = True) -> Any:
     if TRUST_PICKLE:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     try:
-        with torch.serialization.safe_globals(_allowed_globals()):
+        with _allowing():
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # name the global, not torch's advice (which is to allow-list it)

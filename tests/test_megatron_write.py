@@ -122,10 +122,104 @@ def test_a_target_the_model_cannot_take_is_refused_before_writing(args, expected
 
 
 def test_optimizer_state_is_not_dropped_silently(llama_run, tmp_path):
+    """The legacy torch form is written without optimizer state: asked for it, the state is not dropped."""
     out = tmp_path / "out"
     line = one_line_error(run("reshard", llama_run[0], out, "--tp", "1", "--pp", "1", "--format", "torch", "-q"))
-    assert "holds optimizer state" in line and "--no-optimizer" in line, line
+    assert "holds optimizer state" in line and "--no-optimizer" in line and "--format torch_dist" in line, line
     assert_nothing_written(out)
+
+
+# ------------------------------------------------------------ optimizer state into torch_dist
+OPT_FORMS = ["plain/torch", "dist/torch", "dist/torch_dist", "dist_buckets/torch_dist", "dist/torch_dist_full"]
+IDENTIFIERS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+FIELD_NAMES = (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+
+def whole_tensors(iter_dir, scratch) -> dict:
+    """Every tensor of a torch_dist checkpoint, whole, read by torch's own DCP reader (never ours)."""
+    from mcore_resume import full_tensors
+    return full_tensors(iter_dir, scratch)
+
+
+@pytest.mark.parametrize("form", OPT_FORMS)
+def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tmp_path):
+    """megatron-core's optimizer state (every form it saves, fixtures/megatron_optimizer) resharded into torch_dist
+    at TP2 x PP2: read back by torch's DCP reader, every fp32 master and Adam moment is megatron-core's own
+    (reference.pt, from the optimizer object) bit for bit, under the keys and with the common.pt of megatron-core's
+    own fully_reshardable save. That megatron-core's DistributedOptimizer resumes from it is tests/test_gpu.py's."""
+    from test_megatron_optimizer import FIXTURES, reference
+    from test_megatron_optimizer import VOCAB as FIXTURE_VOCAB
+
+    from ckpt_tools.formats.torch_dist import stacked_key
+    out = tmp_path / "out"
+    line = reshard(FIXTURES / form, out, tp=2, pp=2, vocab_size=FIXTURE_VOCAB, quiet=True, form="torch_dist")
+    assert "model + optimizer" in line and "--use-distributed-optimizer" in line, line
+    assert (out / megatron_lm.TRACKER).read_text() == "3"
+    own_dir = FIXTURES / "dist" / "torch_dist_full" / "iter_0000003"
+    got, own = whole_tensors(out / "iter_0000003", tmp_path / "a.pt"), whole_tensors(own_dir, tmp_path / "b.pt")
+    assert sorted(got) == sorted(own)
+    compared = 0
+    for key, fields in reference(form).items():
+        if key == "_buffers":
+            continue
+        fqn, layer = stacked_key(key)
+        for field, name in FIELD_NAMES:
+            whole = got[f"optimizer.state.{name}.{fqn}"]
+            assert torch.equal(whole if layer is None else whole[layer], fields[field]), (key, field)
+            compared += 1
+    assert compared == 15 * 3
+    common = torch.load(out / "iter_0000003" / "common.pt", weights_only=False)
+    mine = torch.load(own_dir / "common.pt", weights_only=False)
+    assert common["content_metadata"] == mine["content_metadata"]
+    assert common["optimizer"]["param_state_sharding_type"] == mine["optimizer"]["param_state_sharding_type"]
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [[g[k] for k in IDENTIFIERS] for g in groups] == \
+        [[g[k] for k in IDENTIFIERS] for g in mine["optimizer"]["optimizer"]["param_groups"]]
+    assert all(g["step"] == 3.0 and "params" not in g for g in groups)
+    args = common["args"]
+    assert common["iteration"] == args.iteration == 3 and args.use_distributed_optimizer and args.no_save_rng
+    assert not args.no_save_optim
+
+
+@pytest.mark.slow
+def test_our_optimizer_state_goes_to_torch_dist_and_back(llama_run, tmp_path):
+    """Our trainer's checkpoint (TP2 x PP2) -> torch_dist at TP1 x PP2: torch's DCP reader finds its optimizer state
+    whole; megatron-core's own scheduler takes the written schedule; back in our format at TP2 x PP2 every optimizer
+    tensor is the trainer's, bit for bit."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from mcore_resume import same_as_ours
+
+    from ckpt_tools.shards import open_checkpoint
+    save = llama_run[0]
+    reshard(save, tmp_path / "mlm", tp=1, pp=2, form="torch_dist", quiet=True)
+    reshard(save, tmp_path / "tp1", tp=1, pp=1, quiet=True)
+    iteration = open_checkpoint(save).meta.iteration
+    iter_dir = tmp_path / "mlm" / f"iter_{iteration:07d}"
+    result = same_as_ours(tmp_path / "tp1", whole_tensors(iter_dir, tmp_path / "a.pt"), False)
+    assert result["compared"] == 3 * 27 and not result["missing"] and not result["differ"], result
+    assert result["step"] == float(iteration)
+    common = torch.load(iter_dir / "common.pt", weights_only=False)
+    assert [g["wd_mult"] for g in common["optimizer"]["optimizer"]["param_groups"]] == [1.0, 0.0]
+    holder = SimpleNamespace(param_groups=[{}])
+    sched = OptimizerParamScheduler(holder, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=1,
+                                    lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=1,
+                                    wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
+    sched.load_state_dict(common["opt_param_scheduler"])  # megatron-core's own reading of it: every key it needs
+    config = json.loads((save / f"checkpoint-{iteration}" / "meta.json").read_text())["config"]
+    assert sched.max_lr == config["lr"] and sched.min_lr == config["min_lr"]
+    assert sched.num_steps == iteration * 8 == common["args"].consumed_train_samples  # global batch 8
+    reshard(tmp_path / "mlm", tmp_path / "back", tp=2, pp=2, quiet=True)
+    for t in range(2):
+        for p in range(2):
+            name = f"checkpoint-{iteration}/optimizer_tp_{t}_pp_{p}.bin"
+            a = torch.load(save / name, weights_only=True)["optimizer"]
+            b = torch.load(tmp_path / "back" / name, weights_only=True)["optimizer"]
+            assert sorted(a) == sorted(b)
+            for key in a:
+                for field in ("master", "exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(a[key][field], b[key][field]), (name, key, field)
 
 
 def test_layer_splits_megatron_lm_can_express():
@@ -144,3 +238,25 @@ def test_verify_takes_the_written_checkpoint(hf_dirs, tmp_path):
     import_hf(hf_dirs["llama_tied"], tmp_path / "megatron", tp=2, pp=1, form="torch_dist", quiet=True)
     tiers, _ = verify.run(tmp_path / "megatron", hf_dirs["llama_tied"], seq=32, batch=2)
     assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
+
+
+def test_param_groups_megatron_core_cannot_match_are_one_line(tmp_path):
+    """A source whose param groups lack megatron-core's group identifiers: one line naming the file, nothing written;
+    --no-optimizer still writes the weights."""
+    import shutil
+
+    from test_megatron_optimizer import FIXTURES
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "dist" / "torch_dist_full", src)
+    common_pt = src / "iter_0000003" / "common.pt"
+    common = torch.load(common_pt, weights_only=False)
+    for g in common["optimizer"]["optimizer"]["param_groups"]:
+        del g["wd_mult"]
+    torch.save(common, common_pt)
+    out = tmp_path / "out"
+    line = one_line_error(run("reshard", src, out, "--tp", "2", "--pp", "1", "--format", "torch_dist",
+                              "--vocab-size", "120", "-q"))
+    assert "common.pt" in line and "wd_mult" in line and "--no-optimizer" in line, line
+    assert_nothing_written(out)
+    assert run("reshard", src, out, "--tp", "2", "--pp", "1", "--format", "torch_dist", "--vocab-size", "120",
+               "--no-optimizer", "-q").exit_code == 0

@@ -1,0 +1,245 @@
+"""megatron-core resumes training from the torch_dist checkpoints `ckpt reshard --format torch_dist` writes with
+optimizer state. Needs CUDA (megatron-core's DistributedOptimizer allocates on "cuda"); one GPU:
+
+    torchrun --nproc-per-node 1 tests/mcore_resume.py OUT [OURS]
+
+A. megatron-core's own run: a tiny Llama (bf16 weights, fp32 masters, grads reduced in fp32) in megatron-core's
+   DistributedDataParallel with its DistributedOptimizer and OptimizerParamScheduler trains 3 steps and is saved as
+   Megatron-LM saves it by default (torch_dist, dp_reshardable), and again as megatron-core's canonical
+   `fully_reshardable` (REF_SRC); it goes on 3 more steps (the reference loss curve).
+   `ckpt reshard SRC DST --tp 2 --pp 2 --format torch_dist` writes DST. A new model of other weights, with a fresh
+   optimizer and scheduler, loads DST the way Megatron-LM's load_checkpoint does (content metadata from the
+   checkpoint, `sharded_state_dict(is_loading=True)`, `dist_checkpointing.load`, then the model's, optimizer's and
+   scheduler's `load_state_dict`), is saved again as `fully_reshardable` (REF_DST) and trains the same 3 steps.
+   The same for megatron-core's own fully_reshardable save (REF_SRC); and, the control, DST's weights with a
+   fresh optimizer.
+B. (with OURS, a save dir of our trainer, TP x PP any) `ckpt reshard OURS --format torch_dist` and megatron-core
+   loads it the same way (scheduler overridden: the trainer's schedule is its own), saved again as REF_OURS.
+
+Rank 0 writes OUT/resume.json: the four loss curves and, for every tensor of REF_SRC / REF_DST (and REF_OURS
+against the trainer's own optimizer file, TP1 x PP1, read with torch.load), whether it is bit-identical, read with
+torch's own DCP reader (`dcp_to_torch_save`), never ours.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+SPEC = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+        "ffn_hidden_size": 96, "vocab_size": 120, "max_position_embeddings": 64, "norm_epsilon": 1e-6}
+LR, MIN_LR, WD, GBS, SEQ = 1e-2, 1e-3, 0.1, 2, 32
+SAVED_AT, MORE = 3, 3
+FULL = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True}
+DP_RESHARDABLE = {**FULL, "distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def keep_torch_adam_step() -> None:
+    """Two faults of megatron-core 0.16.1 with torch's Adam (no Transformer Engine or Apex, as on this GPU image),
+    which hit its own checkpoints as much as ours: loading `fully_reshardable` state it copies every entry of a
+    parameter's state, torch's per-parameter 'step' included, which that form never holds (a KeyError); and
+    load_state_dict puts ONE step tensor (from the param groups) into every parameter's state, which torch's Adam
+    then increments once per parameter per step (wrong bias correction from the first step on). Give each
+    parameter its own copy of the loaded step and keep it."""
+    from megatron.core.optimizer import distrib_optimizer as mdo
+    if mdo.HAVE_APEX_OR_TE:
+        return
+    original = mdo.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            state["step"] = state["step"].clone()
+            tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+    mdo.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: str = "bfloat16"):
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from mcore_checkpoints import _perturb
+    from mcore_reference_child import _build_model
+    torch.manual_seed(seed)
+    gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, 1)
+    _perturb(gpt, torch)
+    bf16 = dtype == "bfloat16"
+    gpt = gpt.cuda().to(getattr(torch, dtype))
+    gpt.config.bf16, gpt.config.params_dtype = bf16, getattr(torch, dtype)
+    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), gpt)
+    config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, bf16=bf16,
+                             params_dtype=getattr(torch, dtype), use_distributed_optimizer=True, clip_grad=1.0)
+    opt = get_megatron_optimizer(config, [ddp], config_overrides=get_standard_config_overrides(config))
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=2 * GBS,
+                                    lr_decay_steps=10 * GBS, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
+                                    wd_incr_steps=10 * GBS, wd_incr_style="constant",
+                                    use_checkpoint_opt_param_scheduler=False,
+                                    override_opt_param_scheduler=override_schedule)
+    return gpt, ddp, opt, sched
+
+
+def step(ddp, opt, sched, i: int, vocab: int) -> float:
+    import torch
+    tokens = torch.randint(0, vocab, (GBS, SEQ), generator=torch.Generator().manual_seed(100 + i)).cuda()
+    positions = torch.arange(SEQ).cuda().unsqueeze(0).expand(GBS, -1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    sched.step(increment=GBS)
+    return loss.item()
+
+
+def sharded(gpt, opt, metadata: dict, loading: bool) -> dict:
+    model = gpt.sharded_state_dict()
+    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=loading, metadata=metadata)}
+
+
+def load(gpt, opt, sched, iter_dir: Path, with_optimizer: bool = True) -> int:
+    """As Megatron-LM's load_checkpoint: the content metadata picks the optimizer's keys."""
+    from megatron.core import dist_checkpointing
+    metadata = dist_checkpointing.load_content_metadata(str(iter_dir))
+    if with_optimizer:  # torch's Adam (no Transformer Engine or Apex here) has no state before its first step:
+        for inner in getattr(opt, "chained_optimizers", [opt]):  # megatron-core's own placeholder for loading
+            inner._init_optimizer_states_with_dummy_values()
+    request = sharded(gpt, opt, metadata, True) if with_optimizer else {"model": gpt.sharded_state_dict()}
+    state = dist_checkpointing.load(request, str(iter_dir))
+    gpt.load_state_dict(state["model"], strict=True)
+    if with_optimizer:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["opt_param_scheduler"])
+    return state["iteration"]
+
+
+def full_tensors(iter_dir: Path, scratch: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint, whole, by torch's own DCP reader."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(iter_dir), str(scratch))
+    return {k: v for k, v in torch.load(scratch, weights_only=False).items() if torch.is_tensor(v)}
+
+
+def compare(a: dict, b: dict, prefix: str = "") -> dict:
+    import torch
+    keys = sorted(k for k in a if k.startswith(prefix))
+    missing = [k for k in keys if k not in b]
+    differ = [k for k in keys if k in b and not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+    return {"compared": len(keys), "missing": missing, "differ": differ}
+
+
+def run_megatron_source(out: Path, result: dict) -> None:
+    import torch
+    from megatron.core import dist_checkpointing
+    from mcore_checkpoints import _args
+
+    from ckpt_tools.reshard import reshard
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec.from_dict(SPEC)
+    padded = spec.padded_vocab_size(1)
+    gpt, ddp, opt, sched = build(spec, padded, 1234)
+    losses = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT)]
+    args = _args(spec, 1, 1, padded, SAVED_AT, "bfloat16")
+    args.use_distributed_optimizer, args.accumulate_allreduce_grads_in_fp32 = True, True
+    common = {"args": args, "iteration": SAVED_AT, "checkpoint_version": 3.0,
+              "opt_param_scheduler": sched.state_dict()}
+    name = f"iter_{SAVED_AT:07d}"
+    for where, metadata in (("src", DP_RESHARDABLE), ("ref_src", FULL)):
+        (out / where / name).mkdir(parents=True)
+        dist_checkpointing.save({**common, **sharded(gpt, opt, metadata, False)}, str(out / where / name),
+                                content_metadata=metadata)
+        (out / where / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
+    reference = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
+    result["line"] = reshard(out / "src", out / "dst", tp=2, pp=2, vocab_size=spec.vocab_size, quiet=True,
+                             form="torch_dist")
+    dst = out / "dst" / name
+    gpt, ddp, opt, sched = build(spec, padded, 999)
+    result["iteration"] = load(gpt, opt, sched, dst)
+    (out / "ref_dst" / name).mkdir(parents=True)
+    dist_checkpointing.save(sharded(gpt, opt, FULL, False), str(out / "ref_dst" / name), content_metadata=FULL)
+    resumed = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
+    gpt, ddp, opt, sched = build(spec, padded, 999)  # megatron-core's own fully_reshardable save, loaded alike
+    load(gpt, opt, sched, out / "ref_src" / name)
+    own = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
+    gpt, ddp, opt, sched = build(spec, padded, 999)
+    load(gpt, opt, sched, dst, with_optimizer=False)
+    sched.num_steps = 0
+    sched.step(increment=SAVED_AT * GBS)
+    fresh = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
+    a = full_tensors(out / "ref_src" / name, out / "a.pt")
+    b = full_tensors(out / "ref_dst" / name, out / "b.pt")
+    result.update(losses_before=losses, reference=reference, resumed=resumed, resumed_from_megatron_cores_own=own,
+                  fresh_optimizer=fresh,
+                  optimizer=compare(a, b, "optimizer."), model=compare(a, b, "embedding.") | {
+                      "all": compare({k: v for k, v in a.items() if not k.startswith("optimizer.")}, b)})
+    torch.cuda.synchronize()
+
+
+def same_as_ours(ours_tp1: Path, got: dict, tied: bool) -> dict:
+    """Our TP1 x PP1 optimizer file (torch.load) against the whole tensors of a torch_dist checkpoint (layer l of
+    a stacked key is row l)."""
+    import torch
+
+    from ckpt_tools.formats.torch_dist import stacked_key
+    ckpt = next(ours_tp1.glob("checkpoint-*"))
+    state = torch.load(ckpt / "optimizer_tp_0_pp_0.bin", weights_only=True)["optimizer"]
+    want, have = {}, {}
+    for key, fields in state.items():
+        if tied and key == "output_layer.weight":
+            continue
+        fqn, layer = stacked_key(key)
+        for field, stored in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            want[f"{stored}.{key}"] = fields[field]
+            whole = got.get(f"optimizer.state.{stored}.{fqn}")
+            if whole is not None:
+                have[f"{stored}.{key}"] = whole if layer is None else whole[layer]
+    return compare(want, have) | {"step": float(next(iter(state.values()))["step"])}
+
+
+def run_ours(ours: Path, out: Path, result: dict) -> None:
+    from ckpt_tools.reshard import reshard
+    from ckpt_tools.shards import open_checkpoint
+    reader = open_checkpoint(ours)
+    spec, padded, iteration = reader.meta.spec, reader.meta.padded_vocab, reader.meta.iteration
+    result["ours_line"] = reshard(ours, out / "ours_dst", tp=2, pp=2, quiet=True, form="torch_dist")
+    reshard(ours, out / "ours_tp1", tp=1, pp=1, quiet=True)  # its optimizer state whole, as a plain file
+    name = f"iter_{iteration:07d}"
+    gpt, ddp, opt, sched = build(spec, padded, 999, override_schedule=True, dtype=reader.meta.params_dtype)
+    result["ours_iteration"] = load(gpt, opt, sched, out / "ours_dst" / name)
+    from megatron.core import dist_checkpointing
+    (out / "ref_ours" / name).mkdir(parents=True)
+    dist_checkpointing.save(sharded(gpt, opt, FULL, False), str(out / "ref_ours" / name), content_metadata=FULL)
+    got = full_tensors(out / "ref_ours" / name, out / "c.pt")
+    result["ours"] = same_as_ours(out / "ours_tp1", got, spec.tie_word_embeddings)
+    reader.close()
+
+
+def main(out: str, ours: str | None = None) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    torch.distributed.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    ps.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    keep_torch_adam_step()
+    result: dict = {}
+    run_megatron_source(Path(out), result)
+    if ours:
+        run_ours(Path(ours), Path(out), result)
+    (Path(out) / "resume.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from mcore_checkpoints import run_as_script
+    run_as_script(main, *sys.argv[1:])
