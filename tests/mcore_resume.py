@@ -16,6 +16,9 @@ A. megatron-core's own run: a tiny Llama (bf16 weights, fp32 masters, grads redu
 B. (with OURS, a save dir of our trainer, TP x PP any) `ckpt reshard OURS --format torch_dist` and megatron-core
    loads it the same way (scheduler overridden: the trainer's schedule is its own), saved again as REF_OURS.
 
+C. An HF Llama made by transformers, `ckpt import --format torch_dist` (weights only, TP2 x PP2), loaded by
+   megatron-core at TP1: its loss on the same tokens is transformers' (fp32), and training goes on from there.
+
 Rank 0 writes OUT/resume.json: the four loss curves and, for every tensor of REF_SRC / REF_DST (and REF_OURS
 against the trainer's own optimizer file, TP1 x PP1, read with torch.load), whether it is bit-identical, read with
 torch's own DCP reader (`dcp_to_torch_save`), never ours.
@@ -221,6 +224,49 @@ def run_ours(ours: Path, out: Path, result: dict) -> None:
     reader.close()
 
 
+def run_imported(out: Path, result: dict) -> None:
+    """C. An HF Llama (transformers' own) -> `ckpt import --format torch_dist` -> megatron-core loads it: the loss
+    on the same tokens starts where transformers' is (fp32, the padded vocab rows left out as HF has none), then
+    training goes on from there."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ckpt_tools import hf
+    from ckpt_tools.reshard import import_hf
+    config = LlamaConfig(vocab_size=SPEC["vocab_size"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(out / "hf")
+    result["imported_line"] = import_hf(out / "hf", out / "imported", tp=2, pp=2, form="torch_dist", quiet=True)
+    spec = hf.spec_from_hf(out / "hf" / "config.json")
+    gpt, ddp, opt, sched = build(spec, spec.padded_vocab_size(2), 999, dtype="float32")
+    load(gpt, opt, sched, out / "imported" / "release", with_optimizer=False)
+    tokens = torch.randint(0, spec.vocab_size, (GBS, SEQ), generator=torch.Generator().manual_seed(7)).cuda()
+    positions = torch.arange(SEQ).cuda().unsqueeze(0).expand(GBS, -1)
+
+    def next_token_loss(logits) -> float:
+        logits = logits[:, :-1, :spec.vocab_size].float()
+        return F.cross_entropy(logits.reshape(-1, spec.vocab_size), tokens[:, 1:].reshape(-1)).item()
+    with torch.no_grad():
+        result["hf_loss"] = next_token_loss(model.cuda()(tokens).logits)
+        result["imported_loss"] = next_token_loss(ddp(tokens, positions, None))
+    labels = torch.roll(tokens, -1, dims=1)
+    curve = []
+    for _ in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = ddp(tokens, positions, None, labels=labels)[:, :-1].float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        sched.step(increment=GBS)
+        curve.append(loss.item())
+    result["imported_training"] = curve
+
+
 def main(out: str, ours: str | None = None) -> None:
     warnings.filterwarnings("ignore")
     import torch
@@ -235,6 +281,7 @@ def main(out: str, ours: str | None = None) -> None:
     run_megatron_source(Path(out), result)
     if ours:
         run_ours(Path(ours), Path(out), result)
+    run_imported(Path(out), result)
     (Path(out) / "resume.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()

@@ -136,13 +136,19 @@ def test_triton_adamw_equals_the_reference_update():
 
 
 @_needs_gpus(1)
-def test_megatron_core_resumes_from_our_torch_dist_optimizer_state(llama_run, tmp_path):
+def test_megatron_core_resumes_from_our_torch_dist_optimizer_state(tmp_path):
     """megatron-core's DistributedOptimizer loads what `ckpt reshard --format torch_dist` writes (from its own
     dp_reshardable save, and from our trainer's checkpoint): the state is bit-identical, and training goes on
-    exactly as the run that was never stopped (tests/mcore_resume.py)."""
-    torchrun(1, [str(Path(__file__).with_name("mcore_resume.py")), str(tmp_path), str(llama_run[0])])
+    exactly as the run that was never stopped; an HF import starts at transformers' loss (tests/mcore_resume.py)."""
+    from conftest import train
+    save = tmp_path / "ours"
+    train("tiny_llama.yaml", save, 1, tp_degree=1, pp_degree=1, train_iters=3, num_micro_batches=2)
+    torchrun(1, [str(Path(__file__).with_name("mcore_resume.py")), str(tmp_path / "out"), str(save)])
+    tmp_path = tmp_path / "out"
     r = json.loads((tmp_path / "resume.json").read_text())
     assert r["optimizer"]["compared"] == 27 and not r["optimizer"]["missing"] and not r["optimizer"]["differ"], r
     assert r["resumed"] == r["reference"] == r["resumed_from_megatron_cores_own"], r
     assert abs(r["fresh_optimizer"][1] - r["reference"][1]) > 1e-2, r  # the control: the state matters
     assert r["ours"]["compared"] > 0 and not r["ours"]["missing"] and not r["ours"]["differ"], r
+    assert abs(r["imported_loss"] - r["hf_loss"]) < 1e-4 * r["hf_loss"], r  # HF -> torch_dist: transformers' loss
+    assert r["imported_training"][-1] < r["imported_training"][0], r
