@@ -22,7 +22,9 @@ from ckpt_tools.errors import FormatError
 
 def _allowed_globals() -> list:
     import io as _io
+    from ckpt_tools.torchfile import MEGATRON_INERT, Record
     allowed: list = [argparse.Namespace, _io.BytesIO]  # BytesIO: Transformer Engine's _extra_state in older TE
+    allowed += [(Record, f"{module}.{name}") for module, name in sorted(MEGATRON_INERT)]  # read, never built
     try:
         import numpy as np
         reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct

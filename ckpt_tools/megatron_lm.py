@@ -268,10 +268,12 @@ def _check_model_keys(path: Path, state: dict) -> None:
     if not isinstance(model, dict):
         raise FormatError(f"{path}: no 'model' state dict (found {', '.join(sorted(map(str, state))[:8])}): "
                           f"not a single-chunk Megatron-LM model file; pass a GPT checkpoint saved by pretrain_gpt.py")
-    legacy = next((k for k in model if k.startswith("language_model.")), None)
-    if legacy is not None:
-        raise FormatError(f"{path}: key {legacy} belongs to Megatron-LM's legacy model, not megatron-core's "
-                          f"GPTModel: convert it to a megatron-core checkpoint first (tools/checkpoint)")
+    version = state.get("checkpoint_version", 0)
+    if names.is_legacy(model) and not (isinstance(version, (int, float)) and version >= 2):
+        raise FormatError(f"{path}: a legacy model of checkpoint_version {version!r}, whose fused QKV rows are "
+                          f"ordered [3, heads, head_dim] (0) or [heads, head_dim, 3] (1.0): versions 2.0 and 3.0 "
+                          f"([heads, 3, head_dim], Megatron-LM since 2020) are read; load and re-save it with "
+                          f"Megatron-LM, which reorders it")
 
 
 def args_of(path: Path, state) -> object:
@@ -329,9 +331,14 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
 
 
 def model_state(obj) -> dict | None:
-    """A legacy file's model state dict with the layout table's names (Transformer Engine's renamed)."""
+    """A legacy file's model state dict with the layout table's names (Transformer Engine's renamed, a legacy
+    model's flattened and renamed)."""
     model = obj.get("model") if isinstance(obj, dict) else None
-    return {names.from_te(k): v for k, v in model.items()} if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        return None
+    if names.is_legacy(model):
+        return {names.from_legacy(k): v for k, v in names.flatten(model).items()}
+    return {names.from_te(k): v for k, v in model.items()}
 
 
 def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file) -> Meta:
@@ -346,5 +353,5 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     _check_model_keys(first, state)
     padded = _arg(args, "padded_vocab_size")
     if padded is None:
-        padded = state["model"]["embedding.word_embeddings.weight"].shape[0] * tp
+        padded = model_state(state)["embedding.word_embeddings.weight"].shape[0] * tp
     return meta_of(first, iter_dir, args, state, spec, tp, pp, counts, padded, "megatron-lm")

@@ -5,8 +5,17 @@ fuses them into the following linear (`self_attention.linear_qkv.layer_norm_weig
 layer_norm_weight`). torch_dist checkpoints always use the Transformer Engine names: megatron-core's local spec
 declares this very map (`sharded_state_dict_keys_map`) so that both specs save one form. A legacy `torch`
 checkpoint has the names of the spec it was trained with.
+
+Megatron-LM's legacy models (`--use-legacy-models`, megatron/legacy/model, removed after core_v0.16.1) save a
+nested state dict, `model['language_model']['encoder']['layers.<i>.self_attention.query_key_value.weight']`; flattened
+with dots, LEGACY maps its parts to the table's. Older names (`transformer`, `attention`, `*_layernorm`) are
+listed too: Megatron-LM's own loader still accepts them. The tied head's copy on the last pipeline stage is
+`word_embeddings_for_head`. Tensors keep their layout: QKV is megatron-core's grouped [ng, np/ng + 2, hn] per rank
+(checkpoint_version 2 and 3), SwiGLU's fc1 [gate_r; up_r] per rank.
 """
 from __future__ import annotations
+
+import re
 
 TE_NAMES = {  # local spec name (within a layer) -> Transformer Engine name
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -28,3 +37,56 @@ def from_te(name: str) -> str:
         if name.startswith(te) or f".{te}" in name:
             return name.replace(te, local, 1)
     return name
+
+
+LEGACY_PREFIXES = {  # flattened legacy key prefix -> the table's (first match wins)
+    "language_model.embedding.": "embedding.",
+    "language_model.encoder.final_norm.": "decoder.final_layernorm.",
+    "language_model.encoder.final_layernorm.": "decoder.final_layernorm.",
+    "language_model.transformer.final_layernorm.": "decoder.final_layernorm.",
+    "language_model.output_layer.": "output_layer.",
+    "word_embeddings_for_head.": "output_layer.",
+}
+LEGACY_LAYER = {  # a layer's legacy name (after `layers.<i>.`) -> the table's
+    "input_norm.": "input_layernorm.",
+    "input_layernorm.": "input_layernorm.",
+    "self_attention.query_key_value.": "self_attention.linear_qkv.",
+    "attention.query_key_value.": "self_attention.linear_qkv.",
+    "self_attention.dense.": "self_attention.linear_proj.",
+    "attention.dense.": "self_attention.linear_proj.",
+    "post_attention_norm.": "pre_mlp_layernorm.",
+    "post_attention_layernorm.": "pre_mlp_layernorm.",
+    "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
+    "mlp.dense_4h_to_h.": "mlp.linear_fc2.",
+}
+_LEGACY_LAYER = re.compile(r"^language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.*)$")
+
+
+def is_legacy(model: dict) -> bool:
+    """A legacy model's state dict (nested or already flattened)."""
+    return "language_model" in model or any(str(k).startswith("language_model.") for k in model)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested state dicts -> dotted keys (what PyTorch's own state_dict would have named them)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def from_legacy(key: str) -> str:
+    """A flattened legacy key -> the layout table's (unknown keys come back unchanged, to be reported)."""
+    m = _LEGACY_LAYER.match(key)
+    if m:
+        for old, new in LEGACY_LAYER.items():
+            if m.group(2).startswith(old):
+                return f"decoder.layers.{m.group(1)}.{new}{m.group(2)[len(old):]}"
+        return key
+    for old, new in LEGACY_PREFIXES.items():
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key

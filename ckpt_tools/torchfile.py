@@ -111,6 +111,16 @@ _OPAQUE = {("_io", "BytesIO"),  # Transformer Engine's _extra_state (older TE ve
            ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
            ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
            ("numpy._core.multiarray", "scalar")}
+# what Megatron-LM keeps in its args (and common state) beside plain values: enums, a signal, paths, its optimizer
+# config; each read as an inert Record of its constructor arguments, never built
+MEGATRON_INERT = frozenset(
+    [("megatron.core.enums", n) for n in ("ModelType", "Fp8Recipe", "Fp4Recipe")]
+    + [("megatron.core.transformer.enums", n) for n in ("ModelType", "LayerType", "AttnType", "AttnMaskType",
+                                                         "AttnBackend", "CudaGraphScope")]
+    + [("megatron.core.rerun_state_machine", n) for n in ("RerunDiagnostic", "RerunMode", "RerunState",
+                                                          "RerunValidationStatus")]
+    + [("megatron.core.optimizer.optimizer_config", "OptimizerConfig"), ("megatron.core.optimizer", "OptimizerConfig"),
+       ("signal", "Signals"), ("pathlib", "PosixPath"), ("pathlib", "Path"), ("types", "SimpleNamespace")])
 TORCH_DTYPES = {"float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
@@ -140,7 +150,8 @@ class _Unpickler(pickle.Unpickler):
             return name
         if (module, name) == ("argparse", "Namespace"):
             return Namespace
-        if (module, name) in _OPAQUE or (module.startswith("numpy.dtypes") and name.endswith("DType")):
+        if (module, name) in _OPAQUE or (module, name) in MEGATRON_INERT or (
+                module.startswith("numpy.dtypes") and name.endswith("DType")):
             return Record
         if (module, name) == ("_codecs", "encode"):  # protocol 2 pickles bytes (numpy's) as latin-1 text
             return _latin1

@@ -1,0 +1,86 @@
+"""Megatron-LM's legacy models (`--use-legacy-models`: `language_model.*`, `query_key_value`, `dense_h_to_4h`, ...),
+as Megatron-LM's own legacy GPTModel saved them (fixtures/megatron_legacy, made by
+tests/legacy_megatron_checkpoints.py from Megatron-LM core_v0.16.1, the last release with that code): merged to HF,
+transformers' forward gives the legacy model's own logits; every path and layout gives the same bytes. Their args
+hold what real Megatron-LM args hold beside plain values (AttnBackend, ModelType, signal.Signals), read inertly.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_reshard import assert_nothing_written, one_line_error, run
+
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import reshard
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_legacy"
+CASES = ["llama_tp2", "gpt_pp2"]  # Llama-style (RMSNorm, rope, SwiGLU, GQA, untied) at TP2; GPT-2-style (tied) at PP2
+VOCAB = 127
+
+
+def same_files(a: Path, b: Path) -> None:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_legacy_model_merges_to_its_own_logits(case, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    merge(FIXTURES / case, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    reference = torch.load(FIXTURES / case / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(
+            reference["tokens"]).logits
+    expected = reference["logits"][..., :VOCAB]
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-5
+    monkeypatch.setenv("CKPT_MERGE_TORCH", "1")  # the torch path gives the torch-free path's bytes
+    merge(FIXTURES / case, tmp_path / "torch", vocab_size=VOCAB, quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "torch")
+    monkeypatch.delenv("CKPT_MERGE_TORCH")
+    reshard(FIXTURES / case, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)  # and via our format
+    merge(tmp_path / "ours", tmp_path / "again", quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "again")
+
+
+def test_qkv_orderings_before_version_2_are_refused(tmp_path):
+    """checkpoint_version 0 and 1.0 order the fused QKV rows otherwise: one line, nothing written."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "gpt_pp2", src)
+    for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)
+        state["checkpoint_version"] = 1.0
+        torch.save(state, path)
+    out = tmp_path / "out"
+    line = one_line_error(run("merge", src, out, "--vocab-size", str(VOCAB)))
+    assert "checkpoint_version 1.0" in line and "re-save" in line, line
+    assert_nothing_written(out)
+    assert os.listdir(tmp_path) == ["src"]
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["torch-free", "torch"])
+def test_real_args_objects_are_read_inertly(torch_path, tmp_path, monkeypatch):
+    """A torch_dist common.pt whose args hold what Megatron-LM's own args hold (megatron-core's enums, a signal):
+    read by both loaders without building them; the weights merge as without them."""
+    import signal
+
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+    from test_megatron_optimizer import FIXTURES as OPTIMIZER_FIXTURES
+    src = tmp_path / "src"
+    shutil.copytree(OPTIMIZER_FIXTURES / "dist" / "torch_dist_full", src)
+    common_pt = src / "iter_0000003" / "common.pt"
+    common = torch.load(common_pt, weights_only=False)
+    args = common["args"]
+    args.attention_backend, args.model_type, args.exit_signal = AttnBackend.auto, ModelType.encoder_or_decoder, \
+        signal.SIGTERM
+    torch.save(common, common_pt)
+    if torch_path:
+        monkeypatch.setenv("CKPT_MERGE_TORCH", "1")
+    merge(src, tmp_path / "hf", vocab_size=120, quiet=True)
+    merge(OPTIMIZER_FIXTURES / "dist" / "torch_dist_full", tmp_path / "plain", vocab_size=120, quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "plain")
