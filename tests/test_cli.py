@@ -145,3 +145,13 @@ def test_numpy_rng_state_from_a_megatron_file_loads_but_code_does_not(tmp_path):
     with pytest.raises(FormatError, match="refused to load"):
         io.load_file(bad)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_numbers_written_without_a_dot_are_numbers(tmp_path):
+    """`lr: 1e-2` (in the file) and `--set min_lr=1e-3` are floats, as people mean them, not YAML 1.1's strings."""
+    from trainer.config import load_config
+    config = tmp_path / "c.yaml"
+    config.write_text("architecture: llama\nlr: 1e-2\nnorm_epsilon: 1e-6\n")
+    cfg = load_config(config, ["min_lr=1e-3", "adam_eps=1E-8"])
+    assert (cfg.lr, cfg.min_lr, cfg.adam_eps, cfg.model["norm_epsilon"]) == (1e-2, 1e-3, 1e-8, 1e-6)
+    assert all(isinstance(x, float) for x in (cfg.lr, cfg.min_lr, cfg.adam_eps, cfg.model["norm_epsilon"]))

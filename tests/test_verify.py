@@ -97,3 +97,87 @@ def test_verify_refuses_cuda_without_gpus_and_missing_other(llama_run, tmp_path)
     assert res.exit_code == 1 and "no CUDA device" in res.output and len(res.output.splitlines()) == 1
     res = CliRunner().invoke(main, ["verify", str(llama_run[0]), str(tmp_path / "nope")])
     assert res.exit_code == 1 and "nope" in res.output and len(res.output.splitlines()) == 1
+
+
+# ------------------------------------------------------------ bf16 judged against the run's own noise floor
+CORPUS = Path(__file__).resolve().parent.parent / "fixtures" / "corpus.txt"
+TEXT = ["--tokens", str(CORPUS), "--batch", "2", "--seq-len", "64", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """tiny llama trained until its loss is well below the uniform one (1.4 nats: peaked logits, as trained models
+    have), at TP1; its HF merge; the same checkpoint resharded to TP2 and to PP2."""
+    import math
+
+    from conftest import train
+    root = tmp_path_factory.mktemp("trained")
+    metrics = train("tiny_llama.yaml", root / "tp1", 1, tp_degree=1, pp_degree=1, train_iters=300, num_micro_batches=1,
+                    micro_batch_size=8, lr=2e-2, min_lr=2e-3, log_interval=50)
+    import json
+    vocab = json.loads((next((root / "tp1").glob("checkpoint-*")) / "meta.json").read_text())["vocab"]["true"]
+    assert metrics[-1]["loss"] < math.log(vocab) - 1.4, (metrics[-1]["loss"], math.log(vocab))
+    merge(root / "tp1", root / "hf", quiet=True)
+    reshard(root / "tp1", root / "tp2", tp=2, pp=1, quiet=True)
+    reshard(root / "tp1", root / "pp2", tp=1, pp=2, quiet=True)
+    return root
+
+
+def verify_text(src, other, dtype: str) -> tuple[int, str]:
+    res = CliRunner().invoke(main, ["verify", str(src), str(other), "--dtype", dtype, *TEXT])
+    return res.exit_code, res.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_bf16_never_fails_a_correct_conversion_of_a_trained_model(trained, layout):
+    code, out = verify_text(trained / layout, trained / "hf", "bf16")
+    assert code == 0, out
+    assert "FAIL" not in out and out.count("PASS") == 5 and "tier 2f hidden, fp32" in out, out
+    assert "noise floor" in out, out
+
+
+def _faulty(hf: Path, out: Path, fault: str) -> Path:
+    """A copy of the HF merge with one fault of the catalogue."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(hf, out)
+    weights = load_file(out / "model.safetensors")
+    q = weights["model.layers.1.self_attn.q_proj.weight"]
+    if fault == "one element":
+        weights["model.layers.1.mlp.down_proj.weight"][3, 5] += 0.05
+    elif fault == "swapped heads":
+        head = q.shape[0] // 4
+        q[:head], q[head:2 * head] = q[head:2 * head].clone(), q[:head].clone()
+    elif fault == "transposed QKV group":
+        k, v = weights["model.layers.1.self_attn.k_proj.weight"], weights["model.layers.1.self_attn.v_proj.weight"]
+        head = k.shape[0] // 2
+        k[:head], v[:head] = v[:head].clone(), k[:head].clone()
+    elif fault == "shifted vocab row":
+        emb = weights["model.embed_tokens.weight"]
+        emb[10:], emb[9] = emb[9:-1].clone(), emb[-1].clone()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    if fault == "wrong rope base":
+        config = json.loads((out / "config.json").read_text())
+        params = config.get("rope_parameters") or {}
+        if params:
+            params["rope_theta"] = params.get("rope_theta", 10000.0) * 2
+        else:
+            config["rope_theta"] = config.get("rope_theta", 10000.0) * 2
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+FAULTS = {"one element": "layer 1", "swapped heads": "layer 1", "transposed QKV group": "layer 1",
+          "shifted vocab row": "embedding", "wrong rope base": "layer 0"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_bf16_still_catches_every_fault_and_names_the_layer(trained, fault, tmp_path):
+    bad = _faulty(trained / "hf", tmp_path / "bad", fault)
+    code, out = verify_text(trained / "tp1", bad, "bf16")
+    assert code == 1, out
+    assert f"{FAULTS[fault]} is the first layer whose hidden states differ" in out or fault in (
+        "one element", "shifted vocab row") and "tier 1 weights        FAIL" in out, out

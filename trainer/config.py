@@ -6,6 +6,7 @@ command line (`--set key=value`) are resolved against the current directory.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,9 +131,24 @@ class TrainConfig:
                                "see docs/config.md for the known keys")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as people write numbers: `1e-5` is a float (YAML 1.1 reads it as a string without a dot)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _parse_value(text: str):
     try:
-        return yaml.safe_load(text)
+        return _yaml(text)
     except yaml.YAMLError:
         return text
 
@@ -142,7 +158,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: pass an existing YAML file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
     if not isinstance(raw, dict):
