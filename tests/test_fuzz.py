@@ -12,7 +12,7 @@ counted, not hidden:
   tied (merge then drops the output layer, with a note). Every other re-sealed edit must give an error
   or the same tensors.
 
-Bounded in time: CKPT_FUZZ_SECONDS (default 40) of mutations, seeded by CKPT_FUZZ_SEED (default 0); each
+Bounded in time: CKPT_FUZZ_SECONDS (default 20) of mutations, seeded by CKPT_FUZZ_SEED (default 0); each
 mutation i draws from Random(f"{seed}-{i}"), so a failure names the seed and index that reproduce it.
 `pytest -s` prints the number of mutations tried and their outcome counts.
 """
@@ -34,7 +34,7 @@ from safetensors.torch import load_file as load_safetensors
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools.layout import same_bits
 
-SECONDS = float(os.environ.get("CKPT_FUZZ_SECONDS", "40"))
+SECONDS = float(os.environ.get("CKPT_FUZZ_SECONDS", "20"))
 SEED = int(os.environ.get("CKPT_FUZZ_SEED", "0"))
 
 # re-sealed meta.json edits that may legitimately change the output (they redefine the model)

@@ -234,7 +234,7 @@ def test_transformer_engine_extra_state_as_bytes_is_carried(mcore_checkpoints, t
 
 
 # ---------------------------------------------------------------- fuzz
-FUZZ_SECONDS = float(__import__("os").environ.get("CKPT_FUZZ_SECONDS", "20"))
+FUZZ_SECONDS = float(__import__("os").environ.get("CKPT_FUZZ_SECONDS", "10"))
 
 
 def _data_ranges(iter_dir: Path) -> dict[str, list[tuple[int, int]]]:

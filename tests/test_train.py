@@ -85,8 +85,8 @@ def test_sharded_logits_equal_tp1_pp1(arch, llama_run, gpt2_run, tmp_path):
     assert native.shape == single.shape == (3, 48, 1000)
     rel = ((native - single).norm() / single.norm()).item()
     assert rel < 1e-5, rel
-    # and the other layouts in between
-    for tp, pp in ((2, 1), (1, 2)):
+    # and the other layouts in between (llama's: gpt2 shares every split kind but its own, checked above)
+    for tp, pp in ((2, 1), (1, 2)) if arch == "llama" else ():
         other = sharded_logits(save, tokens, tmp_path, tp, pp)
         assert ((other - single).norm() / single.norm()).item() < 1e-5
 

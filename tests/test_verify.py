@@ -174,10 +174,11 @@ FAULTS = {"one element": "layer 1", "swapped heads": "layer 1", "transposed QKV 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_bf16_still_catches_every_fault_and_names_the_layer(trained, fault, tmp_path):
+def test_every_fault_is_caught_and_its_layer_named(trained, fault, dtype, tmp_path):
     bad = _faulty(trained / "hf", tmp_path / "bad", fault)
-    code, out = verify_text(trained / "tp1", bad, "bf16")
+    code, out = verify_text(trained / "tp1", bad, dtype)
     assert code == 1, out
     assert f"{FAULTS[fault]} is the first layer whose hidden states differ" in out or fault in (
         "one element", "shifted vocab row") and "tier 1 weights        FAIL" in out, out
