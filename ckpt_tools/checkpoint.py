@@ -224,7 +224,7 @@ def shard_problems(meta: Meta, path: Path, state: dict, tp_rank: int, pp_rank: i
     fix = "restore the shard from the source checkpoint"
     problems = [f"{path}: missing tensor {k}, which the layout table puts on TP rank {tp_rank}, PP rank {pp_rank}: "
                 f"{fix}" for k, key in expected if k not in state  # a missing _extra_state holds no weights
-                and layout.find_rule(key, meta.spec, meta.pp_size).split != layout.EXTRA]
+                and layout.holds_weights(key, meta.spec, meta.pp_size)]
     problems += [f"{path}: unexpected tensor {k}, not in the layout table of this {meta.spec.architecture} model at "
                  f"PP{meta.pp_size}: remove it or {fix}" for k in state if k not in want]
     for local, key in expected:

@@ -204,7 +204,7 @@ def _master_shards(meta: checkpoint.Meta) -> Shards:
 def _full_pieces(key: str, meta: checkpoint.Meta) -> list[layout.Piece]:
     """The full (TP 1) tensor of `key`, vocab rows trimmed to the true vocab, as pieces of the source shards."""
     spec = meta.spec
-    vocab = layout.find_rule(key, spec, meta.pp_size).split == layout.VOCAB
+    vocab = layout.has_padded_rows(key, spec, meta.pp_size)
     return layout.reshard_pieces(key, spec, meta.tp_size, meta.padded_vocab, 1,
                                  spec.vocab_size if vocab else meta.padded_vocab, 0, meta.pp_size)
 
@@ -361,7 +361,7 @@ class _Copier:
         the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
         meta = self.job.meta
         pairs = [(a, b) for key, shards in self.shards.items()
-                 if layout.find_rule(key, meta.spec, meta.pp_size).split == layout.REPLICATED
+                 if layout.is_replicated(key, meta.spec, meta.pp_size)
                  for s in shards[1:] for a, b in zip(s.whole, shards[0].whole)]
         if meta.spec.tie_word_embeddings and "output_layer.weight" in model:
             rows = [(0, meta.spec.vocab_size)]

@@ -40,7 +40,7 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
     rows = {n.key: n for n in families.get(spec.architecture).names}
     out = []
     for local, key in layout.stage_keys(spec, [spec.num_layers], 0):
-        if layout.find_rule(key, spec, 1).split == layout.EXTRA:
+        if not layout.holds_weights(key, spec, 1):
             continue
         pattern = layout.pattern_of(key)
         if pattern not in rows:

@@ -143,18 +143,34 @@ def pattern_of(key: str) -> str:
     return _L + m.group(2) if m else key
 
 
-def find_rule(key: str, spec: ModelSpec, pp_size: int = 1) -> Rule:
-    """The table row for a (global or stage-local) key; unknown keys are an error, never skipped."""
+def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
+    """The table row for a (global or stage-local) key; unknown keys are an error, never skipped. pp_size None:
+    the key's row in any pipeline layout (a tied output layer exists only at PP > 1)."""
     name = pattern_of(key)
     candidates = [r for r in TABLE if r.name == name]
     for r in candidates:
-        if r.when(spec, pp_size):
+        if r.when(spec, pp_size) if pp_size is not None else (r.when(spec, 1) or r.when(spec, 2)):
             return r
     if candidates:
         raise LayoutError(
             f"tensor {key} is not expected for this model ({spec.architecture}, tie_word_embeddings="
             f"{spec.tie_word_embeddings}, pp={pp_size}): the checkpoint and its config disagree")
     raise LayoutError(f"unknown tensor key {key}: not in the megatron-core GPTModel (local spec) layout table")
+
+
+def holds_weights(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:
+    """A tensor, not an `_extra_state` object (carried as it is, never split, no optimizer state)."""
+    return find_rule(key, spec, pp_size).split != EXTRA
+
+
+def has_padded_rows(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:
+    """Rows up to the padded vocab (the true vocab's rows first): padded on the way in, trimmed on the way out."""
+    return find_rule(key, spec, pp_size).split == VOCAB
+
+
+def is_replicated(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:
+    """The same whole tensor on every TP rank."""
+    return find_rule(key, spec, pp_size).split == REPLICATED
 
 
 def rules_for(spec: ModelSpec, pp_size: int = 1) -> list[Rule]:
@@ -205,7 +221,7 @@ def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int) -> list[tup
 
 
 # ---------------------------------------------------------------- shapes
-def full_shape(key: str, spec: ModelSpec, padded_vocab: int, pp_size: int = 1) -> tuple[int, ...] | None:
+def full_shape(key: str, spec: ModelSpec, padded_vocab: int, pp_size: int | None = 1) -> tuple[int, ...] | None:
     rule = find_rule(key, spec, pp_size)
     return None if rule.shape is None else rule.shape(spec, padded_vocab)
 

@@ -59,9 +59,9 @@ def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
     if fmt in (HF, HF_BIN, TORCH):
         rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
-        rows = [(key, hf.VOCAB if layout.find_rule(key, spec, 1).split == layout.VOCAB else hf.SAME, [key])
+        rows = [(key, hf.VOCAB if layout.has_padded_rows(key, spec, 1) else hf.SAME, [key])
                 for _, key in layout.stage_keys(spec, [spec.num_layers], 0)
-                if layout.find_rule(key, spec, 1).split != layout.EXTRA]
+                if layout.holds_weights(key, spec, 1)]
     return [Entry(key, kind, names, hf.hf_shapes(kind, spec, layout.full_shape(key, spec, padded_vocab, 1)))
             for key, kind, names in rows]
 

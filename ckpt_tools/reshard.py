@@ -49,13 +49,13 @@ class Target:
         self._optim_state: list[dict] = [{} for _ in range(self.tp)]
 
     def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
-        if layout.find_rule(key, self.spec, self.pp).split == layout.VOCAB and full.shape[0] != self.padded:
+        if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
             full = layout.pad_vocab(key, full, self.spec, self.padded)
         return layout.split(key, full, self.spec, self.tp, self.pp)
 
     def put(self, local: str, key: str, value: Any) -> None:
         """One model tensor (full, TP=1), split and written to every TP rank's model file."""
-        if layout.find_rule(key, self.spec, self.pp).split == layout.EXTRA:
+        if not layout.holds_weights(key, self.spec, self.pp):
             for t in range(self.tp):
                 self._model_state[t][local] = value
             return
@@ -142,7 +142,7 @@ class Resharder:
         name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
         writer, state = TorchFileWriter(t.dir / name), {}
         for local, key in layout.stage_keys(t.spec, t.counts, pp_rank):
-            extra = layout.find_rule(key, t.spec, t.pp).split == layout.EXTRA
+            extra = not layout.holds_weights(key, t.spec, t.pp)
             if kind == MODEL:
                 state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
                     self.put(writer, key, None, tp_rank)
@@ -318,7 +318,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         for p in range(pp):
             target.begin_stage(p)
             for local, key in layout.stage_keys(spec, counts, p):
-                if layout.find_rule(key, spec, pp).split == layout.EXTRA:
+                if not layout.holds_weights(key, spec, pp):
                     target.put(local, key, None)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]

@@ -210,7 +210,7 @@ class ShardSet(Reader):
     def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
         state = dict(self._state(MODEL, tp_rank, pp_rank))
         for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, pp_rank):
-            if local not in state and layout.find_rule(key, self.meta.spec, self.meta.pp_size).split == layout.EXTRA:
+            if local not in state and not layout.holds_weights(key, self.meta.spec, self.meta.pp_size):
                 state[local] = None  # a missing _extra_state holds no weights
         return state
 
@@ -224,7 +224,7 @@ class ShardSet(Reader):
         for tp_rank in range(self.meta.tp_size):
             state = self._state(kind, tp_rank, pp_rank)
             if local not in state and field is None and \
-                    layout.find_rule(global_key, self.meta.spec, self.meta.pp_size).split == layout.EXTRA:
+                    not layout.holds_weights(global_key, self.meta.spec, self.meta.pp_size):
                 out.append(None)  # a missing _extra_state holds no weights
                 continue
             if local not in state:

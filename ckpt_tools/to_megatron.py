@@ -60,7 +60,7 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
         bar = output.progress(sum(map(len, keys)), label, quiet, unit="tensor")
         for p in range(pp):
             for _, key in keys[p]:
-                if layout.find_rule(key, spec, pp).split == layout.EXTRA:
+                if not layout.holds_weights(key, spec, pp):
                     writer.put_extra(p, key)
                 else:
                     for t in range(tp):

@@ -104,14 +104,14 @@ def tier1(src: Reader, other: Path | None) -> Tier:
     if kind == "shards":
         theirs = open_checkpoint(other)
         fields = [None] + (["master", "exp_avg", "exp_avg_sq"] if src.has_optimizer() and theirs.has_optimizer() else [])
-        keys = [k for k in src.keys() if layout.find_rule(k, src.meta.spec, src.meta.pp_size).split != layout.EXTRA]
+        keys = [k for k in src.keys() if layout.holds_weights(k, src.meta.spec, src.meta.pp_size)]
         missing = [k for k in keys if k not in theirs.keys()]
         extra = [k for k in theirs.keys() if k not in src.keys()
-                 and layout.find_rule(k, theirs.meta.spec, theirs.meta.pp_size).split != layout.EXTRA]
+                 and layout.holds_weights(k, theirs.meta.spec, theirs.meta.pp_size)]
         for key in (k for k in keys if k in theirs.keys()):
             for f in fields:
                 a, b = src.full(key, f), theirs.full(key, f)
-                if layout.find_rule(key, src.meta.spec, 2).split == layout.VOCAB:  # compare the true rows
+                if layout.has_padded_rows(key, src.meta.spec, None):  # compare the true rows
                     a, b = a[: src.meta.spec.vocab_size], b[: src.meta.spec.vocab_size]
                 compared += 1
                 if _same(a, b):

@@ -41,7 +41,7 @@ def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], devic
         state = {}
         for local, key in stage.global_keys().items():
             full = shards.full(shards.source_key(key))
-            if torch.is_tensor(full) and layout.find_rule(key, spec, len(counts)).split == layout.VOCAB:
+            if torch.is_tensor(full) and layout.has_padded_rows(key, spec, len(counts)):
                 full = layout.pad_vocab(key, full, spec, padded) if full.shape[0] != padded else full
             state[local] = layout.split(key, full, spec, tp_size, len(counts))[tp_rank]
     stage.load_state_dict(state, strict=True)

@@ -306,7 +306,7 @@ def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
 
 def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: float = 0.02) -> torch.Tensor:
     """The full (TP=1) fp32 initial tensor of a global key, the same whatever the TP/PP layout."""
-    shape = layout.full_shape(key, spec, padded_vocab, pp_size=2)
+    shape = layout.full_shape(key, spec, padded_vocab, pp_size=None)
     kind = _init_std(key, spec, std)
     if kind is None:
         return torch.zeros(shape)
@@ -315,7 +315,7 @@ def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: floa
     name = "embedding.word_embeddings.weight" if key == "output_layer.weight" and spec.tie_word_embeddings else key
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     full = torch.empty(shape).normal_(0.0, kind, generator=gen)
-    if layout.find_rule(key, spec, pp_size=2).split == layout.VOCAB:
+    if layout.has_padded_rows(key, spec, None):
         full[spec.vocab_size:] = 0.0  # padding rows start at zero
     return full
 

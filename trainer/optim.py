@@ -46,7 +46,7 @@ def counted_once(stage: GPTStage, tp_rank: int) -> list[bool]:
     pp_size = len(stage.layer_counts)
     flags = []
     for name, _ in stage.named_parameters():
-        replicated = layout.find_rule(keys[name], stage.spec, pp_size).split == layout.REPLICATED
+        replicated = layout.is_replicated(keys[name], stage.spec, pp_size)
         tied_copy = name == "output_layer.weight" and stage.spec.tie_word_embeddings
         flags.append(not (replicated and tp_rank != 0) and not tied_copy)
     return flags

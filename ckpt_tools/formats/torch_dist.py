@@ -175,7 +175,7 @@ class DistCheckpoint:
         meta, problems, used = self.meta, [], set()
         where = meta.dir / dcp.METADATA
         for key in self.keys():
-            if layout.find_rule(key, meta.spec, meta.pp_size).split == layout.EXTRA:
+            if not layout.holds_weights(key, meta.spec, meta.pp_size):
                 continue
             try:
                 entry, layer = self.entry(key)
@@ -226,7 +226,7 @@ class DistCheckpoint:
         dim 0 (the leading layer axis dropped); None when some shard is not made of whole chunks."""
         out = {}
         for key in self.keys():
-            if layout.find_rule(key, self.meta.spec, self.meta.pp_size).split == layout.EXTRA:
+            if not layout.holds_weights(key, self.meta.spec, self.meta.pp_size):
                 continue
             ranks = []
             for rank in range(self.meta.tp_size):

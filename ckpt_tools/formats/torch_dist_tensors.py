@@ -61,7 +61,7 @@ class TorchDistShards(Reader):
 
     def shards(self, global_key: str, field: str | None = None) -> list:
         meta = self.meta
-        if layout.find_rule(global_key, meta.spec, meta.pp_size).split == layout.EXTRA:
+        if not layout.holds_weights(global_key, meta.spec, meta.pp_size):
             return [None] * meta.tp_size
         form = self.ckpt.optimizer_form if field is not None else None
         if field is not None and form is None:
