@@ -1,8 +1,12 @@
-"""Megatron-LM's legacy models (`--use-legacy-models`: `language_model.*`, `query_key_value`, `dense_h_to_4h`, ...),
-as Megatron-LM's own legacy GPTModel saved them (fixtures/megatron_legacy, made by
-tests/legacy_megatron_checkpoints.py from Megatron-LM core_v0.16.1, the last release with that code): merged to HF,
-transformers' forward gives the legacy model's own logits; every path and layout gives the same bytes. Their args
-hold what real Megatron-LM args hold beside plain values (AttnBackend, ModelType, signal.Signals), read inertly.
+"""Checkpoints as Megatron-LM's own training code writes them, not as our fixture scripts assemble them:
+- legacy models (`--use-legacy-models`: `language_model.*`, `query_key_value`, `dense_h_to_4h`, ...), saved by
+  Megatron-LM's own legacy GPTModel (fixtures/megatron_legacy, tests/legacy_megatron_checkpoints.py, Megatron-LM
+  core_v0.16.1, the last release with that code);
+- megatron-core GPTModels saved by Megatron-LM's own `save_checkpoint` in both forms (fixtures/megatron_save,
+  tests/megatron_lm_save.py): with the rng_state, rerun state and content metadata it adds itself.
+Merged to HF, transformers' forward gives the saving model's own logits; every path and layout gives the same bytes.
+Their args hold what real Megatron-LM args hold beside plain values (AttnBackend, ModelType, signal.Signals), read
+inertly.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_legacy"
-CASES = ["llama_tp2", "gpt_pp2"]  # Llama-style (RMSNorm, rope, SwiGLU, GQA, untied) at TP2; GPT-2-style (tied) at PP2
+SAVES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_save"
+# Llama-style (RMSNorm, rope, SwiGLU, GQA, untied) at TP2; GPT-2-style (tied) at PP2; save_checkpoint's two forms
+CASES = [FIXTURES / "llama_tp2", FIXTURES / "gpt_pp2", SAVES / "torch_dist", SAVES / "torch"]
 VOCAB = 127
 
 
@@ -28,21 +34,21 @@ def same_files(a: Path, b: Path) -> None:
     assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_legacy_model_merges_to_its_own_logits(case, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}-{c.name}" for c in CASES])
+def test_megatron_lm_saves_merge_to_their_own_logits(case, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
-    merge(FIXTURES / case, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
-    reference = torch.load(FIXTURES / case / "reference.pt", weights_only=True)
+    merge(case, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    reference = torch.load(case / "reference.pt", weights_only=True)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(
             reference["tokens"]).logits
     expected = reference["logits"][..., :VOCAB]
     assert ((logits - expected).norm() / expected.norm()).item() < 1e-5
     monkeypatch.setenv("CKPT_MERGE_TORCH", "1")  # the torch path gives the torch-free path's bytes
-    merge(FIXTURES / case, tmp_path / "torch", vocab_size=VOCAB, quiet=True)
+    merge(case, tmp_path / "torch", vocab_size=VOCAB, quiet=True)
     same_files(tmp_path / "hf", tmp_path / "torch")
     monkeypatch.delenv("CKPT_MERGE_TORCH")
-    reshard(FIXTURES / case, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)  # and via our format
+    reshard(case, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)  # and via our format
     merge(tmp_path / "ours", tmp_path / "again", quiet=True)
     same_files(tmp_path / "hf", tmp_path / "again")
 
