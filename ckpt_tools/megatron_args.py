@@ -65,7 +65,9 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
         num_attention_heads=spec.num_attention_heads, group_query_attention=gqa,
         num_query_groups=spec.num_query_groups if gqa else 1, kv_channels=spec.kv_channels,
         max_position_embeddings=spec.max_position_embeddings,
-        position_embedding_type=spec.position_embedding_type, add_position_embedding=not rope,
+        # Megatron-LM's default (its parser's, and its Llama 3 example's): megatron-core's GPTModel goes by
+        # position_embedding_type; check_checkpoint_args compares this flag with the run's
+        position_embedding_type=spec.position_embedding_type, add_position_embedding=True,
         use_rotary_position_embeddings=rope, rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer()
         else spec.rotary_base, rotary_percent=1.0, rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None, use_rope_scaling=spec.rope_scaling == "llama3",
