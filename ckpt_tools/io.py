@@ -41,7 +41,12 @@ def _allowing():
     removes what it added, and must not remove what others (megatron-core registers argparse.Namespace) rely on."""
     import torch
     have = torch.serialization.get_safe_globals()
-    return torch.serialization.safe_globals([g for g in _allowed_globals() if g not in have])
+    # a name already allowed (megatron-core registers its real enums and argparse.Namespace) keeps its entry: two
+    # entries of one name would make torch's pick between them arbitrary
+    named = {g[1] if isinstance(g, tuple) else f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}"
+             for g in have}
+    return torch.serialization.safe_globals([g for g in _allowed_globals() if g not in have and not (
+        isinstance(g, tuple) and g[1] in named)])
 
 
 TRUST_PICKLE = False  # set only by `ckpt --trust-pickle`: full unpickling, which can run code

@@ -158,8 +158,10 @@ def features_of(args) -> dict:
     if _arg(args, "swiglu", False):
         activation = "swiglu"
     else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
-        # openai_gelu only ever switched the legacy (non-core) model, so it is ignored here.
-        activation = "gelu_tanh" if _arg(args, "bias_gelu_fusion", True) else "gelu"
+        # openai_gelu (tanh as well) switches only the legacy model
+        tanh = _arg(args, "bias_gelu_fusion", True) or (_arg(args, "use_legacy_models", False)
+                                                       and _arg(args, "openai_gelu", False))
+        activation = "gelu_tanh" if tanh else "gelu"
     return {
         "normalization": _arg(args, "normalization", "LayerNorm"), "activation": activation,
         "add_bias_linear": bias, "add_qkv_bias": bool(_arg(args, "add_qkv_bias", False)) and not bias,

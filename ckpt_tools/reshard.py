@@ -192,7 +192,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
-        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start)
+        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread)
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir()
@@ -228,9 +228,12 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 
 def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
-                         with_opt: bool, force: bool, quiet: bool, start: float) -> str:
+                         with_opt: bool, force: bool, quiet: bool, start: float, unread: str | None = None) -> str:
     meta, spec = shards.meta, shards.meta.spec
-    resume = _resume_state(shards) if with_opt else None
+    fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
+    if with_opt and not fresh:
+        to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, True, meta.dir)
+    resume = _resume_state(shards) if with_opt and not fresh else None
     to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
     resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))
 
@@ -244,6 +247,10 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
     shards.close()
     what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
             f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
+    if fresh:
+        what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
+    elif unread:
+        what += f" (NOT carried: its {unread}, not read by this version)"
     return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
             f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, "
             f"{time.perf_counter() - start:.1f}s; load with "
@@ -257,10 +264,12 @@ def _resume_state(shards: Reader) -> megatron_resume.ResumeState:
     consumed = int(meta.raw.get("consumed_samples") or 0)
     saved = shards.megatron_optimizer()
     if saved is not None:
-        where, groups, scheduler = saved
-        return megatron_resume.from_megatron(where, groups, scheduler, meta.iteration, shards.step(), consumed)
-    return megatron_resume.from_ours(dict(meta.raw.get("config") or {}), meta.raw.get("parallel", {}).get("dp_size"),
-                                     meta.iteration, shards.step(), consumed)
+        where, groups, scheduler_where, scheduler = saved
+        return megatron_resume.from_megatron(where, groups, scheduler_where, scheduler, meta.iteration, shards.step(),
+                                             consumed)
+    return megatron_resume.from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
+                                     meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, shards.step(),
+                                     consumed)
 
 
 def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:

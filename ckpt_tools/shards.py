@@ -57,15 +57,14 @@ class Reader:
         Megatron-LM source, what `ckpt import` writes (its Megatron-LM param groups and scheduler are its own)."""
         return {"param_groups": [], "scheduler": {"iteration": self.meta.iteration}, "scaler": None}
 
-    def megatron_optimizer(self) -> tuple[Path, object, object] | None:
-        """(file, param groups, opt_param_scheduler state) as a Megatron-LM source saved them beside its optimizer
-        state; None for a source that is not Megatron-LM's."""
+    def megatron_optimizer(self) -> tuple[object, object, object, object] | None:
+        """(where the param groups are, they, where the opt_param_scheduler state is, it) as a Megatron-LM source
+        saved them beside its optimizer state; None for a source that is not Megatron-LM's."""
         return None
 
     def step(self) -> float:
         """Adam's step (the same for every parameter)."""
-        key = next(k for k in self.keys() if layout.find_rule(k, self.meta.spec, self.meta.pp_size).split
-                   != layout.EXTRA)
+        key = next(k for k in self.keys() if layout.holds_weights(k, self.meta.spec, self.meta.pp_size))
         return float(self.shards(self.source_key(key), "step")[0])
 
     def unread_optimizer(self) -> str | None:

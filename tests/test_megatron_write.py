@@ -141,6 +141,34 @@ def whole_tensors(iter_dir, scratch) -> dict:
     return full_tensors(iter_dir, scratch)
 
 
+def with_full_schedule(src, dst):
+    """A copy of a fixture whose opt_param_scheduler is what megatron-core's OptimizerParamScheduler.state_dict()
+    holds (the fixtures' script saved only two of its keys)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    shutil.copytree(src, dst)
+    sched = OptimizerParamScheduler(SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=1e-2, min_lr=1e-3,
+                                    lr_warmup_steps=2, lr_decay_steps=12, lr_decay_style="cosine", start_wd=0.1,
+                                    end_wd=0.1, wd_incr_steps=12, wd_incr_style="constant")
+    sched.num_steps = 6
+    for path in list(dst.glob("iter_*/common.pt")) + list(dst.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False, map_location="cpu")  # saved on a GPU
+        state["opt_param_scheduler"] = sched.state_dict()
+        torch.save(state, path)
+    return dst
+
+
+def test_a_schedule_megatron_lm_cannot_load_is_one_line(tmp_path):
+    from test_megatron_optimizer import FIXTURES
+    out = tmp_path / "out"
+    line = one_line_error(run("reshard", FIXTURES / "dist" / "torch_dist", out, "--tp", "1", "--pp", "1", "--format",
+                              "torch_dist", "--vocab-size", "120", "-q"))
+    assert "common.pt" in line and "lacks min_lr" in line and "--no-optimizer" in line, line
+    assert_nothing_written(out)
+
+
 @pytest.mark.parametrize("form", OPT_FORMS)
 def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tmp_path):
     """megatron-core's optimizer state (every form it saves, fixtures/megatron_optimizer) resharded into torch_dist
@@ -152,7 +180,8 @@ def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tm
 
     from ckpt_tools.formats.torch_dist import stacked_key
     out = tmp_path / "out"
-    line = reshard(FIXTURES / form, out, tp=2, pp=2, vocab_size=FIXTURE_VOCAB, quiet=True, form="torch_dist")
+    src = with_full_schedule(FIXTURES / form, tmp_path / "src")
+    line = reshard(src, out, tp=2, pp=2, vocab_size=FIXTURE_VOCAB, quiet=True, form="torch_dist")
     assert "model + optimizer" in line and "--use-distributed-optimizer" in line, line
     assert (out / megatron_lm.TRACKER).read_text() == "3"
     own_dir = FIXTURES / "dist" / "torch_dist_full" / "iter_0000003"
@@ -175,7 +204,7 @@ def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tm
     groups = common["optimizer"]["optimizer"]["param_groups"]
     assert [[g[k] for k in IDENTIFIERS] for g in groups] == \
         [[g[k] for k in IDENTIFIERS] for g in mine["optimizer"]["optimizer"]["param_groups"]]
-    assert all(g["step"] == 3.0 and "params" not in g for g in groups)
+    assert all(g["step"] == 3 and type(g["step"]) is int and "params" not in g for g in groups)  # as FusedAdam's
     args = common["args"]
     assert common["iteration"] == args.iteration == 3 and args.use_distributed_optimizer and args.no_save_rng
     assert not args.no_save_optim
@@ -246,8 +275,7 @@ def test_param_groups_megatron_core_cannot_match_are_one_line(tmp_path):
     import shutil
 
     from test_megatron_optimizer import FIXTURES
-    src = tmp_path / "src"
-    shutil.copytree(FIXTURES / "dist" / "torch_dist_full", src)
+    src = with_full_schedule(FIXTURES / "dist" / "torch_dist_full", tmp_path / "src")
     common_pt = src / "iter_0000003" / "common.pt"
     common = torch.load(common_pt, weights_only=False)
     for g in common["optimizer"]["optimizer"]["param_groups"]:
@@ -260,3 +288,21 @@ def test_param_groups_megatron_core_cannot_match_are_one_line(tmp_path):
     assert_nothing_written(out)
     assert run("reshard", src, out, "--tp", "2", "--pp", "1", "--format", "torch_dist", "--vocab-size", "120",
                "--no-optimizer", "-q").exit_code == 0
+
+
+def test_optimizer_state_megatron_lm_could_not_resume_from_is_not_written(hf_dirs, tmp_path):
+    """An imported checkpoint's fresh state (iteration 0, which Megatron-LM does not load) goes as weights only,
+    saying so; a Megatron-LM run resharded into our format, whose config does not give its schedule, is refused
+    rather than given a made-up one."""
+    from test_megatron_optimizer import FIXTURES
+    import_hf(hf_dirs["llama"], tmp_path / "ours", tp=1, pp=1, quiet=True)
+    line = reshard(tmp_path / "ours", tmp_path / "mlm", tp=2, pp=1, form="torch_dist", quiet=True)
+    assert "weights only (release)" in line and "fresh one of iteration 0" in line, line
+    assert (tmp_path / "mlm" / megatron_lm.TRACKER).read_text() == "release"
+    src = with_full_schedule(FIXTURES / "dist" / "torch_dist", tmp_path / "src")
+    reshard(src, tmp_path / "again", tp=1, pp=1, vocab_size=120, quiet=True)
+    out = tmp_path / "out"
+    line = one_line_error(run("reshard", tmp_path / "again", out, "--tp", "1", "--pp", "1", "--format", "torch_dist",
+                              "-q"))
+    assert "meta.json" in line and "does not say" in line and "--no-optimizer" in line, line
+    assert_nothing_written(out)

@@ -182,3 +182,19 @@ def test_every_fault_is_caught_and_its_layer_named(trained, fault, dtype, tmp_pa
     assert code == 1, out
     assert f"{FAULTS[fault]} is the first layer whose hidden states differ" in out or fault in (
         "one element", "shifted vocab row") and "tier 1 weights        FAIL" in out, out
+
+
+def test_values_that_are_not_finite_never_pass():
+    """NaN or Inf on one side fails in fp32 and in bf16 (where a NaN floor must not become a NaN tolerance)."""
+    from ckpt_tools import verify as v
+    good = torch.randn(2, 8, 16)
+    bad = good.clone()
+    bad[0, 3, 5] = float("nan")
+    tokens = torch.randint(0, 16, (2, 8))
+    assert not v.tier2({"layer 0": good}, {"layer 0": bad}, ["layer 0"], 1e-4).ok
+    assert not v.tier3(good, bad, tokens, v.TOLERANCES["fp32"]).ok
+    hidden, logits, _ = v.calibrated((({"layer 0": good}, good), ({"layer 0": bad}, bad)),
+                                     (({"layer 0": good}, good), ({"layer 0": good}, good)), ["layer 0"],
+                                     v.TOLERANCES["bf16"])
+    assert not v.tier2({"layer 0": good}, {"layer 0": bad}, ["layer 0"], hidden).ok
+    assert not v.tier3(good, bad * float("inf"), tokens, logits).ok

@@ -25,6 +25,12 @@ CONTENT_METADATA = {"distrib_optim_sharding_type": SHARDING, "singleton_local_sh
 # our optimizer field -> its name in the fully_reshardable keys
 FIELD_NAMES = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 IDENTIFIERS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+# what OptimizerParamScheduler.load_state_dict reads (each under one of its names, newest first)
+SCHEDULER_KEYS = (("max_lr", "start_lr"), ("min_lr",), ("lr_warmup_steps", "warmup_steps", "warmup_iter"),
+                  ("lr_decay_steps", "decay_steps", "end_iter"), ("lr_decay_style", "decay_style"),
+                  ("num_steps", "num_iters"))
+# what the trainer's config must say for Megatron-LM's schedule to be written from it
+OUR_KEYS = ("lr", "min_lr", "train_iters", "micro_batch_size", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay")
 
 
 def state_key(field: str, fqn: str) -> str:
@@ -41,13 +47,16 @@ class ResumeState:
     note: str  # where the groups and schedule came from, for the summary line
 
     def common(self) -> dict:
-        """The common.pt entries of the optimizer (beside args, iteration, checkpoint_version)."""
-        groups = [{**g, "step": self.step} for g in self.param_groups]
+        """The common.pt entries of the optimizer (beside args, iteration, checkpoint_version). Adam's step is an
+        int, as megatron-core saves it: Transformer Engine's and Apex's FusedAdam pass it on as a C++ int."""
+        step = int(self.step) if float(self.step).is_integer() else self.step
+        groups = [{**g, "step": step} for g in self.param_groups]
         return {"optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING},
                 "opt_param_scheduler": self.scheduler, "content_metadata": dict(CONTENT_METADATA)}
 
 
-def from_megatron(where: Path, groups, scheduler, iteration: int, step: float, consumed: int) -> ResumeState:
+def from_megatron(where: object, groups, scheduler_where: object, scheduler, iteration: int, step: float,
+                  consumed: int) -> ResumeState:
     """A Megatron-LM source's param groups and scheduler state, as its optimizer saved them."""
     if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         raise FormatError(f"{where}: no optimizer param groups (found {type(groups).__name__}): Megatron-LM saves them "
@@ -58,30 +67,48 @@ def from_megatron(where: Path, groups, scheduler, iteration: int, step: float, c
                           f"groups by {', '.join(IDENTIFIERS)}): written by a Megatron-LM this version does not "
                           f"write for; pass --no-optimizer")
     if not isinstance(scheduler, dict):
-        raise FormatError(f"{where}: no opt_param_scheduler state (found {type(scheduler).__name__}): restore the "
+        raise FormatError(f"{scheduler_where}: no opt_param_scheduler state (found {type(scheduler).__name__}): restore the "
                           f"checkpoint, or pass --no-optimizer")
+    lacking = [names[0] for names in SCHEDULER_KEYS if not any(n in scheduler for n in names)]
+    if lacking:
+        raise FormatError(f"{scheduler_where}: the opt_param_scheduler state lacks {', '.join(lacking)} (found "
+                          f"{', '.join(sorted(map(str, scheduler))) or 'nothing'}), which Megatron-LM's scheduler "
+                          f"reads at load: restore the checkpoint, or pass --no-optimizer")
     kept = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups]
     return ResumeState(iteration, step, consumed, kept, copy.deepcopy(scheduler), "its param groups and schedule")
 
 
-def from_ours(config: dict, dp_size: int | None, iteration: int, step: float, consumed: int) -> ResumeState:
-    """Megatron-LM's param groups and scheduler state for a checkpoint of our trainer (its config.yaml values)."""
-    lr, min_lr = float(config.get("lr", 3e-3)), float(config.get("min_lr", 3e-4))
-    weight_decay = float(config.get("weight_decay", 0.01))
-    micro, micros = int(config.get("micro_batch_size", 1)), int(config.get("num_micro_batches", 1))
-    gbs = int(config.get("global_batch_size") or micro * micros * (dp_size or 1))
-    train_iters = int(config.get("train_iters", max(iteration, 1)))
-    decay_iters = int(config.get("lr_decay_iters") or train_iters)
-    base = {"lr": lr, "betas": (float(config.get("adam_beta1", 0.9)), float(config.get("adam_beta2", 0.95))),
-            "eps": float(config.get("adam_eps", 1e-8)), "amsgrad": False, "maximize": False, "foreach": None,
+def from_ours(where: Path, config: dict, dp_size: int | None, iteration: int, step: float,
+              consumed: int) -> ResumeState:
+    """Megatron-LM's param groups and scheduler state for a checkpoint of our trainer (its config.yaml values).
+    Refused when the config does not say them (a checkpoint not trained by the trainer, e.g. a Megatron-LM one
+    resharded into our format): a made-up schedule would win silently at load."""
+    lacking = [k for k in OUR_KEYS if config.get(k) is None]
+    if lacking or not (config.get("global_batch_size") or dp_size):
+        raise FormatError(f"{where}: its config does not say {', '.join(lacking) or 'the data-parallel size'}, so "
+                          f"Megatron-LM's param groups and LR schedule cannot be written for its optimizer state: "
+                          f"pass --no-optimizer (Megatron-LM then starts a fresh optimizer)")
+    try:
+        lr, min_lr, weight_decay = float(config["lr"]), float(config["min_lr"]), float(config["weight_decay"])
+        micro, micros = int(config["micro_batch_size"]), int(config.get("num_micro_batches") or 1)
+        gbs = int(config.get("global_batch_size") or micro * micros * int(dp_size))
+        train_iters = int(config["train_iters"])
+        decay_iters = int(config.get("lr_decay_iters") or train_iters)
+        warmup = int(config.get("lr_warmup_iters") or 0)
+        betas = (float(config["adam_beta1"]), float(config["adam_beta2"]))
+        eps = float(config["adam_eps"])
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"{where}: its config holds a value that is not a number ({e}): restore meta.json, or "
+                          f"pass --no-optimizer") from None
+    base = {"lr": lr, "betas": betas, "eps": eps, "amsgrad": False, "maximize": False, "foreach": None,
             "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
             "bias_correction": True, "adam_w_mode": True, "max_lr": lr, "min_lr": min_lr, "lr_mult": 1.0,
             "is_expert_parallel": False, "is_decoupled_lr": False, "default_config": True}
     groups = [{**base, "wd_mult": 1.0, "weight_decay": weight_decay},
               {**base, "wd_mult": 0.0, "weight_decay": weight_decay}]
-    scheduler = {"max_lr": lr, "lr_warmup_steps": int(config.get("lr_warmup_iters", 0)) * gbs,
-                 "num_steps": iteration * gbs, "lr_decay_style": "cosine", "lr_decay_steps": decay_iters * gbs,
-                 "min_lr": min_lr, "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_style": "constant",
+    scheduler = {"max_lr": lr, "lr_warmup_steps": warmup * gbs, "num_steps": iteration * gbs,
+                 "lr_decay_style": "cosine", "lr_decay_steps": decay_iters * gbs, "min_lr": min_lr,
+                 "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_style": "constant",
                  "wd_incr_steps": train_iters * gbs}
     return ResumeState(iteration, step, consumed or iteration * gbs, groups, scheduler,
                        "param groups and schedule from the trainer's config")

@@ -66,7 +66,8 @@ class LegacyShards(ShardSet):
         first = self.file(MODEL, 0, 0)
         opt = first.get("optimizer")
         groups = opt.get("optimizer", {}).get("param_groups") if isinstance(opt, dict) else None
-        return self.path(MODEL, 0, 0), groups, first.get("opt_param_scheduler")
+        path = self.path(MODEL, 0, 0)
+        return path, groups, path, first.get("opt_param_scheduler")
 
     def has_optimizer(self) -> bool:
         return self._form() in ("plain", "flat")

@@ -122,7 +122,7 @@ class TorchDistShards(Reader):
         where = self.meta.dir / COMMON
         if groups is None and self.ckpt.optimizer_form == BUCKETS:
             where, groups = self._blob_groups()
-        return where, groups, self.ckpt.common.get("opt_param_scheduler")
+        return where, groups, self.meta.dir / COMMON, self.ckpt.common.get("opt_param_scheduler")
 
     def _group(self, tp_rank: int, pp_rank: int) -> int:
         """megatron-core's dp_group_idx of a rank: its rank in the TP x PP model-parallel group, TP fastest."""
