@@ -158,6 +158,8 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         for tp_rank in range(meta.tp_size):
             path = megatron_lm.model_path(iter_dir, tp_rank, pp_rank, meta.pp_size)
             obj = read(path)
+            if megatron_lm.qkv_order(path, obj) is not None:
+                raise NotFast(f"{path}: legacy QKV rows to reorder")
             state = megatron_lm.model_state(obj)
             if state is None or checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank,
                                                           lambda t: isinstance(t, TensorInfo)):

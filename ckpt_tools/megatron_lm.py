@@ -270,12 +270,36 @@ def _check_model_keys(path: Path, state: dict) -> None:
     if not isinstance(model, dict):
         raise FormatError(f"{path}: no 'model' state dict (found {', '.join(sorted(map(str, state))[:8])}): "
                           f"not a single-chunk Megatron-LM model file; pass a GPT checkpoint saved by pretrain_gpt.py")
+    qkv_order(path, state)
+
+
+def qkv_order(path: Path, state: dict) -> int | None:
+    """The legacy fused-QKV row order to undo: 0 ([3, np, hn] per TP rank, checkpoint_version 0) or 1 ([np, hn, 3],
+    version 1.0); None when the rows are megatron-core's ([np, 3, hn]: versions 2.0 and 3.0, and every
+    megatron-core model). What Megatron-LM's fix_query_key_value_ordering undoes at load."""
+    model = state.get("model")
     version = state.get("checkpoint_version", 0)
-    if names.is_legacy(model) and not (isinstance(version, (int, float)) and version >= 2):
-        raise FormatError(f"{path}: a legacy model of checkpoint_version {version!r}, whose fused QKV rows are "
-                          f"ordered [3, heads, head_dim] (0) or [heads, head_dim, 3] (1.0): versions 2.0 and 3.0 "
-                          f"([heads, 3, head_dim], Megatron-LM since 2020) are read; load and re-save it with "
-                          f"Megatron-LM, which reorders it")
+    if not (isinstance(model, dict) and names.is_legacy(model)):
+        return None
+    if not isinstance(version, (int, float)) or isinstance(version, bool) or version not in (0, 1, 2, 3):
+        raise FormatError(f"{path}: checkpoint_version {version!r} is not one Megatron-LM has written (0, 1.0, 2.0, "
+                          f"3.0): the file is damaged or not Megatron-LM's; restore it from the source")
+    if version >= 2:
+        return None
+    args = state.get("args")
+    if _arg(args, "group_query_attention", False) and _arg(args, "num_query_groups", None) != _arg(
+            args, "num_attention_heads", None):
+        raise FormatError(f"{path}: checkpoint_version {version} with grouped-query attention, which no Megatron-LM "
+                          f"of that version wrote: the file is damaged; restore it from the source")
+    return int(version)
+
+
+def reorder_qkv(t, order: int, heads_per_rank: int, head_dim: int):
+    """One TP rank's fused QKV weight or bias from a legacy row order (qkv_order) to [np, 3, hn]."""
+    rest = tuple(t.shape[1:])
+    if order == 0:
+        return t.reshape((3, heads_per_rank, head_dim) + rest).transpose(0, 1).reshape(t.shape)
+    return t.reshape((heads_per_rank, head_dim, 3) + rest).transpose(1, 2).reshape(t.shape)
 
 
 def args_of(path: Path, state) -> object:

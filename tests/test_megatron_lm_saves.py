@@ -53,19 +53,41 @@ def test_megatron_lm_saves_merge_to_their_own_logits(case, tmp_path, monkeypatch
     same_files(tmp_path / "hf", tmp_path / "again")
 
 
-def test_qkv_orderings_before_version_2_are_refused(tmp_path):
-    """checkpoint_version 0 and 1.0 order the fused QKV rows otherwise: one line, nothing written."""
-    src = tmp_path / "src"
-    shutil.copytree(FIXTURES / "gpt_pp2", src)
+def _as_version(src: Path, dst: Path, version: float, heads: int, head_dim: int) -> Path:
+    """A copy whose fused QKV rows are in the order an older checkpoint_version saved them, per TP rank (the
+    inverse of what Megatron-LM's fix_query_key_value_ordering undoes): 0 [3, np, hn], 1.0 [np, hn, 3]."""
+    shutil.copytree(src, dst)
+    for path in sorted(dst.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)
+        state["checkpoint_version"] = version
+        encoder = state["model"]["language_model"]["encoder"]
+        for name in [n for n in encoder if n.endswith(("query_key_value.weight", "query_key_value.bias"))]:
+            t = encoder[name]
+            rows = t.reshape((heads, 3, head_dim) + tuple(t.shape[1:]))
+            old = rows.transpose(0, 1) if version == 0 else rows.transpose(1, 2)
+            encoder[name] = old.reshape(t.shape).contiguous()
+        torch.save(state, path)
+    return dst
+
+
+@pytest.mark.parametrize("version", [0, 1.0])
+def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
+    """A 2020 checkpoint (QKV rows [3, np, hn] or [np, hn, 3] per rank) merges to the same model as version 3.0;
+    the grouped-query attention no such version had is refused with one line."""
+    old = _as_version(FIXTURES / "gpt_pp2", tmp_path / "old", version, heads=4, head_dim=16)
+    merge(old, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    merge(FIXTURES / "gpt_pp2", tmp_path / "v3", vocab_size=VOCAB, quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "v3")
+    src = tmp_path / "gqa"
+    shutil.copytree(FIXTURES / "llama_tp2", src)
     for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
         state = torch.load(path, weights_only=False)
-        state["checkpoint_version"] = 1.0
+        state["checkpoint_version"] = version
         torch.save(state, path)
     out = tmp_path / "out"
     line = one_line_error(run("merge", src, out, "--vocab-size", str(VOCAB)))
-    assert "checkpoint_version 1.0" in line and "re-save" in line, line
+    assert f"checkpoint_version {version}" in line and "grouped-query" in line, line
     assert_nothing_written(out)
-    assert os.listdir(tmp_path) == ["src"]
 
 
 @pytest.mark.parametrize("torch_path", [False, True], ids=["torch-free", "torch"])

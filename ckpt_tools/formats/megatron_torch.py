@@ -22,8 +22,17 @@ class LegacyShards(ShardSet):
 
     def _loaded(self, path: Path, kind: str, obj, tp_rank: int, pp_rank: int) -> dict:
         model = megatron_lm.model_state(obj)
+        order = megatron_lm.qkv_order(path, obj)
+        if order is not None:  # a 2020 legacy model: its QKV rows into megatron-core's order, as Megatron-LM does
+            spec = self.meta.spec
+            for key in [k for k in model if k.endswith(("linear_qkv.weight", "linear_qkv.bias"))]:
+                model[key] = megatron_lm.reorder_qkv(model[key], order, spec.num_attention_heads // self.meta.tp_size,
+                                                     spec.kv_channels)
         if kind == MODEL:
             return {**obj, MODEL: model}
+        if order is not None:
+            raise FormatError(f"{path}: the optimizer state of a checkpoint_version {order} legacy model is not read "
+                              f"(its QKV rows are in the old order too): pass --no-optimizer, or merge the weights")
         return {OPTIMIZER: self._decode(path, obj, model, pp_rank)}
 
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
