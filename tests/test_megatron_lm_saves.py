@@ -93,12 +93,15 @@ def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
 @pytest.mark.parametrize("torch_path", [False, True], ids=["torch-free", "torch"])
 def test_real_args_objects_are_read_inertly(torch_path, tmp_path, monkeypatch):
     """A torch_dist common.pt whose args hold what Megatron-LM's own args hold (megatron-core's enums, a signal):
-    read by both loaders without building them; the weights merge as without them."""
+    each loader gives them back as inert records of their constructor arguments, never the classes themselves
+    (megatron-core's own registrations of those classes cleared for the check); the weights merge as without them."""
     import signal
 
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
     from test_megatron_optimizer import FIXTURES as OPTIMIZER_FIXTURES
+
+    from ckpt_tools import io, torchfile
     src = tmp_path / "src"
     shutil.copytree(OPTIMIZER_FIXTURES / "dist" / "torch_dist_full", src)
     common_pt = src / "iter_0000003" / "common.pt"
@@ -107,6 +110,16 @@ def test_real_args_objects_are_read_inertly(torch_path, tmp_path, monkeypatch):
     args.attention_backend, args.model_type, args.exit_signal = AttnBackend.auto, ModelType.encoder_or_decoder, \
         signal.SIGTERM
     torch.save(common, common_pt)
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        read = io.load_file(common_pt)["args"] if torch_path else torchfile.read(common_pt)["args"]
+    finally:
+        torch.serialization.add_safe_globals(registered)
+    for name, value in (("attention_backend", AttnBackend.auto), ("model_type", ModelType.encoder_or_decoder),
+                        ("exit_signal", signal.SIGTERM)):
+        got = getattr(read, name)
+        assert type(got) is torchfile.Record and got._args == (value.value,), (name, got)
     if torch_path:
         monkeypatch.setenv("CKPT_MERGE_TORCH", "1")
     merge(src, tmp_path / "hf", vocab_size=120, quiet=True)
