@@ -232,7 +232,7 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
     meta, spec = shards.meta, shards.meta.spec
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
     if with_opt and not fresh:
-        to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, True, meta.dir)
+        to_megatron.check_optimizer_form(form, meta.dir)
     resume = _resume_state(shards) if with_opt and not fresh else None
     to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
     resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))

@@ -26,17 +26,22 @@ OURS = "ours"
 CHOICES = (OURS, *FORMS)
 
 
-def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
-          resume: ResumeState | bool | None = None, where: object = None):
-    """The args of the target (raises ConfigError for a target Megatron-LM cannot express). `resume`: the
-    optimizer's resume state, or True to check only that the form can hold one."""
-    if resume and form != TORCH_DIST:
+def check_optimizer_form(form: str, where: object) -> None:
+    """Optimizer state goes into torch_dist only (refused before anything is read or written)."""
+    if form != TORCH_DIST:
         raise ConfigError(f"{where}: holds optimizer state, which this version writes in Megatron-LM's torch_dist "
                           f"form only (the distributed optimizer's fully_reshardable state), not in {form}: pass "
                           f"--format torch_dist, or --no-optimizer to write the weights only (Megatron-LM then starts "
                           f"a fresh optimizer)")
+
+
+def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
+          resume: ResumeState | None = None, where: object = None):
+    """The args of the target (raises ConfigError for a target Megatron-LM cannot express)."""
+    if resume is not None:
+        check_optimizer_form(form, where)
     args = build_args(spec, tp, counts, padded, dtype, form)
-    if isinstance(resume, ResumeState):
+    if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
         args.no_save_optim, args.use_distributed_optimizer = False, True
     return args

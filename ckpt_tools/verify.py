@@ -229,10 +229,13 @@ def tier2(a: dict, b: dict, order: list[str], tol: float | dict, name: str = "2 
     return tier
 
 
-def kl_mean(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean per-token KL(a || b) of two logits tensors."""
-    la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
-    return float((la.exp() * (la - lb)).sum(-1).mean())
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.double().log_softmax(-1)
+
+
+def kl_per_token(la: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) per token, from the two sides' log-probabilities (log_probs)."""
+    return (la.exp() * (la - lb)).sum(-1)
 
 
 def calibrated(low: tuple, ref: tuple, order: list[str], floor_tol: dict) -> tuple[dict, dict, str]:
@@ -249,7 +252,8 @@ def calibrated(low: tuple, ref: tuple, order: list[str], floor_tol: dict) -> tup
             hidden[n] = max(NOISE_FACTOR * floor, floor_tol["hidden_rel"])
     sides = (rel_l2(mine[1], mine32[1]), rel_l2(theirs[1], theirs32[1]))
     rel = floor_of(*sides)
-    kl = floor_of(kl_mean(mine32[1], mine[1]), kl_mean(theirs32[1], theirs[1]))
+    kl = floor_of(*(float(kl_per_token(log_probs(exact), log_probs(low)).mean())
+                    for exact, low in ((mine32[1], mine[1]), (theirs32[1], theirs[1]))))
     logits = {"logits_rel": max(NOISE_FACTOR * rel, floor_tol["logits_rel"]),
               "kl": max(NOISE_FACTOR ** 2 * kl, floor_tol["kl"]), "top1": floor_tol["top1"],
               "sides": sides}
@@ -261,8 +265,8 @@ def calibrated(low: tuple, ref: tuple, order: list[str], floor_tol: dict) -> tup
 
 def tier3(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, tol: dict, name: str = "3 logits") -> Tier:
     tier = Tier(name)
-    la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
-    kl = (la.exp() * (la - lb)).sum(-1)  # per token KL(SRC || OTHER)
+    la, lb = log_probs(a), log_probs(b)
+    kl = kl_per_token(la, lb)  # KL(SRC || OTHER)
     top1 = (a.argmax(-1) == b.argmax(-1)).double()
     # A token is decisive when SRC's top-1 leads its runner-up by more than 4x the RMS logit
     # difference of the two sides: there the argmax must agree; closer calls are ties within noise.

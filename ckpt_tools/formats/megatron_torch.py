@@ -23,6 +23,9 @@ class LegacyShards(ShardSet):
     def _loaded(self, path: Path, kind: str, obj, tp_rank: int, pp_rank: int) -> dict:
         model = megatron_lm.model_state(obj)
         order = megatron_lm.qkv_order(path, obj)
+        if order is not None and kind != MODEL:
+            raise FormatError(f"{path}: the optimizer state of a checkpoint_version {order} legacy model is not read "
+                              f"(its QKV rows are in the old order too): pass --no-optimizer, or merge the weights")
         if order is not None:  # a 2020 legacy model: its QKV rows into megatron-core's order, as Megatron-LM does
             spec = self.meta.spec
             for key in [k for k in model if k.endswith(("linear_qkv.weight", "linear_qkv.bias"))]:
@@ -30,9 +33,6 @@ class LegacyShards(ShardSet):
                                                      spec.kv_channels)
         if kind == MODEL:
             return {**obj, MODEL: model}
-        if order is not None:
-            raise FormatError(f"{path}: the optimizer state of a checkpoint_version {order} legacy model is not read "
-                              f"(its QKV rows are in the old order too): pass --no-optimizer, or merge the weights")
         return {OPTIMIZER: self._decode(path, obj, model, pp_rank)}
 
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
@@ -74,7 +74,8 @@ class LegacyShards(ShardSet):
     def megatron_optimizer(self):
         first = self.file(MODEL, 0, 0)
         opt = first.get("optimizer")
-        groups = opt.get("optimizer", {}).get("param_groups") if isinstance(opt, dict) else None
+        inner = opt.get("optimizer") if isinstance(opt, dict) else None
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
         path = self.path(MODEL, 0, 0)
         return path, groups, path, first.get("opt_param_scheduler")
 

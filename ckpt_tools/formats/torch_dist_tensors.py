@@ -67,7 +67,7 @@ class TorchDistShards(Reader):
         if field is not None and form is None:
             raise FormatError(f"{meta.dir}: no optimizer state (no {field!r} for {global_key}): use the model weights")
         if field == "step":
-            return [torch.tensor(self._step())] * meta.tp_size
+            return [torch.tensor(self.step())] * meta.tp_size
         if form == BUCKETS:
             out = [self._bucket_shard(global_key, field, rank) for rank in range(meta.tp_size)]
         else:
@@ -90,7 +90,7 @@ class TorchDistShards(Reader):
     def has_optimizer(self) -> bool:
         return self.ckpt.optimizer_form is not None
 
-    def _step(self) -> float:
+    def step(self) -> float:
         step = self.ckpt.step()
         if step is None:  # dp_reshardable: in each model-parallel rank's optimizer object (the same step)
             where, groups = self._blob_groups()
@@ -111,9 +111,6 @@ class TorchDistShards(Reader):
         obj = io.load_bytes(self._file(file)[offset:offset + length], where)
         obj = obj[0] if isinstance(obj, list) and obj else obj
         return where, obj.get("param_groups", []) if isinstance(obj, dict) else []
-
-    def step(self) -> float:
-        return self._step()
 
     def megatron_optimizer(self):
         opt = self.ckpt.common.get("optimizer")
