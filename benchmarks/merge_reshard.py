@@ -198,7 +198,7 @@ def operations(src: Path, ckpt_dir: Path, out: Path) -> dict[str, list[str]]:
         MERGE_TORCH: ["env", "CKPT_MERGE_TORCH=1"] + CKPT + merge,
         RESHARD: CKPT + ["reshard", str(src), str(out), "--tp", "4", "--pp", "1", "--quiet"],
         STARTUP: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.reshard"],
-        STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.fast_merge"],
+        STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.byte_ranges"],
     }
 
 

@@ -205,6 +205,13 @@ def check_files(meta: Meta) -> list[str]:
     return problems
 
 
+def check_hashes(meta: Meta) -> None:
+    """--check-hashes: refuse a checkpoint any of whose recorded files is missing, resized or changed."""
+    problems = check_files(meta)
+    if problems:
+        raise FormatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
 def extra_shards(meta: Meta) -> list[str]:
     """Shard files in the checkpoint dir that its TP x PP layout does not have, as one-line problems."""
     names = {name(t, p) for name in (model_file, optimizer_file)

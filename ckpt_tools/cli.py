@@ -118,8 +118,9 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
     # no torch imported here: a merge that needs none never imports it
     from ckpt_tools import merge as m
+    from ckpt_tools.plan import parse_size
     click.echo(m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
-                       max_shard_size=m.parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
+                       max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
                        force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
                        torch_threads=1))
 
@@ -127,7 +128,7 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
 def _one_thread() -> None:
     """Reshard copies bytes (memory-bound); a second OpenMP thread in each copy only adds waits on a busy
     core, while the background hash and fsync threads already use it. (merge sets the same through its
-    `torch_threads`, on its torch path only.)"""
+    `torch_threads`, where it uses torch.)"""
     import torch
     torch.set_num_threads(1)
 
@@ -184,7 +185,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | Non
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     import torch
 
-    from ckpt_tools.merge import DTYPE_OPTIONS
+    from ckpt_tools.plan import DTYPE_OPTIONS
     from ckpt_tools.reshard import import_hf
     dtype = getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None
     click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage), dtype=dtype,

@@ -46,7 +46,7 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
     row-parallel join, or a GPT-2 Conv1D weight with its transposed copy.
     """
     from ckpt_tools import hf
-    from ckpt_tools.merge import plan
+    from ckpt_tools.plan import plan
     from ckpt_tools.torchfile import ELEMENT_SIZES
     size = ELEMENT_SIZES.get(meta.params_dtype, 4)
     merged = largest = buffered = 0

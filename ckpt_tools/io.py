@@ -3,7 +3,7 @@
 Reads use `torch.load(weights_only=True)`: nothing in a checkpoint may run code when loaded.
 Real Megatron-LM files also hold an argparse.Namespace, numpy RNG states and (Transformer Engine's
 `_extra_state` in older TE versions) io.BytesIO; those types are allow-listed explicitly, nothing else. torch is imported where it is used: the torch-free merge
-path (ckpt_tools.fast_merge) writes through this module too.
+path (ckpt_tools.merge with ckpt_tools.byte_ranges) writes through this module too.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Split kinds:
   extra_state  `_extra_state` (None or bytes in megatron-core); carried as is, never split
 
 The table, shapes and pieces are plain Python; torch is imported only by the functions that move
-tensors, so the torch-free merge path (ckpt_tools.fast_merge) reads the same table.
+tensors, so merge's torch-free byte source (ckpt_tools.byte_ranges) reads the same table.
 """
 from __future__ import annotations
 

@@ -1,157 +1,78 @@
 """`ckpt merge`: sharded checkpoint -> one HuggingFace model dir, one safetensors file (megatron-core names), or
 one `pytorch_model.bin` (a torch.save state dict with HF names).
 
-Model-free and streaming: the output files are planned from the layout table (names, dtypes,
-shapes) before any tensor is read; then, tensor by tensor, the TP shards are read from their
-mmap'd files, joined, converted, written and their pages released. Memory stays near the largest
-tensor; the model is never built and the checkpoint is never held in RAM.
+Model-free and streaming, one path: the output files are planned from the layout table (ckpt_tools.plan: names,
+dtypes, shapes) before any tensor is read; then, tensor by tensor, the source gives each output tensor's bytes
+and they are written in plan order. Memory stays near the largest tensor; the model is never built and the
+checkpoint is never held in RAM.
 
-Two paths write the same bytes. Our own checkpoints that need no dtype conversion are merged without
-torch (ckpt_tools.fast_merge: byte ranges copied file to file); every other input, and every one whose
-files that path's checks do not accept, goes through torch below, which also reports what is wrong.
-The plan (`Job`: files, names, shapes, headers, summary) is torch-free and shared by both.
+The source is `byte_ranges.ByteSource` wherever the files can be read as byte ranges without torch (our own
+checkpoints, Megatron-LM's legacy and torch_dist files): bytes are copied file to file, joined in memory for
+row-parallel tensors, converted as a last step when the output dtype differs. Where it declines (before
+anything is written: damaged input, a Megatron-LM optimizer, legacy QKV order, strided tensors), `TensorSource`
+gives the same bytes through the torch reader, which also words what is wrong. --check-hashes is a step before
+either. `CKPT_MERGE_TORCH=1` (or `via=TENSORS`) reads through the torch reader always, for comparisons.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt_tools import hf, io, layout, output
-from ckpt_tools.checkpoint import Meta
-from ckpt_tools.errors import CkptError, ConfigError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.errors import CkptError, LayoutError
+from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
 if TYPE_CHECKING:
-    import torch
-
+    from ckpt_tools.byte_ranges import ByteSource
     from ckpt_tools.shards import Reader
 
-DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-HF, SAFETENSORS, TORCH = "hf", "safetensors", "torch"  # TORCH: one torch.save state dict with HF names
-HF_BIN = "hf-bin"  # an HF dir with pytorch_model*.bin weights, for tools that still expect them
-DIRS = (HF, HF_BIN)
-TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always the torch path (for comparisons)
+TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always read through the torch reader
+AUTO, BYTES, TENSORS = "auto", "bytes", "tensors"  # merge(via=...): the source, or the byte source if it takes SRC
+WRITEBACK = 32 << 20  # bytes written between two calls that start their writeback (the final fsync waits less)
+
+Data = list[tuple[int, int, int]] | memoryview  # an output tensor's bytes: file ranges (fd, offset, nbytes), or memory
 
 
-@dataclass
-class Entry:
-    """One source tensor and what it becomes: output names, conversion kind, output shapes."""
-    key: str
-    kind: str
-    names: list[str]
-    shapes: list[tuple[int, ...]]
+class TensorSource:
+    """Merge's source through the torch reader: each output tensor joined by the layout table, converted to HF."""
 
-    def nbytes(self, dtype: str | torch.dtype) -> int:
-        """Bytes of the output tensors in `dtype`: a name ("bfloat16") or a torch dtype."""
-        size = ELEMENT_SIZES[dtype] if isinstance(dtype, str) else dtype.itemsize
-        return sum(math.prod(s) * size for s in self.shapes)
+    def __init__(self, reader: Reader, from_master: bool, torch_threads: int | None):
+        import torch
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        meta = reader.meta
+        if from_master and not reader.has_optimizer():
+            unread = reader.unread_optimizer()
+            raise CkptError(f"{meta.dir}: no optimizer shards with fp32 master weights "
+                            f"({f'its {unread} is not read by this version' if unread else 'saved without optimizer'}): "
+                            f"merge without --from-master-weights")
+        self.reader, self.meta, self.field = reader, meta, "master" if from_master else None
+        self.note = _tied_copy_note(reader)
 
+    def check_hashes(self) -> None:
+        self.reader.check_hashes()
 
-def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
-    """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
-    if fmt in (HF, HF_BIN, TORCH):
-        rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
-    else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
-        rows = [(key, hf.VOCAB if layout.has_padded_rows(key, spec, 1) else hf.SAME, [key])
-                for _, key in layout.stage_keys(spec, [spec.num_layers], 0)
-                if layout.holds_weights(key, spec, 1)]
-    return [Entry(key, kind, names, hf.hf_shapes(kind, spec, layout.full_shape(key, spec, padded_vocab, 1)))
-            for key, kind, names in rows]
+    def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], Data]]:
+        import torch
 
+        from ckpt_tools.writers import contiguous_bytes
+        target = getattr(torch, dtype)
+        for name, shape, t in zip(e.names, e.shapes, hf.to_hf(e.kind, self.reader.full(e.key, self.field),
+                                                               self.meta.spec)):
+            if tuple(t.shape) != tuple(shape):
+                raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
+            yield name, shape, contiguous_bytes(t.to(target))
 
-def split_files(entries: list[Entry], dtype: str | torch.dtype, max_bytes: int) -> list[list[Entry]]:
-    """Entries in order, packed into files of at most max_bytes (a tensor bigger than that gets its own)."""
-    files: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        n = e.nbytes(dtype)
-        if files[-1] and size + n > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(e)
-        size += n
-    return files
+    def release(self) -> None:
+        self.reader.release()
 
-
-@dataclass
-class Job:
-    """What one merge writes, decided from meta.json and the options alone (no tensor read yet)."""
-    meta: Meta
-    fmt: str
-    dtype: str  # of the output tensors: "bfloat16", "float16" or "float32"
-    from_master: bool
-    entries: list[Entry]
-    files: list[list[Entry]]  # the entries of each output file
-
-    @classmethod
-    def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int) -> Job:
-        target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
-        entries = plan(meta.spec, meta.padded_vocab, fmt)
-        files = split_files(entries, target, max_shard_size) if fmt in DIRS else [entries]
-        return cls(meta, fmt, target, from_master, entries, files)
-
-    @property
-    def total(self) -> int:
-        return sum(e.nbytes(self.dtype) for e in self.entries)
-
-    @property
-    def names(self) -> list[str]:
-        n = len(self.files)
-        stem, ext = ("pytorch_model", "bin") if self.fmt == HF_BIN else ("model", "safetensors")
-        return [f"{stem}.{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
-
-    def tensors(self, group: list[Entry]) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of each tensor of one output file, in order."""
-        return [(n, s) for e in group for n, s in zip(e.names, e.shapes)]
-
-    def metadata(self) -> dict[str, str]:
-        """The safetensors header's __metadata__."""
-        metadata = {"format": "pt"}
-        if self.fmt == SAFETENSORS:
-            m = self.meta
-            metadata["ckpt_tools"] = json.dumps({"model": m.spec.to_dict(), "iteration": m.iteration,
-                                                 "source_layout": {"tp": m.tp_size, "pp": m.pp_size}})
-        return metadata
-
-    def write(self, out: Path, force: bool, quiet: bool, tok_dir: Path | None,
-              write_file: Callable[[Path, list[Entry], object], None]) -> None:
-        """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
-        file (updating the progress bar per entry), then config, index and tokenizer files for HF."""
-        extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt in DIRS else None
-        with output.staged(out, force, directory=self.fmt in DIRS) as tmp:
-            bar = output.progress(self.total, "merge", quiet)
-            for name, group in zip(self.names, self.files):
-                write_file(tmp / name if self.fmt in DIRS else tmp, group, bar)
-            bar.close()
-            if extras is not None:
-                _write_hf_extras(tmp, *extras, tok_dir, self.files, self.names, self.total)
-
-    def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
-        meta, spec = self.meta, self.meta.spec
-        line = (f"merged {meta.dir} ({spec.architecture}, TP{meta.tp_size} x PP{meta.pp_size}, iteration "
-                f"{meta.iteration}) -> {out}: {sum(len(e.names) for e in self.entries)} tensors, "
-                f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
-                f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "
-                f"{spec.vocab_size} rows, {seconds:.1f}s")
-        return "\n".join(x for x in (line, *notes) if x)
-
-
-def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | None:
-    """The tokenizer dir to copy: --tokenizer, else the checkpoint's own tokenizer files (if any)."""
-    if tokenizer is not None:
-        path = Path(tokenizer)
-        if not hf.tokenizer_files(path):
-            raise ConfigError(f"{path}: no tokenizer files ({', '.join(hf.TOKENIZER_FILES[:2])}, ...): "
-                              f"pass a HuggingFace tokenizer dir to --tokenizer")
-        return path
-    return checkpoint_dir if hf.carried_files(checkpoint_dir) else None
+    def close(self) -> None:
+        self.reader.close()
 
 
 def _tied_copy_note(shards: Reader) -> str | None:
@@ -169,109 +90,101 @@ def _tied_copy_note(shards: Reader) -> str | None:
             f"the merged model uses the first stage's embedding")
 
 
-def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | None,
-            check_hashes: bool) -> tuple[Path, str | None, Reader]:
-    """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
-    leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
-    from ckpt_tools.shards import open_checked
-    out = output.check_target(out, force)
-    return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes)
+def open_source(src: str | Path, vocab_size: int | None, from_master: bool, check_hashes: bool, via: str = AUTO,
+                torch_threads: int | None = None) -> ByteSource | TensorSource:
+    """The source a merge reads SRC through (see the module docstring), its files' hashes checked if asked."""
+    from ckpt_tools.byte_ranges import ByteSource, Declined
+    if via == AUTO and os.environ.get(TORCH_PATH, "0") not in ("", "0"):
+        via = TENSORS
+    source: ByteSource | TensorSource | None = None
+    if via != TENSORS:
+        try:
+            source = ByteSource.open(src, vocab_size, from_master)
+        except Declined:
+            if via == BYTES:
+                raise
+    if source is None:
+        from ckpt_tools.shards import open_checked
+        source = TensorSource(open_checked(src, vocab_size, check_hashes), from_master, torch_threads)
+    elif check_hashes:
+        source.check_hashes()
+    return source
 
 
-def merge(src: str | Path, out: str | Path, *, fmt: str = HF, dtype: str | None = None,
+def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | None = None,
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-          no_preflight: bool = False, fast: bool = True, torch_threads: int | None = None) -> str:
-    """Write the merged model; returns the one-line summary. The torch-free path is tried first unless
-    `fast` is False (or CKPT_MERGE_TORCH=1); `torch_threads` sets torch's intra-op threads for the torch path."""
+          no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None) -> str:
+    """Write the merged model; returns the one-line summary. `via` picks the source (AUTO: the byte source when
+    it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used."""
     start = time.perf_counter()
-    options = {"fmt": fmt, "dtype": dtype, "from_master": from_master, "max_shard_size": max_shard_size,
-               "tokenizer": tokenizer, "vocab_size": vocab_size, "force": force, "quiet": quiet,
-               "check_hashes": check_hashes, "no_preflight": no_preflight, "start": start}
-    if fast and os.environ.get(TORCH_PATH, "0") in ("", "0"):
-        from ckpt_tools import fast_merge
-        summary = fast_merge.merge(src, out, **options)
-        if summary is not None:
-            return summary
-    return _merge_torch(src, out, torch_threads=torch_threads, **options)
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
+    source = open_source(src, vocab_size, from_master, check_hashes, via, torch_threads)
+    try:
+        job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size)
+        tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None
+        output.preflight(out, job.total, no_preflight)
+        job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source))
+    finally:
+        source.close()
+    return job.summary(out, time.perf_counter() - start, source.note, leftover)
 
 
-def _merge_torch(src: str | Path, out: str | Path, *, fmt: str, dtype: str | None, from_master: bool,
-                 max_shard_size: int, tokenizer: str | Path | None, vocab_size: int | None, force: bool,
-                 quiet: bool, check_hashes: bool, no_preflight: bool, start: float,
-                 torch_threads: int | None) -> str:
+def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSource | TensorSource) -> None:
+    """One output file of the plan: a safetensors file, or for .bin outputs a torch.save archive."""
+    if job.fmt in (TORCH, HF_BIN):
+        _write_archive(path, group, bar, job, source)
+        return
+    from ckpt_tools.writers import copy_range, safetensors_header
+    itemsize = ELEMENT_SIZES[job.dtype]
+    header = safetensors_header([(n, job.dtype, s) for n, s in job.tensors(group)], job.metadata())
+    with open(path, "wb") as f:
+        f.write(header)
+        f.flush()
+        dst = f.fileno()
+        pos = written = len(header)
+        for e in group:
+            for name, shape, data in source.data(e, job.dtype):
+                if isinstance(data, memoryview):
+                    n = _pwrite(dst, data, pos)
+                else:
+                    n = 0
+                    for fd, offset, nbytes in data:
+                        copy_range(fd, offset, dst, pos + n, nbytes)
+                        n += nbytes
+                if n != math.prod(shape) * itemsize:
+                    raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * itemsize}")
+                pos += n
+            source.release()
+            bar.update(e.nbytes(job.dtype))
+            if pos - written >= WRITEBACK:
+                io.start_writeback(dst, written, pos - written)
+                written = pos
+        os.fsync(dst)
+
+
+def _write_archive(path: Path, group: list[Entry], bar, job: Job, source: ByteSource | TensorSource) -> None:
+    """A .bin: streamed record by record (file ranges filled in the kernel), the dict of references pickled last."""
     import torch
 
-    from ckpt_tools.writers import SafetensorsWriter, TorchFileWriter
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
-    out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
-    meta, spec = shards.meta, shards.meta.spec
-    if from_master and not shards.has_optimizer():
-        unread = shards.unread_optimizer()
-        raise CkptError(f"{meta.dir}: no optimizer shards with fp32 master weights "
-                        f"({f'its {unread} is not read by this version' if unread else 'saved without optimizer'}): "
-                        f"merge without --from-master-weights")
-    field = "master" if from_master else None
-    job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
+    from ckpt_tools.writers import TorchFileWriter
     target = getattr(torch, job.dtype)
-    tok_dir = tokenizer_dir(meta.dir, tokenizer) if fmt in DIRS else None
-    output.preflight(out, job.total, no_preflight)
-    note = _tied_copy_note(shards)
-
-    def write_file(path: Path, group: list[Entry], bar) -> None:
-        if fmt in (TORCH, HF_BIN):  # .bin: streamed record by record, the dict of references pickled last
-            writer, state = TorchFileWriter(path), {}
-        else:
-            writer = SafetensorsWriter(path, [(n, target, s) for n, s in job.tensors(group)], job.metadata())
-        for e in group:
-            for n, t in zip(e.names, hf.to_hf(e.kind, shards.full(e.key, field), spec)):
-                if fmt in (TORCH, HF_BIN):
-                    state[n] = writer.tensor(t.to(target))
-                else:
-                    writer.write(n, t.to(target))
-            shards.release()
-            bar.update(e.nbytes(target))
-        writer.close(state) if fmt in (TORCH, HF_BIN) else writer.close()
-    job.write(out, force, quiet, tok_dir, write_file)
-    shards.close()
-    return job.summary(out, time.perf_counter() - start, note, leftover)
+    writer, state = TorchFileWriter(path), {}
+    for e in group:
+        for name, shape, data in source.data(e, job.dtype):
+            if isinstance(data, memoryview):
+                t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+                state[name] = writer.tensor(t.view(target).view(shape))
+            else:
+                state[name] = writer.tensor_from_files(target, shape, data)
+        source.release()
+        bar.update(e.nbytes(job.dtype))
+    writer.close(state)
 
 
-def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict | None]:
-    """(config.json, generation_config.json) contents; None: the carried generation_config.json is copied."""
-    bos, eos = hf.special_ids(tok_dir)
-    config = hf.merged_config(hf.hf_config(spec, dtype, bos, eos), spec, tok_dir)
-    if tok_dir is not None and (tok_dir / hf.GENERATION_CONFIG).is_file():
-        return config, None
-    gen = {"_from_model_config": True, "do_sample": False}
-    gen.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
-    return config, gen
-
-
-def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],
-                     names: list[str], total: int) -> None:
-    io.write_json_atomic(tmp / "config.json", config)
-    if gen is not None:
-        io.write_json_atomic(tmp / hf.GENERATION_CONFIG, gen)
-    if len(files) > 1:
-        weight_map = {n: fname for fname, group in zip(names, files) for e in group for n in e.names}
-        index = "pytorch_model.bin.index.json" if names[0].endswith(".bin") else "model.safetensors.index.json"
-        io.write_json_atomic(tmp / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    if tok_dir is not None:  # tokenizer, chat templates, generation config; our copy of config.json stays behind
-        for f in hf.copy_carried(tok_dir, tmp):
-            if f.name == hf.ORIGINAL_CONFIG:
-                f.unlink()
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    s = text.strip().upper()
-    num = s.rstrip("KMGTIB")
-    try:
-        value = float(num)
-        return int(value * units[s[len(num):]])
-    except (ValueError, KeyError):
-        raise ConfigError(f"bad size {text!r}: use a number with an optional unit, e.g. 5GB, 500MB, 2GiB") from None
+def _pwrite(fd: int, data: memoryview, pos: int) -> int:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], pos + done)
+    return done

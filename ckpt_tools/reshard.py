@@ -23,7 +23,7 @@ from ckpt_tools import hf, io, layout, output, to_megatron
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.hf import HFTensors
-from ckpt_tools.merge import prepare
+from ckpt_tools.plan import prepare
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter, dtype_name

@@ -31,7 +31,7 @@ import torch
 
 from ckpt_tools import hf, layout
 from ckpt_tools.errors import CkptError
-from ckpt_tools.merge import HF, SAFETENSORS, plan
+from ckpt_tools.plan import HF, SAFETENSORS, plan
 from ckpt_tools.shards import Reader, open_checkpoint
 
 TOLERANCES = {  # fp32: fixed; bf16: the floors of the run (calibrated()), these only bound them from below

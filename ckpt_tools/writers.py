@@ -55,7 +55,7 @@ def safetensors_header(plan: list[tuple[str, str, tuple[int, ...]]], metadata: d
     return struct.pack("<Q", len(text)) + text
 
 
-def _contiguous_bytes(t: torch.Tensor) -> memoryview:
+def contiguous_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes (little-endian, row-major) without a copy when it is already contiguous."""
     import torch
     t = t.detach().contiguous()
@@ -91,7 +91,7 @@ class SafetensorsWriter:
         dtype, shape = self._expect[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise LayoutError(f"{self.path}: {name} is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
-        self._f.write(_contiguous_bytes(t))
+        self._f.write(contiguous_bytes(t))
         self._next += 1
 
     def close(self) -> None:

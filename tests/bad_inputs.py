@@ -1,5 +1,5 @@
 """Building and damaging small checkpoints for the bad-input tests (test_bad_input, test_hostile_files,
-test_fuzz, test_fast_merge), and running the CLI on them.
+test_fuzz, test_merge_sources), and running the CLI on them.
 
 The inputs are built without training (`make_ckpt`: full_init tensors split by the layout table,
 optimizer and RNG files, meta.json through build_meta / write_meta so it carries size + sha256 records

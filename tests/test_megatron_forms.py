@@ -200,12 +200,12 @@ def test_malicious_torch_dist_pickle_never_runs(llama_dist, tmp_path, victim):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("fmt", ["hf", "safetensors"])
 def test_torch_free_merge_of_every_form_equals_the_torch_path(mcore, tmp_path, form, fmt):
-    from test_fast_merge import assert_same_as_torch
+    from test_merge_sources import assert_same_as_torch
     assert_same_as_torch(mcore / form, tmp_path, fmt=fmt, vocab_size=VOCAB)
 
 
 def test_cli_merge_of_torch_dist_imports_no_torch(mcore_checkpoints, tmp_path):
-    from test_fast_merge import imported, run_cli
+    from test_merge_sources import imported, run_cli
     fast = run_cli("merge", str(mcore_checkpoints("llama") / "torch_dist"), str(tmp_path / "hf"), "-q",
                    "--vocab-size", str(VOCAB))
     assert fast.returncode == 0, fast.stderr[-2000:]
@@ -220,7 +220,7 @@ def test_transformer_engine_extra_state_as_bytes_is_carried(mcore_checkpoints, t
     import io as _io
 
     from ckpt_tools.merge import merge
-    from test_fast_merge import assert_same_as_torch
+    from test_merge_sources import assert_same_as_torch
     arch_dir = mcore_checkpoints("llama")
     src = Path(shutil.copytree(arch_dir / "torch_te", tmp_path / "src"))
     for path in src.rglob("model_optim_rng.pt"):
@@ -316,7 +316,7 @@ def test_fuzz_torch_dist(mcore_checkpoints, tmp_path):
 def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_path):
     """`_extra_state` holds no weights: a legacy file without it merges (both paths) and reshards to the model."""
     from ckpt_tools.merge import merge
-    from test_fast_merge import assert_same_as_torch
+    from test_merge_sources import assert_same_as_torch
     arch_dir = mcore_checkpoints("gpt2")
     src = Path(shutil.copytree(arch_dir / "torch", tmp_path / "src"))
     for path in src.rglob("model_optim_rng.pt"):

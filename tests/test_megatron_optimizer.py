@@ -143,7 +143,7 @@ def test_a_distrib_optim_file_that_does_not_fit_the_model_is_refused(change, exp
 def test_gpu_saved_legacy_files_merge_torch_free(form, tmp_path):
     """Files saved on a GPU hold CUDA storages and masters with Python attributes: the torch-free path reads them
     and writes the torch path's bytes."""
-    from test_fast_merge import assert_same_as_torch
+    from test_merge_sources import assert_same_as_torch
     assert_same_as_torch(FIXTURES / form, tmp_path, vocab_size=VOCAB)
 
 

@@ -1,41 +1,38 @@
-"""The torch-free path of `ckpt merge` (merge.py tries it first): our own checkpoints, no dtype conversion.
+"""A checkpoint's tensors as byte ranges of its files, found without torch: the source `ckpt merge` copies from.
 
-It applies when SRC is our format (not a Megatron-LM dir), the output dtype is the stored one (the model
-weights, or the fp32 master weights with --from-master-weights), and there is no --check-hashes. Before
-anything is written, every shard file it reads must pass the torch path's own checks (the size meta.json
-records, checkpoint.extra_shards, checkpoint.shard_problems), read by `torchfile` without torch; every
-source tensor must be of the output dtype, the TP replicas of a replicated tensor must be equal, and so
-must a tied embedding's last-stage copy. When anything differs, `merge` returns None having written
-nothing, and the torch path runs and reports it (or, for the tied copy, notes it).
+`ByteSource.open` describes our own checkpoints and Megatron-LM's (legacy per-rank files, torch_dist chunks)
+from their pickles and indexes, read by `torchfile` without torch. Every shard file must pass the checks the
+torch reader makes (the size meta.json records, checkpoint.extra_shards, checkpoint.shard_problems), the
+TP replicas of a replicated tensor must be equal, and so must a tied embedding's last-stage copy. Where any
+of that differs, or the files hold what only the torch reader decodes (a Megatron-LM optimizer, legacy QKV
+rows to reorder, strided tensors), `open` raises Declined, nothing is written yet, and merge reads through the
+torch reader (shards.open_checked), which also words what is wrong.
 
 Each output tensor is row ranges of a full tensor (hf.hf_rows), and each full tensor is pieces of the
-source shards (layout.reshard_pieces to TP 1, vocab trimmed). Pieces of dim-0 shards are byte ranges of
-the shard files, copied file to file in the kernel (copy_file_range). A row-parallel tensor is joined in
-memory: each shard's rows are read (preadv) straight into their place in the full rows, one copy from
-the page cache, then written; GPT-2's transposed weights are transposed with numpy. Bytes are moved,
-never converted. Nothing here imports torch (nor numpy, for a Llama model).
+source shards (layout.reshard_pieces to TP 1, vocab trimmed). `data` hands merge, for each output tensor,
+either byte ranges of the shard files (dim-0 pieces in the output dtype: copied file to file in the kernel)
+or its bytes in memory: a row-parallel tensor's shards read (preadv) straight into their place in the full
+rows, GPT-2's transposed weights transposed with numpy, and a dtype conversion as the last step (torch is
+imported for that step only). Nothing else here imports torch (nor numpy, for a Llama model).
 """
 from __future__ import annotations
 
-import math
 import os
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output
+from ckpt_tools import checkpoint, hf, layout, megatron_lm
 from ckpt_tools.errors import CkptError, LayoutError
-from ckpt_tools.merge import HF, SAFETENSORS, Entry, Job, tokenizer_dir
+from ckpt_tools.plan import Entry
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
-from ckpt_tools.writers import copy_range, safetensors_header
 
 Range = tuple[Path, int, int]  # bytes of a file: (file, offset, nbytes)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv call
-WRITEBACK = 32 << 20  # bytes written between two calls that start their writeback (the final fsync waits less)
 
 
-class NotFast(Exception):
-    """This merge takes the torch path."""
+class Declined(Exception):
+    """These files are read through the torch reader instead (the reason in words)."""
 
 
 @dataclass(frozen=True)
@@ -75,67 +72,21 @@ class Shard:
 Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
 
 
-def merge(src: str | Path, out: str | Path, *, fmt: str, dtype: str | None, from_master: bool,
-          max_shard_size: int, tokenizer: str | Path | None, vocab_size: int | None, force: bool, quiet: bool,
-          check_hashes: bool, no_preflight: bool, start: float) -> str | None:
-    """merge.merge without torch; None, with nothing written, when the torch path must do it."""
-    if fmt not in (HF, SAFETENSORS):
-        return None
-    try:
-        out = output.check_target(out, force)
-        leftover = output.note_leftovers(out)
-        job, model, sources = _prepare(src, fmt, dtype, from_master, max_shard_size, vocab_size, check_hashes)
-        tok_dir = tokenizer_dir(job.meta.dir, tokenizer) if fmt == HF else None
-        output.preflight(out, job.total, no_preflight)
-    except (NotFast, Unreadable, CkptError):
-        return None
-    copier = _Copier(job, sources)
-    try:
-        if not copier.consistent(model):
-            return None
-        job.write(out, force, quiet, tok_dir, copier.write_file)
-    finally:
-        copier.close()
-    return job.summary(out, time.perf_counter() - start, leftover)
-
-
-# ---------------------------------------------------------------- when it applies
-def _prepare(src: str | Path, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int,
-             vocab_size: int | None, check_hashes: bool) -> tuple[Job, Shards, Shards]:
-    """(the job, the model shards, the shards to copy: model or master weights), or NotFast."""
-    if check_hashes:
-        raise NotFast("--check-hashes")
-    if megatron_lm.is_megatron_lm(Path(src)):
-        if from_master:
-            raise NotFast("no optimizer state is read from a Megatron-LM checkpoint")
-        meta, model = _megatron_shards(Path(src), vocab_size)
-    else:
-        meta = checkpoint.Meta.read(checkpoint.resolve(src))
-        if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
-            raise NotFast("--vocab-size differs from meta.json, or extra shard files")
-        model = _model_shards(meta)
-    job = Job.make(meta, fmt, dtype, from_master, max_shard_size)
-    sources = _master_shards(meta) if from_master else model
-    if any(s.dtype != job.dtype for shards in sources.values() for s in shards):
-        raise NotFast(f"a conversion to {job.dtype}")
-    return job, model, sources
-
-
 def _state(meta: checkpoint.Meta, name: str, entry: str) -> tuple[Path, dict]:
     """One shard file's `entry` dict, read without torch, when the file has the size meta.json records."""
     path = meta.dir / name
     record = meta.raw["files"].get(name)
     if not path.is_file() or (record is not None and path.stat().st_size != record["size"]):
-        raise NotFast(f"{path}: missing, or not of the size meta.json records")
+        raise Declined(f"{path}: missing, or not of the size meta.json records")
     obj = read(path)
     if not (isinstance(obj, dict) and isinstance(obj.get(entry), dict)):
-        raise NotFast(f"{path}: holds no {entry!r} state dict")
+        raise Declined(f"{path}: holds no {entry!r} state dict")
     return path, obj[entry]
 
 
 def _shard(path: Path, info: TensorInfo) -> Shard:
     if info.offset + info.nbytes > path.stat().st_size:
-        raise NotFast(f"{path}: a tensor beyond the end of the file")
+        raise Declined(f"{path}: a tensor beyond the end of the file")
     return Shard(((path, info),))
 
 
@@ -147,10 +98,10 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         from ckpt_tools.formats.torch_dist import DistCheckpoint
         ckpt = DistCheckpoint.read(iter_dir, vocab_size, load=read)
         if ckpt.validate():
-            raise NotFast("the checkpoint does not match the layout table")
+            raise Declined("the checkpoint does not match the layout table")
         parts = ckpt.byte_parts()
         if parts is None:
-            raise NotFast("a TP shard that is not whole chunks")
+            raise Declined("a TP shard that is not whole chunks")
         return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
     shards: Shards = {}
@@ -159,11 +110,11 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
             path = megatron_lm.model_path(iter_dir, tp_rank, pp_rank, meta.pp_size)
             obj = read(path)
             if megatron_lm.qkv_order(path, obj) is not None:
-                raise NotFast(f"{path}: legacy QKV rows to reorder")
+                raise Declined(f"{path}: legacy QKV rows to reorder")
             state = megatron_lm.model_state(obj)
             if state is None or checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank,
                                                           lambda t: isinstance(t, TensorInfo)):
-                raise NotFast(f"{path}: does not match the layout table")
+                raise Declined(f"{path}: does not match the layout table")
             for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
                 if isinstance(state.get(local), TensorInfo):
                     shards.setdefault(key, []).append(_shard(path, state[local]))
@@ -177,7 +128,7 @@ def _model_shards(meta: checkpoint.Meta) -> Shards:
         for tp_rank in range(meta.tp_size):
             path, state = _state(meta, checkpoint.model_file(tp_rank, pp_rank), "model")
             if checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank, lambda t: isinstance(t, TensorInfo)):
-                raise NotFast(f"{path}: does not match the layout table")
+                raise Declined(f"{path}: does not match the layout table")
             for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
                 if isinstance(state.get(local), TensorInfo):
                     shards.setdefault(key, []).append(_shard(path, state[local]))
@@ -197,7 +148,7 @@ def _master_shards(meta: checkpoint.Meta) -> Shards:
                 entry = state.get(local)
                 master = entry.get("master") if isinstance(entry, dict) else None
                 if not (isinstance(master, TensorInfo) and master.shape == shape):
-                    raise NotFast(f"{path}: no master weight of shape {shape} for {local}")
+                    raise Declined(f"{path}: no master weight of shape {shape} for {local}")
                 shards.setdefault(key, []).append(_shard(path, master))
     return shards
 
@@ -263,13 +214,6 @@ class _Files:
             os.close(fd)
 
 
-def _pwrite(fd: int, data: memoryview, pos: int) -> int:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], pos + done)
-    return done
-
-
 def _transposed(data: memoryview, shape: tuple[int, int], itemsize: int) -> memoryview:
     """The bytes of a [b, a] tensor -> those of its [a, b] transpose (GPT-2's Conv1D weights): moved, not
     converted. numpy is imported only here."""
@@ -278,13 +222,54 @@ def _transposed(data: memoryview, shape: tuple[int, int], itemsize: int) -> memo
     return memoryview(np.ascontiguousarray(arr.T)).cast("B")
 
 
-class _Copier:
-    """Writes a Job's safetensors files from the source shards."""
+def _converted(data: memoryview, src: str, dst: str) -> memoryview:
+    """The bytes of a tensor in dtype `src` -> those of the same values in `dst`, as torch's `.to` rounds them (the
+    one step that imports torch)."""
+    import torch
+    if not len(data):
+        return data
+    t = torch.frombuffer(data, dtype=getattr(torch, src)).to(getattr(torch, dst))
+    return memoryview(t.view(torch.uint8).numpy())
 
-    def __init__(self, job: Job, shards: Shards):
-        self.job, self.shards, self.files = job, shards, _Files()
-        self.itemsize = ELEMENT_SIZES[job.dtype]
+
+class ByteSource:
+    """Merge's source when the files can be read as byte ranges: `data(entry, dtype)` gives each output tensor."""
+
+    def __init__(self, meta: checkpoint.Meta, model: Shards, sources: Shards, ours: bool):
+        self.meta, self.model, self.shards, self.ours = meta, model, sources, ours
+        self.files = _Files()
         self._buf = bytearray()
+        self.note = None  # a tied copy that differs is declined, so the torch reader words the note
+
+    @classmethod
+    def open(cls, src: str | Path, vocab_size: int | None, from_master: bool) -> ByteSource:
+        """The model shards and the shards to copy (model or master weights), or Declined."""
+        try:
+            if megatron_lm.is_megatron_lm(Path(src)):
+                if from_master:
+                    raise Declined("no optimizer state is read from a Megatron-LM checkpoint")
+                meta, model = _megatron_shards(Path(src), vocab_size)
+                ours = False
+            else:
+                meta = checkpoint.Meta.read(checkpoint.resolve(src))
+                if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
+                    raise Declined("--vocab-size differs from meta.json, or extra shard files")
+                model, ours = _model_shards(meta), True
+            sources = _master_shards(meta) if from_master else model
+        except (Unreadable, CkptError) as e:
+            raise Declined(str(e)) from e
+        if any(s.dtype != shards[0].dtype or s.dtype not in ELEMENT_SIZES for shards in sources.values() for s in shards):
+            raise Declined("TP shards of one tensor in different dtypes")
+        source = cls(meta, model, sources, ours)
+        if not source.consistent():
+            source.close()
+            raise Declined("replicas that differ, or a tied copy that differs")
+        return source
+
+    def check_hashes(self) -> None:
+        """--check-hashes: the sha256 of every file meta.json records (Megatron-LM records none)."""
+        if self.ours:
+            checkpoint.check_hashes(self.meta)
 
     def _buffer(self, nbytes: int) -> memoryview:
         """Memory for one tensor, reused: its pages stay mapped from one tensor to the next."""
@@ -292,46 +277,27 @@ class _Copier:
             self._buf = bytearray(nbytes)
         return memoryview(self._buf)[:nbytes]
 
-    def write_file(self, path: Path, group: list[Entry], bar) -> None:
-        header = safetensors_header([(n, self.job.dtype, s) for n, s in self.job.tensors(group)],
-                                    self.job.metadata())
-        with open(path, "wb") as f:
-            f.write(header)
-            f.flush()
-            pos = written = len(header)
-            for e in group:
-                pos = self._entry(f.fileno(), pos, e)
-                bar.update(e.nbytes(self.job.dtype))
-                if pos - written >= WRITEBACK:
-                    io.start_writeback(f.fileno(), written, pos - written)
-                    written = pos
-            os.fsync(f.fileno())
-
-    def _entry(self, dst: int, pos: int, e: Entry) -> int:
-        """The HF tensors of one entry, written at `pos` of dst; returns the position after them."""
-        meta = self.job.meta
+    def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], list[Range] | memoryview]]:
+        """(name, shape, bytes) of each output tensor of one entry, in `dtype`: byte ranges of the shard files where
+        the tensor is dim-0 pieces already in `dtype`, else its bytes in memory (joined, transposed, converted)."""
+        meta, src_dtype = self.meta, self.shards[e.key][0].dtype
+        itemsize = ELEMENT_SIZES[src_dtype]
         pieces = _full_pieces(e.key, meta)
         full_rows = layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[0]
         for name, rows, shape in zip(e.names, hf.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
             transpose = e.kind in hf.TRANSPOSED and len(shape) == 2
-            if pieces[0].dim == 0 and not transpose:
-                n = self._copy(dst, pos, _byte_ranges(self.shards[e.key], pieces, rows))
-            else:
-                data = self._read(self.shards[e.key], pieces, rows)
-                n = _pwrite(dst, _transposed(data, shape, self.itemsize) if transpose else data, pos)
-            if n != math.prod(shape) * self.itemsize:
-                raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * self.itemsize}")
-            pos += n
-        return pos
+            if pieces[0].dim == 0 and not transpose and src_dtype == dtype:
+                yield name, shape, [(self.files.fd(p), o, n) for p, o, n in _byte_ranges(self.shards[e.key], pieces, rows)]
+                continue
+            data = self._read(self.shards[e.key], pieces, rows, itemsize)
+            if transpose:
+                data = _transposed(data, shape, itemsize)
+            yield name, shape, data if src_dtype == dtype else _converted(data, src_dtype, dtype)
 
-    def _copy(self, dst: int, pos: int, ranges: list[Range]) -> int:
-        """Byte ranges of the source files -> dst at pos, file to file in the kernel."""
-        for path, offset, nbytes in ranges:
-            copy_range(self.files.fd(path), offset, dst, pos, nbytes)
-            pos += nbytes
-        return sum(n for _, _, n in ranges)
+    def release(self) -> None:
+        """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""
 
-    def _read(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows) -> memoryview:
+    def _read(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows, itemsize: int) -> memoryview:
         """Rows of the full tensor in memory: dim-0 pieces one after another; the shards of a row-parallel
         tensor side by side, each shard's rows read straight into their place in the output rows."""
         if pieces[0].dim == 0:
@@ -341,7 +307,7 @@ class _Copier:
                 self.files.read_into([buf[pos:pos + n]], path, offset)
                 pos += n
             return buf
-        widths = [(p.stop - p.start) * self.itemsize for p in pieces]  # bytes of each shard's part of a row
+        widths = [(p.stop - p.start) * itemsize for p in pieces]  # bytes of each shard's part of a row
         width, nrows = sum(widths), sum(b - a for a, b in rows)
         buf, col = self._buffer(nrows * width), 0
         for p, w in zip(pieces, widths):
@@ -357,11 +323,11 @@ class _Copier:
             col += w
         return buf
 
-    def consistent(self, model: Shards) -> bool:
+    def consistent(self) -> bool:
         """Whether the torch path would take these bytes as they are: the TP replicas of each replicated
         tensor equal (it refuses a checkpoint whose replicas differ), and with tied embeddings and PP > 1
         the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
-        meta = self.job.meta
+        meta, model = self.meta, self.model
         pairs = [(a, b) for key, shards in self.shards.items()
                  if layout.is_replicated(key, meta.spec, meta.pp_size)
                  for s in shards[1:] for a, b in zip(s.whole, shards[0].whole)]

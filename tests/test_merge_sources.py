@@ -1,8 +1,10 @@
-"""`ckpt merge`'s torch-free path (ckpt_tools.fast_merge) against the torch path it stands in for.
+"""`ckpt merge`'s two sources: the byte ranges read without torch (ckpt_tools.byte_ranges) against the torch
+reader they stand in for.
 
-On every checkpoint it takes, its output directory is byte-identical (every file) to the torch path's;
-run as `ckpt merge` it never imports torch; on input it does not accept it writes nothing and steps aside,
-so the torch path's one-line errors (and exit codes) stay exactly what they were.
+On every checkpoint the byte source takes, the output directory is byte-identical (every file) to the one
+read through the torch reader, also where a dtype is converted, hashes are checked or a .bin is written; run
+as `ckpt merge` it never imports torch where nothing is converted; on input it does not accept it declines
+before anything is written, so the torch reader's one-line errors (and exit codes) stay exactly what they were.
 
 The checkpoints are made here without training, as the trainer writes them: full_init tensors split by the
 layout table, saved with io.save_file (torch.save), meta.json through build_meta and commit. Padding rows
@@ -23,9 +25,11 @@ import pytest
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import fast_merge, hf, io, layout, torchfile
+from ckpt_tools import byte_ranges, hf, io, layout, torchfile
 from ckpt_tools.cli import main
-from ckpt_tools.merge import TORCH_PATH, merge
+from ckpt_tools.errors import FormatError
+from ckpt_tools.byte_ranges import ByteSource, Declined
+from ckpt_tools.merge import BYTES, TENSORS, TORCH_PATH, merge
 from ckpt_tools.spec import ModelSpec
 from trainer.model import full_init
 
@@ -37,8 +41,6 @@ LLAMA = ModelSpec("llama", num_layers=4, hidden_size=64, num_attention_heads=4, 
 GPT2 = ModelSpec("gpt2", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=1000,
                  max_position_embeddings=128, tie_word_embeddings=True)
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2)]
-OPTIONS = {"fmt": "hf", "dtype": None, "from_master": False, "max_shard_size": 5 * 10**9, "tokenizer": None,
-           "vocab_size": None, "force": False, "quiet": True, "check_hashes": False, "no_preflight": False}
 
 
 def full_tensor(key: str, spec: ModelSpec, padded: int) -> torch.Tensor:
@@ -101,13 +103,15 @@ def without_time(summary: str) -> str:
 
 
 def assert_same_as_torch(src: Path, tmp: Path, **options) -> dict[str, bytes]:
-    """The fast path takes it (its summary, not None), and its output equals the torch path's, file by file."""
-    fast, slow = tmp / "fast", tmp / "torch"
-    if options.get("fmt") == "safetensors":
-        fast, slow = fast.with_suffix(".safetensors"), slow.with_suffix(".safetensors")
-    summary = fast_merge.merge(src, fast, **{**OPTIONS, **options, "start": 0.0})
-    assert summary is not None, "the fast path did not take this checkpoint"
-    expected = merge(src, slow, fast=False, quiet=True, **options)
+    """The byte source takes it (Declined otherwise), and its output equals the torch reader's, file by file."""
+    fast, slow = tmp / "fast" / "merged", tmp / "torch" / "merged"  # one name: a .bin archive records its stem
+    fast.parent.mkdir(parents=True)
+    slow.parent.mkdir()
+    if options.get("fmt") in ("safetensors", "torch"):
+        suffix = ".safetensors" if options["fmt"] == "safetensors" else ".bin"
+        fast, slow = fast.with_suffix(suffix), slow.with_suffix(suffix)
+    summary = merge(src, fast, via=BYTES, quiet=True, **options)
+    expected = merge(src, slow, via=TENSORS, quiet=True, **options)
     assert without_time(summary.replace(str(fast), str(slow))) == without_time(expected)
     ours, theirs = bad.tree(fast), bad.tree(slow)
     assert ours.keys() == theirs.keys()
@@ -157,13 +161,46 @@ def test_fp32_checkpoint_and_explicit_dtype(checkpoints, tmp_path):
     assert_same_as_torch(src, tmp_path / "b", fmt="safetensors", dtype="fp32")
 
 
+@pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"dtype": "fp16", "fmt": "safetensors"},
+                                     {"from_master": True, "dtype": "bf16"}, {"check_hashes": True},
+                                     {"fmt": "hf-bin", "max_shard_size": 200_000}, {"fmt": "torch", "dtype": "fp32"}],
+                         ids=["to-fp32", "to-fp16", "masters-to-bf16", "hashes", "hf-bin", "torch-bin-fp32"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_conversions_hashes_and_bin_files_are_steps_on_the_byte_path(checkpoints, tmp_path, arch, options):
+    """A dtype conversion is the last step after the bytes are joined (GPT-2: and transposed); .bin archives take
+    file ranges filled in the kernel; --check-hashes runs before. Every file as the torch reader writes it."""
+    files = assert_same_as_torch(checkpoints(arch, True, 2, 2), tmp_path, **options)
+    if "dtype" in options and options.get("fmt") in (None, "hf"):
+        assert json.loads(files["config.json"])["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[options["dtype"]]
+
+
+def test_check_hashes_is_a_step_before_the_byte_copy(checkpoints, tmp_path):
+    """A file changed after saving, at its recorded size and still well-formed: the byte source takes the files,
+    the hash step refuses them (the torch reader's words), nothing is written."""
+    ck = shutil.copytree(checkpoints("llama", False, 2, 2), tmp_path / "src")
+    path = ck / fmt.model_file(1, 0)
+    info = torchfile.read(path)["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
+    with open(path, "r+b") as f:  # flip one byte of a tensor: the pickle and sizes stay as they were
+        f.seek(info.offset)
+        byte = f.read(1)
+        f.seek(info.offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+    ByteSource.open(ck, None, False).close()
+    errors = []
+    for via in (BYTES, TENSORS):
+        with pytest.raises(FormatError, match="sha256 differs from meta.json") as e:
+            merge(ck, tmp_path / f"out-{via}", via=via, quiet=True, check_hashes=True)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    assert not [p for p in tmp_path.iterdir() if p.name != "src"]
+
+
 # ---------------------------------------------------------------- where it does not apply
-@pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"check_hashes": True}, {"from_master": True, "dtype": "bf16"},
-                                     {"vocab_size": 999}], ids=["conversion", "hashes", "masters-to-bf16", "vocab"])
-def test_options_it_leaves_to_torch(checkpoints, tmp_path, options):
+def test_a_vocab_size_other_than_recorded_is_declined(checkpoints, tmp_path):
     src = checkpoints("llama", False, 2, 2)
-    assert fast_merge.merge(src, tmp_path / "out", **{**OPTIONS, **options, "start": 0.0}) is None
-    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+    with pytest.raises(Declined):
+        merge(src, tmp_path / "out", via=BYTES, vocab_size=999, quiet=True)
+    assert not list(tmp_path.iterdir())
 
 
 def test_megatron_lm_dir_takes_the_fast_path_with_the_torch_paths_bytes(tmp_path):
@@ -173,16 +210,17 @@ def test_megatron_lm_dir_takes_the_fast_path_with_the_torch_paths_bytes(tmp_path
     ck = bad.make_ckpt(tmp_path / "ours", ModelSpec(**{**LLAMA.to_dict(), "vocab_size": 250}))
     mlm = write_megatron_lm(ck, tmp_path / "mlm")
     assert_same_as_torch(mlm, tmp_path, vocab_size=250)
-    masters = {**OPTIONS, "vocab_size": 250, "from_master": True, "start": 0.0}
-    assert fast_merge.merge(mlm, tmp_path / "out", **masters) is None
+    with pytest.raises(Declined, match="no optimizer state"):
+        ByteSource.open(mlm, 250, True)
 
 
 def test_a_tied_copy_that_differs_is_left_to_torch(checkpoints, tmp_path):
-    """The torch path merges it with a note; the fast path must not write it silently without one."""
+    """The torch reader merges it with a note; the byte source must not write it silently without one."""
     ck = shutil.copytree(checkpoints("llama", True, 2, 2), tmp_path / "src")
     last = fmt.model_file(1, 1)
     bad.resave(ck, last, lambda o: o["model"]["output_layer.weight"].__setitem__((3, 5), 1.0))
-    assert fast_merge.merge(ck, tmp_path / "out", **{**OPTIONS, "start": 0.0}) is None
+    with pytest.raises(Declined, match="differs"):
+        ByteSource.open(ck, None, False)
     summary = merge(ck, tmp_path / "hf", quiet=True)
     assert "note: the last stage's copy of the tied embedding differs" in summary
 
@@ -194,7 +232,8 @@ def test_strided_shards_are_left_to_torch(checkpoints, tmp_path):
     bad.resave(ck, fmt.model_file(0, 0), lambda o: o["model"].update({key: o["model"][key].t().contiguous().t()}))
     with pytest.raises(torchfile.Unreadable, match="not a contiguous"):
         torchfile.read(ck / fmt.model_file(0, 0))
-    assert fast_merge.merge(ck, tmp_path / "out", **{**OPTIONS, "start": 0.0}) is None
+    with pytest.raises(Declined, match="not a contiguous"):
+        ByteSource.open(ck, None, False)
     merge(ck, tmp_path / "hf", quiet=True)
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
@@ -252,11 +291,12 @@ DAMAGE = [(_wrong_shape, []), (_missing_key, []), (_extra_key, []), (_truncated,
 
 
 @pytest.mark.parametrize("damage,extra", DAMAGE, ids=[d.__name__.strip("_") for d, _ in DAMAGE])
-def test_damaged_input_gets_the_torch_path_error(checkpoints, tmp_path, damage, extra):
+def test_damaged_input_gets_the_torch_readers_error(checkpoints, tmp_path, damage, extra):
     ck = shutil.copytree(checkpoints("llama", False, 2, 2), tmp_path / "src")
     damage(ck)
     out = tmp_path / "OUT"
-    assert fast_merge.merge(ck, out, **{**OPTIONS, "from_master": bool(extra), "start": 0.0}) is None
+    with pytest.raises(Declined):
+        ByteSource.open(ck, None, bool(extra))
     results = [bad.runner().invoke(main, ["merge", str(ck), str(out), "-q", *extra], env=env)
                for env in ({TORCH_PATH: "0"}, {TORCH_PATH: "1"})]
     assert results[0].exit_code == results[1].exit_code == 1
@@ -283,7 +323,7 @@ def test_cli_merge_imports_no_torch(checkpoints, tmp_path, args):
     src = checkpoints("llama", True, 2, 2).parent  # a save dir: `latest` is followed
     fast = run_cli("merge", str(src), str(tmp_path / "fast"), "-q", *args)
     assert fast.returncode == 0, fast.stderr[-2000:]
-    assert "ckpt_tools.fast_merge" in imported(fast)
+    assert "ckpt_tools.byte_ranges" in imported(fast)
     assert not {m for m in imported(fast) if m == "torch" or m.startswith("torch.")}
     slow = run_cli("merge", str(src), str(tmp_path / "torch"), "-q", *args, torch_path=True)
     assert slow.returncode == 0 and "torch" in imported(slow)  # the check above can fail
@@ -296,8 +336,8 @@ def test_scatter_reads_fill_every_view_or_fail(tmp_path, monkeypatch):
     """More views than one preadv takes; reads that return less than asked; a file shorter than the views."""
     path = tmp_path / "data"
     path.write_bytes(bytes(range(256)) * 20)
-    files = fast_merge._Files()
-    buf = memoryview(bytearray(3 * fast_merge.IOV_MAX))
+    files = byte_ranges._Files()
+    buf = memoryview(bytearray(3 * byte_ranges.IOV_MAX))
     files.read_into([buf[i:i + 1] for i in range(len(buf))], path, 7)
     assert bytes(buf) == path.read_bytes()[7:7 + len(buf)]
     preadv = os.preadv

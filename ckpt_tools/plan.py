@@ -1,0 +1,191 @@
+"""What a merge writes, decided before any tensor is read: the output tensors (`Entry`: source key, HF
+names, conversion kind, shapes) in megatron-core order, how they are packed into files, the HF files beside
+them (config, generation config, index, tokenizer), the one-line summary; and `prepare`, what every verb that
+reads a checkpoint and writes a new one does first. Torch-free; merge, reshard, verify and inspect use it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckpt_tools import hf, io, layout, output
+from ckpt_tools.checkpoint import Meta
+from ckpt_tools.errors import ConfigError
+from ckpt_tools.spec import ModelSpec
+from ckpt_tools.torchfile import ELEMENT_SIZES
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt_tools.shards import Reader
+
+DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+HF, SAFETENSORS, TORCH = "hf", "safetensors", "torch"  # TORCH: one torch.save state dict with HF names
+HF_BIN = "hf-bin"  # an HF dir with pytorch_model*.bin weights, for tools that still expect them
+DIRS = (HF, HF_BIN)
+
+
+@dataclass
+class Entry:
+    """One source tensor and what it becomes: output names, conversion kind, output shapes."""
+    key: str
+    kind: str
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+
+    def nbytes(self, dtype: str | torch.dtype) -> int:
+        """Bytes of the output tensors in `dtype`: a name ("bfloat16") or a torch dtype."""
+        size = ELEMENT_SIZES[dtype] if isinstance(dtype, str) else dtype.itemsize
+        return sum(math.prod(s) * size for s in self.shapes)
+
+
+def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
+    """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
+    if fmt in (HF, HF_BIN, TORCH):
+        rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
+    else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
+        rows = [(key, hf.VOCAB if layout.has_padded_rows(key, spec, 1) else hf.SAME, [key])
+                for _, key in layout.stage_keys(spec, [spec.num_layers], 0)
+                if layout.holds_weights(key, spec, 1)]
+    return [Entry(key, kind, names, hf.hf_shapes(kind, spec, layout.full_shape(key, spec, padded_vocab, 1)))
+            for key, kind, names in rows]
+
+
+def split_files(entries: list[Entry], dtype: str | torch.dtype, max_bytes: int) -> list[list[Entry]]:
+    """Entries in order, packed into files of at most max_bytes (a tensor bigger than that gets its own)."""
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        n = e.nbytes(dtype)
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += n
+    return files
+
+
+@dataclass
+class Job:
+    """What one merge writes, decided from meta.json and the options alone (no tensor read yet)."""
+    meta: Meta
+    fmt: str
+    dtype: str  # of the output tensors: "bfloat16", "float16" or "float32"
+    from_master: bool
+    entries: list[Entry]
+    files: list[list[Entry]]  # the entries of each output file
+
+    @classmethod
+    def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int) -> Job:
+        target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
+        entries = plan(meta.spec, meta.padded_vocab, fmt)
+        files = split_files(entries, target, max_shard_size) if fmt in DIRS else [entries]
+        return cls(meta, fmt, target, from_master, entries, files)
+
+    @property
+    def total(self) -> int:
+        return sum(e.nbytes(self.dtype) for e in self.entries)
+
+    @property
+    def names(self) -> list[str]:
+        n = len(self.files)
+        stem, ext = ("pytorch_model", "bin") if self.fmt == HF_BIN else ("model", "safetensors")
+        return [f"{stem}.{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
+
+    def tensors(self, group: list[Entry]) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of each tensor of one output file, in order."""
+        return [(n, s) for e in group for n, s in zip(e.names, e.shapes)]
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors header's __metadata__."""
+        metadata = {"format": "pt"}
+        if self.fmt == SAFETENSORS:
+            m = self.meta
+            metadata["ckpt_tools"] = json.dumps({"model": m.spec.to_dict(), "iteration": m.iteration,
+                                                 "source_layout": {"tp": m.tp_size, "pp": m.pp_size}})
+        return metadata
+
+    def write(self, out: Path, force: bool, quiet: bool, tok_dir: Path | None,
+              write_file: Callable[[Path, list[Entry], object], None]) -> None:
+        """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
+        file (updating the progress bar per entry), then config, index and tokenizer files for HF."""
+        extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt in DIRS else None
+        with output.staged(out, force, directory=self.fmt in DIRS) as tmp:
+            bar = output.progress(self.total, "merge", quiet)
+            for name, group in zip(self.names, self.files):
+                write_file(tmp / name if self.fmt in DIRS else tmp, group, bar)
+            bar.close()
+            if extras is not None:
+                _write_hf_extras(tmp, *extras, tok_dir, self.files, self.names, self.total)
+
+    def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
+        meta, spec = self.meta, self.meta.spec
+        line = (f"merged {meta.dir} ({spec.architecture}, TP{meta.tp_size} x PP{meta.pp_size}, iteration "
+                f"{meta.iteration}) -> {out}: {sum(len(e.names) for e in self.entries)} tensors, "
+                f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
+                f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "
+                f"{spec.vocab_size} rows, {seconds:.1f}s")
+        return "\n".join(x for x in (line, *notes) if x)
+
+
+def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | None:
+    """The tokenizer dir to copy: --tokenizer, else the checkpoint's own tokenizer files (if any)."""
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        if not hf.tokenizer_files(path):
+            raise ConfigError(f"{path}: no tokenizer files ({', '.join(hf.TOKENIZER_FILES[:2])}, ...): "
+                              f"pass a HuggingFace tokenizer dir to --tokenizer")
+        return path
+    return checkpoint_dir if hf.carried_files(checkpoint_dir) else None
+
+
+def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | None,
+            check_hashes: bool) -> tuple[Path, str | None, Reader]:
+    """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
+    leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
+    from ckpt_tools.shards import open_checked
+    out = output.check_target(out, force)
+    return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes)
+
+
+def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict | None]:
+    """(config.json, generation_config.json) contents; None: the carried generation_config.json is copied."""
+    bos, eos = hf.special_ids(tok_dir)
+    config = hf.merged_config(hf.hf_config(spec, dtype, bos, eos), spec, tok_dir)
+    if tok_dir is not None and (tok_dir / hf.GENERATION_CONFIG).is_file():
+        return config, None
+    gen = {"_from_model_config": True, "do_sample": False}
+    gen.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
+    return config, gen
+
+
+def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],
+                     names: list[str], total: int) -> None:
+    io.write_json_atomic(tmp / "config.json", config)
+    if gen is not None:
+        io.write_json_atomic(tmp / hf.GENERATION_CONFIG, gen)
+    if len(files) > 1:
+        weight_map = {n: fname for fname, group in zip(names, files) for e in group for n in e.names}
+        index = "pytorch_model.bin.index.json" if names[0].endswith(".bin") else "model.safetensors.index.json"
+        io.write_json_atomic(tmp / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if tok_dir is not None:  # tokenizer, chat templates, generation config; our copy of config.json stays behind
+        for f in hf.copy_carried(tok_dir, tmp):
+            if f.name == hf.ORIGINAL_CONFIG:
+                f.unlink()
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    try:
+        value = float(num)
+        return int(value * units[s[len(num):]])
+    except (ValueError, KeyError):
+        raise ConfigError(f"bad size {text!r}: use a number with an optional unit, e.g. 5GB, 500MB, 2GiB") from None
