@@ -40,6 +40,7 @@ import torch
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, layout
+from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
 from trainer.model import full_init
@@ -94,8 +95,8 @@ def generate(save_dir: Path, spec: ModelSpec) -> None:
     tmp.mkdir(parents=True)
     lr = 3e-4
     for p in range(PP):
-        model = [TorchFileWriter(tmp / fmt.model_file(t, p)) for t in range(TP)]
-        optim = [TorchFileWriter(tmp / fmt.optimizer_file(t, p)) for t in range(TP)]
+        model = [TorchFileWriter(tmp / fmt.model_file(Rank(t, p))) for t in range(TP)]
+        optim = [TorchFileWriter(tmp / fmt.optimizer_file(Rank(t, p))) for t in range(TP)]
         model_state: list[dict] = [{} for _ in range(TP)]
         optim_state: list[dict] = [{} for _ in range(TP)]
         for local, key in layout.stage_keys(spec, counts, p):
@@ -117,7 +118,7 @@ def generate(save_dir: Path, spec: ModelSpec) -> None:
                             "param_groups": [{"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}],
                             "scheduler": {"iteration": ITERATION, "lr": lr}, "scaler": None})
             io.save_file({"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": None,
-                          "iteration": ITERATION, "consumed_samples": ITERATION * 8}, tmp / fmt.rng_file(t, p))
+                          "iteration": ITERATION, "consumed_samples": ITERATION * 8}, tmp / fmt.rng_file(Rank(t, p)))
     files = {f.name: fmt.file_record(f) for f in sorted(tmp.iterdir())}
     # the toolkit's own meta.json builder (reshard and import write theirs with it)
     meta = fmt.build_meta(spec, TP, counts, padded, ITERATION, ITERATION * 8, "bfloat16", 1,

@@ -25,6 +25,7 @@ from pathlib import Path
 from ckpt_tools import checkpoint, hf, layout, megatron_lm
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import Entry
+from ckpt_tools.ranks import Rank
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
 
 Range = tuple[Path, int, int]  # bytes of a file: (file, offset, nbytes)
@@ -105,51 +106,54 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
     shards: Shards = {}
-    for pp_rank in range(meta.pp_size):
-        for tp_rank in range(meta.tp_size):
-            path = megatron_lm.model_path(iter_dir, tp_rank, pp_rank, meta.pp_size)
-            obj = read(path)
-            if megatron_lm.qkv_order(path, obj) is not None:
-                raise Declined(f"{path}: legacy QKV rows to reorder")
-            state = megatron_lm.model_state(obj)
-            if state is None or checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank,
-                                                          lambda t: isinstance(t, TensorInfo)):
-                raise Declined(f"{path}: does not match the layout table")
-            for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-                if isinstance(state.get(local), TensorInfo):
-                    shards.setdefault(key, []).append(_shard(path, state[local]))
+    for rank in meta.grid.ranks():
+        path = megatron_lm.model_path(iter_dir, rank, meta.pp_size)
+        obj = read(path)
+        if megatron_lm.qkv_order(path, obj) is not None:
+            raise Declined(f"{path}: legacy QKV rows to reorder")
+        state = megatron_lm.model_state(obj)
+        if state is None or checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
+            raise Declined(f"{path}: does not match the layout table")
+        _add_shards(shards, meta, rank, path, state)
     return meta, shards
 
 
 def _model_shards(meta: checkpoint.Meta) -> Shards:
     """The tensors of every model shard, which must pass the checks the torch path makes."""
     shards: Shards = {}
-    for pp_rank in range(meta.pp_size):
-        for tp_rank in range(meta.tp_size):
-            path, state = _state(meta, checkpoint.model_file(tp_rank, pp_rank), "model")
-            if checkpoint.shard_problems(meta, path, state, tp_rank, pp_rank, lambda t: isinstance(t, TensorInfo)):
-                raise Declined(f"{path}: does not match the layout table")
-            for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-                if isinstance(state.get(local), TensorInfo):
-                    shards.setdefault(key, []).append(_shard(path, state[local]))
+    for rank in meta.grid.ranks():
+        path, state = _state(meta, checkpoint.model_file(rank), "model")
+        if checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
+            raise Declined(f"{path}: does not match the layout table")
+        _add_shards(shards, meta, rank, path, state)
     return shards
+
+
+def _is_tensor(t: object) -> bool:
+    return isinstance(t, TensorInfo)
+
+
+def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, state: dict) -> None:
+    """One rank's tensors appended to their keys' shard lists (files are visited in rank order)."""
+    for local, key in layout.stage_keys(meta.spec, meta.layer_counts, rank.pp):
+        if isinstance(state.get(local), TensorInfo):
+            shards.setdefault(key, []).append(_shard(path, state[local]))
 
 
 def _master_shards(meta: checkpoint.Meta) -> Shards:
     """The fp32 master weights of every optimizer shard, each of its parameter's shard shape."""
     shards: Shards = {}
-    for pp_rank in range(meta.pp_size):
-        for tp_rank in range(meta.tp_size):
-            path, state = _state(meta, checkpoint.optimizer_file(tp_rank, pp_rank), "optimizer")
-            for local, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-                shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
-                if shape is None:
-                    continue
-                entry = state.get(local)
-                master = entry.get("master") if isinstance(entry, dict) else None
-                if not (isinstance(master, TensorInfo) and master.shape == shape):
-                    raise Declined(f"{path}: no master weight of shape {shape} for {local}")
-                shards.setdefault(key, []).append(_shard(path, master))
+    for rank in meta.grid.ranks():
+        path, state = _state(meta, checkpoint.optimizer_file(rank), "optimizer")
+        for local, key in layout.stage_keys(meta.spec, meta.layer_counts, rank.pp):
+            shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+            if shape is None:
+                continue
+            entry = state.get(local)
+            master = entry.get("master") if isinstance(entry, dict) else None
+            if not (isinstance(master, TensorInfo) and master.shape == shape):
+                raise Declined(f"{path}: no master weight of shape {shape} for {local}")
+            shards.setdefault(key, []).append(_shard(path, master))
     return shards
 
 

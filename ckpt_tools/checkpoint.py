@@ -19,6 +19,7 @@ from typing import Any
 
 from ckpt_tools import io, layout
 from ckpt_tools.errors import ConfigError, FormatError
+from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
 
 FORMAT = "ckpt-tools/1"
@@ -27,16 +28,16 @@ LATEST = "latest"
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def model_file(tp_rank: int, pp_rank: int) -> str:
-    return f"pytorch_model_tp_{tp_rank}_pp_{pp_rank}.bin"
+def model_file(rank: Rank) -> str:
+    return f"pytorch_model_{rank.tag}.bin"
 
 
-def optimizer_file(tp_rank: int, pp_rank: int) -> str:
-    return f"optimizer_tp_{tp_rank}_pp_{pp_rank}.bin"
+def optimizer_file(rank: Rank) -> str:
+    return f"optimizer_{rank.tag}.bin"
 
 
-def rng_file(tp_rank: int, pp_rank: int) -> str:
-    return f"rng_tp_{tp_rank}_pp_{pp_rank}.bin"
+def rng_file(rank: Rank) -> str:
+    return f"rng_{rank.tag}.bin"
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -95,6 +96,10 @@ class Meta:
     @property
     def dir(self) -> Path:
         return self.root if self.root is not None else self.path.parent
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(self.tp_size, self.pp_size)
 
     @property
     def params_dtype(self) -> str:
@@ -214,22 +219,20 @@ def check_hashes(meta: Meta) -> None:
 
 def extra_shards(meta: Meta) -> list[str]:
     """Shard files in the checkpoint dir that its TP x PP layout does not have, as one-line problems."""
-    names = {name(t, p) for name in (model_file, optimizer_file)
-             for t in range(meta.tp_size) for p in range(meta.pp_size)}
+    names = {name(rank) for name in (model_file, optimizer_file) for rank in meta.grid.ranks()}
     return [f"{f}: extra shard, not part of a TP{meta.tp_size} x PP{meta.pp_size} checkpoint: remove it or fix "
             f"meta.json" for f in sorted(meta.dir.glob("*_tp_*_pp_*.bin"))
             if f.name not in names and not f.name.startswith("rng_")]
 
 
-def shard_problems(meta: Meta, path: Path, state: dict, tp_rank: int, pp_rank: int,
-                   is_tensor: Callable[[Any], bool]) -> list[str]:
+def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: Callable[[Any], bool]) -> list[str]:
     """What is wrong with one model shard's state dict, as one-line problems: keys other than the layout
     table's for its stage, a tensor of another shape than the table's shard shape or of another dtype than
     meta.json's. `is_tensor` says what a tensor is: torch's, or a torch-free record with .shape and .dtype."""
-    expected = layout.stage_keys(meta.spec, meta.layer_counts, pp_rank)
+    expected = layout.stage_keys(meta.spec, meta.layer_counts, rank.pp)
     want = {local for local, _ in expected}
     fix = "restore the shard from the source checkpoint"
-    problems = [f"{path}: missing tensor {k}, which the layout table puts on TP rank {tp_rank}, PP rank {pp_rank}: "
+    problems = [f"{path}: missing tensor {k}, which the layout table puts on {rank}: "
                 f"{fix}" for k, key in expected if k not in state  # a missing _extra_state holds no weights
                 and layout.holds_weights(key, meta.spec, meta.pp_size)]
     problems += [f"{path}: unexpected tensor {k}, not in the layout table of this {meta.spec.architecture} model at "

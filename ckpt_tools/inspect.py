@@ -21,12 +21,11 @@ def parameter_count(meta: fmt.Meta) -> tuple[int, int]:
     total = padding = 0
     for pp_rank in range(meta.pp_size):
         for _, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-            rule = layout.find_rule(key, meta.spec, meta.pp_size)
-            if rule.shape is None or (key == "output_layer.weight" and meta.spec.tie_word_embeddings):
+            shape = layout.full_shape(key, meta.spec, meta.padded_vocab, meta.pp_size)
+            if shape is None or (key == "output_layer.weight" and meta.spec.tie_word_embeddings):
                 continue
-            shape = rule.shape(meta.spec, meta.padded_vocab)
             total += math.prod(shape)
-            if rule.split == layout.VOCAB:
+            if layout.has_padded_rows(key, meta.spec, meta.pp_size):
                 padding += (meta.padded_vocab - meta.spec.vocab_size) * shape[1]
     return total, padding
 

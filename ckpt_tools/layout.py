@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import ConfigError, LayoutError
+from ckpt_tools.ranks import PP, TP
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -53,6 +54,13 @@ class Rule:
     @property
     def dim(self) -> int | None:
         return SPLIT_DIM.get(self.split)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The rank axes (ranks.TP, ranks.PP, ranks.EP) that hold different parts of this tensor: PP always (a
+        stage holds its own layers; FIRST and LAST rows live on one stage), TP where it is split over TP ranks.
+        Expert rows will add EP. A rank on an axis a tensor is not split over holds a replica (or nothing)."""
+        return (PP, TP) if self.dim is not None else (PP,)
 
 
 def _always(s: ModelSpec, pp: int) -> bool:
@@ -392,7 +400,7 @@ def trim_vocab(key: str, full: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 
 def _require(key: str, spec: ModelSpec, kind: str) -> None:
-    rule = find_rule(key, spec, pp_size=2)
+    rule = find_rule(key, spec, pp_size=None)
     if rule.split != kind:
         raise LayoutError(f"{key}: is a {rule.split} tensor, not {kind}")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from ckpt_tools import families, io, layout, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
+from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -45,13 +46,15 @@ _REFUSED = {
 }
 
 
-def _mp_rank(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def _mp_rank(rank: Rank, pp_size: int) -> str:
+    """Megatron-LM's rank dir: mp_rank_TT, then _PPP with pipeline parallelism, then _EEE with expert parallelism."""
+    return (f"mp_rank_{rank.tp:02d}" + (f"_{rank.pp:03d}" if pp_size > 1 else "")
+            + (f"_{rank.ep:03d}" if rank.ep is not None else ""))
 
 
-def model_path(iter_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
-    """Megatron-LM's get_checkpoint_name: iter_dir/mp_rank_TT[_PPP]/model_optim_rng.pt."""
-    return Path(iter_dir) / _mp_rank(tp_rank, pp_rank, pp_size) / FILE
+def model_path(iter_dir: Path, rank: Rank, pp_size: int) -> Path:
+    """Megatron-LM's get_checkpoint_name: iter_dir/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt."""
+    return Path(iter_dir) / _mp_rank(rank, pp_size) / FILE
 
 
 def _is_iter_dir(path: Path) -> bool:
@@ -245,16 +248,18 @@ def _layer_counts(args, pp_size: int) -> list[int]:
 def _first_file(iter_dir: Path) -> Path:
     """The (tp0, pp0) file, named either way (args say which naming is right; checked later)."""
     for pp_size in (1, 2):
-        if model_path(iter_dir, 0, 0, pp_size).is_file():
-            return model_path(iter_dir, 0, 0, pp_size)
-    raise FormatError(f"{iter_dir}: neither {model_path(iter_dir, 0, 0, 1)} nor {model_path(iter_dir, 0, 0, 2)} "
+        if model_path(iter_dir, Rank(0, 0), pp_size).is_file():
+            return model_path(iter_dir, Rank(0, 0), pp_size)
+    first = [model_path(iter_dir, Rank(0, 0), pp_size) for pp_size in (1, 2)]
+    raise FormatError(f"{iter_dir}: neither {first[0]} nor {first[1]} "
                       f"exists: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
 
 
 def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int) -> None:
-    expected = {_mp_rank(t, p, pp_size) for t in range(tp_size) for p in range(pp_size)}
-    last = _mp_rank(tp_size - 1, pp_size - 1, pp_size)
-    what = f"TP{tp_size} x PP{pp_size} (from args) expects {_mp_rank(0, 0, pp_size)}..{last}"
+    grid = Grid(tp_size, pp_size)
+    ranks = grid.ranks()
+    expected = {_mp_rank(rank, pp_size) for rank in ranks}
+    what = f"{grid} (from args) expects {_mp_rank(ranks[0], pp_size)}..{_mp_rank(ranks[-1], pp_size)}"
     missing = sorted(n for n in expected if not (iter_dir / n / FILE).is_file())
     if missing:
         raise FormatError(f"{iter_dir / missing[0] / FILE}: missing ({len(missing)} of {len(expected)} rank files "

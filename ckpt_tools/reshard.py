@@ -24,6 +24,7 @@ from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.plan import prepare
+from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter, dtype_name
@@ -42,10 +43,10 @@ class Target:
 
     def begin_stage(self, pp_rank: int) -> None:
         self.pp_rank = pp_rank
-        self._model = [TorchFileWriter(self.dir / fmt.model_file(t, pp_rank)) for t in range(self.tp)]
+        ranks = Grid(self.tp, self.pp).ranks(pp_rank)  # TP rank order
+        self._model = [TorchFileWriter(self.dir / fmt.model_file(rank)) for rank in ranks]
         self._model_state: list[dict] = [{} for _ in range(self.tp)]
-        self._optim = ([TorchFileWriter(self.dir / fmt.optimizer_file(t, pp_rank)) for t in range(self.tp)]
-                       if self.optimizer else [])
+        self._optim = [TorchFileWriter(self.dir / fmt.optimizer_file(rank)) for rank in ranks] if self.optimizer else []
         self._optim_state: list[dict] = [{} for _ in range(self.tp)]
 
     def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
@@ -136,12 +137,12 @@ class Resharder:
                                             [(fd, offset, p.nbytes) for (fd, offset), p in zip(where, parts)])
         return writer.tensor(layout.gather(pieces, shards, self._scratch))
 
-    def write_file(self, kind: str, tp_rank: int, pp_rank: int, extras: dict) -> None:
+    def write_file(self, kind: str, rank: Rank, extras: dict) -> None:
         """One target file (a model or optimizer shard), tensor by tensor, then hashed in the background."""
-        t = self.target
-        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
+        t, tp_rank = self.target, rank.tp
+        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
         writer, state = TorchFileWriter(t.dir / name), {}
-        for local, key in layout.stage_keys(t.spec, t.counts, pp_rank):
+        for local, key in layout.stage_keys(t.spec, t.counts, rank.pp):
             extra = not layout.holds_weights(key, t.spec, t.pp)
             if kind == MODEL:
                 state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
@@ -202,10 +203,9 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         bar = output.progress(len(kinds) * tp * pp, "reshard", quiet, unit="file")
         resharder = Resharder(shards, target)
         for kind in reversed(kinds):  # the small model files last: the wait for the last file's hash is short
-            for p in range(pp):
-                for t in range(tp):
-                    resharder.write_file(kind, t, p, extras)
-                    bar.update(1)
+            for rank in Grid(tp, pp).ranks():
+                resharder.write_file(kind, rank, extras)
+                bar.update(1)
         bar.close()
         _copy_rng(shards, target, tp, pp)
         consumed = int(meta.raw.get("consumed_samples") or 0)
@@ -277,11 +277,10 @@ def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
     rng = shards.rng_state()
     if rng is None:
         return
-    for t in range(tp):
-        for p in range(pp):
-            dest = target.dir / fmt.rng_file(t, p)
-            io.save_file(rng, dest)
-            target.add_file(dest)
+    for rank in Grid(tp, pp).ranks():
+        dest = target.dir / fmt.rng_file(rank)
+        io.save_file(rng, dest)
+        target.add_file(dest)
 
 
 # ---------------------------------------------------------------- import: HF -> shards

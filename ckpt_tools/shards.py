@@ -3,7 +3,7 @@ from them, whatever form the checkpoint is on disk in.
 
 `Reader` is the interface every verb reads through (merge, reshard, verify, inspect, the trainer's
 forward): `meta` (a typed description), `keys()`, `shards(key, field)`, `full(key, field)`,
-`stage_state(tp, pp)`, `validate()`, `has_optimizer()`, `release()`. One reader per on-disk form:
+`stage_state(rank)`, `validate()`, `has_optimizer()`, `release()`. One reader per on-disk form:
 `ShardSet` here (our format, Contract 2, and the per-rank files of Megatron-LM's legacy `torch` format,
 whose subclass lives in megatron_lm.py) and `formats.torch_dist.TorchDistShards` (Megatron-LM's default
 `torch_dist`). `open_checkpoint` picks one from what the directory holds; verbs never ask which.
@@ -22,6 +22,7 @@ import torch
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
+from ckpt_tools.ranks import Rank
 
 MODEL, OPTIMIZER = "model", "optimizer"
 OPTIMIZER_FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -83,11 +84,11 @@ class Reader:
         """The RNG and data position of rank (0, 0) in our format, to give every target rank; None if none."""
         return None
 
-    def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
+    def stage_state(self, rank: Rank) -> dict:
         """One rank's model state dict at the checkpoint's own layout (stage-local keys)."""
         state = {}
-        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, pp_rank):
-            state[local] = self.shards(key)[tp_rank]
+        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, rank.pp):
+            state[local] = self.shards(key)[rank.tp]
         return state
 
     def _map(self, path: Path) -> None:
@@ -148,33 +149,32 @@ class ShardSet(Reader):
         super().__init__(meta)
         self._files: dict[tuple[str, int, int], dict] = {}
 
-    def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
-        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(tp_rank, pp_rank)
+    def path(self, kind: str, rank: Rank) -> Path:
+        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
         return self.meta.dir / name
 
-    def _loaded(self, path: Path, kind: str, obj, tp_rank: int, pp_rank: int) -> dict:
+    def _loaded(self, path: Path, kind: str, obj, rank: Rank) -> dict:
         """The object of a freshly loaded file, as the rest of the reader reads it (a form may rename keys or
         decode its optimizer state into ours)."""
         return obj
 
     def optimizer_extras(self) -> dict:
         """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler)."""
-        return {k: v for k, v in self.file(OPTIMIZER, 0, 0).items() if k != OPTIMIZER}
+        return {k: v for k, v in self.file(OPTIMIZER, Rank(0, 0)).items() if k != OPTIMIZER}
 
-    def file(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
+    def file(self, kind: str, rank: Rank) -> dict:
         """The whole (lazily mapped) object of one shard file."""
-        slot = (kind, tp_rank, pp_rank)
+        slot = (kind, rank)
         if slot not in self._files:
-            path = self.path(kind, tp_rank, pp_rank)
+            path = self.path(kind, rank)
             if not path.is_file():
-                raise FormatError(f"{path}: missing shard (TP rank {tp_rank}, PP rank {pp_rank}) of a "
-                                  f"TP{self.meta.tp_size} x PP{self.meta.pp_size} checkpoint: restore the file")
+                raise FormatError(f"{path}: missing shard ({rank}) of a {self.meta.grid} checkpoint: restore the file")
             self.check_size(path)
             obj = io.load_file(path)
             if not isinstance(obj, dict) or not isinstance(obj.get(kind), dict):
                 raise FormatError(f"{path}: holds no {kind!r} state dict: not a {kind} shard of this checkpoint; "
                                   f"restore it from the source checkpoint")
-            self._files[slot] = self._loaded(path, kind, obj, tp_rank, pp_rank)
+            self._files[slot] = self._loaded(path, kind, obj, rank)
             self._map(path)
         return self._files[slot]
 
@@ -189,7 +189,7 @@ class ShardSet(Reader):
         return len(self.meta.raw.get("files", {})), fmt.check_files(self.meta)
 
     def rng_state(self):
-        path = self.meta.dir / fmt.rng_file(0, 0)
+        path = self.meta.dir / fmt.rng_file(Rank(0, 0))
         if not path.is_file():
             if path.name in self.meta.raw.get("files", {}):
                 raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
@@ -201,12 +201,12 @@ class ShardSet(Reader):
         """sha256 of every file meta.json records (merge/reshard --check-hashes, verify tier 1)."""
         fmt.check_hashes(self.meta)
 
-    def _state(self, kind: str, tp_rank: int, pp_rank: int) -> dict:
-        return self.file(kind, tp_rank, pp_rank)[kind]
+    def _state(self, kind: str, rank: Rank) -> dict:
+        return self.file(kind, rank)[kind]
 
-    def stage_state(self, tp_rank: int, pp_rank: int) -> dict:
-        state = dict(self._state(MODEL, tp_rank, pp_rank))
-        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, pp_rank):
+    def stage_state(self, rank: Rank) -> dict:
+        state = dict(self._state(MODEL, rank))
+        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, rank.pp):
             if local not in state and not layout.holds_weights(key, self.meta.spec, self.meta.pp_size):
                 state[local] = None  # a missing _extra_state holds no weights
         return state
@@ -218,19 +218,19 @@ class ShardSet(Reader):
         pp_rank, local = self._where[global_key]
         kind = MODEL if field is None else OPTIMIZER
         out = []
-        for tp_rank in range(self.meta.tp_size):
-            state = self._state(kind, tp_rank, pp_rank)
+        for rank in self.meta.grid.ranks(pp_rank):
+            state = self._state(kind, rank)
             if local not in state and field is None and \
                     not layout.holds_weights(global_key, self.meta.spec, self.meta.pp_size):
                 out.append(None)  # a missing _extra_state holds no weights
                 continue
             if local not in state:
-                raise FormatError(f"{self.path(kind, tp_rank, pp_rank)}: tensor {local} is missing: "
+                raise FormatError(f"{self.path(kind, rank)}: tensor {local} is missing: "
                                   f"the shard is incomplete; restore it from the source checkpoint")
             entry = state[local]
             if field is not None:
                 if not isinstance(entry, dict) or field not in entry:
-                    raise FormatError(f"{self.path(kind, tp_rank, pp_rank)}: {local} has no {field!r} state: "
+                    raise FormatError(f"{self.path(kind, rank)}: {local} has no {field!r} state: "
                                       f"the optimizer shard is incomplete")
                 entry = entry[field]
             out.append(entry)
@@ -241,15 +241,13 @@ class ShardSet(Reader):
         """Every model shard holds exactly its stage's keys, each of the layout table's shard shape and
         the recorded dtype; no shard files beyond the layout's. Problems as one-line messages."""
         meta, problems = self.meta, self._extra_files()
-        for pp_rank in range(meta.pp_size):
-            for tp_rank in range(meta.tp_size):
-                try:
-                    state = self._state(MODEL, tp_rank, pp_rank)
-                except FormatError as e:
-                    problems.append(str(e))
-                    continue
-                path = self.path(MODEL, tp_rank, pp_rank)
-                problems += fmt.shard_problems(meta, path, state, tp_rank, pp_rank, torch.is_tensor)
+        for rank in meta.grid.ranks():
+            try:
+                state = self._state(MODEL, rank)
+            except FormatError as e:
+                problems.append(str(e))
+                continue
+            problems += fmt.shard_problems(meta, self.path(MODEL, rank), state, rank, torch.is_tensor)
         return problems
 
     def _extra_files(self) -> list[str]:
@@ -258,7 +256,7 @@ class ShardSet(Reader):
     def has_optimizer(self) -> bool:
         """Optimizer shards exist or meta.json records them (then a missing one is an error, not "no optimizer")."""
         recorded = self.meta.raw.get("files", {})
-        paths = [self.path(OPTIMIZER, t, p) for t in range(self.meta.tp_size) for p in range(self.meta.pp_size)]
+        paths = [self.path(OPTIMIZER, rank) for rank in self.meta.grid.ranks()]
         return any(path.is_file() or path.name in recorded for path in paths)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from ckpt_tools.errors import ConfigError
 from ckpt_tools.formats.megatron_resume import ResumeState
 from ckpt_tools.formats.megatron_write import FORMS, TORCH_DIST, writer_for
 from ckpt_tools.megatron_args import build_args
+from ckpt_tools.ranks import Grid
 from ckpt_tools.shards import OPTIMIZER_FIELDS
 from ckpt_tools.spec import ModelSpec
 
@@ -65,15 +66,16 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
         keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
         bar = output.progress(sum(map(len, keys)), label, quiet, unit="tensor")
         for p in range(pp):
+            ranks = Grid(tp, pp).ranks(p)
             for _, key in keys[p]:
                 if not layout.holds_weights(key, spec, pp):
                     writer.put_extra(p, key)
                 else:
-                    for t in range(tp):
-                        writer.put(t, p, key, shard_of(key, t))
+                    for rank in ranks:
+                        writer.put(rank, key, shard_of(key, rank.tp))
                     for field in OPTIMIZER_FIELDS if resume is not None else ():
-                        for t in range(tp):  # one field at a time: one full tensor in memory, not four
-                            writer.put(t, p, key, state_of(key, field, t), field)
+                        for rank in ranks:  # one field at a time: one full tensor in memory, not four
+                            writer.put(rank, key, state_of(key, field, rank.tp), field)
                 bar.update(1)
             writer.end_stage(p, iteration)
         writer.close(iteration, resume.common() if resume is not None else None)

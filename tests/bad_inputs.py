@@ -27,13 +27,28 @@ from click.testing import CliRunner
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
 from ckpt_tools.cli import main
+from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
 from trainer.model import full_init
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
 ITERATION, CONSUMED = 100, 1600
-M, O, R = fmt.model_file, fmt.optimizer_file, fmt.rng_file
+
+
+def M(tp: int, pp: int) -> str:
+    """The file names of one rank's shards: model, optimizer, RNG."""
+    return fmt.model_file(Rank(tp, pp))
+
+
+def O(tp: int, pp: int) -> str:  # noqa: E743
+    return fmt.optimizer_file(Rank(tp, pp))
+
+
+def R(tp: int, pp: int) -> str:
+    return fmt.rng_file(Rank(tp, pp))
+
+
 OUT = "OUT"  # the output name the cases use
 
 

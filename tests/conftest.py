@@ -13,6 +13,7 @@ import torch
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io
+from ckpt_tools.ranks import Rank
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
@@ -59,7 +60,7 @@ def assert_same_curve(a: list[dict], b: list[dict], rel: float) -> None:
 def assert_same_files(a, b, kind: str, tp: int, pp: int, atol: float) -> None:
     for t in range(tp):
         for p in range(pp):
-            name = fmt.model_file(t, p) if kind == "model" else fmt.optimizer_file(t, p)
+            name = fmt.model_file(Rank(t, p)) if kind == "model" else fmt.optimizer_file(Rank(t, p))
             x, y = io.load_file(a / name)[kind], io.load_file(b / name)[kind]
             assert set(x) == set(y), name
             for key in x:

@@ -20,6 +20,7 @@ from ckpt_tools import io
 from ckpt_tools.checkpoint import Meta, model_file
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.megatron_lm import TRACKER, model_path
+from ckpt_tools.ranks import Rank
 
 
 
@@ -68,8 +69,8 @@ def write_megatron_lm(ckpt_dir: Path, out_dir: Path, vocab_recorded: bool = True
                  "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 0}
     for pp_rank in range(meta.pp_size):
         for tp_rank in range(meta.tp_size):
-            model = io.load_file(Path(ckpt_dir) / model_file(tp_rank, pp_rank))["model"]
-            path = model_path(iter_dir, tp_rank, pp_rank, meta.pp_size)
+            model = io.load_file(Path(ckpt_dir) / model_file(Rank(tp_rank, pp_rank)))["model"]
+            path = model_path(iter_dir, Rank(tp_rank, pp_rank), meta.pp_size)
             path.parent.mkdir(parents=True, exist_ok=True)
             n_params = sum(1 for v in model.values() if torch.is_tensor(v))
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration, "model": model,

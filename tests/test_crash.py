@@ -22,6 +22,7 @@ import crash_trials as ct
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import output
+from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
 
 SEED = 20261122
@@ -77,7 +78,7 @@ def _stage_checkpoint(save: Path, iteration: int, payload: bytes) -> dict:
     """Files of a checkpoint in its temp dir, as the trainer leaves them before commit(); returns meta."""
     tmp = save / fmt.temp_name(iteration)
     tmp.mkdir(parents=True)
-    for name in (fmt.model_file(0, 0), fmt.optimizer_file(0, 0)):
+    for name in (fmt.model_file(Rank(0, 0)), fmt.optimizer_file(Rank(0, 0))):
         (tmp / name).write_bytes(payload * 1000)
     files = {f.name: fmt.file_record(f) for f in sorted(tmp.iterdir())}
     return fmt.build_meta(SPEC, 1, [2], SPEC.padded_vocab_size(1), iteration, iteration * 8, "float32", 1, {}, files)

@@ -22,6 +22,7 @@ from test_reshard import BAD_TARGETS, assert_nothing_written, full_tensors, meta
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io
 from ckpt_tools.merge import merge
+from ckpt_tools.ranks import Rank
 from ckpt_tools.reshard import import_hf
 
 # ---------------------------------------------------------------- HF import -> merge, and logits
@@ -73,8 +74,8 @@ def test_import_then_merge_gives_the_hf_tensors_back(arch, dtype, hf_dirs, tmp_p
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
     for t in range(2):  # a fresh optimizer: fp32 master = the weights, zero moments, step 0
         for p in range(2):
-            model = io.load_file(ckpt / fmt.model_file(t, p))["model"]
-            state = io.load_file(ckpt / fmt.optimizer_file(t, p))["optimizer"]
+            model = io.load_file(ckpt / fmt.model_file(Rank(t, p)))["model"]
+            state = io.load_file(ckpt / fmt.optimizer_file(Rank(t, p)))["optimizer"]
             assert list(state) == [k for k, v in model.items() if torch.is_tensor(v)]
             for key, s in state.items():
                 assert model[key].dtype == want and s["master"].dtype == torch.float32, key

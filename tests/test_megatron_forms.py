@@ -17,6 +17,7 @@ from conftest import torchrun
 
 from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.formats import dcp
+from ckpt_tools.ranks import Rank
 
 FORMS = ("torch_dist", "torch", "torch_te")
 VOCAB = 250
@@ -99,7 +100,7 @@ def test_forms_are_what_megatron_lm_writes(mcore):
     keys = dcp.read_metadata(dist).tensors
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys  # TE names, stacked layers
     assert keys["decoder.layers.mlp.linear_fc1.weight"].shape[0] == 4
-    te = torch.load(mlm.model_path(mcore / "torch_te" / "iter_0000005", 0, 0, 2), weights_only=False)["model"]
+    te = torch.load(mlm.model_path(mcore / "torch_te" / "iter_0000005", Rank(0, 0), 2), weights_only=False)["model"]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
     assert mlm.form(dist) == mlm.TORCH_DIST and mlm.form(mcore / "torch" / "iter_0000005") == mlm.TORCH
 

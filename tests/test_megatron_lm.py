@@ -21,6 +21,7 @@ from ckpt_tools import io, layout
 from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.checkpoint import FORMAT, Meta, model_file
 from ckpt_tools.errors import ConfigError, FormatError
+from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
 from trainer.model import full_init
 
@@ -55,7 +56,7 @@ def write_ours(spec: ModelSpec, ckpt_dir: Path, tp: int = TP, pp: int = PP, dtyp
             for tp_rank in range(tp):
                 shards[tp_rank][local] = parts[tp_rank]
         for tp_rank in range(tp):
-            torch.save({"model": shards[tp_rank]}, ckpt_dir / model_file(tp_rank, pp_rank))
+            torch.save({"model": shards[tp_rank]}, ckpt_dir / model_file(Rank(tp_rank, pp_rank)))
     meta = {"format": FORMAT, "iteration": ITERATION, "consumed_samples": CONSUMED, "model": spec.to_dict(),
             "parallel": {"tp_size": tp, "pp_size": pp, "dp_size": 1, "layers_per_stage": counts},
             "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
@@ -73,7 +74,7 @@ def megatron_dir(tmp_path: Path, spec: ModelSpec, vocab_recorded: bool = True, *
 
 def resave_args(ckpt: Path, **changes) -> None:
     """Change args in the (tp0, pp0) file, the one read_meta takes args from."""
-    path = mlm.model_path(ckpt / f"iter_{ITERATION:07d}", 0, 0, PP)
+    path = mlm.model_path(ckpt / f"iter_{ITERATION:07d}", Rank(0, 0), PP)
     state = torch.load(path, weights_only=False)
     for k, v in changes.items():
         setattr(state["args"], k, v)
@@ -91,8 +92,8 @@ def test_writer_layout_matches_megatron_lm(llama_ckpt):
     iter_dir = llama_ckpt / "iter_0000100"
     assert sorted(p.name for p in iter_dir.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001",
                                                          "mp_rank_01_000", "mp_rank_01_001"]
-    assert mlm.model_path(iter_dir, 1, 1, 2) == iter_dir / "mp_rank_01_001" / "model_optim_rng.pt"
-    assert mlm.model_path(iter_dir, 3, 0, 1) == iter_dir / "mp_rank_03" / "model_optim_rng.pt"
+    assert mlm.model_path(iter_dir, Rank(1, 1), 2) == iter_dir / "mp_rank_01_001" / "model_optim_rng.pt"
+    assert mlm.model_path(iter_dir, Rank(3, 0), 1) == iter_dir / "mp_rank_03" / "model_optim_rng.pt"
     assert mlm.is_megatron_lm(llama_ckpt) and mlm.is_megatron_lm(iter_dir)
     assert not mlm.is_megatron_lm(llama_ckpt.parent / "ours" / "checkpoint-100")
     assert not mlm.is_megatron_lm(iter_dir / "mp_rank_00_000")
@@ -132,7 +133,7 @@ def test_tp1_pp1_naming(tmp_path):
 
 
 def test_files_load_through_allow_list_only(llama_ckpt):
-    path = mlm.model_path(llama_ckpt / "iter_0000100", 1, 1, PP)
+    path = mlm.model_path(llama_ckpt / "iter_0000100", Rank(1, 1), PP)
     registered = torch.serialization.get_safe_globals()  # importing megatron.core registers argparse.Namespace
     torch.serialization.clear_safe_globals()
     try:
@@ -157,7 +158,7 @@ class Evil:  # any global outside the allow-list
 
 
 def test_file_needing_other_pickle_code_is_refused(llama_ckpt):
-    path = mlm.model_path(llama_ckpt / "iter_0000100", 0, 0, PP)
+    path = mlm.model_path(llama_ckpt / "iter_0000100", Rank(0, 0), PP)
     state = torch.load(path, weights_only=False)
     state["args"].evil = Evil()
     torch.save(state, path)
@@ -167,8 +168,8 @@ def test_file_needing_other_pickle_code_is_refused(llama_ckpt):
 
 
 def test_model_shards_are_ours_unchanged(llama_ckpt, tmp_path):
-    ours = io.load_file(tmp_path / "ours" / "checkpoint-100" / model_file(1, 1))["model"]
-    theirs = io.load_file(mlm.model_path(llama_ckpt / "iter_0000100", 1, 1, PP))["model"]
+    ours = io.load_file(tmp_path / "ours" / "checkpoint-100" / model_file(Rank(1, 1)))["model"]
+    theirs = io.load_file(mlm.model_path(llama_ckpt / "iter_0000100", Rank(1, 1), PP))["model"]
     assert list(theirs) == list(ours)
     assert all(torch.equal(theirs[k], v) for k, v in ours.items() if torch.is_tensor(v))
 
@@ -289,7 +290,7 @@ def test_unsupported_args(llama_ckpt, changes, expected):
         mlm.read_meta(llama_ckpt)
     msg = str(e.value)
     assert expected in msg and "supported: llama" in msg and "gpt2" in msg and "\n" not in msg
-    assert msg.startswith(str(mlm.model_path(llama_ckpt / "iter_0000100", 0, 0, PP)))
+    assert msg.startswith(str(mlm.model_path(llama_ckpt / "iter_0000100", Rank(0, 0), PP)))
 
 
 def test_gpt2_untied_is_refused(tmp_path):
@@ -338,7 +339,7 @@ def test_uneven_split_read_from_args(llama_ckpt):
 
 def test_foreign_model_keys(llama_ckpt, tmp_path):
     """A key neither megatron-core's nor a legacy model's: named, with its file, before anything is written."""
-    path = mlm.model_path(llama_ckpt / "iter_0000100", 0, 0, PP)
+    path = mlm.model_path(llama_ckpt / "iter_0000100", Rank(0, 0), PP)
     state = torch.load(path, weights_only=False)
     state["model"]["language_model.encoder.layers.0.self_attention.adapter.weight"] = torch.zeros(2)
     torch.save(state, path)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from ckpt_tools import layout
 from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.formats import megatron_optim as mo
+from ckpt_tools.ranks import Rank
 from ckpt_tools.shards import open_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_optimizer"
@@ -57,7 +58,7 @@ def test_every_form_decodes_to_megatron_cores_state(form):
 @pytest.mark.parametrize("variant", ["dist", "dist_buckets"])
 def test_buffer_layout_is_megatron_cores(variant):
     """The grad-buffer layout recomputed from the parameter list and args equals megatron-core's own."""
-    path = mlm.model_path(FIXTURES / variant / "torch" / "iter_0000003", 0, 0, 1)
+    path = mlm.model_path(FIXTURES / variant / "torch" / "iter_0000003", Rank(0, 0), 1)
     obj = torch.load(path, weights_only=False, map_location="cpu")
     params = mo.params_of(mlm.model_state(obj), set())
     dp = mo.dp_size_of(obj["args"])

@@ -24,12 +24,13 @@ import bad_inputs as bad
 import pytest
 import torch
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import byte_ranges, hf, io, layout, torchfile
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools.byte_ranges import ByteSource, Declined
 from ckpt_tools.cli import main
 from ckpt_tools.errors import FormatError
-from ckpt_tools.byte_ranges import ByteSource, Declined
 from ckpt_tools.merge import BYTES, TENSORS, TORCH_PATH, merge
+from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
 from trainer.model import full_init
 
@@ -73,10 +74,10 @@ def make_checkpoint(save_dir: Path, spec: ModelSpec, tp: int, pp: int, dtype: st
                 optim[t][local] = {"master": masters[t].contiguous(), "exp_avg": torch.zeros(masters[t].shape),
                                    "exp_avg_sq": torch.zeros(masters[t].shape), "step": torch.tensor(float(ITERATION))}
         for t in range(tp):
-            io.save_file({"model": model[t]}, tmp / fmt.model_file(t, p))
+            io.save_file({"model": model[t]}, tmp / fmt.model_file(Rank(t, p)))
             io.save_file({"optimizer": optim[t], "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}],
                           "scheduler": {"iteration": ITERATION, "lr": 1e-3}, "scaler": None},
-                         tmp / fmt.optimizer_file(t, p))
+                         tmp / fmt.optimizer_file(Rank(t, p)))
     for f in hf.tokenizer_files(TOKENIZER):
         shutil.copyfile(f, tmp / f.name)
     files = {f.name: fmt.file_record(f) for f in sorted(tmp.iterdir())}
@@ -178,7 +179,7 @@ def test_check_hashes_is_a_step_before_the_byte_copy(checkpoints, tmp_path):
     """A file changed after saving, at its recorded size and still well-formed: the byte source takes the files,
     the hash step refuses them (the torch reader's words), nothing is written."""
     ck = shutil.copytree(checkpoints("llama", False, 2, 2), tmp_path / "src")
-    path = ck / fmt.model_file(1, 0)
+    path = ck / fmt.model_file(Rank(1, 0))
     info = torchfile.read(path)["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
     with open(path, "r+b") as f:  # flip one byte of a tensor: the pickle and sizes stay as they were
         f.seek(info.offset)
@@ -217,7 +218,7 @@ def test_megatron_lm_dir_takes_the_fast_path_with_the_torch_paths_bytes(tmp_path
 def test_a_tied_copy_that_differs_is_left_to_torch(checkpoints, tmp_path):
     """The torch reader merges it with a note; the byte source must not write it silently without one."""
     ck = shutil.copytree(checkpoints("llama", True, 2, 2), tmp_path / "src")
-    last = fmt.model_file(1, 1)
+    last = fmt.model_file(Rank(1, 1))
     bad.resave(ck, last, lambda o: o["model"]["output_layer.weight"].__setitem__((3, 5), 1.0))
     with pytest.raises(Declined, match="differs"):
         ByteSource.open(ck, None, False)
@@ -229,9 +230,9 @@ def test_strided_shards_are_left_to_torch(checkpoints, tmp_path):
     """A tensor saved as a non-contiguous view: the reader refuses it, and merge still works (through torch)."""
     ck = shutil.copytree(checkpoints("llama", False, 2, 2), tmp_path / "src")
     key = "decoder.layers.0.mlp.linear_fc2.weight"
-    bad.resave(ck, fmt.model_file(0, 0), lambda o: o["model"].update({key: o["model"][key].t().contiguous().t()}))
+    bad.resave(ck, fmt.model_file(Rank(0, 0)), lambda o: o["model"].update({key: o["model"][key].t().contiguous().t()}))
     with pytest.raises(torchfile.Unreadable, match="not a contiguous"):
-        torchfile.read(ck / fmt.model_file(0, 0))
+        torchfile.read(ck / fmt.model_file(Rank(0, 0)))
     with pytest.raises(Declined, match="not a contiguous"):
         ByteSource.open(ck, None, False)
     merge(ck, tmp_path / "hf", quiet=True)
@@ -241,49 +242,49 @@ def test_strided_shards_are_left_to_torch(checkpoints, tmp_path):
 def test_reader_never_runs_a_pickle(tmp_path):
     marker = tmp_path / "MARKER"
     ck = bad.make_ckpt(tmp_path / "ck", ModelSpec(**{**LLAMA.to_dict(), "vocab_size": 250}))
-    bad.plant_malicious(ck, fmt.model_file(1, 0), bad.SystemCall(f"touch {marker}"))
+    bad.plant_malicious(ck, fmt.model_file(Rank(1, 0)), bad.SystemCall(f"touch {marker}"))
     with pytest.raises(torchfile.Unreadable, match="global posix.system"):
-        torchfile.read(ck / fmt.model_file(1, 0))
+        torchfile.read(ck / fmt.model_file(Rank(1, 0)))
     assert not marker.exists()
 
 
 # ---------------------------------------------------------------- damaged input: the same one-line errors
 def _wrong_shape(ck: Path) -> None:
     key = "decoder.layers.0.mlp.linear_fc2.weight"
-    bad.resave(ck, fmt.model_file(0, 1), lambda o: o["model"].update({key: torch.zeros(64, 47)}))
+    bad.resave(ck, fmt.model_file(Rank(0, 1)), lambda o: o["model"].update({key: torch.zeros(64, 47)}))
 
 
 def _missing_key(ck: Path) -> None:
-    bad.resave(ck, fmt.model_file(0, 1), lambda o: o["model"].pop("decoder.layers.1.pre_mlp_layernorm.weight"))
+    bad.resave(ck, fmt.model_file(Rank(0, 1)), lambda o: o["model"].pop("decoder.layers.1.pre_mlp_layernorm.weight"))
 
 
 def _extra_key(ck: Path) -> None:
     key = "decoder.layers.0.mlp.router.weight"
-    bad.resave(ck, fmt.model_file(1, 1), lambda o: o["model"].update({key: torch.zeros(4)}))
+    bad.resave(ck, fmt.model_file(Rank(1, 1)), lambda o: o["model"].update({key: torch.zeros(4)}))
 
 
 def _truncated(ck: Path) -> None:
-    bad.truncate(ck / fmt.model_file(1, 0))
+    bad.truncate(ck / fmt.model_file(Rank(1, 0)))
 
 
 def _truncated_unrecorded(ck: Path) -> None:
-    bad.truncate(ck / fmt.model_file(1, 1), 0.7)
+    bad.truncate(ck / fmt.model_file(Rank(1, 1)), 0.7)
     bad.reseal(ck, lambda m: m.update(files={}))
 
 
 def _replicas_differ(ck: Path) -> None:
     key = "decoder.layers.1.input_layernorm.weight"
-    bad.resave(ck, fmt.model_file(1, 0), lambda o: o["model"][key].__setitem__(0, 2.0))
+    bad.resave(ck, fmt.model_file(Rank(1, 0)), lambda o: o["model"][key].__setitem__(0, 2.0))
 
 
 def _wrong_dtype(ck: Path) -> None:
     key = "decoder.layers.1.self_attention.linear_qkv.weight"
-    bad.resave(ck, fmt.model_file(1, 0), lambda o: o["model"].update({key: o["model"][key].float()}))
+    bad.resave(ck, fmt.model_file(Rank(1, 0)), lambda o: o["model"].update({key: o["model"][key].float()}))
 
 
 def _missing_master(ck: Path) -> None:
     key = "decoder.layers.0.input_layernorm.weight"
-    bad.resave(ck, fmt.optimizer_file(0, 0), lambda o: o["optimizer"][key].pop("master"))
+    bad.resave(ck, fmt.optimizer_file(Rank(0, 0)), lambda o: o["optimizer"][key].pop("master"))
 
 
 DAMAGE = [(_wrong_shape, []), (_missing_key, []), (_extra_key, []), (_truncated, []), (_truncated_unrecorded, []),

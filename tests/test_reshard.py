@@ -25,6 +25,7 @@ from ckpt_tools import io
 from ckpt_tools.cli import main
 from ckpt_tools.layout import same_bits
 from ckpt_tools.merge import merge
+from ckpt_tools.ranks import Rank
 from ckpt_tools.reshard import reshard
 
 RESUME_RTOL = 1e-6  # resharded resume vs the straight run, per iteration
@@ -122,8 +123,8 @@ def full_tensors(ckpt: Path) -> dict[str, dict]:
     gated = m["model"]["architecture"] == "llama"
     out: dict[str, dict] = {}
     for p in range(len(counts)):
-        models = [io.load_file(ckpt / fmt.model_file(t, p))["model"] for t in range(tp)]
-        optims = [io.load_file(ckpt / fmt.optimizer_file(t, p))["optimizer"] for t in range(tp)]
+        models = [io.load_file(ckpt / fmt.model_file(Rank(t, p)))["model"] for t in range(tp)]
+        optims = [io.load_file(ckpt / fmt.optimizer_file(Rank(t, p)))["optimizer"] for t in range(tp)]
         for local in models[0]:
             key = global_key(local, sum(counts[:p]))
             entry = out[key] = {"model": reference_join(key, [s[local] for s in models], gated)}
@@ -180,8 +181,8 @@ def test_uneven_split_round_trip_is_bit_exact(llama_run, tmp_path):
     assert result.exit_code == 0, result.output
     m = meta(uneven / "checkpoint-8")
     assert m["parallel"]["layers_per_stage"] == [1, 3] and m["config"]["layers_per_stage"] == [1, 3]
-    first = io.load_file(uneven / "checkpoint-8" / fmt.model_file(0, 0))["model"]
-    last = io.load_file(uneven / "checkpoint-8" / fmt.model_file(0, 1))["model"]
+    first = io.load_file(uneven / "checkpoint-8" / fmt.model_file(Rank(0, 0)))["model"]
+    last = io.load_file(uneven / "checkpoint-8" / fmt.model_file(Rank(0, 1)))["model"]
     assert {k.split(".")[2] for k in first if k.startswith("decoder.layers.")} == {"0"}
     assert {k.split(".")[2] for k in last if k.startswith("decoder.layers.")} == {"0", "1", "2"}
 
@@ -233,7 +234,7 @@ def test_resume_without_the_optimizer_state_would_be_caught(llama_run, llama_tp1
     ckpt = dropped / "checkpoint-4"
     m = meta(ckpt)
     names = [n for n in m["files"] if n.startswith("optimizer_")]
-    assert names == [fmt.optimizer_file(0, 0), fmt.optimizer_file(0, 1)]
+    assert names == [fmt.optimizer_file(Rank(0, 0)), fmt.optimizer_file(Rank(0, 1))]
     for name in names:
         (ckpt / name).unlink()
         del m["files"][name]

@@ -9,6 +9,7 @@ import torch
 from conftest import sharded_logits, torchrun, train, CONFIGS
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io
+from ckpt_tools.ranks import Rank
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +38,8 @@ def test_tp2_pp2_trains_and_saves_every_shard(llama_run):
 def test_optimizer_shard_is_per_parameter_and_matches_model(llama_run):
     save, _ = llama_run
     ckpt = save / "checkpoint-8"
-    model = io.load_file(ckpt / fmt.model_file(1, 1))["model"]
-    opt = io.load_file(ckpt / fmt.optimizer_file(1, 1))
+    model = io.load_file(ckpt / fmt.model_file(Rank(1, 1)))["model"]
+    opt = io.load_file(ckpt / fmt.optimizer_file(Rank(1, 1)))
     params = {k for k, v in model.items() if torch.is_tensor(v)}
     assert set(opt["optimizer"]) == params
     for key, state in opt["optimizer"].items():
@@ -56,8 +57,8 @@ def test_resume_is_bit_exact(llama_run, tmp_path):
     assert [m["iteration"] for m in resumed] == [5, 6, 7, 8]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics[4:]]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in metrics[4:]]
-    a = io.load_file(save / "checkpoint-8" / fmt.model_file(0, 1))["model"]
-    b = io.load_file(tmp_path / "resumed" / "checkpoint-8" / fmt.model_file(0, 1))["model"]
+    a = io.load_file(save / "checkpoint-8" / fmt.model_file(Rank(0, 1)))["model"]
+    b = io.load_file(tmp_path / "resumed" / "checkpoint-8" / fmt.model_file(Rank(0, 1)))["model"]
     for k, v in a.items():
         if torch.is_tensor(v):
             assert torch.equal(v, b[k]), k

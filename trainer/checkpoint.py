@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout
 from ckpt_tools.errors import ConfigError, FormatError
+from ckpt_tools.ranks import Rank
 from trainer.config import TrainConfig
 from trainer.model import GPTStage
 from trainer.optim import MasterAdamW
@@ -48,13 +49,14 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                "iteration": iteration, "consumed_samples": consumed_samples}
-        files = {fmt.model_file(tp_rank, pp_rank): {"model": model_state},
-                 fmt.optimizer_file(tp_rank, pp_rank): {
+        rank = Rank(tp_rank, pp_rank)
+        files = {fmt.model_file(rank): {"model": model_state},
+                 fmt.optimizer_file(rank): {
                      "optimizer": optim_state,
                      "param_groups": opt.param_groups,
                      "scheduler": {"iteration": iteration, "lr": opt.param_groups[0]["lr"]},
                      "scaler": None},
-                 fmt.rng_file(tp_rank, pp_rank): rng}
+                 fmt.rng_file(rank): rng}
         for name, obj in files.items():
             io.save_file(obj, tmp / name)
             records[name] = fmt.file_record(tmp / name)
@@ -140,16 +142,16 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     meta = fmt.Meta.read(ckpt_dir)
     _check_compatible(meta, stage)
     tp_rank, pp_rank, _ = _ranks()
-    model_path = ckpt_dir / fmt.model_file(tp_rank, pp_rank)
+    rank = Rank(tp_rank, pp_rank)
+    model_path = ckpt_dir / fmt.model_file(rank)
     if not model_path.is_file():
-        raise FormatError(f"{model_path}: missing shard (TP rank {tp_rank}, PP rank {pp_rank}) of a "
-                          f"TP{meta.tp_size} x PP{meta.pp_size} checkpoint: restore the file")
+        raise FormatError(f"{model_path}: missing shard ({rank}) of a {meta.grid} checkpoint: restore the file")
     model_state = _read(model_path, meta, "model")["model"]
     check_shard(model_path, model_state, stage, meta)
     stage.load_state_dict(model_state, strict=True)
-    optim_path = ckpt_dir / fmt.optimizer_file(tp_rank, pp_rank)
+    optim_path = ckpt_dir / fmt.optimizer_file(rank)
     recorded = meta.raw.get("files", {})
-    for path in (optim_path, ckpt_dir / fmt.rng_file(tp_rank, pp_rank)):
+    for path in (optim_path, ckpt_dir / fmt.rng_file(rank)):
         if path.name in recorded and not path.is_file():
             raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
     if optim_path.is_file():
@@ -159,7 +161,7 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     else:  # saved without optimizer state (`ckpt import --no-optimizer`): AdamW starts fresh from the weights
         opt.load_by_key({k: {"master": p.detach().float(), "exp_avg": None, "exp_avg_sq": None,
                              "step": torch.tensor(0.0)} for k, p in stage.named_parameters()})
-    rng_path = ckpt_dir / fmt.rng_file(tp_rank, pp_rank)
+    rng_path = ckpt_dir / fmt.rng_file(rank)
     if not rng_path.is_file():  # imported weights: no RNG or data position yet
         return meta.iteration, int(meta.raw.get("consumed_samples", 0))
     rng = _read(rng_path, meta, mmap=False)

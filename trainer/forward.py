@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 
 from ckpt_tools import io, layout
 from ckpt_tools.errors import CkptError
+from ckpt_tools.ranks import Rank
 from ckpt_tools.shards import Reader, open_checkpoint
 from trainer.model import GPTStage, megatron_config
 
@@ -36,7 +37,7 @@ def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], devic
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     stage = GPTStage(spec, mcfg, tp_size=tp_size, pp_rank=pp_rank, layer_counts=counts, padded_vocab=padded)
     if tp_size == meta.tp_size and counts == meta.layer_counts:
-        state = shards.stage_state(tp_rank, pp_rank)
+        state = shards.stage_state(Rank(tp_rank, pp_rank))
     else:
         state = {}
         for local, key in stage.global_keys().items():

@@ -11,16 +11,17 @@ from pathlib import Path
 from ckpt_tools import io, layout, megatron_lm
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import megatron_optim as mo
+from ckpt_tools.ranks import Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, ShardSet
 
 DISTRIB_OPTIM = "distrib_optim.pt"
 
 
 class LegacyShards(ShardSet):
-    def path(self, kind: str, tp_rank: int, pp_rank: int) -> Path:
-        return megatron_lm.model_path(self.meta.dir, tp_rank, pp_rank, self.meta.pp_size)
+    def path(self, kind: str, rank: Rank) -> Path:
+        return megatron_lm.model_path(self.meta.dir, rank, self.meta.pp_size)
 
-    def _loaded(self, path: Path, kind: str, obj, tp_rank: int, pp_rank: int) -> dict:
+    def _loaded(self, path: Path, kind: str, obj, rank: Rank) -> dict:
         model = megatron_lm.model_state(obj)
         order = megatron_lm.qkv_order(path, obj)
         if order is not None and kind != MODEL:
@@ -33,7 +34,7 @@ class LegacyShards(ShardSet):
                                                      spec.kv_channels)
         if kind == MODEL:
             return {**obj, MODEL: model}
-        return {OPTIMIZER: self._decode(path, obj, model, pp_rank)}
+        return {OPTIMIZER: self._decode(path, obj, model, rank.pp)}
 
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
         params = mo.params_of(model, layout.tied_copies(self.meta.spec, self.meta.pp_size, pp_rank))
@@ -63,8 +64,8 @@ class LegacyShards(ShardSet):
         return []  # rank dirs beyond the layout are refused when the meta is read
 
     def _form(self) -> str | None:
-        first = self.file(MODEL, 0, 0)
-        if (self.path(MODEL, 0, 0).parent / DISTRIB_OPTIM).is_file():
+        first = self.file(MODEL, Rank(0, 0))
+        if (self.path(MODEL, Rank(0, 0)).parent / DISTRIB_OPTIM).is_file():
             return "flat"
         opt = first.get("optimizer")
         if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict) and opt["optimizer"].get("state"):
@@ -72,11 +73,11 @@ class LegacyShards(ShardSet):
         return "other" if opt else None
 
     def megatron_optimizer(self):
-        first = self.file(MODEL, 0, 0)
+        first = self.file(MODEL, Rank(0, 0))
         opt = first.get("optimizer")
         inner = opt.get("optimizer") if isinstance(opt, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
-        path = self.path(MODEL, 0, 0)
+        path = self.path(MODEL, Rank(0, 0))
         return path, groups, path, first.get("opt_param_scheduler")
 
     def has_optimizer(self) -> bool:

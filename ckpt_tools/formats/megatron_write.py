@@ -31,6 +31,7 @@ import torch
 from ckpt_tools import layout, megatron_lm
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import stacked_key
+from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
 
@@ -48,19 +49,19 @@ class DistWriter:
                  args: argparse.Namespace):
         self.dir, self.spec, self.tp, self.counts, self.padded, self.args = iter_dir, spec, tp, counts, padded, args
         self.pp = len(counts)
-        self._files: dict[tuple[int, int], object] = {}
+        self._files: dict[Rank, object] = {}
         self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list]] = {}  # fqn -> dtype, shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self.nbytes = 0
 
-    def _file(self, tp_rank: int, pp_rank: int):
-        if (tp_rank, pp_rank) not in self._files:
-            name = f"__{pp_rank * self.tp + tp_rank}_0.distcp"
-            self._files[tp_rank, pp_rank] = (name, open(self.dir / name, "wb"))  # noqa: SIM115 (closed per stage)
-        return self._files[tp_rank, pp_rank]
+    def _file(self, rank: Rank):
+        if rank not in self._files:
+            name = f"__{rank.pp * self.tp + rank.tp}_0.distcp"  # the saving process's global rank
+            self._files[rank] = (name, open(self.dir / name, "wb"))  # noqa: SIM115 (closed per stage)
+        return self._files[rank]
 
-    def _write(self, tp_rank: int, pp_rank: int, blob) -> tuple[str, int, int]:
-        name, f = self._file(tp_rank, pp_rank)
+    def _write(self, rank: Rank, blob) -> tuple[str, int, int]:
+        name, f = self._file(rank)
         start = f.tell()
         if torch.is_tensor(blob):
             torch.save(blob, f)
@@ -68,20 +69,20 @@ class DistWriter:
             f.write(blob)
         return name, start, f.tell() - start
 
-    def put(self, tp_rank: int, pp_rank: int, key: str, shard: torch.Tensor, field: str | None = None) -> None:
-        """TP rank `tp_rank`'s shard of global key `key` (or of its optimizer `field`: master, exp_avg,
-        exp_avg_sq), as the chunks of the stored global tensor."""
+    def put(self, rank: Rank, key: str, shard: torch.Tensor, field: str | None = None) -> None:
+        """`rank`'s shard of global key `key` (or of its optimizer `field`: master, exp_avg, exp_avg_sq), as the
+        chunks of the stored global tensor."""
         spec = self.spec
         if key == "output_layer.weight" and spec.tie_word_embeddings:
             return  # megatron-core saves the tied output layer (and its optimizer state) only as the embedding
         rule = layout.find_rule(key, spec, self.pp)
-        if rule.dim is None and tp_rank > 0:
-            return  # replicated: TP rank 0's copy is the one saved
+        if TP not in rule.axes and rank.tp > 0:
+            return  # replicated over TP: TP rank 0's copy is the one saved
         fqn, layer = stacked_key(key)
         if field is not None:
             fqn = megatron_resume.state_key(field, fqn)
         full = layout.full_shape(key, spec, self.padded, self.pp)
-        pieces = layout.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, tp_rank, self.pp)
+        pieces = layout.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, rank.tp, self.pp)
         lead = () if layer is None else (layer,)
         shape = full if layer is None else (spec.num_layers,) + full
         dtype, _, chunks = self._tensors.setdefault(fqn, (shard.dtype, shape, []))
@@ -95,7 +96,7 @@ class DistWriter:
             data = part.contiguous()
             if data.untyped_storage().nbytes() != data.nbytes:
                 data = data.clone()  # torch.save writes a view's whole storage
-            where = self._write(tp_rank, pp_rank, data.view(sizes))
+            where = self._write(rank, data.view(sizes))
             chunks.append((offsets, sizes, where))
             self.nbytes += data.nbytes
 
@@ -106,12 +107,12 @@ class DistWriter:
             return  # the output layer's extra state is not part of megatron-core's sharded state dict
         buf = _io.BytesIO()
         torch.save([None], buf)  # megatron-core stores an object as the list of its (one) local values
-        self._objects[f"{fqn}/shard_{layer}_{self.spec.num_layers}"] = self._write(0, pp_rank, buf.getvalue())
+        self._objects[f"{fqn}/shard_{layer}_{self.spec.num_layers}"] = self._write(Rank(0, pp_rank), buf.getvalue())
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
-        for t in range(self.tp):
-            if (t, pp_rank) in self._files:
-                _, f = self._files.pop((t, pp_rank))
+        for rank in Grid(self.tp, self.pp).ranks(pp_rank):
+            if rank in self._files:
+                _, f = self._files.pop(rank)
                 f.flush()
                 os.fsync(f.fileno())
                 f.close()
@@ -144,36 +145,36 @@ class LegacyWriter:
                  args: argparse.Namespace):
         self.dir, self.spec, self.tp, self.counts, self.args = iter_dir, spec, tp, counts, args
         self.pp = len(counts)
-        self._writers: dict[int, TorchFileWriter] = {}
-        self._state: dict[tuple[int, int], dict] = {}
+        self._writers: dict[Rank, TorchFileWriter] = {}
+        self._state: dict[Rank, dict] = {}
         self._local: dict[tuple[int, str], str] = {}
         self.nbytes = 0
 
-    def _writer(self, tp_rank: int, pp_rank: int) -> TorchFileWriter:
-        if (tp_rank, pp_rank) not in self._state:
-            path = megatron_lm.model_path(self.dir, tp_rank, pp_rank, self.pp)
+    def _writer(self, rank: Rank) -> TorchFileWriter:
+        if rank not in self._state:
+            path = megatron_lm.model_path(self.dir, rank, self.pp)
             path.parent.mkdir(parents=True)
-            self._writers[tp_rank, pp_rank] = TorchFileWriter(path)
-            self._state[tp_rank, pp_rank] = {}
-            for local, key in layout.stage_keys(self.spec, self.counts, pp_rank):
-                self._local[pp_rank, key] = local
-        return self._writers[tp_rank, pp_rank]
+            self._writers[rank] = TorchFileWriter(path)
+            self._state[rank] = {}
+            for local, key in layout.stage_keys(self.spec, self.counts, rank.pp):
+                self._local[rank.pp, key] = local
+        return self._writers[rank]
 
-    def put(self, tp_rank: int, pp_rank: int, key: str, shard: torch.Tensor) -> None:
-        ref = self._writer(tp_rank, pp_rank).tensor(shard)
-        self._state[tp_rank, pp_rank][self._local[pp_rank, key]] = ref
+    def put(self, rank: Rank, key: str, shard: torch.Tensor) -> None:
+        ref = self._writer(rank).tensor(shard)
+        self._state[rank][self._local[rank.pp, key]] = ref
         self.nbytes += shard.nbytes
 
     def put_extra(self, pp_rank: int, key: str) -> None:
-        for t in range(self.tp):
-            self._writer(t, pp_rank)
-            self._state[t, pp_rank][self._local[pp_rank, key]] = None
+        for rank in Grid(self.tp, self.pp).ranks(pp_rank):
+            self._writer(rank)
+            self._state[rank][self._local[pp_rank, key]] = None
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
-        for t in range(self.tp):
-            writer = self._writers.pop((t, pp_rank))
+        for rank in Grid(self.tp, self.pp).ranks(pp_rank):
+            writer = self._writers.pop(rank)
             writer.close({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                          "model": self._state.pop((t, pp_rank))})
+                          "model": self._state.pop(rank)})
 
     def close(self, iteration: int, common: dict | None = None) -> None:
         pass
