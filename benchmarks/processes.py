@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from ckpt_tools.io import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 POLL = 0.0005  # seconds between two looks at the disk
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict:

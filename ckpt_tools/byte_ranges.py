@@ -76,8 +76,7 @@ Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
 def _state(meta: checkpoint.Meta, name: str, entry: str) -> tuple[Path, dict]:
     """One shard file's `entry` dict, read without torch, when the file has the size meta.json records."""
     path = meta.dir / name
-    record = meta.raw["files"].get(name)
-    if not path.is_file() or (record is not None and path.stat().st_size != record["size"]):
+    if not path.is_file() or checkpoint.size_problem(meta, path):
         raise Declined(f"{path}: missing, or not of the size meta.json records")
     obj = read(path)
     if not (isinstance(obj, dict) and isinstance(obj.get(entry), dict)):
@@ -140,8 +139,9 @@ def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, s
             shards.setdefault(key, []).append(_shard(path, state[local]))
 
 
-def _master_shards(meta: checkpoint.Meta) -> Shards:
-    """The fp32 master weights of every optimizer shard, each of its parameter's shard shape."""
+def _master_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
+    """One optimizer field (the fp32 master weights, exp_avg or exp_avg_sq) of every optimizer shard, each of its
+    parameter's shard shape."""
     shards: Shards = {}
     for rank in meta.grid.ranks():
         path, state = _state(meta, checkpoint.optimizer_file(rank), "optimizer")
@@ -150,9 +150,9 @@ def _master_shards(meta: checkpoint.Meta) -> Shards:
             if shape is None:
                 continue
             entry = state.get(local)
-            master = entry.get("master") if isinstance(entry, dict) else None
+            master = entry.get(field) if isinstance(entry, dict) else None
             if not (isinstance(master, TensorInfo) and master.shape == shape):
-                raise Declined(f"{path}: no master weight of shape {shape} for {local}")
+                raise Declined(f"{path}: no {field} of shape {shape} for {local}")
             shards.setdefault(key, []).append(_shard(path, master))
     return shards
 

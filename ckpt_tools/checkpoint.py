@@ -26,6 +26,7 @@ FORMAT = "ckpt-tools/1"
 META = "meta.json"
 LATEST = "latest"
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZER_FIELDS = ("master", "exp_avg", "exp_avg_sq")  # per parameter in an optimizer shard, beside its step
 
 
 def model_file(rank: Rank) -> str:
@@ -194,6 +195,15 @@ def layout_summary(spec: ModelSpec, pp_size: int) -> dict[str, str]:
     return {r.name: r.split for r in layout.rules_for(spec, pp_size)}
 
 
+def size_problem(meta: Meta, path: Path) -> str | None:
+    """The cheap integrity check every reader makes of a present file: the size meta.json records (if it does)."""
+    record = meta.raw.get("files", {}).get(path.name)
+    if isinstance(record, dict) and path.stat().st_size != record.get("size"):
+        return (f"{path}: {path.stat().st_size} bytes, meta.json records {record.get('size')}: "
+                f"the file is truncated or from another checkpoint; restore it")
+    return None
+
+
 def check_files(meta: Meta) -> list[str]:
     """Every file meta.json records: present, the recorded size, the recorded sha256."""
     problems = []
@@ -201,9 +211,8 @@ def check_files(meta: Meta) -> list[str]:
         path = meta.dir / name
         if not path.is_file():
             problems.append(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
-        elif path.stat().st_size != rec.get("size"):
-            problems.append(f"{path}: {path.stat().st_size} bytes, meta.json records {rec.get('size')}: "
-                            f"the file is truncated or from another checkpoint; restore it")
+        elif size_problem(meta, path):
+            problems.append(size_problem(meta, path))
         elif io.sha256_file(path) != rec.get("sha256"):
             problems.append(f"{path}: sha256 differs from meta.json: the file changed after it was saved; "
                             f"restore it from the source checkpoint")

@@ -159,11 +159,18 @@ def _layers(text: str | None) -> list[int] | None:
 def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, vocab_size: int | None,
             form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool, quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
+    if form == "torch_dist":  # first without torch: the source's shards copied as chunks, where that applies
+        from ckpt_tools.formats import dist_copy
+        summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
+                                    no_preflight, not no_optimizer)
+        if summary is not None:
+            click.echo(summary)
+            return
     from ckpt_tools.reshard import reshard as reshard_checkpoint
     _one_thread()
     click.echo(reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
                                   quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
-                                  optimizer=not no_optimizer))
+                                  optimizer=not no_optimizer, copy_bytes=False))
 
 
 @main.command("import")

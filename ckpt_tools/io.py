@@ -219,3 +219,11 @@ def return_freed_memory() -> None:
         ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a torchrun rendezvous."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -257,6 +257,18 @@ def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: in
                           f"choose a TP that divides it")
 
 
+def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
+                  padded_now: int | None) -> tuple[list[int], int]:
+    """(layer counts, padded vocab) of a target layout; refused before anything is written."""
+    spec.check_tp(tp)
+    counts = layers_per_stage(spec.num_layers, pp, layers)
+    padded = spec.padded_vocab_keeping(tp, padded_now)
+    for p in range(pp):
+        for _, key in stage_keys(spec, counts, p):
+            shard_shape(key, spec, padded, tp, pp)
+    return counts, padded
+
+
 # ---------------------------------------------------------------- split / join
 def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> list:
     """The full tensor -> its TP shards, rank order. Shards are views of `full` where possible."""

@@ -11,9 +11,9 @@ to the run that loads the checkpoint.
 from __future__ import annotations
 
 import argparse
+import sys
 
-import torch
-
+from ckpt_tools import torchsave
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
 
@@ -50,6 +50,13 @@ def check_expressible(spec: ModelSpec) -> None:
         if odd:
             raise ConfigError(f"llama3 rope scaling with {', '.join(odd)}: Megatron-LM's --use-rope-scaling fixes "
                               f"these, so the written model would differ; keep the model in our format or HF")
+
+
+def _torch_dtype(dtype: str):
+    """torch.<dtype> where torch is loaded; else its stand-in, which pickles as torch.<dtype> (torchsave.Global): a
+    process that writes without torch does not import it for one constant."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, dtype) if torch is not None else torchsave.dtype_global(dtype)
 
 
 def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
@@ -89,7 +96,7 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
         pipeline_model_parallel_layout=None, context_parallel_size=1, expert_model_parallel_size=1,
         sequence_parallel=False, **pipeline_split(counts),
         # precision and the checkpoint itself
-        bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=getattr(torch, dtype),
+        bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=_torch_dtype(dtype),
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         no_save_optim=True, no_save_rng=True,
         # not Megatron-LM's (it ignores it): the HF family, for families that share one set of Megatron-LM

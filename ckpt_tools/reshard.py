@@ -156,21 +156,6 @@ class Resharder:
         t._close(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
 
 
-def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
-                  padded_now: int | None) -> tuple[list[int], int]:
-    """(layer counts, padded vocab) of a target layout; refused before anything is written."""
-    spec.check_tp(tp)
-    counts = layout.layers_per_stage(spec.num_layers, pp, layers)
-    if padded_now is not None and padded_now % tp == 0 and padded_now >= spec.vocab_size:
-        padded = padded_now
-    else:
-        padded = spec.padded_vocab_size(tp)
-    for p in range(pp):
-        for _, key in layout.stage_keys(spec, counts, p):
-            layout.shard_shape(key, spec, padded, tp, pp)
-    return counts, padded
-
-
 def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
             hf_dir: bool = False) -> None:
     """Tokenizer, chat templates, generation and HF config carried along; meta.json; `latest`."""
@@ -185,11 +170,19 @@ def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from:
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-            no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True) -> str:
+            no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True,
+            copy_bytes: bool = True) -> str:
+    """`copy_bytes`: for torch_dist, copy the source's shards as its chunks where formats.dist_copy takes them."""
+    if form == to_megatron.TORCH_DIST and copy_bytes:
+        from ckpt_tools.formats import dist_copy
+        summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
+                                    optimizer)
+        if summary is not None:
+            return summary
     start = time.perf_counter()
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
-    counts, padded = target_layout(spec, tp, pp, layers, meta.padded_vocab)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
@@ -245,16 +238,8 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
                                lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
                                label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of)
     shards.close()
-    what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
-            f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
-    if fresh:
-        what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
-    elif unread:
-        what += f" (NOT carried: its {unread}, not read by this version)"
-    return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
-            f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, "
-            f"{time.perf_counter() - start:.1f}s; load with "
-            f"{to_megatron.loads_with(form, out, tp, len(counts), resume is not None)}")
+    return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
+                                 time.perf_counter() - start)
 
 
 def _resume_state(shards: Reader) -> megatron_resume.ResumeState:
@@ -290,7 +275,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     start = time.perf_counter()
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
     spec = hf.spec_from_hf(hf_dir / "config.json")
-    counts, padded = target_layout(spec, tp, pp, layers, None)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
     source = HFTensors(hf_dir)
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}

@@ -25,7 +25,7 @@ from ckpt_tools.errors import FormatError
 from ckpt_tools.ranks import Rank
 
 MODEL, OPTIMIZER = "model", "optimizer"
-OPTIMIZER_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+OPTIMIZER_FIELDS = fmt.OPTIMIZER_FIELDS
 
 
 class Reader:
@@ -180,10 +180,9 @@ class ShardSet(Reader):
 
     def check_size(self, path: Path) -> None:
         """The cheap integrity check every reader makes: the size meta.json recorded."""
-        record = self.meta.raw.get("files", {}).get(path.name)
-        if record is not None and path.stat().st_size != record.get("size"):
-            raise FormatError(f"{path}: {path.stat().st_size} bytes, meta.json records {record.get('size')}: "
-                              f"the file is truncated or from another checkpoint; restore it")
+        problem = fmt.size_problem(self.meta, path)
+        if problem:
+            raise FormatError(problem)
 
     def file_problems(self) -> tuple[int, list[str]]:
         return len(self.meta.raw.get("files", {})), fmt.check_files(self.meta)

@@ -115,6 +115,13 @@ class ModelSpec:
         multiple = self.make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple
 
+    def padded_vocab_keeping(self, tp_size: int, kept: int | None) -> int:
+        """The padded vocab at TP `tp_size` when a checkpoint already has one: its own (`kept`) wherever it still
+        fits (a multiple of TP, at least the true vocab), so its rows move unchanged; else Megatron's rule."""
+        if kept is not None and kept % tp_size == 0 and kept >= self.vocab_size:
+            return kept
+        return self.padded_vocab_size(tp_size)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpt_tools import hf, io, layout, megatron_lm, output
+from ckpt_tools.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.formats.megatron_resume import ResumeState
 from ckpt_tools.formats.megatron_write import FORMS, TORCH_DIST, writer_for
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.ranks import Grid
-from ckpt_tools.shards import OPTIMIZER_FIELDS
 from ckpt_tools.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 OURS = "ours"
 CHOICES = (OURS, *FORMS)
@@ -94,3 +96,17 @@ def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False) -> 
     if form == megatron_lm.TORCH:
         where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
     return where
+
+
+def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: ResumeState | None, fresh: bool,
+              unread: str | None, nbytes: int, seconds: float) -> str:
+    """The one-line summary of a reshard into Megatron-LM's forms (`meta`: the source's)."""
+    what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
+            f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
+    if fresh:
+        what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
+    elif unread:
+        what += f" (NOT carried: its {unread}, not read by this version)"
+    return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
+            f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
+            f"{loads_with(form, out, tp, len(counts), resume is not None)}")

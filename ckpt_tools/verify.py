@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import hf, layout
+from ckpt_tools.io import free_port
 from ckpt_tools.errors import CkptError
 from ckpt_tools.plan import HF, SAFETENSORS, plan
 from ckpt_tools.shards import Reader, open_checkpoint
@@ -175,7 +176,7 @@ def sharded_forward(ckpt: Path, tokens: torch.Tensor, work: Path, tp: int, pp: i
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}",
-               f"--master-port={_free_port()}", *args]
+               f"--master-port={free_port()}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     if proc.returncode != 0:
         errors = [line for line in (proc.stderr + proc.stdout).splitlines() if line.startswith("error")]
@@ -185,13 +186,6 @@ def sharded_forward(ckpt: Path, tokens: torch.Tensor, work: Path, tp: int, pp: i
     for p in range(pp):
         hidden.update(torch.load(f"{out}.hidden{p}.pt", weights_only=True))
     return hidden, torch.load(out, weights_only=True)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @torch.no_grad()

@@ -306,3 +306,56 @@ def test_optimizer_state_megatron_lm_could_not_resume_from_is_not_written(hf_dir
                               "-q"))
     assert "meta.json" in line and "does not say" in line and "--no-optimizer" in line, line
     assert_nothing_written(out)
+
+
+# ------------------------------------------------------------ torch_dist by copying the source's shards
+def same_dist_checkpoints(a, b, scratch) -> None:
+    """Every tensor (torch's own DCP reader, whole) and every common.pt entry of two torch_dist iteration dirs equal."""
+    x, y = whole_tensors(a, scratch / "a.pt"), whole_tensors(b, scratch / "b.pt")
+    assert sorted(x) == sorted(y)
+    for name, t in x.items():
+        if torch.is_tensor(t):
+            assert y[name].dtype == t.dtype and y[name].shape == t.shape and torch.equal(y[name], t), name
+    ca, cb = (torch.load(d / "common.pt", weights_only=False) for d in (a, b))
+    assert vars(ca.pop("args")) == vars(cb.pop("args"))
+    assert ca == cb
+    assert json.loads((a / "metadata.json").read_text()) == json.loads((b / "metadata.json").read_text())
+
+
+@pytest.mark.slow
+def test_copied_chunks_hold_what_the_torch_path_writes(llama_run, tmp_path):
+    """Our trainer's TP2 x PP2 checkpoint with its optimizer, to torch_dist at TP1 x PP1: the source's shards copied
+    as chunks (one .distcp per source rank, no torch) hold every value the torch path's re-split shards hold."""
+    save = llama_run[0]
+    fast = reshard(save, tmp_path / "fast", tp=1, pp=1, form="torch_dist", quiet=True)
+    slow = reshard(save, tmp_path / "torch", tp=1, pp=1, form="torch_dist", quiet=True, copy_bytes=False)
+    assert fast.split(", ")[1:-2] == slow.split(", ")[1:-2]  # the same summary but for sizes and seconds
+    iteration = next(tmp_path.glob("fast/iter_*")).name
+    assert len(list((tmp_path / "fast" / iteration).glob("*.distcp"))) == 4  # the source's ranks save them
+    same_dist_checkpoints(tmp_path / "fast" / iteration, tmp_path / "torch" / iteration, tmp_path)
+
+
+def test_copied_chunks_repad_the_vocab_and_import_no_torch(tmp_path):
+    """A padded vocab the target TP does not divide (250 rows at TP1 -> 256 at TP4): the copied chunks stop at the
+    true vocab and a zero chunk pads, as the torch path pads; `ckpt reshard` imports no torch doing it."""
+    import subprocess
+    import sys
+
+    from bad_inputs import make_ckpt
+    from test_merge_sources import imported
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                     ffn_hidden_size=96, vocab_size=250, max_position_embeddings=128, make_vocab_size_divisible_by=2)
+    ck = make_ckpt(tmp_path / "src", spec, tp=1, pp=1)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", "reshard", str(ck),
+                           str(tmp_path / "fast"), "--tp", "4", "--pp", "1", "--format", "torch_dist", "--no-optimizer",
+                           "-q"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modules = imported(proc)
+    assert "ckpt_tools.formats.dist_copy" in modules and not {m for m in modules if m.split(".")[0] == "torch"}
+    reshard(ck, tmp_path / "torch", tp=4, pp=1, form="torch_dist", quiet=True, optimizer=False, copy_bytes=False)
+    fast, slow = tmp_path / "fast" / "release", tmp_path / "torch" / "release"
+    same_dist_checkpoints(fast, slow, tmp_path)
+    emb = whole_tensors(fast, tmp_path / "e.pt")["embedding.word_embeddings.weight"]
+    assert emb.shape[0] == 256 and not emb[250:].any() and emb[:250].any()

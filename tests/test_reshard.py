@@ -75,7 +75,7 @@ def shard_names(ckpt: Path) -> list[str]:
 def assert_same_shards(src: Path, other: Path, tp: int, pp: int) -> None:
     """Every model and optimizer shard file of two checkpoints holds the same objects (rng files are
     deliberately the source's rank-0 state on every rank after a reshard: not compared)."""
-    expected = sorted(f(t, p) for f in (fmt.model_file, fmt.optimizer_file) for t in range(tp) for p in range(pp))
+    expected = sorted(f(Rank(t, p)) for f in (fmt.model_file, fmt.optimizer_file) for t in range(tp) for p in range(pp))
     assert shard_names(src) == expected
     assert shard_names(other) == expected
     for name in expected:

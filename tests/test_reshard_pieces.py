@@ -12,7 +12,9 @@ import torch
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
-from ckpt_tools.reshard import Target, _finish, reshard, target_layout
+from ckpt_tools.layout import target_layout
+from ckpt_tools.ranks import Rank
+from ckpt_tools.reshard import Target, _finish, reshard
 from ckpt_tools.shards import OPTIMIZER, OPTIMIZER_FIELDS, open_checked
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
@@ -116,7 +118,7 @@ def reshard_by_join(src, out, tp: int, pp: int) -> dict:
     counts, padded = target_layout(spec, tp, pp, None, shards.meta.padded_vocab)
     out.mkdir()
     target = Target(out, spec, tp, counts, padded, optimizer=True)
-    extras = {k: v for k, v in shards.file(OPTIMIZER, 0, 0).items() if k != OPTIMIZER}
+    extras = {k: v for k, v in shards.file(OPTIMIZER, Rank(0, 0)).items() if k != OPTIMIZER}
     for p in range(pp):
         target.begin_stage(p)
         for local, key in layout.stage_keys(spec, counts, p):

@@ -112,10 +112,9 @@ def check_shard(path: Path, state: dict, stage: GPTStage, meta: fmt.Meta) -> Non
 
 def _read(path: Path, meta: fmt.Meta, entry: str | None = None, mmap: bool = True):
     """One file of the checkpoint: the size meta.json records, the allow-listed load, the expected entry."""
-    record = meta.raw.get("files", {}).get(path.name)
-    if isinstance(record, dict) and path.is_file() and path.stat().st_size != record.get("size"):
-        raise FormatError(f"{path}: {path.stat().st_size} bytes, meta.json records {record.get('size')}: "
-                          f"the file is truncated or from another checkpoint; restore it")
+    problem = fmt.size_problem(meta, path) if path.is_file() else None
+    if problem:
+        raise FormatError(problem)
     obj = io.load_file(path, mmap=mmap)
     if entry is not None and not (isinstance(obj, dict) and isinstance(obj.get(entry), dict)):
         raise FormatError(f"{path}: holds no {entry!r} state dict: not a {entry} shard of this checkpoint; "

@@ -30,9 +30,7 @@ def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], devic
     """This rank's stage at the target layout, with its weights loaded from the checkpoint."""
     meta, spec = shards.meta, shards.meta.spec
     spec.check_tp(tp_size)
-    padded = max(meta.padded_vocab, spec.padded_vocab_size(tp_size))
-    if padded % tp_size:
-        padded = spec.padded_vocab_size(tp_size)
+    padded = spec.padded_vocab_keeping(tp_size, meta.padded_vocab)
     mcfg = megatron_config(spec, tp_size, len(counts), dtype, on_cpu=device.type == "cpu")
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     stage = GPTStage(spec, mcfg, tp_size=tp_size, pp_rank=pp_rank, layer_counts=counts, padded_vocab=padded)

@@ -1,22 +1,15 @@
 """Build the torchrun command for `ckpt train`, after checking the config so errors come early."""
 from __future__ import annotations
 
-import socket
 import sys
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from ckpt_tools import layout
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.io import free_port
 from trainer import accelerate, data
 from trainer.config import TrainConfig, accelerate_keys_of, load_config, read_yaml
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

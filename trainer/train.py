@@ -61,12 +61,9 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
     uneven layer split it was saved with (after `ckpt reshard` they need not be this TP's default)."""
     spec = cfg.model_spec(vocab_size)
     explicit = cfg.layers_per_stage
-    padded = spec.padded_vocab_size(cfg.tp_degree)
-    if resume is not None:
-        if explicit is None and resume.pp_size == cfg.pp_degree:
-            explicit = resume.layer_counts
-        if resume.padded_vocab % cfg.tp_degree == 0 and resume.padded_vocab >= spec.vocab_size:
-            padded = resume.padded_vocab
+    padded = spec.padded_vocab_keeping(cfg.tp_degree, resume.padded_vocab if resume is not None else None)
+    if resume is not None and explicit is None and resume.pp_size == cfg.pp_degree:
+        explicit = resume.layer_counts
     counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, explicit)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu",

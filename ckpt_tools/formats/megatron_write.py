@@ -20,20 +20,24 @@ from TP 1), the same plan the reader (formats/torch_dist.py) reads with.
 from __future__ import annotations
 
 import argparse
-import io as _io
 import json
+import math
 import os
-import pickle
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ckpt_tools import layout, megatron_lm
+from ckpt_tools import layout, megatron_lm, torchsave
+from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import stacked_key
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.writers import TorchFileWriter
+from ckpt_tools.torchfile import ELEMENT_SIZES
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt_tools.writers import TorchFileWriter
 
 TORCH, TORCH_DIST = megatron_lm.TORCH, megatron_lm.TORCH_DIST
 FORMS = (TORCH_DIST, TORCH)
@@ -42,100 +46,163 @@ DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, 
                  "common_backend_version": 1}
 
 
+DCP = "torch.distributed.checkpoint.metadata"
+
+
 class DistWriter:
-    """The torch_dist files: chunks streamed into one .distcp per rank, the index (.metadata) written last."""
+    """The torch_dist files: chunks streamed into one .distcp per saving rank, the index (.metadata) written last.
+
+    Torch-free (ckpt_tools.torchsave writes the archives and pickles): `put_chunk` takes a chunk's bytes, from
+    memory or as byte ranges of other files copied in the kernel. `put` takes a target rank's shard as a tensor
+    (the callers that made it have torch) and puts its chunks.
+    """
 
     def __init__(self, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
-                 args: argparse.Namespace):
+                 args: argparse.Namespace, saving_tp: int | None = None):
+        """`saving_tp`: the TP size of the ranks that save the chunks, where it is not the target's (chunks copied
+        from a source's shards are saved by the source's ranks); it numbers the .distcp files."""
         self.dir, self.spec, self.tp, self.counts, self.padded, self.args = iter_dir, spec, tp, counts, padded, args
         self.pp = len(counts)
-        self._files: dict[Rank, object] = {}
-        self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list]] = {}  # fqn -> dtype, shape, chunks
+        self._saving_tp = saving_tp or tp
+        self._files: dict[Rank, list] = {}  # rank -> [file name, fd, position]
+        self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self.nbytes = 0
 
-    def _file(self, rank: Rank):
+    def _file(self, rank: Rank) -> list:
         if rank not in self._files:
-            name = f"__{rank.pp * self.tp + rank.tp}_0.distcp"  # the saving process's global rank
-            self._files[rank] = (name, open(self.dir / name, "wb"))  # noqa: SIM115 (closed per stage)
+            name = f"__{rank.pp * self._saving_tp + rank.tp}_0.distcp"  # the saving process's global rank
+            self._files[rank] = [name, os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), 0]
         return self._files[rank]
 
-    def _write(self, rank: Rank, blob) -> tuple[str, int, int]:
-        name, f = self._file(rank)
-        start = f.tell()
-        if torch.is_tensor(blob):
-            torch.save(blob, f)
-        else:
-            f.write(blob)
-        return name, start, f.tell() - start
+    def put_chunk(self, rank: Rank, fqn: str, dtype: str, shape: tuple[int, ...], offsets: tuple[int, ...],
+                  sizes: tuple[int, ...], data: torchsave.Data) -> None:
+        """One chunk of the global tensor `fqn` (dtype name, global shape): its `sizes` at `offsets`, its bytes
+        (row-major) `data`, into the .distcp of the rank that saves it."""
+        entry = self._file(rank)
+        name, fd, start = entry
+        entry[2] = torchsave.save_tensor(fd, start, dtype, sizes, data)
+        known = self._tensors.setdefault(fqn, (dtype, tuple(shape), []))
+        if known[:2] != (dtype, tuple(shape)):
+            raise LayoutError(f"{fqn}: a chunk of a {dtype} {tuple(shape)} tensor, earlier ones of a {known[0]} "
+                              f"{known[1]} one")
+        known[2].append((tuple(offsets), tuple(sizes), (name, start, entry[2] - start)))
+        self.nbytes += math.prod(sizes) * ELEMENT_SIZES[dtype]
 
-    def put(self, rank: Rank, key: str, shard: torch.Tensor, field: str | None = None) -> None:
-        """`rank`'s shard of global key `key` (or of its optimizer `field`: master, exp_avg, exp_avg_sq), as the
-        chunks of the stored global tensor."""
+    def put_object(self, rank: Rank, fqn: str, obj) -> None:
+        """An object entry (torch.save of `obj`)."""
+        entry = self._file(rank)
+        name, fd, start = entry
+        entry[2] = torchsave.save_object(fd, start, obj)
+        self._objects[fqn] = (name, start, entry[2] - start)
+
+    def put(self, rank: Rank, key: str, shard, field: str | None = None) -> None:
+        """`rank`'s shard of global key `key` (a tensor; or of its optimizer `field`: master, exp_avg, exp_avg_sq), as
+        the chunks of the stored global tensor."""
+        from ckpt_tools.writers import contiguous_bytes, dtype_name
         spec = self.spec
-        if key == "output_layer.weight" and spec.tie_word_embeddings:
-            return  # megatron-core saves the tied output layer (and its optimizer state) only as the embedding
-        rule = layout.find_rule(key, spec, self.pp)
-        if TP not in rule.axes and rank.tp > 0:
-            return  # replicated over TP: TP rank 0's copy is the one saved
+        if not self.saves(key, rank):
+            return
         fqn, layer = stacked_key(key)
         if field is not None:
             fqn = megatron_resume.state_key(field, fqn)
         full = layout.full_shape(key, spec, self.padded, self.pp)
         pieces = layout.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, rank.tp, self.pp)
-        lead = () if layer is None else (layer,)
-        shape = full if layer is None else (spec.num_layers,) + full
-        dtype, _, chunks = self._tensors.setdefault(fqn, (shard.dtype, shape, []))
         at = 0
         for p in pieces:
             length = p.stop - p.start
             part = shard.narrow(p.dim, at, length) if len(pieces) > 1 else shard
             at += length
-            offsets = lead + tuple(p.start if d == p.dim else 0 for d in range(len(full)))
-            sizes = (1,) * len(lead) + tuple(length if d == p.dim else n for d, n in enumerate(full))
-            data = part.contiguous()
-            if data.untyped_storage().nbytes() != data.nbytes:
-                data = data.clone()  # torch.save writes a view's whole storage
-            where = self._write(rank, data.view(sizes))
-            chunks.append((offsets, sizes, where))
-            self.nbytes += data.nbytes
+            offsets, sizes, shape = self.placed(key, layer, full, p)
+            self.put_chunk(rank, fqn, dtype_name(shard.dtype), shape, offsets, sizes, contiguous_bytes(part))
+
+    def saves(self, key: str, rank: Rank) -> bool:
+        """Whether `rank` saves (a part of) key: megatron-core saves a tied output layer (and its optimizer state)
+        only as the embedding, and a tensor replicated over TP from TP rank 0."""
+        if key == "output_layer.weight" and self.spec.tie_word_embeddings:
+            return False
+        return TP in layout.find_rule(key, self.spec, self.pp).axes or rank.tp == 0
+
+    def placed(self, key: str, layer: int | None, full: tuple[int, ...],
+               p: layout.Piece) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key` (layer: its
+        index on the stacked leading axis, None for a tensor outside the layers)."""
+        lead = () if layer is None else (layer,)
+        shape = full if layer is None else (self.spec.num_layers,) + full
+        offsets = lead + tuple(p.start if d == p.dim else 0 for d in range(len(full)))
+        sizes = (1,) * len(lead) + tuple(p.stop - p.start if d == p.dim else n for d, n in enumerate(full))
+        return offsets, sizes, shape
 
     def put_extra(self, pp_rank: int, key: str) -> None:
         """A layer's `_extra_state` (None for megatron-core's own layers): one object per layer, TP rank 0's."""
         fqn, layer = stacked_key(key)
         if layer is None:
             return  # the output layer's extra state is not part of megatron-core's sharded state dict
-        buf = _io.BytesIO()
-        torch.save([None], buf)  # megatron-core stores an object as the list of its (one) local values
-        self._objects[f"{fqn}/shard_{layer}_{self.spec.num_layers}"] = self._write(Rank(0, pp_rank), buf.getvalue())
+        # megatron-core stores an object as the list of its (one) local values
+        self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{layer}_{self.spec.num_layers}", [None])
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
-        for rank in Grid(self.tp, self.pp).ranks(pp_rank):
-            if rank in self._files:
-                _, f = self._files.pop(rank)
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
+        for rank in [r for r in self._files if r.pp == pp_rank]:
+            _, fd, _ = self._files.pop(rank)
+            os.fsync(fd)
+            os.close(fd)
 
     def close(self, iteration: int, common: dict | None = None) -> None:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                           MetadataIndex, TensorProperties, TensorStorageMetadata)
-        state, storage = {}, {}
+        for pp_rank in sorted({r.pp for r in self._files}):
+            self.end_stage(pp_rank, iteration)
+        state, storage = {}, []
         for fqn, (dtype, shape, chunks) in self._tensors.items():
-            state[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in chunks])
-            for o, _, (name, offset, length) in chunks:
-                storage[MetadataIndex(fqn=fqn, offset=torch.Size(o), index=None)] = _StorageInfo(name, offset, length)
-        for fqn, (name, offset, length) in self._objects.items():
-            state[fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(fqn=fqn, offset=None, index=None)] = _StorageInfo(name, offset, length)
-        (self.dir / ".metadata").write_bytes(pickle.dumps(
-            Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage)))
-        torch.save({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                    **(common or {})}, self.dir / "common.pt")
+            state[fqn] = _tensor_metadata(dtype, shape, [(o, s) for o, s, _ in chunks])
+            storage += [(_index(fqn, o), _storage(*where)) for o, _, where in chunks]
+        for fqn, where in self._objects.items():
+            state[fqn] = torchsave.New(torchsave.Global(DCP, "BytesStorageMetadata"))
+            storage.append((_index(fqn, None), _storage(*where)))
+        metadata = torchsave.New(torchsave.Global(DCP, "Metadata"), {
+            "state_dict_metadata": state, "planner_data": None, "storage_data": torchsave.Items(storage),
+            "storage_meta": None, "version": None})
+        (self.dir / ".metadata").write_bytes(torchsave.dumps(metadata))
+        _save_common(self.dir / "common.pt", {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+                                               "iteration": iteration, **(common or {})})
         (self.dir / "metadata.json").write_text(json.dumps(DIST_METADATA))
+
+
+def _tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list) -> torchsave.New:
+    """torch.distributed.checkpoint's TensorStorageMetadata of one global tensor, as a pickle stand-in."""
+    g = torchsave.Global
+    properties = torchsave.New(g(DCP, "TensorProperties"), (  # its __setstate__ takes this tuple
+        torchsave.dtype_global(dtype), torchsave.Call(g("torch.serialization", "_get_layout"), ("torch.strided",)),
+        False, torchsave.Call(g(DCP, "_MEM_FORMAT_ENCODING"), (0,)), False))
+    return torchsave.New(g(DCP, "TensorStorageMetadata"), {
+        "properties": properties, "size": torchsave.size(shape),
+        "chunks": [torchsave.New(g(DCP, "ChunkStorageMetadata"), {"offsets": torchsave.size(o),
+                                                                   "sizes": torchsave.size(s)}) for o, s in chunks]})
+
+
+def _index(fqn: str, offsets: tuple[int, ...] | None) -> torchsave.New:
+    return torchsave.New(torchsave.Global(DCP, "MetadataIndex"), {
+        "fqn": fqn, "offset": None if offsets is None else torchsave.size(offsets), "index": None})
+
+
+def _storage(name: str, offset: int, length: int) -> torchsave.New:
+    return torchsave.New(torchsave.Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                         {"relative_path": name, "offset": offset, "length": length})
+
+
+def _save_common(path: Path, obj: dict) -> None:
+    """common.pt: written without torch where every value has a pickle here; a value only torch pickles (carried
+    from a Megatron-LM source's optimizer, say) through torch.save."""
+    try:
+        data = torchsave.dumps(obj)
+    except torchsave.Unpicklable:
+        import torch
+        torch.save({**obj, "args": _with_torch_globals(obj["args"])}, path)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        torchsave.save_pickled(fd, 0, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LegacyWriter:
@@ -143,7 +210,8 @@ class LegacyWriter:
 
     def __init__(self, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
                  args: argparse.Namespace):
-        self.dir, self.spec, self.tp, self.counts, self.args = iter_dir, spec, tp, counts, args
+        self.dir, self.spec, self.tp, self.counts = iter_dir, spec, tp, counts
+        self.args = _with_torch_globals(args)  # pickled by pickle itself, which needs the real torch.<dtype>
         self.pp = len(counts)
         self._writers: dict[Rank, TorchFileWriter] = {}
         self._state: dict[Rank, dict] = {}
@@ -154,6 +222,7 @@ class LegacyWriter:
         if rank not in self._state:
             path = megatron_lm.model_path(self.dir, rank, self.pp)
             path.parent.mkdir(parents=True)
+            from ckpt_tools.writers import TorchFileWriter
             self._writers[rank] = TorchFileWriter(path)
             self._state[rank] = {}
             for local, key in layout.stage_keys(self.spec, self.counts, rank.pp):
@@ -178,6 +247,13 @@ class LegacyWriter:
 
     def close(self, iteration: int, common: dict | None = None) -> None:
         pass
+
+
+def _with_torch_globals(args: argparse.Namespace) -> argparse.Namespace:
+    """args with each stand-in for a torch constant (torchsave.Global, e.g. params_dtype) replaced by the constant."""
+    import torch
+    return argparse.Namespace(**{k: getattr(torch, v.name) if isinstance(v, torchsave.Global) and v.module == "torch"
+                                 else v for k, v in vars(args).items()})
 
 
 def writer_for(form: str, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
