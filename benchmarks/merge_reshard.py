@@ -46,6 +46,10 @@ from ckpt_tools.writers import TorchFileWriter
 from trainer.model import full_init
 
 TP, PP, ITERATION, SEED = 2, 2, 1000, 1234
+# the trainer's config keys that give Megatron-LM's param groups and schedule (reshard --format torch_dist carries
+# the optimizer state with them)
+SCHEDULE = {"lr": 3e-4, "min_lr": 3e-5, "train_iters": 2000, "micro_batch_size": 2, "global_batch_size": 8,
+            "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8, "weight_decay": 0.1}
 MIB = 2**20
 CKPT = [sys.executable, "-m", "ckpt_tools.cli"]
 
@@ -122,7 +126,7 @@ def generate(save_dir: Path, spec: ModelSpec) -> None:
     files = {f.name: fmt.file_record(f) for f in sorted(tmp.iterdir())}
     # the toolkit's own meta.json builder (reshard and import write theirs with it)
     meta = fmt.build_meta(spec, TP, counts, padded, ITERATION, ITERATION * 8, "bfloat16", 1,
-                           {"seq_length": 2048}, files, {"op": "synthetic", "by": "benchmarks/merge_reshard.py"})
+                           {"seq_length": 2048, **SCHEDULE}, files, {"op": "synthetic", "by": "benchmarks/merge_reshard.py"})
     fmt.commit(save_dir, ITERATION, meta)
 
 
@@ -184,8 +188,9 @@ def run(argv: list[str], out: Path, log: Path, env: dict[str, str] | None = None
 CP_ALL, CP_MODEL, MERGE, MERGE_TORCH, RESHARD, STARTUP, STARTUP_MERGE = (
     "cp -r (whole checkpoint)", "cp model shards", "ckpt merge --format hf", "ckpt merge, torch path",
     "ckpt reshard --tp 4 --pp 1", "python startup (imports only)", "python startup, merge's imports (no torch)")
+DIST, DIST_TORCH = "ckpt reshard --tp 1 --pp 1 --format torch_dist", "the same, torch path (copy_bytes=False)"
 BASE = {CP_ALL: CP_ALL, CP_MODEL: CP_MODEL, MERGE: CP_MODEL, MERGE_TORCH: CP_MODEL,
-        RESHARD: CP_ALL}  # what each is compared with
+        RESHARD: CP_ALL, DIST: CP_ALL, DIST_TORCH: CP_ALL}  # what each is compared with
 MERGE_ONLY = (CP_MODEL, MERGE, MERGE_TORCH, STARTUP_MERGE)
 
 
@@ -200,6 +205,10 @@ def operations(src: Path, ckpt_dir: Path, out: Path) -> dict[str, list[str]]:
         RESHARD: CKPT + ["reshard", str(src), str(out), "--tp", "4", "--pp", "1", "--quiet"],
         STARTUP: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.reshard"],
         STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.byte_ranges"],
+        DIST: CKPT + ["reshard", str(src), str(out), "--tp", "1", "--pp", "1", "--format", "torch_dist", "--quiet"],
+        DIST_TORCH: [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); "
+                     "from ckpt_tools.reshard import reshard; reshard(sys.argv[1], sys.argv[2], 1, 1, quiet=True, "
+                     "form='torch_dist', copy_bytes=False)", str(src), str(out)],
     }
 
 
@@ -229,8 +238,9 @@ def bench(spec: ModelSpec, work: Path, repeats: int, warm: bool, names: tuple[st
               + ", ".join(f"{n} {v[-1][0]:.1f}s" for n, v in results.items()), file=sys.stderr)
     model_bytes = tree_bytes(ckpt_dir, "pytorch_model_*")
     read = {CP_ALL: tree_bytes(src), CP_MODEL: model_bytes, MERGE: model_bytes, MERGE_TORCH: model_bytes,
-            RESHARD: tree_bytes(src), STARTUP: 0, STARTUP_MERGE: 0}
-    big = {MERGE: largest(spec, 2), MERGE_TORCH: largest(spec, 2), RESHARD: largest(spec, 4)}
+            RESHARD: tree_bytes(src), STARTUP: 0, STARTUP_MERGE: 0, DIST: tree_bytes(src), DIST_TORCH: tree_bytes(src)}
+    big = {MERGE: largest(spec, 2), MERGE_TORCH: largest(spec, 2), RESHARD: largest(spec, 4), DIST: largest(spec, 4),
+           DIST_TORCH: largest(spec, 4)}
     median = {name: statistics.median(w for w, _, _ in runs) for name, runs in results.items()}
     rows = [{"layers": spec.num_layers, "op": name, "read": read[name], "written": runs[0][2], "wall": median[name],
              "ratio": median[name] / median[BASE[name]] if name in BASE else None,
@@ -296,14 +306,16 @@ def main() -> None:
             f"{s.num_query_groups} query groups, vocab {s.vocab_size}; source TP{TP} x PP{PP}, bf16 params + fp32 "
             f"master/exp_avg/exp_avg_sq.\nWarm page cache; {repeats} round(s): median wall (each run in brackets), "
             f"max peak RSS; every command followed by sync. merge (its torch-free path; 'torch path': the same merge\n"
-            f"with CKPT_MERGE_TORCH=1) is compared with cp of the model shards (the bytes it reads), reshard with cp -r\n"
-            f"of the whole checkpoint. Largest tensor: the largest full tensor, "
+            f"with CKPT_MERGE_TORCH=1) is compared with cp of the model shards (the bytes it reads), reshard (into our format and,\n"
+            f"model + optimizer, into Megatron-LM's torch_dist: by copying the source's shards as its chunks, and through\n"
+            f"torch) with cp -r of the whole checkpoint. Largest tensor: the largest full tensor, "
             f"bf16 for merge, fp32 for reshard.\n{os.cpu_count()} CPUs, 1-min load average {load_before:.1f} "
             f"before, {os.getloadavg()[0]:.1f} after.\n")
     print("\n" + note)
     print(render(rows, markdown=False))
     if args.markdown:
         args.markdown.write_text(note.replace("\n", " ").strip() + "\n\n" + render(rows, markdown=True))
+
 
 if __name__ == "__main__":
     main()

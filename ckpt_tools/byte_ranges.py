@@ -139,7 +139,7 @@ def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, s
             shards.setdefault(key, []).append(_shard(path, state[local]))
 
 
-def _master_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
+def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
     """One optimizer field (the fp32 master weights, exp_avg or exp_avg_sq) of every optimizer shard, each of its
     parameter's shard shape."""
     shards: Shards = {}
@@ -259,7 +259,7 @@ class ByteSource:
                 if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
                     raise Declined("--vocab-size differs from meta.json, or extra shard files")
                 model, ours = _model_shards(meta), True
-            sources = _master_shards(meta) if from_master else model
+            sources = field_shards(meta) if from_master else model
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
         if any(s.dtype != shards[0].dtype or s.dtype not in ELEMENT_SIZES for shards in sources.values() for s in shards):

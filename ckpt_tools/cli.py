@@ -190,13 +190,20 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
 def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | None, dtype: str | None,
             form: str, no_optimizer: bool, force: bool, quiet: bool) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
+    from ckpt_tools.plan import DTYPE_OPTIONS
+    if form == "torch_dist":  # first without torch: the HF tensors' rows copied as chunks, where that applies
+        from ckpt_tools.formats import dist_copy
+        summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet)
+        if summary is not None:
+            click.echo(summary)
+            return
     import torch
 
-    from ckpt_tools.plan import DTYPE_OPTIONS
     from ckpt_tools.reshard import import_hf
-    dtype = getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None
-    click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage), dtype=dtype,
-                         optimizer=not no_optimizer, force=force, quiet=quiet, form=form))
+    click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
+                         dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
+                         optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False))
 
 
 @main.command()

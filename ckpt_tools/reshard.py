@@ -271,7 +271,13 @@ def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
 # ---------------------------------------------------------------- import: HF -> shards
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
-              form: str = to_megatron.OURS) -> str:
+              form: str = to_megatron.OURS, copy_bytes: bool = True) -> str:
+    """`copy_bytes`: for torch_dist, copy the HF tensors' rows as chunks where formats.dist_copy takes them."""
+    if form == to_megatron.TORCH_DIST and copy_bytes:
+        from ckpt_tools.formats import dist_copy
+        summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet)
+        if summary is not None:
+            return summary
     start = time.perf_counter()
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
     spec = hf.spec_from_hf(hf_dir / "config.json")
@@ -349,7 +355,5 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
         return current[key][rank]
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
                                quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True)
-    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
-            f"TP{tp} x PP{pp} (layers {counts}), {dtype_name(params_dtype)}, weights only (release), padded vocab "
-            f"{padded}, {nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s; load with "
-            f"{to_megatron.loads_with(form, out, tp, pp)}")
+    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
+                                time.perf_counter() - start)

@@ -110,3 +110,11 @@ def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: Re
     return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
             f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
             f"{loads_with(form, out, tp, len(counts), resume is not None)}")
+
+
+def imported(hf_dir: Path, spec: ModelSpec, out: Path, form: str, tp: int, counts: list[int], dtype: str, padded: int,
+             nbytes: int, seconds: float) -> str:
+    """The one-line summary of an import into Megatron-LM's forms."""
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
+            f"TP{tp} x PP{len(counts)} (layers {counts}), {dtype}, weights only (release), padded vocab "
+            f"{padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with {loads_with(form, out, tp, len(counts))}")

@@ -35,6 +35,7 @@ STORAGE_CLASSES = {"float32": "FloatStorage", "bfloat16": "BFloat16Storage", "fl
                    "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
 ALIGNMENT = 64  # torch.save's storage alignment (its .storage_alignment record)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at least this needs zip64 fields (a module value: tests lower it)
+ZIP64_MARK = 0xFFFFFFFF  # what a 32-bit field holds when its value is in the zip64 fields
 
 
 class Unpicklable(TypeError):
@@ -221,7 +222,7 @@ class Archive:
         head = 30 + len(full) + len(extra) + 4  # + the padding field's own 4 bytes
         pad = -(offset + head) % ALIGNMENT
         extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        small = ZIP64_LIMIT if zip64 else nbytes
+        small = ZIP64_MARK if zip64 else nbytes
         header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, 0, small, small,
                              len(full), len(extra)) + full + extra
         self._write(header)
@@ -247,17 +248,18 @@ class Archive:
                 nbytes >= ZIP64_LIMIT or offset >= ZIP64_LIMIT else []
             extra = struct.pack("<HH", 1, 8 * len(fields)) + b"".join(struct.pack("<Q", v) for v in fields) \
                 if fields else b""
-            clip = [min(v, ZIP64_LIMIT) for v in (nbytes, nbytes, offset)]
+            clip = [ZIP64_MARK if fields and v >= ZIP64_LIMIT else v for v in (nbytes, nbytes, offset)]
             version = 45 if fields else 20
             self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, 0, 0, 0, 0x21, 0,
                                     clip[0], clip[1], len(name), len(extra), 0, 0, 0, 0, clip[2]) + name + extra)
         cd_size, count = self.pos - self.start - cd_start, len(self._entries)
-        if cd_start >= ZIP64_LIMIT or cd_size >= ZIP64_LIMIT or count >= 0xFFFF:
+        zip64 = cd_start >= ZIP64_LIMIT or cd_size >= ZIP64_LIMIT or count >= 0xFFFF
+        if zip64:
             eocd64 = self.pos - self.start
             self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start))
             self._write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                                min(cd_size, ZIP64_LIMIT), min(cd_start, ZIP64_LIMIT), 0))
+                                ZIP64_MARK if zip64 else cd_size, ZIP64_MARK if zip64 else cd_start, 0))
         return self.pos
 
 

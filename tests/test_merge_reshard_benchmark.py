@@ -27,11 +27,13 @@ def test_quick_run_prints_the_table(tmp_path):
     assert len(depths) == 2 and depths[1] == 2 * depths[0], rows.keys()
     for layers in map(str, depths):
         ops = {op: cells for (n, op), cells in rows.items() if n == layers}
-        assert len(ops) == 7, ops.keys()
-        for op in ("ckpt merge --format hf", "ckpt merge, torch path", "ckpt reshard --tp 4 --pp 1"):
+        assert len(ops) == 9, ops.keys()
+        for op in ("ckpt merge --format hf", "ckpt merge, torch path", "ckpt reshard --tp 4 --pp 1",
+                   "ckpt reshard --tp 1 --pp 1 --format torch_dist", "the same, torch path (copy_bytes=False)"):
             assert ops[op][-1] == "yes", ops[op]  # peak RSS <= 2 x largest tensor + 512 MiB
             assert float(ops[op][4]) > 0, ops[op]  # a wall / cp ratio was measured
         # the torch-free merge stays far below a process that has imported torch
-        torch_free, with_torch = (float(ops[op][5].replace(",", "")) for op in
-                                  ("ckpt merge --format hf", "python startup (imports only)"))
-        assert torch_free < with_torch / 3, (torch_free, with_torch)
+        with_torch = float(ops["python startup (imports only)"][5].replace(",", ""))
+        for op in ("ckpt merge --format hf", "ckpt reshard --tp 1 --pp 1 --format torch_dist"):
+            torch_free = float(ops[op][5].replace(",", ""))
+            assert torch_free < with_torch / 3, (op, torch_free, with_torch)

@@ -1,4 +1,4 @@
-"""`ckpt reshard SRC OUT --format torch_dist` at the speed of copying the bytes: no torch, no tensor in memory.
+"""`ckpt reshard / import ... --format torch_dist` at the speed of copying the bytes: no torch, no tensor in memory.
 
 torch_dist stores each global tensor as chunks that need not follow the loading run's layout: megatron-core reads
 any chunking at any TP x PP x DP (that is what the form is for). So the source's own shards become the chunks: each
@@ -13,16 +13,23 @@ and torch_dist files with --no-optimizer). `reshard` returns None, having writte
 (reshard._reshard_to_megatron) must do it: other sources, a Megatron-LM optimizer to decode, input the byte
 source declines (the torch path then words what is wrong). Output files, their chunks' values, args and common.pt
 hold what the torch path writes for the same target; tests/test_megatron_write.py loads both with megatron-core.
+
+`import_hf` does the same for an HF model: the rows of a megatron-core tensor that one HF tensor holds (hf.hf_rows:
+q, k and v rows per query group, gate and up halves, the true vocab's rows) are one chunk each, copied from the
+safetensors file; one .distcp per target stage.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import struct
 import time
 from pathlib import Path
 
 from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, to_megatron
-from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, _master_shards
+from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, field_shards
+from ckpt_tools.errors import CkptError
 from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
 from ckpt_tools.formats.torch_dist import stacked_key
@@ -55,7 +62,7 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
     with_opt = optimizer and _has_optimizer(meta)
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
     try:
-        fields = {f: _master_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS} if with_opt and not fresh else {}
+        fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS} if with_opt and not fresh else {}
         step = _step(meta) if fields else None
     except Declined:
         return None
@@ -155,3 +162,124 @@ def _step(meta: checkpoint.Meta) -> float:
     finally:
         os.close(fd)
     return float(struct.unpack(STEP_FORMATS[info.dtype], data)[0])
+
+
+# ---------------------------------------------------------------- import: an HF model's tensors as chunks
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
+              dtype: str | None = None, force: bool = False, quiet: bool = False) -> str | None:
+    """reshard.import_hf(..., form="torch_dist") by copying bytes: each megatron-core tensor's rows that an HF tensor
+    holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
+    from the safetensors file. None, having written nothing, where the torch path must do it: weights in another
+    dtype than asked for, transposed kinds (GPT-2), names or shapes that disagree with config.json (the torch
+    path words that), anything unreadable."""
+    start = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    try:
+        spec = hf.spec_from_hf(hf_dir / "config.json")
+        index = _safetensors_index(hf_dir)
+        rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
+    except (CkptError, Declined, OSError, ValueError, KeyError, TypeError):
+        return None
+    wanted = {n for _, names in rows.values() for n in names}
+    extra = set(index) - wanted - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
+    if extra or wanted - set(index) or any(row.kind in hf.TRANSPOSED for row, _ in rows.values()):
+        return None
+    params = dtype or index[rows["embedding.word_embeddings.weight"][1][0]][1]
+    planning_pad = spec.padded_vocab_size(1)  # HF shapes do not depend on the padding
+    for key, (row, names) in rows.items():
+        shapes = hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
+        if any(index[n][1] != params or index[n][2] != s for n, s in zip(names, shapes)):
+            return None
+    out = output.check_target(out, force)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    args = to_megatron.check(spec, tp, counts, padded, params, TORCH_DIST, None, out)
+    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, params, args, force, quiet)
+    return to_megatron.imported(hf_dir, spec, out, TORCH_DIST, tp, counts, params, padded, nbytes,
+                                time.perf_counter() - start)
+
+
+def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, counts: list[int], padded: int,
+            params: str, args, force: bool, quiet: bool) -> int:
+    pp = len(counts)
+    fds: dict[Path, int] = {}
+    try:
+        with output.staged(out, force) as tmp:
+            iter_dir = tmp / megatron_lm.RELEASE
+            iter_dir.mkdir()
+            writer = DistWriter(iter_dir, spec, tp, counts, padded, args)
+            bar = output.progress(len(rows), "import", quiet, unit="tensor")
+            for p in range(pp):
+                rank = Rank(0, p)  # one .distcp per stage
+                for _, key in layout.stage_keys(spec, counts, p):
+                    if not layout.holds_weights(key, spec, pp):
+                        writer.put_extra(p, key)
+                    elif writer.saves(key, rank):
+                        _put_hf(writer, index, fds, rank, key, *rows[key], padded)
+                        bar.update(1)
+                writer.end_stage(p, 0)
+            writer.close(0, None)
+            bar.close()
+            hf.copy_carried(hf_dir, iter_dir, hf_dir=True)
+            io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return writer.nbytes
+
+
+def _put_hf(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, row, names: list[str],
+            padded: int) -> None:
+    """One megatron-core tensor's chunks: the row ranges of its HF tensor(s), and zeros for the vocab padding."""
+    spec = writer.spec
+    fqn, layer = stacked_key(key)
+    full = layout.full_shape(key, spec, padded, writer.pp)
+    for name, runs in zip(names, hf.hf_rows(row.kind, spec, full[0])):
+        path, dtype, shape, offset, _ = index[name]
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        row_bytes = ELEMENT_SIZES[dtype] * (shape[1] if len(shape) == 2 else 1)
+        at = 0  # rows of the HF tensor taken so far
+        for a, b in runs:
+            offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(0, 0, a, b))
+            writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes, [(fds[path], offset + at * row_bytes,
+                                                                         (b - a) * row_bytes)])
+            at += b - a
+    if row.kind == hf.VOCAB and padded > spec.vocab_size:
+        dtype = index[names[0]][1]
+        offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(None, 0, spec.vocab_size, padded))
+        writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes,
+                         bytes((padded - spec.vocab_size) * full[1] * ELEMENT_SIZES[dtype]))
+
+
+def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
+    """name -> (file, dtype name, shape, data offset, bytes) of every tensor of an HF dir's safetensors files, from
+    their headers; Declined for anything the torch path should read (and word)."""
+    index_file = hf_dir / "model.safetensors.index.json"
+    if index_file.is_file():
+        files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise Declined(f"{hf_dir}: no safetensors weights")
+    out = {}
+    for name in files:
+        path = hf_dir / name
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 << 20:
+                raise Declined(f"{path}: a header of {n} bytes")
+            header = json.loads(f.read(n))
+        end = path.stat().st_size
+        for tensor, e in header.items():
+            if tensor == "__metadata__":
+                continue
+            dtype, shape = SAFETENSORS_DTYPES.get(e["dtype"]), tuple(e["shape"])
+            a, b = e["data_offsets"]
+            if dtype is None or len(shape) > 2 or b - a != math.prod(shape) * ELEMENT_SIZES[dtype] or 8 + n + b > end \
+                    or tensor in out:
+                raise Declined(f"{path}: {tensor} is not a tensor this path copies")
+            out[tensor] = (path, dtype, shape, 8 + n + a, b - a)
+    return out
