@@ -226,10 +226,12 @@ def _transposed(data: memoryview, shape: tuple[int, int], itemsize: int) -> memo
     return memoryview(np.ascontiguousarray(arr.T)).cast("B")
 
 
-def _converted(data: memoryview, src: str, dst: str) -> memoryview:
+def _converted(data: memoryview, src: str, dst: str, threads: int | None = None) -> memoryview:
     """The bytes of a tensor in dtype `src` -> those of the same values in `dst`, as torch's `.to` rounds them (the
-    one step that imports torch)."""
+    one step that imports torch; `threads`: its intra-op threads)."""
     import torch
+    if threads:
+        torch.set_num_threads(threads)
     if not len(data):
         return data
     t = torch.frombuffer(data, dtype=getattr(torch, src)).to(getattr(torch, dst))
@@ -244,6 +246,7 @@ class ByteSource:
         self.files = _Files()
         self._buf = bytearray()
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
+        self.torch_threads: int | None = None  # torch's intra-op threads for a conversion step
 
     @classmethod
     def open(cls, src: str | Path, vocab_size: int | None, from_master: bool) -> ByteSource:
@@ -262,13 +265,28 @@ class ByteSource:
             sources = field_shards(meta) if from_master else model
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
-        if any(s.dtype != shards[0].dtype or s.dtype not in ELEMENT_SIZES for shards in sources.values() for s in shards):
-            raise Declined("TP shards of one tensor in different dtypes")
         source = cls(meta, model, sources, ours)
-        if not source.consistent():
+        try:
+            source.check_replicas(sources)
+            if not source.consistent():
+                raise Declined("replicas that differ, or a tied copy that differs")
+        except BaseException:
             source.close()
-            raise Declined("replicas that differ, or a tied copy that differs")
+            raise
         return source
+
+    def check_replicas(self, shards: Shards) -> None:
+        """Declined unless the TP shards of each tensor have one dtype and a replicated tensor's are equal (the
+        torch path refuses replicas that differ, and converts dtypes)."""
+        if any(s.dtype != ts[0].dtype or s.dtype not in ELEMENT_SIZES for ts in shards.values() for s in ts):
+            raise Declined("TP shards of one tensor in different dtypes")
+        if not all(self.files.same(a, b) for a, b in self._replica_pairs(shards)):
+            raise Declined("replicated tensors that differ between TP ranks")
+
+    def _replica_pairs(self, shards: Shards) -> list[tuple[Range, Range]]:
+        meta = self.meta
+        return [(a, b) for key, ts in shards.items() if layout.is_replicated(key, meta.spec, meta.pp_size)
+                for s in ts[1:] for a, b in zip(s.whole, ts[0].whole)]
 
     def check_hashes(self) -> None:
         """--check-hashes: the sha256 of every file meta.json records (Megatron-LM records none)."""
@@ -296,7 +314,7 @@ class ByteSource:
             data = self._read(self.shards[e.key], pieces, rows, itemsize)
             if transpose:
                 data = _transposed(data, shape, itemsize)
-            yield name, shape, data if src_dtype == dtype else _converted(data, src_dtype, dtype)
+            yield name, shape, data if src_dtype == dtype else _converted(data, src_dtype, dtype, self.torch_threads)
 
     def release(self) -> None:
         """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""
@@ -328,13 +346,10 @@ class ByteSource:
         return buf
 
     def consistent(self) -> bool:
-        """Whether the torch path would take these bytes as they are: the TP replicas of each replicated
-        tensor equal (it refuses a checkpoint whose replicas differ), and with tied embeddings and PP > 1
-        the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
+        """Whether the torch path would take these bytes as they are (beside check_replicas): with tied embeddings
+        and PP > 1 the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
         meta, model = self.meta, self.model
-        pairs = [(a, b) for key, shards in self.shards.items()
-                 if layout.is_replicated(key, meta.spec, meta.pp_size)
-                 for s in shards[1:] for a, b in zip(s.whole, shards[0].whole)]
+        pairs = []
         if meta.spec.tie_word_embeddings and "output_layer.weight" in model:
             rows = [(0, meta.spec.vocab_size)]
             emb, out = (_byte_ranges(model[k], _full_pieces(k, meta), rows)

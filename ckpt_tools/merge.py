@@ -106,8 +106,14 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
     if source is None:
         from ckpt_tools.shards import open_checked
         source = TensorSource(open_checked(src, vocab_size, check_hashes), from_master, torch_threads)
-    elif check_hashes:
-        source.check_hashes()
+    else:
+        source.torch_threads = torch_threads  # for a conversion step
+        if check_hashes:
+            try:
+                source.check_hashes()
+            except BaseException:
+                source.close()
+                raise
     return source
 
 

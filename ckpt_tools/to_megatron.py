@@ -64,23 +64,23 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
     with output.staged(out, force) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir()
-        writer = writer_for(form, iter_dir, spec, tp, counts, padded, args)
-        keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
-        bar = output.progress(sum(map(len, keys)), label, quiet, unit="tensor")
-        for p in range(pp):
-            ranks = Grid(tp, pp).ranks(p)
-            for _, key in keys[p]:
-                if not layout.holds_weights(key, spec, pp):
-                    writer.put_extra(p, key)
-                else:
-                    for rank in ranks:
-                        writer.put(rank, key, shard_of(key, rank.tp))
-                    for field in OPTIMIZER_FIELDS if resume is not None else ():
-                        for rank in ranks:  # one field at a time: one full tensor in memory, not four
-                            writer.put(rank, key, state_of(key, field, rank.tp), field)
-                bar.update(1)
-            writer.end_stage(p, iteration)
-        writer.close(iteration, resume.common() if resume is not None else None)
+        with writer_for(form, iter_dir, spec, tp, counts, padded, args) as writer:
+            keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
+            bar = output.progress(sum(map(len, keys)), label, quiet, unit="tensor")
+            for p in range(pp):
+                ranks = Grid(tp, pp).ranks(p)
+                for _, key in keys[p]:
+                    if not layout.holds_weights(key, spec, pp):
+                        writer.put_extra(p, key)
+                    else:
+                        for rank in ranks:
+                            writer.put(rank, key, shard_of(key, rank.tp))
+                        for field in OPTIMIZER_FIELDS if resume is not None else ():
+                            for rank in ranks:  # one field at a time: one full tensor in memory, not four
+                                writer.put(rank, key, state_of(key, field, rank.tp), field)
+                    bar.update(1)
+                writer.end_stage(p, iteration)
+            writer.close(iteration, resume.common() if resume is not None else None)
         bar.close()
         if carried_from is not None:
             hf.copy_carried(carried_from, iter_dir, hf_dir)

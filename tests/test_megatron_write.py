@@ -373,3 +373,22 @@ def test_imported_chunks_hold_what_the_torch_path_writes(arch, hf_dirs, tmp_path
     assert fast.split(", ")[:-3] == slow.split(", ")[:-3] and fast.split("; ")[-1] == slow.split("; ")[-1]
     assert len(list((tmp_path / "fast" / "release").glob("*.distcp"))) == 2  # one per stage: nothing was re-split
     same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "torch" / "release", tmp_path)
+
+
+@pytest.mark.slow
+def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tmp_path):
+    """A layernorm's exp_avg that differs between TP ranks: the copy path declines (it would save TP rank 0's copy
+    only), and the torch path refuses the checkpoint in its words."""
+    import shutil
+
+    from bad_inputs import O, resave
+
+    from ckpt_tools.formats import dist_copy
+    from ckpt_tools.shards import open_checkpoint
+    ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
+    key = "decoder.layers.0.input_layernorm.weight"
+    resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
+    assert dist_copy.reshard(ck, tmp_path / "out", 1, 1, quiet=True) is None
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(Exception, match="replicated tensor differs between TP rank 0 and TP rank 1"):
+        reshard(ck, tmp_path / "out", 1, 1, form="torch_dist", quiet=True)

@@ -34,7 +34,7 @@ from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
 from ckpt_tools.formats.torch_dist import stacked_key
 from ckpt_tools.ranks import Rank
-from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, read
+from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
 
 STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
@@ -63,8 +63,10 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
     try:
         fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS} if with_opt and not fresh else {}
+        for shards in fields.values():
+            source.check_replicas(shards)
         step = _step(meta) if fields else None
-    except Declined:
+    except (Declined, Unreadable, CkptError, OSError):
         return None
     # from here on, what is refused is refused as the torch path refuses it, in its words
     out = output.check_target(out, force)
@@ -94,20 +96,20 @@ def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[in
     with output.staged(out, force) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir()
-        writer = DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size)
         bar = output.progress(len(ranks), "reshard", quiet, unit="file")
-        for i, rank in enumerate(ranks):
-            for _, key in layout.stage_keys(spec, meta.layer_counts, rank.pp):
-                if not layout.holds_weights(key, spec, meta.pp_size):
-                    if rank.tp == 0:
-                        writer.put_extra(rank.pp, key)
-                elif writer.saves(key, rank):
-                    for field, shards in ((None, source.shards), *fields.items()):
-                        _put(writer, source, rank, key, field, shards[key][rank.tp], padded)
-            bar.update(1)
-            if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
-                writer.end_stage(rank.pp, iteration)
-        writer.close(iteration, resume.common() if resume is not None else None)
+        with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size) as writer:
+            for i, rank in enumerate(ranks):
+                for _, key in layout.stage_keys(spec, meta.layer_counts, rank.pp):
+                    if not layout.holds_weights(key, spec, meta.pp_size):
+                        if rank.tp == 0:
+                            writer.put_extra(rank.pp, key)
+                    elif writer.saves(key, rank):
+                        for field, shards in ((None, source.shards), *fields.items()):
+                            _put(writer, source, rank, key, field, shards[key][rank.tp], padded)
+                bar.update(1)
+                if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
+                    writer.end_stage(rank.pp, iteration)
+            writer.close(iteration, resume.common() if resume is not None else None)
         bar.close()
         hf.copy_carried(meta.dir, iter_dir)
         io.write_text_atomic(tmp / megatron_lm.TRACKER, str(iteration) if resume is not None else megatron_lm.RELEASE)
@@ -181,7 +183,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         spec = hf.spec_from_hf(hf_dir / "config.json")
         index = _safetensors_index(hf_dir)
         rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
-    except (CkptError, Declined, OSError, ValueError, KeyError, TypeError):
+    except (CkptError, Declined):
         return None
     wanted = {n for _, names in rows.values() for n in names}
     extra = set(index) - wanted - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
@@ -209,18 +211,18 @@ def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, cou
         with output.staged(out, force) as tmp:
             iter_dir = tmp / megatron_lm.RELEASE
             iter_dir.mkdir()
-            writer = DistWriter(iter_dir, spec, tp, counts, padded, args)
             bar = output.progress(len(rows), "import", quiet, unit="tensor")
-            for p in range(pp):
-                rank = Rank(0, p)  # one .distcp per stage
-                for _, key in layout.stage_keys(spec, counts, p):
-                    if not layout.holds_weights(key, spec, pp):
-                        writer.put_extra(p, key)
-                    elif writer.saves(key, rank):
-                        _put_hf(writer, index, fds, rank, key, *rows[key], padded)
-                        bar.update(1)
-                writer.end_stage(p, 0)
-            writer.close(0, None)
+            with DistWriter(iter_dir, spec, tp, counts, padded, args) as writer:
+                for p in range(pp):
+                    rank = Rank(0, p)  # one .distcp per stage
+                    for _, key in layout.stage_keys(spec, counts, p):
+                        if not layout.holds_weights(key, spec, pp):
+                            writer.put_extra(p, key)
+                        elif writer.saves(key, rank):
+                            _put_hf(writer, index, fds, rank, key, *rows[key], padded)
+                            bar.update(1)
+                    writer.end_stage(p, 0)
+                writer.close(0, None)
             bar.close()
             hf.copy_carried(hf_dir, iter_dir, hf_dir=True)
             io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
@@ -257,6 +259,15 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, ro
 def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
     """name -> (file, dtype name, shape, data offset, bytes) of every tensor of an HF dir's safetensors files, from
     their headers; Declined for anything the torch path should read (and word)."""
+    try:
+        return _read_index(hf_dir)
+    except Declined:
+        raise
+    except Exception as e:  # noqa: BLE001 (anything unexpected in a file: the torch path reads and words it)
+        raise Declined(f"{hf_dir}: {type(e).__name__}: {e}") from None
+
+
+def _read_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
     index_file = hf_dir / "model.safetensors.index.json"
     if index_file.is_file():
         files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
@@ -272,14 +283,13 @@ def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ..
             if n > 100 << 20:
                 raise Declined(f"{path}: a header of {n} bytes")
             header = json.loads(f.read(n))
-        end = path.stat().st_size
-        for tensor, e in header.items():
-            if tensor == "__metadata__":
-                continue
+        end, at = path.stat().st_size, 0
+        entries = sorted(((e["data_offsets"], t, e) for t, e in header.items() if t != "__metadata__"),
+                         key=lambda x: x[0][0])
+        for (a, b), tensor, e in entries:  # safetensors' own rule: the data one tensor after another, no gap
             dtype, shape = SAFETENSORS_DTYPES.get(e["dtype"]), tuple(e["shape"])
-            a, b = e["data_offsets"]
-            if dtype is None or len(shape) > 2 or b - a != math.prod(shape) * ELEMENT_SIZES[dtype] or 8 + n + b > end \
-                    or tensor in out:
+            if dtype is None or len(shape) > 2 or a != at or b - a != math.prod(shape) * ELEMENT_SIZES[dtype] \
+                    or 8 + n + b > end or tensor in out:
                 raise Declined(f"{path}: {tensor} is not a tensor this path copies")
-            out[tensor] = (path, dtype, shape, 8 + n + a, b - a)
+            out[tensor], at = (path, dtype, shape, 8 + n + a, b - a), b
     return out

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import layout, megatron_lm, torchsave
+from ckpt_tools import io, layout, megatron_lm, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import stacked_key
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 TORCH, TORCH_DIST = megatron_lm.TORCH, megatron_lm.TORCH_DIST
 FORMS = (TORCH_DIST, TORCH)
 CHECKPOINT_VERSION = 3.0
+WRITEBACK = 32 << 20  # bytes written to a .distcp between two starts of its writeback
 DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 
@@ -72,16 +73,25 @@ class DistWriter:
     def _file(self, rank: Rank) -> list:
         if rank not in self._files:
             name = f"__{rank.pp * self._saving_tp + rank.tp}_0.distcp"  # the saving process's global rank
-            self._files[rank] = [name, os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), 0]
+            fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._files[rank] = [name, fd, 0, 0]  # name, fd, end, end when its writeback was last started
         return self._files[rank]
+
+    def _written(self, entry: list) -> None:
+        """Start the writeback of what was written since the last start, every WRITEBACK bytes: the disk writes
+        overlap the copying, and the stage's final fsync has little left to wait for."""
+        if entry[2] - entry[3] >= WRITEBACK:
+            io.start_writeback(entry[1], entry[3], entry[2] - entry[3])
+            entry[3] = entry[2]
 
     def put_chunk(self, rank: Rank, fqn: str, dtype: str, shape: tuple[int, ...], offsets: tuple[int, ...],
                   sizes: tuple[int, ...], data: torchsave.Data) -> None:
         """One chunk of the global tensor `fqn` (dtype name, global shape): its `sizes` at `offsets`, its bytes
         (row-major) `data`, into the .distcp of the rank that saves it."""
         entry = self._file(rank)
-        name, fd, start = entry
+        name, fd, start, _ = entry
         entry[2] = torchsave.save_tensor(fd, start, dtype, sizes, data)
+        self._written(entry)
         known = self._tensors.setdefault(fqn, (dtype, tuple(shape), []))
         if known[:2] != (dtype, tuple(shape)):
             raise LayoutError(f"{fqn}: a chunk of a {dtype} {tuple(shape)} tensor, earlier ones of a {known[0]} "
@@ -92,7 +102,7 @@ class DistWriter:
     def put_object(self, rank: Rank, fqn: str, obj) -> None:
         """An object entry (torch.save of `obj`)."""
         entry = self._file(rank)
-        name, fd, start = entry
+        name, fd, start, _ = entry
         entry[2] = torchsave.save_object(fd, start, obj)
         self._objects[fqn] = (name, start, entry[2] - start)
 
@@ -143,9 +153,18 @@ class DistWriter:
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         for rank in [r for r in self._files if r.pp == pp_rank]:
-            _, fd, _ = self._files.pop(rank)
+            _, fd, _, _ = self._files.pop(rank)
             os.fsync(fd)
             os.close(fd)
+
+    def __enter__(self) -> DistWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Close every .distcp still open (a write that failed: the staged output is removed)."""
+        for _, fd, _, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
     def close(self, iteration: int, common: dict | None = None) -> None:
         for pp_rank in sorted({r.pp for r in self._files}):
@@ -247,6 +266,12 @@ class LegacyWriter:
 
     def close(self, iteration: int, common: dict | None = None) -> None:
         pass
+
+    def __enter__(self) -> LegacyWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._writers.clear()  # unclosed archives of a failed write go with the staged output
 
 
 def _with_torch_globals(args: argparse.Namespace) -> argparse.Namespace:
