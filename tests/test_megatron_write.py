@@ -392,3 +392,15 @@ def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tm
     assert not (tmp_path / "out").exists()
     with pytest.raises(Exception, match="replicated tensor differs between TP rank 0 and TP rank 1"):
         reshard(ck, tmp_path / "out", 1, 1, form="torch_dist", quiet=True)
+
+
+def test_copied_chunks_merge_on_the_byte_path(hf_dirs, tmp_path):
+    """torch_dist whose TP shards are rows of several chunks (an import's q/k/v runs, a vocab and its zero chunk)
+    merges without torch, to the torch reader's bytes and to the HF model it came from."""
+    from test_merge_sources import assert_same_as_torch
+    import_hf(hf_dirs["llama"], tmp_path / "mlm", tp=2, pp=2, form="torch_dist", quiet=True)
+    files = assert_same_as_torch(tmp_path / "mlm", tmp_path / "merged")
+    from safetensors.torch import load as load_bytes
+    same = load_safetensors(hf_dirs["llama"] / "model.safetensors")
+    merged = load_bytes(files["model.safetensors"])
+    assert sorted(merged) == sorted(same) and all(torch.equal(merged[k], same[k]) for k in same)

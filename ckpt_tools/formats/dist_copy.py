@@ -16,7 +16,8 @@ hold what the torch path writes for the same target; tests/test_megatron_write.p
 
 `import_hf` does the same for an HF model: the rows of a megatron-core tensor that one HF tensor holds (hf.hf_rows:
 q, k and v rows per query group, gate and up halves, the true vocab's rows) are one chunk each, copied from the
-safetensors file; one .distcp per target stage.
+safetensors file; a row-parallel tensor is one chunk per target TP rank (its columns, gathered in memory), so that
+each TP shard of the output is rows of chunks, which merge reads as byte ranges; one .distcp per target stage.
 """
 from __future__ import annotations
 
@@ -238,6 +239,9 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, ro
     spec = writer.spec
     fqn, layer = stacked_key(key)
     full = layout.full_shape(key, spec, padded, writer.pp)
+    if layout.find_rule(key, spec, writer.pp).dim == 1:  # row-parallel: a chunk per target TP rank (see below)
+        _put_columns(writer, index, fds, rank, key, names, full)
+        return
     for name, runs in zip(names, hf.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
@@ -254,6 +258,33 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, ro
         offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(None, 0, spec.vocab_size, padded))
         writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes,
                          bytes((padded - spec.vocab_size) * full[1] * ELEMENT_SIZES[dtype]))
+
+
+def _put_columns(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, names: list[str],
+                 full: tuple[int, ...]) -> None:
+    """A row-parallel tensor as one chunk per target TP rank (its columns), as megatron-core saves it: merge and
+    reshard then read each rank's shard as one chunk. Columns are not contiguous bytes, so the tensor is read
+    into memory once (numpy, no torch) and each rank's columns are written from there."""
+    import numpy as np
+    (name,) = names
+    path, dtype, shape, offset, nbytes = index[name]
+    if path not in fds:
+        fds[path] = os.open(path, os.O_RDONLY)
+    buf = bytearray(nbytes)
+    view, done = memoryview(buf), 0
+    while done < nbytes:
+        n = os.preadv(fds[path], [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{path}: ended at byte {offset + done}")
+        done += n
+    rows = np.frombuffer(buf, np.uint8).reshape(shape[0], -1)
+    fqn, layer = stacked_key(key)
+    tp, width = writer.tp, rows.shape[1] // writer.tp
+    for r in range(tp):
+        piece = layout.Piece(0, 1, r * full[1] // tp, (r + 1) * full[1] // tp)
+        offsets, sizes, gshape = writer.placed(key, layer, full, piece)
+        columns = np.ascontiguousarray(rows[:, r * width:(r + 1) * width])
+        writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes, memoryview(columns).cast("B"))
 
 
 def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:

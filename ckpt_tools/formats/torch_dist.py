@@ -222,8 +222,10 @@ class DistCheckpoint:
         return info
 
     def byte_parts(self) -> dict[str, list[list[tuple[Path, object]]]] | None:
-        """Every model tensor's TP shards as whole chunks in the files, [(file, TensorInfo)] per rank along
-        dim 0 (the leading layer axis dropped); None when some shard is not made of whole chunks."""
+        """Every model tensor's TP shards as runs of rows of chunks in the files, [(file, TensorInfo)] per rank
+        along dim 0 (the leading layer axis dropped); None when some shard is not made so: a shard split on dim 1
+        must be one whole chunk, a dim-0 shard may be rows of several chunks (as chunks copied from another layout
+        or from an HF model's tensors are)."""
         out = {}
         for key in self.keys():
             if not layout.holds_weights(key, self.meta.spec, self.meta.pp_size):
@@ -231,20 +233,29 @@ class DistCheckpoint:
             ranks = []
             for rank in range(self.meta.tp_size):
                 entry, boxes, dim, stacked = self.rank_boxes(key, rank)
-                parts = []
-                for box in boxes:
-                    hits = self.hits(entry, box)
-                    if len(hits) != 1 or [(o, o + s) for o, s in zip(hits[0][0].offsets, hits[0][0].sizes)] != box:
-                        return None
-                    info = self.chunk_info(entry, hits[0][0])
-                    if stacked:
-                        info = type(info)(info.dtype, info.shape[1:], info.offset)
-                    parts.append((self.meta.dir / hits[0][0].file, info))
-                if len(parts) > 1 and dim != 0:
+                parts = [part for box in boxes for part in self._rows_of(entry, box, dim + stacked, stacked) or [None]]
+                if None in parts or (len(parts) > 1 and dim != 0):
                     return None
                 ranks.append(parts)
             out[key] = ranks
         return out
+
+    def _rows_of(self, entry: dcp.Entry, box: Box, split: int, stacked: bool) -> list[tuple[Path, object]] | None:
+        """A box as (file, TensorInfo) runs of whole rows of the chunks it meets, in order along stored dim `split`;
+        None where some chunk is cut on another dim, or rows of it are not contiguous bytes."""
+        parts = []
+        for chunk, inter in sorted(self.hits(entry, box), key=lambda hit: hit[1][split][0]):
+            whole = [(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)]
+            if any(not inter[d] == whole[d] == tuple(box[d]) for d in range(len(box)) if d != split) or \
+                    (inter[split] != whole[split] and any(n != 1 for n in chunk.sizes[:split])):
+                return None
+            info = self.chunk_info(entry, chunk)
+            row = info.nbytes // chunk.sizes[split] if chunk.sizes[split] else 0
+            lo, hi = inter[split][0] - whole[split][0], inter[split][1] - whole[split][0]
+            shape = (hi - lo,) + tuple(chunk.sizes[split + 1:])
+            shape = shape if split == int(stacked) else tuple(chunk.sizes[int(stacked):])  # dim-1: the whole chunk
+            parts.append((self.meta.dir / chunk.file, type(info)(info.dtype, shape, info.offset + lo * row)))
+        return parts
 
     # ------------------------------------------------------------ the bucket form (dp_reshardable)
     def stage_params(self, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
