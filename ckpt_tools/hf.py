@@ -45,8 +45,8 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
         pattern = layout.pattern_of(key)
         if pattern not in rows:
             raise LayoutError(f"{key}: no HuggingFace name for it in the {spec.architecture} mapping")
-        i = layout.layer_index(key)
-        out.append((key, rows[pattern], [h.format(i=i) for h in rows[pattern].hf]))
+        i, e = layout.layer_index(key), layout.expert_index(key)
+        out.append((key, rows[pattern], [h.format(i=i, e=e) for h in rows[pattern].hf]))
     return out
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import ConfigError, LayoutError
-from ckpt_tools.ranks import PP, TP
+from ckpt_tools.ranks import EP, PP, TP
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -59,8 +59,14 @@ class Rule:
     def axes(self) -> tuple[str, ...]:
         """The rank axes (ranks.TP, ranks.PP, ranks.EP) that hold different parts of this tensor: PP always (a
         stage holds its own layers; FIRST and LAST rows live on one stage), TP where it is split over TP ranks.
-        Expert rows will add EP. A rank on an axis a tensor is not split over holds a replica (or nothing)."""
-        return (PP, TP) if self.dim is not None else (PP,)
+        EP for expert rows (each expert lives on one EP rank). A rank on an axis a tensor is not split over holds a
+        replica (or nothing)."""
+        return (PP, TP) + ((EP,) if self.expert else ()) if self.dim is not None else (PP,) + ((EP,) if self.expert else ())
+
+    @property
+    def expert(self) -> bool:
+        """One row per expert (`{e}` in the name): an expert-parallel rank holds its own experts only."""
+        return "{e}" in self.name
 
 
 def _always(s: ModelSpec, pp: int) -> bool:
@@ -79,6 +85,14 @@ def _qk_norm(s: ModelSpec, pp: int) -> bool:
     return s.qk_layernorm
 
 
+def _moe(s: ModelSpec, pp: int) -> bool:
+    return s.is_moe
+
+
+def _dense(s: ModelSpec, pp: int) -> bool:
+    return not s.is_moe
+
+
 def _h(s: ModelSpec, v: int) -> tuple[int, ...]:
     return (s.hidden_size,)
 
@@ -88,6 +102,7 @@ def _d(s: ModelSpec, v: int) -> tuple[int, ...]:
 
 
 _L = "decoder.layers.{i}."
+_E = _L + "mlp.experts.local_experts.{e}."  # megatron-core's SequentialMLP; `{e}` the expert (local in a file)
 TABLE: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", VOCAB, FIRST, lambda s, v: (v, s.hidden_size), _always),
     Rule("embedding.position_embeddings.weight", REPLICATED, FIRST,
@@ -111,17 +126,23 @@ TABLE: tuple[Rule, ...] = (
     Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always),
     Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
     Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,
-         lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: s.gated_linear_unit),
+         lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.is_moe and s.gated_linear_unit),
     Rule(_L + "mlp.linear_fc1.weight", COLUMN, LAYER,
-         lambda s, v: (s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.gated_linear_unit),
+         lambda s, v: (s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.is_moe and not s.gated_linear_unit),
     Rule(_L + "mlp.linear_fc1.bias", GATED, LAYER, lambda s, v: (2 * s.ffn_hidden_size,),
-         lambda s, pp: s.add_bias_linear and s.gated_linear_unit),
+         lambda s, pp: not s.is_moe and s.add_bias_linear and s.gated_linear_unit),
     Rule(_L + "mlp.linear_fc1.bias", COLUMN, LAYER, lambda s, v: (s.ffn_hidden_size,),
-         lambda s, pp: s.add_bias_linear and not s.gated_linear_unit),
-    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, _always),
-    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), _always),
-    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, _h, _bias),
-    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _always),
+         lambda s, pp: not s.is_moe and s.add_bias_linear and not s.gated_linear_unit),
+    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, _dense),
+    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), _dense),
+    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, _h, lambda s, pp: not s.is_moe and s.add_bias_linear),
+    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _dense),
+    # MoE: a router (replicated) and experts, each a gated MLP split over TP as the dense one is (expert TP = TP)
+    Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _moe),
+    Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _moe),
+    Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _moe),
+    Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), _moe),
+    Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, _moe),
     Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
     Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
     # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
@@ -131,6 +152,7 @@ TABLE: tuple[Rule, ...] = (
 )
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def layer_index(key: str) -> int | None:
@@ -146,9 +168,14 @@ def with_layer_index(key: str, index: int) -> str:
     return f"decoder.layers.{index}.{m.group(2)}"
 
 
+def expert_index(key: str) -> int | None:
+    m = _EXPERT.search(key)
+    return int(m.group(1)) if m else None
+
+
 def pattern_of(key: str) -> str:
     m = _LAYER_KEY.match(key)
-    return _L + m.group(2) if m else key
+    return _EXPERT.sub(".local_experts.{e}.", _L + m.group(2)) if m else key
 
 
 def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
@@ -213,16 +240,36 @@ def tied_copies(spec: ModelSpec, pp_size: int, pp_rank: int) -> set[str]:
         ({"output_layer.weight"} if pp_rank == pp_size - 1 else set())
 
 
-def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int) -> list[tuple[str, str]]:
-    """(stage-local key, global key) pairs held by one PP stage, in megatron-core state-dict order."""
+def local_experts(spec: ModelSpec, ep_rank: int | None, ep_size: int = 1) -> list[int]:
+    """The global indices of the experts an EP rank holds, in local order (megatron-core deals them out in
+    contiguous runs: EP rank r holds experts r*E/EP ... (r+1)*E/EP - 1); every expert where there is no EP axis."""
+    if not spec.is_moe:
+        return []
+    n = spec.num_moe_experts
+    if ep_rank is None:
+        return list(range(n))
+    if n % ep_size:
+        raise LayoutError(f"num_moe_experts {n} is not divisible by EP {ep_size}: choose an EP that divides it")
+    per = n // ep_size
+    return list(range(ep_rank * per, (ep_rank + 1) * per))
+
+
+def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: int | None = None,
+               ep_size: int = 1) -> list[tuple[str, str]]:
+    """(stage-local key, global key) pairs held by one PP stage (and EP rank), in megatron-core state-dict order.
+    Local keys number layers from the stage's first and experts from the EP rank's first."""
     pp_size = len(counts)
     offset = sum(counts[:pp_rank])
+    experts = list(enumerate(local_experts(spec, ep_rank, ep_size)))
     out: list[tuple[str, str]] = []
     rules = rules_for(spec, pp_size)
     if pp_rank == 0:
         out += [(r.name, r.name) for r in rules if r.stage == FIRST]
+    layer = [r for r in rules if r.stage == LAYER and not r.expert]
+    expert = [r for r in rules if r.stage == LAYER and r.expert]  # the MLP's last rows, expert by expert
     for i in range(counts[pp_rank]):
-        out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in rules if r.stage == LAYER]
+        out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in layer]
+        out += [(r.name.format(i=i, e=j), r.name.format(i=offset + i, e=e)) for j, e in experts for r in expert]
     if pp_rank == pp_size - 1:
         out += [(r.name, r.name) for r in rules if r.stage == LAST]
     return out

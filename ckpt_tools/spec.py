@@ -51,6 +51,12 @@ class ModelSpec:
     rope_original_max_position_embeddings: int = 8192
     zero_centered_norm: bool | None = None  # norms scale by 1 + weight (Gemma; layernorm_zero_centered_gamma)
     scale_embeddings: bool | None = None  # embeddings times sqrt(hidden_size) (Gemma)
+    # Mixture of experts (megatron-core's MoE layer with SequentialMLP experts); None: a dense model.
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # each expert's MLP width; None: ffn_hidden_size
+    moe_router_topk: int = 2  # experts per token
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k, not renormalised (Qwen3-MoE's
+    # norm_topk_prob false); else top-k of the logits, then softmax over those k (= Mixtral's renormalised top-k)
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -77,6 +83,17 @@ class ModelSpec:
                 f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
                 f"{self.num_query_groups}: each query group must hold the same number of heads"
             )
+        if (self.num_moe_experts is not None) != family.moe:
+            raise ConfigError(f"num_moe_experts {self.num_moe_experts!r} does not fit {self.architecture}: "
+                              + ("a mixture-of-experts family needs the number of experts" if family.moe else
+                                 "a dense family has no experts (the MoE families are " +
+                                 ", ".join(f.name for f in families.all_families() if f.moe) + ")"))
+        if self.num_moe_experts is not None:
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            if self.moe_router_topk > self.num_moe_experts:
+                raise ConfigError(f"moe_router_topk {self.moe_router_topk} exceeds num_moe_experts "
+                                  f"{self.num_moe_experts}: each token picks at most every expert")
         if family.check is not None:
             family.check(self)
 
@@ -105,6 +122,10 @@ class ModelSpec:
     def qkv_bias(self) -> bool:
         """megatron-core's linear_qkv has a bias when every linear has one or only QKV has."""
         return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
 
     @property
     def heads_per_group(self) -> int:
@@ -137,7 +158,8 @@ class ModelSpec:
         problems = []
         for what, n in (("num_attention_heads", self.num_attention_heads),
                         ("num_query_groups", self.num_query_groups),
-                        ("ffn_hidden_size", self.ffn_hidden_size)):
+                        ("ffn_hidden_size", self.ffn_hidden_size),
+                        ("moe_ffn_hidden_size", self.moe_ffn_hidden_size or tp_size)):
             if n % tp_size:
                 problems.append(f"{what} {n} is not divisible by TP {tp_size}")
         if problems:

@@ -40,6 +40,10 @@ CASES = {
     "qwen3": ("Qwen3Config", {"head_dim": 24}, "qwen3"),
     "phi3": ("Phi3Config", {"pad_token_id": None}, "phi3"),
     "gemma": ("GemmaConfig", {"head_dim": 24, "pad_token_id": None}, "gemma"),  # zero-centred norms, scaled embeddings
+    # mixtures of experts: top-2 of 4 experts, renormalised (Mixtral) or not (Qwen3-MoE's norm_topk_prob false)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "mixtral"),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": False, "head_dim": 24}, "qwen3_moe"),
 }
 
 
@@ -100,7 +104,7 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("gemma", "llama3_tied", "phi3", "qwen2", "qwen3")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+FORWARD = ("gemma", "llama3_tied", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
 @pytest.mark.slow
@@ -120,7 +124,8 @@ def test_family_records_map_their_config_both_ways():
         assert set(family.features) == set(families.FEATURES), family.name
         spec = ModelSpec(architecture=family.name, num_layers=2, hidden_size=64, num_attention_heads=4,
                          num_query_groups=4 if family.name == "gpt2" else 2, ffn_hidden_size=96, vocab_size=VOCAB,
-                         kv_channels=16, max_position_embeddings=128)
+                         kv_channels=16, max_position_embeddings=128,
+                         **({"num_moe_experts": 4, "moe_router_topk": 2} if family.moe else {}))
         config = hf.hf_config(spec, "float32", 1, 2)
         assert config["model_type"] == family.model_type
         back = ModelSpec.from_dict(family.spec_fields(config, pytest.fail))
@@ -134,10 +139,14 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope scaling longrope"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [0]}, "mlp_only_layers [0] is not supported (layers with a dense"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "decoder_sparse_step 2 is not supported"),
+    ({"model_type": "mixtral", "num_experts_per_tok": 5}, "moe_router_topk 5 exceeds num_moe_experts 4"),
 ])
 def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
+    moe = {"num_moe_experts": 4} if families.get(changes["model_type"]).moe else {}
     spec = ModelSpec(architecture=changes["model_type"], num_layers=2, hidden_size=64, num_attention_heads=4,
-                     ffn_hidden_size=96, vocab_size=VOCAB)
+                     ffn_hidden_size=96, vocab_size=VOCAB, **moe)
     config = {**hf.hf_config(spec, "float32", None, None), **changes}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -171,7 +180,7 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), Gemma's zero-centred norms
     start at zero; a checkpoint resharded to TP1 x PP2 continues the same curve. (QKV biases are linear biases, split
@@ -180,6 +189,8 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     extra = {"architecture": arch, "kv_channels": 24} if arch in ("qwen3", "gemma") else {"architecture": arch}
     if arch == "gemma":
         extra["tie_word_embeddings"] = True
+    if arch == "mixtral":  # top-2 of 4 experts, each on every rank; the load-balancing loss in the curve
+        extra.update(num_moe_experts=4, moe_router_topk=2)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}
@@ -195,10 +206,13 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
 
 
-def test_gemma_is_not_written_in_megatron_lm_forms(hf_dirs, tmp_path):
+@pytest.mark.parametrize("case,form,why", [("gemma", "torch_dist", "no embedding scaling"),
+                                           ("mixtral", "torch_dist", "mixture-of-experts models are not written"),
+                                           ("qwen3_moe", "torch", "mixture-of-experts models are not written")])
+def test_families_megatron_lm_cannot_hold_are_refused_before_writing(case, form, why, hf_dirs, tmp_path):
     from ckpt_tools.errors import ConfigError
-    with pytest.raises(ConfigError, match="no embedding scaling"):
-        import_hf(hf_dirs["gemma"], tmp_path / "out", tp=1, pp=1, form="torch_dist", quiet=True)
+    with pytest.raises(ConfigError, match=why):
+        import_hf(hf_dirs[case], tmp_path / "out", tp=1, pp=1, form=form, quiet=True)
     assert not (tmp_path / "out").exists()
 
 

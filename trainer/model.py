@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
+from trainer.moe import MoE
 
 
 def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool,
@@ -194,17 +195,20 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, config: TransformerConfig):
+    """The dense MLP, or one expert of an MoE layer (`width` its ffn size)."""
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, width: int | None = None):
         super().__init__()
+        width = width or spec.ffn_hidden_size
         self.gated = spec.gated_linear_unit
         self.gate_act = F.silu if spec.activation == "swiglu" else partial(F.gelu, approximate="tanh")
         self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
-        fc1_rows = spec.ffn_hidden_size * (2 if self.gated else 1)
+        fc1_rows = width * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             spec.hidden_size, fc1_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.add_bias_linear,
             gather_output=False)
         self.linear_fc2 = RowParallelLinear(
-            spec.ffn_hidden_size, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
+            width, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
             bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +233,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = _norm(spec, config)
         self.self_attention = SelfAttention(spec, config, tp_size)
         self.pre_mlp_layernorm = _norm(spec, config)
-        self.mlp = MLP(spec, config)
+        self.mlp = MoE(spec, config, MLP) if spec.is_moe else MLP(spec, config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 selective: bool = False) -> torch.Tensor:

@@ -29,9 +29,9 @@ FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "q
 
 @dataclass(frozen=True)
 class Name:
-    key: str  # megatron-core key, `{i}` = global layer index
+    key: str  # megatron-core key, `{i}` = global layer index, `{e}` = global expert index
     kind: str
-    hf: tuple[str, ...]  # HF name(s), `{i}` = layer index
+    hf: tuple[str, ...]  # HF name(s), `{i}` = layer index, `{e}` = expert index
 
 
 REQUIRED = object()
@@ -143,6 +143,7 @@ class Family:
     config: tuple = ()
     check: Callable | None = None  # extra constraints on a ModelSpec (raises ConfigError)
     extras: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
+    moe: bool = False  # a mixture-of-experts family: every layer's MLP is megatron-core's MoE layer
 
     def default(self, feature: str):
         return self.features[feature][0]
@@ -181,8 +182,9 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import gemma, gpt2, llama, mistral, phi3, qwen2, qwen3
-    return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY)
+    from ckpt_tools.families import gemma, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+    return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
+            mixtral.FAMILY, qwen3_moe.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

@@ -28,7 +28,8 @@ FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_
 
 
 def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,
-           act: Const = Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"), tied: bool = False) -> tuple:
+           act: Const = Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"), tied: bool = False,
+           theta: float = 10000.0) -> tuple:
     """The config.json keys of a Llama-like model; `consts` are the family's own fixed keys."""
     return (
         Field("vocab_size", "vocab_size"),
@@ -41,7 +42,7 @@ def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *co
         Field("max_position_embeddings", "max_position_embeddings", positions),
         Field("rms_norm_eps", "norm_epsilon", rms_eps),
         Field("tie_word_embeddings", "tie_word_embeddings", tied),
-        Rope(),
+        Rope(theta),
         act,
         Const("attention_dropout", 0.0, accept=anything),
         Const("initializer_range", 0.02, accept=anything),
