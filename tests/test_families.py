@@ -190,7 +190,7 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     if arch == "gemma":
         extra["tie_word_embeddings"] = True
     if arch == "mixtral":  # top-2 of 4 experts, each on every rank; the load-balancing loss in the curve
-        extra.update(num_moe_experts=4, moe_router_topk=2)
+        extra.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}

@@ -35,6 +35,7 @@ class TrainConfig:
     layers_per_stage: list[int] | None = None
     gradient_clipping: float = 1.0
     sequence_parallelism: bool = False
+    moe_aux_loss_coeff: float = 0.0  # MoE models: megatron-core's load-balancing loss weight (its default 0)
     recompute_activations: bool = False  # Megatron-LM's meaning: selective recompute
     recompute_granularity: str | None = None  # "selective" | "full"; None: selective if recompute_activations
     use_distributed_optimizer: bool = False  # masters and Adam moments sharded over DP (ZeRO-1)
@@ -72,6 +73,8 @@ class TrainConfig:
         if self.sequence_parallelism and self.seq_length % self.tp_degree:
             raise ConfigError(f"sequence_parallelism splits the sequence over TP: seq_length {self.seq_length} is not "
                               f"divisible by tp_degree {self.tp_degree}; change one of them")
+        if self.sequence_parallelism and self.model.get("num_moe_experts"):
+            raise ConfigError("sequence_parallelism with MoE layers is not supported by this trainer: set it to false")
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ConfigError(f"recompute_granularity {self.recompute_granularity!r} is not supported: use "
                               f"selective or full (or leave it unset)")

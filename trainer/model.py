@@ -26,7 +26,7 @@ from trainer.moe import MoE
 
 
 def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool,
-                    sequence_parallel: bool = False) -> TransformerConfig:
+                    sequence_parallel: bool = False, moe_aux_loss_coeff: float = 0.0) -> TransformerConfig:
     """The megatron-core config its parallel layers read (we initialize the weights ourselves)."""
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -38,6 +38,7 @@ def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dt
         normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias, qk_layernorm=spec.qk_layernorm,
         layernorm_epsilon=spec.norm_epsilon, gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
     )
 
 

@@ -12,8 +12,9 @@ layers. Every expert of the layer lives on every rank here (expert parallelism i
 ckpt_tools.layout.local_experts says which EP rank holds which).
 
 The load-balancing loss is megatron-core's switch loss (moe_aux_loss_coeff x E x sum_e f_e p_e, f_e the fraction
-of token-slots routed to e and p_e the mean router probability of e); the layer keeps its last value in
-`aux_loss` for the training loop to add, scaled as the LM loss is.
+of token-slots routed to e and p_e the mean router probability of e). As megatron-core's MoEAuxLossAutoScaler
+does, it reaches backward through the layer's output (`AuxLoss`), so it trains the router on every pipeline stage
+without travelling to the loss; `aux_loss` keeps its last value for the log.
 """
 from __future__ import annotations
 
@@ -23,6 +24,40 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from ckpt_tools.spec import ModelSpec
+
+
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [n, E] -> (probabilities [n, k], expert indices [n, k], every expert's softmax [n, E] fp32)."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    if pre_softmax:
+        probs, index = torch.topk(scores.type_as(logits), topk, dim=-1)
+    else:
+        top, index = torch.topk(logits, topk, dim=-1)
+        probs = torch.softmax(top.float(), dim=-1).type_as(logits)
+    return probs, index, scores
+
+
+def load_balancing_loss(index: torch.Tensor, scores: torch.Tensor, coeff: float) -> torch.Tensor:
+    """The switch loss: coeff x E x sum_e (share of token-slots routed to e) x (mean softmax of e)."""
+    experts = scores.shape[-1]
+    routed = F.one_hot(index, experts).sum(dim=(0, 1)).float() / index.numel()
+    return coeff * experts * (routed * scores.mean(dim=0)).sum()
+
+
+class AuxLoss(torch.autograd.Function):
+    """The output unchanged; in backward the auxiliary loss gets the gradient `scale` (1 / micro-batches where the
+    LM loss is divided by them, 1 under the pipeline schedule, which divides the gradients at the end)."""
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, AuxLoss.scale)
 
 
 class Router(nn.Module):
@@ -39,32 +74,18 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module], aux_loss_coeff: float = 0.0):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module]):
         super().__init__()
         self.topk, self.pre_softmax = spec.moe_router_topk, spec.moe_router_pre_softmax
-        self.num_experts, self.aux_loss_coeff = spec.num_moe_experts, aux_loss_coeff
+        self.num_experts, self.aux_loss_coeff = spec.num_moe_experts, config.moe_aux_loss_coeff
         self.router = Router(spec, config)
         self.experts = Experts(spec, config, mlp)
         self.aux_loss: torch.Tensor | None = None
 
-    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens [n, h] -> (probabilities [n, k], expert indices [n, k], every expert's softmax [n, E] fp32)."""
-        logits = F.linear(tokens, self.router.weight)
-        scores = torch.softmax(logits.float(), dim=-1)
-        if self.pre_softmax:
-            probs, index = torch.topk(scores.type_as(logits), self.topk, dim=-1)
-        else:
-            top, index = torch.topk(logits, self.topk, dim=-1)
-            probs = torch.softmax(top.float(), dim=-1).type_as(logits)
-        return probs, index, scores
-
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs, index, scores = self.route(tokens)
-        if self.training and self.aux_loss_coeff:
-            routed = F.one_hot(index, self.num_experts).sum(dim=(0, 1)).float() / index.numel()
-            self.aux_loss = self.aux_loss_coeff * self.num_experts * (routed * scores.mean(dim=0)).sum()
+        probs, index, scores = route(F.linear(tokens, self.router.weight), self.topk, self.pre_softmax)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts.local_experts):
             rows, slot = (index == e).nonzero(as_tuple=True)
@@ -72,4 +93,7 @@ class MoE(nn.Module):
                 continue
             y = expert(tokens[rows], selective)
             out.index_add_(0, rows, y * probs[rows, slot, None])
+        if self.training and self.aux_loss_coeff:
+            self.aux_loss = load_balancing_loss(index, scores, self.aux_loss_coeff)
+            out = AuxLoss.apply(out, self.aux_loss)
         return out.reshape(shape)

@@ -29,6 +29,7 @@ from trainer import checkpoint, data
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
 from trainer.model import GPTStage, initialize, megatron_config
+from trainer.moe import AuxLoss
 from trainer.optim import MasterAdamW, lr_at, make_optimizer
 
 
@@ -67,7 +68,7 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
     counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, explicit)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu",
-                           sequence_parallel=cfg.sequence_parallelism)
+                           sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
                      layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute).to(device)
     initialize(stage, cfg.seed, ps.get_tensor_model_parallel_rank())
@@ -96,6 +97,7 @@ class Stepper:
             return self._pipelined(inputs, labels)
         losses = []
         n = self.cfg.num_micro_batches
+        AuxLoss.scale = 1.0 / n  # the MoE load-balancing loss, divided as the LM loss is
         for x, y in zip(inputs.chunk(n), labels.chunk(n)):
             loss = self.loss_fn(self.stage(x), y)
             (loss / n).backward()
@@ -103,6 +105,7 @@ class Stepper:
         return torch.stack(losses).mean()
 
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        AuxLoss.scale = 1.0  # the schedule divides the gradients by the micro-batches at the end
         if self.stage.pre_process:
             self.schedule.step(inputs)
             return None
