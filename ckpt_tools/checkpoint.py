@@ -62,6 +62,7 @@ class Meta:
     iteration: int
     source: str = "ckpt-tools"  # or "megatron-lm" / "torch_dist" (Contract 3; ckpt_tools/formats/): for display
     root: Path | None = None  # the checkpoint dir when it is not path.parent (Megatron-LM's iter_N dir)
+    ep_size: int = 1  # expert parallelism: each (TP, PP, EP) file holds its stage's dense tensors and its experts
 
     @classmethod
     def read(cls, ckpt_dir: str | Path) -> Meta:
@@ -87,7 +88,7 @@ class Meta:
             _check_fields(path, raw, spec)
             return cls(path=path, raw=raw, spec=spec, tp_size=par["tp_size"],
                        pp_size=par["pp_size"], layer_counts=list(par["layers_per_stage"]),
-                       padded_vocab=raw["vocab"]["padded"], iteration=raw["iteration"])
+                       padded_vocab=raw["vocab"]["padded"], iteration=raw["iteration"], ep_size=par.get("ep_size", 1))
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise FormatError(f"{path}: malformed meta.json ({type(e).__name__}: {e}): "
                               f"restore it from the source checkpoint") from None
@@ -100,7 +101,11 @@ class Meta:
 
     @property
     def grid(self) -> Grid:
-        return Grid(self.tp_size, self.pp_size)
+        return Grid(self.tp_size, self.pp_size, self.ep_size)
+
+    def rank_keys(self, rank: Rank) -> list[tuple[str, str]]:
+        """(file-local key, global key) of every tensor one rank's file holds."""
+        return layout.stage_keys(self.spec, self.layer_counts, rank.pp, rank.ep, self.ep_size)
 
     @property
     def params_dtype(self) -> str:
@@ -122,6 +127,9 @@ def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
     for k in ("tp_size", "pp_size"):
         if not is_int(par.get(k), 1):
             refuse(f"parallel.{k}", par.get(k), "a positive integer")
+    ep = par.get("ep_size", 1)
+    if not is_int(ep, 1) or (ep > 1 and (spec.num_moe_experts or 1) % ep):
+        refuse("parallel.ep_size", ep, f"a positive integer dividing the experts ({spec.num_moe_experts or 'none'})")
     counts = par.get("layers_per_stage")
     if not (isinstance(counts, list) and all(is_int(n, 1) for n in counts) and len(counts) == par["pp_size"]
             and sum(counts) == spec.num_layers):
@@ -229,7 +237,7 @@ def check_hashes(meta: Meta) -> None:
 def extra_shards(meta: Meta) -> list[str]:
     """Shard files in the checkpoint dir that its TP x PP layout does not have, as one-line problems."""
     names = {name(rank) for name in (model_file, optimizer_file) for rank in meta.grid.ranks()}
-    return [f"{f}: extra shard, not part of a TP{meta.tp_size} x PP{meta.pp_size} checkpoint: remove it or fix "
+    return [f"{f}: extra shard, not part of a {meta.grid} checkpoint: remove it or fix "
             f"meta.json" for f in sorted(meta.dir.glob("*_tp_*_pp_*.bin"))
             if f.name not in names and not f.name.startswith("rng_")]
 
@@ -238,7 +246,7 @@ def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: C
     """What is wrong with one model shard's state dict, as one-line problems: keys other than the layout
     table's for its stage, a tensor of another shape than the table's shard shape or of another dtype than
     meta.json's. `is_tensor` says what a tensor is: torch's, or a torch-free record with .shape and .dtype."""
-    expected = layout.stage_keys(meta.spec, meta.layer_counts, rank.pp)
+    expected = meta.rank_keys(rank)
     want = {local for local, _ in expected}
     fix = "restore the shard from the source checkpoint"
     problems = [f"{path}: missing tensor {k}, which the layout table puts on {rank}: "
@@ -255,7 +263,7 @@ def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: C
             problems.append(f"{path}: {local} is a {type(t).__name__}, not a tensor: {fix}")
         elif tuple(t.shape) != shape:
             problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape} "
-                            f"(TP{meta.tp_size} x PP{meta.pp_size}): {fix}")
+                            f"({meta.grid}): {fix}")
         elif meta.params_dtype in PARAMS_DTYPES and str(t.dtype).removeprefix("torch.") != meta.params_dtype:
             problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}: {fix}")
     return problems
@@ -277,7 +285,8 @@ def write_meta(path: Path, meta: dict) -> None:
 
 
 def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
-               params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict | None = None) -> dict:
+               params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict | None = None,
+               ep: int = 1) -> dict:
     """meta.json of a checkpoint in our format: the one place that knows its fields."""
     import torch
 
@@ -297,6 +306,8 @@ def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iterati
                      "ckpt-tools": package_version()},
         "files": files,
     }
+    if ep > 1:  # recorded only with an EP axis: checkpoints without one keep their meta.json as it was
+        meta["parallel"]["ep_size"] = ep
     if origin is not None:
         meta["origin"] = origin
     return meta

@@ -147,6 +147,7 @@ def _layers(text: str | None) -> list[int] | None:
 @click.argument("out", type=click.Path())
 @click.option("--tp", type=int, required=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, required=True, help="Target pipeline-parallel size.")
+@click.option("--ep", type=int, default=None, help="Target expert-parallel size (MoE models; default: the source's).")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
@@ -156,8 +157,9 @@ def _layers(text: str | None) -> list[int] | None:
 @_safety_opts
 @_quiet_opt
 @_handle_errors
-def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, vocab_size: int | None,
-            form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool, quiet: bool) -> None:
+def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_stage: str | None,
+            vocab_size: int | None, form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool,
+            quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
     if form == "torch_dist":  # first without torch: the source's shards copied as chunks, where that applies
         from ckpt_tools.formats import dist_copy
@@ -170,7 +172,7 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
     _one_thread()
     click.echo(reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
                                   quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
-                                  optimizer=not no_optimizer, copy_bytes=False))
+                                  optimizer=not no_optimizer, copy_bytes=False, ep=ep))
 
 
 @main.command("import")
@@ -178,6 +180,7 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
 @click.argument("out", type=click.Path())
 @click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Target expert-parallel size (MoE models).")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Model weight dtype (default: the HF weights' own).")
@@ -187,7 +190,7 @@ def reshard(src: str, out: str, tp: int, pp: int, layers_per_stage: str | None, 
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_quiet_opt
 @_handle_errors
-def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | None, dtype: str | None,
+def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: str | None, dtype: str | None,
             form: str, no_optimizer: bool, force: bool, quiet: bool) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     from ckpt_tools.plan import DTYPE_OPTIONS
@@ -203,7 +206,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, layers_per_stage: str | Non
     from ckpt_tools.reshard import import_hf
     click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
                          dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
-                         optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False))
+                         optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep))
 
 
 @main.command()

@@ -84,7 +84,9 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
             + (f"RoPE (base {s.rotary_base:g})" if s.position_embedding_type == "rope"
                else f"learned positions ({s.max_position_embeddings})")
             + f", {'tied' if s.tie_word_embeddings else 'untied'} embeddings"
-            + (", biases" if s.add_bias_linear else ""))
+            + (", biases" if s.add_bias_linear else "")
+            + (f", {s.num_moe_experts} experts (top-{s.moe_router_topk}, {s.moe_ffn_hidden_size} wide)" if s.is_moe
+               else ""))
     total, padding = parameter_count(meta)
     files = raw.get("files", {})
     size = sum(f["size"] for f in files.values())
@@ -93,7 +95,7 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
         f"iteration   {meta.iteration} ({raw.get('consumed_samples') or 0:,} samples, {raw.get('tokens_seen') or 0:,} tokens seen)",
         f"model       {arch}",
         f"vocab       {s.vocab_size:,} true, {meta.padded_vocab:,} padded ({meta.padded_vocab - s.vocab_size} padding rows)",
-        f"layout      TP {meta.tp_size} x PP {meta.pp_size} (saved with DP {raw['parallel'].get('dp_size') or '?'}); "
+        f"layout      TP {meta.tp_size} x PP {meta.pp_size}{f' x EP {meta.ep_size}' if meta.ep_size > 1 else ''} (saved with DP {raw['parallel'].get('dp_size') or '?'}); "
         f"layers per stage {','.join(map(str, meta.layer_counts))}",
         f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}",
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",

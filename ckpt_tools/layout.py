@@ -254,6 +254,18 @@ def local_experts(spec: ModelSpec, ep_rank: int | None, ep_size: int = 1) -> lis
     return list(range(ep_rank * per, (ep_rank + 1) * per))
 
 
+def check_ep(spec: ModelSpec, ep: int) -> int:
+    """An expert-parallel size the model can take (1 for a dense model), refused before anything is written."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"EP {ep!r} is not a positive number: choose an EP size >= 1")
+    if ep > 1 and not spec.is_moe:
+        raise ConfigError(f"EP {ep} needs experts, but this {spec.architecture} model is dense: drop --ep")
+    if spec.is_moe and spec.num_moe_experts % ep:
+        raise ConfigError(f"num_moe_experts {spec.num_moe_experts} is not divisible by EP {ep}: choose an EP that "
+                          f"divides it")
+    return ep
+
+
 def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: int | None = None,
                ep_size: int = 1) -> list[tuple[str, str]]:
     """(stage-local key, global key) pairs held by one PP stage (and EP rank), in megatron-core state-dict order.

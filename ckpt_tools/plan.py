@@ -124,7 +124,7 @@ class Job:
 
     def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
         meta, spec = self.meta, self.meta.spec
-        line = (f"merged {meta.dir} ({spec.architecture}, TP{meta.tp_size} x PP{meta.pp_size}, iteration "
+        line = (f"merged {meta.dir} ({spec.architecture}, {meta.grid}, iteration "
                 f"{meta.iteration}) -> {out}: {sum(len(e.names) for e in self.entries)} tensors, "
                 f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
                 f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "

@@ -45,6 +45,11 @@ class Grid:
         return [Rank(t, p, e) for p in stages for t in range(self.tp) for e in eps]
 
     @property
+    def first(self) -> Rank:
+        """The first rank in file order (TP 0, PP 0, EP 0 where there is EP): the one whose shared state is read."""
+        return Rank(0, 0, 0 if self.ep > 1 else None)
+
+    @property
     def size(self) -> int:
         return self.tp * self.pp * self.ep
 

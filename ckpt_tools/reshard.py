@@ -33,8 +33,9 @@ from ckpt_tools.writers import TorchFileWriter, dtype_name
 class Target:
     """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
 
-    def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool):
-        self.dir, self.spec, self.tp, self.counts, self.padded = ckpt_dir, spec, tp, counts, padded
+    def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool,
+                 ep: int = 1):
+        self.dir, self.spec, self.tp, self.counts, self.padded, self.ep = ckpt_dir, spec, tp, counts, padded, ep
         self.pp = len(counts)
         self.optimizer = optimizer
         self._pool = ThreadPoolExecutor(2)  # hashes and fsyncs finished files while the next ones are written
@@ -43,38 +44,49 @@ class Target:
 
     def begin_stage(self, pp_rank: int) -> None:
         self.pp_rank = pp_rank
-        ranks = Grid(self.tp, self.pp).ranks(pp_rank)  # TP rank order
-        self._model = [TorchFileWriter(self.dir / fmt.model_file(rank)) for rank in ranks]
-        self._model_state: list[dict] = [{} for _ in range(self.tp)]
-        self._optim = [TorchFileWriter(self.dir / fmt.optimizer_file(rank)) for rank in ranks] if self.optimizer else []
-        self._optim_state: list[dict] = [{} for _ in range(self.tp)]
+        self._ranks = Grid(self.tp, self.pp, self.ep).ranks(pp_rank)  # file order
+        self._model = [TorchFileWriter(self.dir / fmt.model_file(rank)) for rank in self._ranks]
+        self._model_state: list[dict] = [{} for _ in self._ranks]
+        self._optim = [TorchFileWriter(self.dir / fmt.optimizer_file(rank)) for rank in self._ranks] \
+            if self.optimizer else []
+        self._optim_state: list[dict] = [{} for _ in self._ranks]
+        self._local = {}  # global key -> [(file index, file-local key)] of this stage's files
+        for i, rank in enumerate(self._ranks):
+            for local, key in layout.stage_keys(self.spec, self.counts, pp_rank, rank.ep, self.ep):
+                self._local.setdefault(key, []).append((i, local))
 
     def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
         if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
             full = layout.pad_vocab(key, full, self.spec, self.padded)
         return layout.split(key, full, self.spec, self.tp, self.pp)
 
-    def put(self, local: str, key: str, value: Any) -> None:
-        """One model tensor (full, TP=1), split and written to every TP rank's model file."""
-        if not layout.holds_weights(key, self.spec, self.pp):
-            for t in range(self.tp):
-                self._model_state[t][local] = value
-            return
-        for t, shard in enumerate(self._split(key, value)):
-            self._model_state[t][local] = self._model[t].tensor(shard)
+    def _files(self, key: str) -> list[tuple[int, str, int]]:
+        """(file index, file-local key, TP rank) of every file of this stage that holds `key` (an expert: the files of
+        its EP rank; anything else: every EP rank's)."""
+        return [(i, local, self._ranks[i].tp) for i, local in self._local[key]]
 
-    def put_state(self, local: str, key: str, field: str, value: torch.Tensor) -> None:
+    def put(self, key: str, value: Any) -> None:
+        """One model tensor (full, TP=1; `key` global), split and written to every file that holds it."""
+        if not layout.holds_weights(key, self.spec, self.pp):
+            for i, local, _ in self._files(key):
+                self._model_state[i][local] = value
+            return
+        shards = self._split(key, value)
+        for i, local, t in self._files(key):
+            self._model_state[i][local] = self._model[i].tensor(shards[t])
+
+    def put_state(self, key: str, field: str, value: torch.Tensor) -> None:
         """One optimizer field of a parameter: a full tensor (master, exp_avg, exp_avg_sq), or the
         replicated step. Fields come one at a time, so one full tensor is in memory, not four."""
         shards = [value] * self.tp if field == "step" else self._split(key, value)
-        for t, shard in enumerate(shards):
-            self._optim_state[t].setdefault(local, {})[field] = self._optim[t].tensor(shard)
+        for i, local, t in self._files(key):
+            self._optim_state[i].setdefault(local, {})[field] = self._optim[i].tensor(shards[t])
 
     def end_stage(self, optimizer_extras: dict) -> None:
-        for t in range(self.tp):
-            self._close(self._model[t], {"model": self._model_state[t]})
+        for i in range(len(self._ranks)):
+            self._close(self._model[i], {"model": self._model_state[i]})
             if self.optimizer:
-                self._close(self._optim[t], {"optimizer": self._optim_state[t], **optimizer_extras})
+                self._close(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
 
     def _close(self, writer: TorchFileWriter, obj: dict) -> None:
         writer.close(obj, fsync=False)
@@ -142,7 +154,7 @@ class Resharder:
         t, tp_rank = self.target, rank.tp
         name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
         writer, state = TorchFileWriter(t.dir / name), {}
-        for local, key in layout.stage_keys(t.spec, t.counts, rank.pp):
+        for local, key in layout.stage_keys(t.spec, t.counts, rank.pp, rank.ep, t.ep):
             extra = not layout.holds_weights(key, t.spec, t.pp)
             if kind == MODEL:
                 state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
@@ -171,8 +183,9 @@ def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from:
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True,
-            copy_bytes: bool = True) -> str:
-    """`copy_bytes`: for torch_dist, copy the source's shards as its chunks where formats.dist_copy takes them."""
+            copy_bytes: bool = True, ep: int | None = None) -> str:
+    """`copy_bytes`: for torch_dist, copy the source's shards as its chunks where formats.dist_copy takes them.
+    `ep`: the target's expert parallelism (MoE models; None: the source's)."""
     if form == to_megatron.TORCH_DIST and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
@@ -183,6 +196,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
+    ep = meta.ep_size if ep is None else layout.check_ep(spec, ep)
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
@@ -190,31 +204,34 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir()
-        target = Target(ckpt, spec, tp, counts, padded, with_opt)
+        target = Target(ckpt, spec, tp, counts, padded, with_opt, ep)
         extras = shards.optimizer_extras() if with_opt else {}
         kinds = (MODEL, OPTIMIZER) if with_opt else (MODEL,)
-        bar = output.progress(len(kinds) * tp * pp, "reshard", quiet, unit="file")
+        bar = output.progress(len(kinds) * tp * pp * ep, "reshard", quiet, unit="file")
         resharder = Resharder(shards, target)
         for kind in reversed(kinds):  # the small model files last: the wait for the last file's hash is short
-            for rank in Grid(tp, pp).ranks():
+            for rank in Grid(tp, pp, ep).ranks():
                 resharder.write_file(kind, rank, extras)
                 bar.update(1)
         bar.close()
-        _copy_rng(shards, target, tp, pp)
+        _copy_rng(shards, target, Grid(tp, pp, ep))
         consumed = int(meta.raw.get("consumed_samples") or 0)
         origin = {"op": "reshard", "from": {"dir": str(meta.dir), "source": meta.source, "tp_size": meta.tp_size,
                                             "pp_size": meta.pp_size, "layers_per_stage": meta.layer_counts,
                                             "padded_vocab": meta.padded_vocab}}
+        if meta.ep_size > 1:
+            origin["from"]["ep_size"] = meta.ep_size
         new_meta = fmt.build_meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
-                         meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {}, origin)
+                                  meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {},
+                                  origin, ep)
         _finish(tmp, meta.iteration, target, new_meta, meta.dir)
     shards.close()
     notes = ""
     if padded != meta.padded_vocab:
         notes = (f"; padded vocab {meta.padded_vocab} -> {padded} (TP{tp} does not divide {meta.padded_vocab}; "
                  f"rows beyond the true vocab {spec.vocab_size} are zeros)")
-    return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} (layers {meta.layer_counts}) -> {out} "
-            f"TP{tp} x PP{pp} (layers {counts}), iteration {meta.iteration}, "
+    return (f"resharded {meta.dir} {meta.grid} (layers {meta.layer_counts}) -> {out} "
+            f"{Grid(tp, pp, ep)} (layers {counts}), iteration {meta.iteration}, "
             f"{'model + optimizer' if with_opt else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
             f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
             + (f"\n{leftover}" if leftover else ""))
@@ -257,12 +274,12 @@ def _resume_state(shards: Reader) -> megatron_resume.ResumeState:
                                      consumed)
 
 
-def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
+def _copy_rng(shards: Reader, target: Target, grid: Grid) -> None:
     """RNG and data position: the source's rank (0, 0) state for every target rank (no dropout in TP regions)."""
     rng = shards.rng_state()
     if rng is None:
         return
-    for rank in Grid(tp, pp).ranks():
+    for rank in grid.ranks():
         dest = target.dir / fmt.rng_file(rank)
         io.save_file(rng, dest)
         target.add_file(dest)
@@ -271,8 +288,9 @@ def _copy_rng(shards: Reader, target: Target, tp: int, pp: int) -> None:
 # ---------------------------------------------------------------- import: HF -> shards
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
-              form: str = to_megatron.OURS, copy_bytes: bool = True) -> str:
-    """`copy_bytes`: for torch_dist, copy the HF tensors' rows as chunks where formats.dist_copy takes them."""
+              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1) -> str:
+    """`copy_bytes`: for torch_dist, copy the HF tensors' rows as chunks where formats.dist_copy takes them.
+    `ep`: expert parallelism of the output (MoE models)."""
     if form == to_megatron.TORCH_DIST and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet)
@@ -282,6 +300,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
     spec = hf.spec_from_hf(hf_dir / "config.json")
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    layout.check_ep(spec, ep)
     source = HFTensors(hf_dir)
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}
@@ -312,30 +331,30 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir()
-        target = Target(ckpt, spec, tp, counts, padded, optimizer)
+        target = Target(ckpt, spec, tp, counts, padded, optimizer, ep)
         bar = output.progress(len(rows), "import", quiet, unit="tensor")
         for p in range(pp):
             target.begin_stage(p)
-            for local, key in layout.stage_keys(spec, counts, p):
+            for _, key in layout.stage_keys(spec, counts, p):
                 if not layout.holds_weights(key, spec, pp):
-                    target.put(local, key, None)
+                    target.put(key, None)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
                 full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
-                target.put(local, key, full)
+                target.put(key, full)
                 if optimizer:
                     master = full.float()
-                    target.put_state(local, key, "master", master)
-                    target.put_state(local, key, "exp_avg", torch.zeros_like(master))
-                    target.put_state(local, key, "exp_avg_sq", torch.zeros_like(master))
-                    target.put_state(local, key, "step", torch.tensor(0.0))
+                    target.put_state(key, "master", master)
+                    target.put_state(key, "exp_avg", torch.zeros_like(master))
+                    target.put_state(key, "exp_avg_sq", torch.zeros_like(master))
+                    target.put_state(key, "step", torch.tensor(0.0))
                 bar.update(1)
             target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
-        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin)
+        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep)
         _finish(tmp, 0, target, meta, hf_dir, hf_dir=True)
-    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} TP{tp} x PP{pp} "
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, pp, ep)} "
             f"(layers {counts}), {dtype_name(params_dtype)}, "
             f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
             f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")

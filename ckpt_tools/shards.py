@@ -37,10 +37,11 @@ class Reader:
         self._mapped: list[tuple[int, int, int, Path]] = []  # (start, end, file offset, path) of each mapping
         self._fds: dict[Path, int] = {}
         self._handed: list = []
-        self._where: dict[str, tuple[int, str]] = {}  # global key -> (pp_rank, stage-local key)
-        for pp_rank in range(meta.pp_size):
-            for local, global_key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
-                self._where[global_key] = (pp_rank, local)
+        self._where: dict[str, tuple[int, str, int | None]] = {}  # global key -> (pp_rank, file-local key, ep_rank)
+        for rank in meta.grid.ranks():
+            if rank.tp == 0:
+                for local, global_key in meta.rank_keys(rank):  # a dense tensor from EP rank 0 (the others: replicas)
+                    self._where.setdefault(global_key, (rank.pp, local, rank.ep))
 
     def shards(self, global_key: str, field: str | None = None) -> list:
         """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
@@ -87,7 +88,7 @@ class Reader:
     def stage_state(self, rank: Rank) -> dict:
         """One rank's model state dict at the checkpoint's own layout (stage-local keys)."""
         state = {}
-        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, rank.pp):
+        for local, key in self.meta.rank_keys(rank):
             state[local] = self.shards(key)[rank.tp]
         return state
 
@@ -160,7 +161,7 @@ class ShardSet(Reader):
 
     def optimizer_extras(self) -> dict:
         """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler)."""
-        return {k: v for k, v in self.file(OPTIMIZER, Rank(0, 0)).items() if k != OPTIMIZER}
+        return {k: v for k, v in self.file(OPTIMIZER, self.meta.grid.first).items() if k != OPTIMIZER}
 
     def file(self, kind: str, rank: Rank) -> dict:
         """The whole (lazily mapped) object of one shard file."""
@@ -188,7 +189,7 @@ class ShardSet(Reader):
         return len(self.meta.raw.get("files", {})), fmt.check_files(self.meta)
 
     def rng_state(self):
-        path = self.meta.dir / fmt.rng_file(Rank(0, 0))
+        path = self.meta.dir / fmt.rng_file(self.meta.grid.first)
         if not path.is_file():
             if path.name in self.meta.raw.get("files", {}):
                 raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
@@ -205,7 +206,7 @@ class ShardSet(Reader):
 
     def stage_state(self, rank: Rank) -> dict:
         state = dict(self._state(MODEL, rank))
-        for local, key in layout.stage_keys(self.meta.spec, self.meta.layer_counts, rank.pp):
+        for local, key in self.meta.rank_keys(rank):
             if local not in state and not layout.holds_weights(key, self.meta.spec, self.meta.pp_size):
                 state[local] = None  # a missing _extra_state holds no weights
         return state
@@ -214,10 +215,10 @@ class ShardSet(Reader):
         """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
         if global_key not in self._where:
             raise FormatError(f"{self.meta.dir}: no tensor {global_key} in this checkpoint's layout")
-        pp_rank, local = self._where[global_key]
+        pp_rank, local, ep_rank = self._where[global_key]
         kind = MODEL if field is None else OPTIMIZER
         out = []
-        for rank in self.meta.grid.ranks(pp_rank):
+        for rank in (r for r in self.meta.grid.ranks(pp_rank) if r.ep == ep_rank):
             state = self._state(kind, rank)
             if local not in state and field is None and \
                     not layout.holds_weights(global_key, self.meta.spec, self.meta.pp_size):

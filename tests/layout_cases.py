@@ -37,6 +37,7 @@ SPECS = {
     "gpt2": gpt2(),
     "qwen2": llama(architecture="qwen2", tie=True),  # QKV biases
     "qwen3": llama(architecture="qwen3", kv_channels=8),  # per-head q/k norms, head_dim x heads != hidden
+    "mixtral": llama(architecture="mixtral", num_moe_experts=4, moe_router_topk=2),  # router and experts
 }
 
 
@@ -61,7 +62,7 @@ def random_full(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.
 
 
 def layer0(rule: layout.Rule) -> str:
-    return rule.name.format(i=0)
+    return rule.name.format(i=0, e=1)
 
 
 def all_cases():

@@ -226,3 +226,45 @@ def test_families_sharing_megatron_arguments_come_back_as_themselves(case, hf_di
     original = load_safetensors(hf_dirs[case] / "model.safetensors")
     merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
     assert sorted(merged) == sorted(original) and all(torch.equal(merged[k], original[k]) for k in original)
+
+
+# ---------------------------------------------------------------- expert parallelism in our format
+def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_path):
+    """Mixtral imported at TP2 x PP2 x EP2 (each file: its stage's dense tensors and its two experts), resharded to
+    TP1 x PP1 x EP4 and back to TP2 x PP2 without EP: every model and optimizer file is byte-identical to a direct
+    import at TP2 x PP2, the EP4 checkpoint merges to the HF weights bit for bit, and its sharded forward (the
+    experts gathered from their EP ranks) gives transformers' logits."""
+    from ckpt_tools import verify
+    from ckpt_tools.checkpoint import Meta
+    from ckpt_tools.io import sha256_file
+    src = hf_dirs["mixtral"]
+    import_hf(src, tmp_path / "ep2", tp=2, pp=2, ep=2, quiet=True)
+    ep2 = tmp_path / "ep2" / "checkpoint-0"
+    assert Meta.read(ep2).ep_size == 2
+    assert (ep2 / "pytorch_model_tp_1_pp_1_ep_1.bin").is_file() and not (ep2 / "pytorch_model_tp_1_pp_1.bin").exists()
+    local = torch.load(ep2 / "pytorch_model_tp_0_pp_0_ep_1.bin", weights_only=True)["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight" in local  # global expert 3, local 1
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight" not in local
+    reshard(tmp_path / "ep2", tmp_path / "ep4", tp=1, pp=1, ep=4, quiet=True)
+    reshard(tmp_path / "ep4", tmp_path / "back", tp=2, pp=2, ep=1, quiet=True)
+    import_hf(src, tmp_path / "direct", tp=2, pp=2, quiet=True)
+    back, direct = tmp_path / "back" / "checkpoint-0", tmp_path / "direct" / "checkpoint-0"
+    names = sorted(p.name for p in direct.glob("*.bin"))
+    assert names == sorted(p.name for p in back.glob("*.bin")) and len(names) == 8
+    assert all(sha256_file(back / n) == sha256_file(direct / n) for n in names)
+    merge(tmp_path / "ep4", tmp_path / "merged", quiet=True)
+    original = load_safetensors(src / "model.safetensors")
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(original) and all(torch.equal(merged[k], original[k]) for k in original)
+    tiers, _ = verify.run(tmp_path / "ep2", src, seq=48, batch=2)
+    assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
+    assert tiers[2].data["rel_l2"] < 1e-5
+
+
+def test_an_expert_parallel_size_the_model_cannot_take_is_refused(hf_dirs, tmp_path):
+    from ckpt_tools.errors import ConfigError
+    with pytest.raises(ConfigError, match="num_moe_experts 4 is not divisible by EP 3"):
+        import_hf(hf_dirs["mixtral"], tmp_path / "out", tp=1, pp=1, ep=3, quiet=True)
+    with pytest.raises(ConfigError, match="is dense: drop --ep"):
+        import_hf(hf_dirs["qwen3"], tmp_path / "out", tp=1, pp=1, ep=2, quiet=True)
+    assert not (tmp_path / "out").exists()

@@ -136,13 +136,14 @@ COVERAGE = {
     "gpt2_pp1": (gpt2(), 1),
     "gpt2_pp2": (gpt2(), 2),
     "qwen3_pp2": (llama(architecture="qwen3"), 2),
+    "mixtral_pp2": (llama(architecture="mixtral", num_moe_experts=4), 2),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 def present_matches(key: str, spec: ModelSpec, pp: int) -> list[layout.Rule]:
     m = _LAYER_RE.match(key)
-    pattern = f"decoder.layers.{{i}}.{m.group(2)}" if m else key
+    pattern = re.sub(r"\.local_experts\.\d+\.", ".local_experts.{e}.", f"decoder.layers.{{i}}.{m.group(2)}") if m else key
     return [r for r in layout.TABLE if r.name == pattern and r.when(spec, pp)]
 
 
@@ -203,7 +204,8 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
     reachable = set()
     for family in families.all_families():
         for tie in family.features["tie_word_embeddings"]:
-            spec = gpt2() if family.name == "gpt2" else llama(architecture=family.name, tie=tie)
+            moe = {"num_moe_experts": 4} if family.moe else {}
+            spec = gpt2() if family.name == "gpt2" else llama(architecture=family.name, tie=tie, **moe)
             for pp in (1, 2):
                 reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
     assert [(r.name, r.split) for r in layout.TABLE if (r.name, r.split) not in reachable] == UNREACHABLE

@@ -99,13 +99,13 @@ def write_source(save, spec: ModelSpec, tp: int, pp: int, padded: int) -> None:
         target.begin_stage(p)
         for i, (local, key) in enumerate(layout.stage_keys(spec, counts, p)):
             if layout.find_rule(key, spec, pp).split == layout.EXTRA:
-                target.put(local, key, None)
+                target.put(key, None)
                 continue
             master = random_full(key, spec, padded, seed=100 * p + i)
-            target.put(local, key, master.to(torch.bfloat16))
+            target.put(key, master.to(torch.bfloat16))
             for n, f in enumerate(OPTIMIZER_FIELDS):
-                target.put_state(local, key, f, master * (n + 1))
-            target.put_state(local, key, "step", torch.tensor(3.0))
+                target.put_state(key, f, master * (n + 1))
+            target.put_state(key, "step", torch.tensor(3.0))
         target.end_stage({"param_groups": [{"lr": 1e-3}], "scheduler": {"iteration": 3}, "scaler": None})
     meta = fmt.build_meta(spec, tp, counts, padded, 3, 24, "bfloat16", 1, {}, {}, {"op": "test"})
     _finish(save, 3, target, meta, None)
@@ -124,12 +124,12 @@ def reshard_by_join(src, out, tp: int, pp: int) -> dict:
         for local, key in layout.stage_keys(spec, counts, p):
             source = shards.source_key(key)
             if layout.find_rule(key, spec, pp).split == layout.EXTRA:
-                target.put(local, key, shards.shards(source)[0])
+                target.put(key, shards.shards(source)[0])
                 continue
-            target.put(local, key, shards.full(source))
+            target.put(key, shards.full(source))
             for f in OPTIMIZER_FIELDS:
-                target.put_state(local, key, f, shards.full(source, f))
-            target.put_state(local, key, "step", shards.shards(source, "step")[0])
+                target.put_state(key, f, shards.full(source, f))
+            target.put_state(key, "step", shards.shards(source, "step")[0])
         target.end_stage(extras)
     return target.records()
 

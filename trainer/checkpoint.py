@@ -85,6 +85,10 @@ def _check_compatible(meta: fmt.Meta, stage: GPTStage) -> None:
                 if getattr(stage.spec, k) != v]
         raise ConfigError(f"{meta.path}: the checkpoint's model differs from the config ({'; '.join(diff)}): "
                           f"train with the checkpoint's model settings or start a new save_dir")
+    if meta.ep_size > 1:
+        raise ConfigError(f"{meta.dir}: saved at {meta.grid}; this trainer holds every expert on each rank: run "
+                          f"`ckpt reshard {meta.dir} OUT --tp {stage.tp_size} --pp {len(stage.layer_counts)} --ep 1` and "
+                          f"resume from OUT")
     here = (stage.tp_size, len(stage.layer_counts), stage.layer_counts, stage.padded_vocab)
     there = (meta.tp_size, meta.pp_size, meta.layer_counts, meta.padded_vocab)
     if here != there:

@@ -34,7 +34,7 @@ def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], devic
     mcfg = megatron_config(spec, tp_size, len(counts), dtype, on_cpu=device.type == "cpu")
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     stage = GPTStage(spec, mcfg, tp_size=tp_size, pp_rank=pp_rank, layer_counts=counts, padded_vocab=padded)
-    if tp_size == meta.tp_size and counts == meta.layer_counts:
+    if tp_size == meta.tp_size and counts == meta.layer_counts and meta.ep_size == 1:
         state = shards.stage_state(Rank(tp_rank, pp_rank))
     else:
         state = {}

@@ -151,7 +151,7 @@ def _has_optimizer(meta: checkpoint.Meta) -> bool:
 
 def _step(meta: checkpoint.Meta) -> float:
     """Adam's step, from rank (0, 0)'s optimizer shard (the same for every parameter), read without torch."""
-    path = meta.dir / checkpoint.optimizer_file(Rank(0, 0))
+    path = meta.dir / checkpoint.optimizer_file(meta.grid.first)
     state = read(path).get("optimizer") if path.is_file() else None
     key = next((local for local, k in layout.stage_keys(meta.spec, meta.layer_counts, 0)
                 if layout.holds_weights(k, meta.spec, meta.pp_size)), None)

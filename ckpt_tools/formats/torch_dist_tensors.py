@@ -179,7 +179,7 @@ class TorchDistShards(Reader):
         return self._box(entry, [(start - first, end - first)]).view(shape)
 
     def _bucket_shard(self, key: str, field: str, rank: int) -> torch.Tensor:
-        pp_rank, _ = self._where[key]
+        pp_rank = self._where[key][0]
         return self._slice(self._layout(pp_rank), key, field, rank, pp_rank)
 
     def validate(self) -> list[str]:
