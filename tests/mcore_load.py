@@ -3,11 +3,12 @@
 
     torchrun --nproc-per-node TP*PP tests/mcore_load.py CONFIG.json
 
-CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "form": "torch_dist" | "torch", "load": the save dir,
+CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "form": "torch_dist" | "torch" | "ours", "load": the save dir,
 "tokens": tokens.pt, "out": logits.pt}. torch_dist: `dist_checkpointing.load` of the model's
 `sharded_state_dict()` (at this TP x PP, whatever the checkpoint's), then `load_state_dict(strict=True)`;
 torch: each rank's `mp_rank_TT[_PPP]/model_optim_rng.pt` into `load_state_dict(strict=True)`. The tracker
-names the dir, as Megatron-LM reads it. Rank 0 writes the logits [b, s, padded vocab] and the loaded args.
+names the dir, as Megatron-LM reads it. ours: each rank's file of our format (with "ep": E, megatron-core's expert
+parallelism over E data-parallel ranks, run with TP*PP*E processes, each EP rank its own experts' file). Rank 0 writes the logits [b, s, padded vocab] and the loaded args.
 The CPU shims are tests/mcore_checkpoints.py's.
 """
 from __future__ import annotations
@@ -30,18 +31,35 @@ def main(config_path: str) -> None:
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
     from mcore_reference_child import _build_model
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
+        moe_utils.te_general_gemm = None
 
     from ckpt_tools.spec import ModelSpec
     cfg = json.loads(Path(config_path).read_text())
     tp, pp, form, load = cfg["tp"], cfg["pp"], cfg["form"], Path(cfg["load"])
+    ep = cfg.get("ep", 1)
     spec = ModelSpec.from_dict(cfg["model"])
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    torch.manual_seed(99)  # other weights than the checkpoint's: only a complete load gives its logits
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": cfg["padded_vocab"], "ep": ep}, tp, pp)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if form == "ours":  # this rank's file of our format, its experts under local indices as megatron-core's
+        from ckpt_tools import checkpoint
+        from ckpt_tools.ranks import Rank
+        rank = Rank(tp_rank, pp_rank, ps.get_expert_model_parallel_rank() if ep > 1 else None)
+        state = torch.load(checkpoint.resolve(load) / checkpoint.model_file(rank), weights_only=True)["model"]
+        model.load_state_dict(state, strict=True)
+        logits = _forward(model.eval(), torch.load(cfg["tokens"]), torch)
+        if logits is not None and tp_rank == 0 and ps.get_data_parallel_rank() == 0:
+            torch.save({"logits": logits}, cfg["out"])
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     tracker = (load / "latest_checkpointed_iteration.txt").read_text().strip()
     iter_dir = load / (tracker if tracker == "release" else f"iter_{int(tracker):07d}")
-    torch.manual_seed(99)  # other weights than the checkpoint's: only a complete load gives its logits
-    model = _build_model({**spec.to_dict(), "padded_vocab_size": cfg["padded_vocab"]}, tp, pp)
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if form == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(str(iter_dir))
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))

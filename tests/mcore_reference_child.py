@@ -30,7 +30,7 @@ def _build_model(model: dict, tp: int, pp: int):
 
     from ckpt_tools.spec import ModelSpec
 
-    fields = {k: v for k, v in model.items() if k != "padded_vocab_size" and v is not None}
+    fields = {k: v for k, v in model.items() if k not in ("padded_vocab_size", "ep") and v is not None}
     s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features
     activation = {"swiglu": F.silu, "gelu": F.gelu,
                   "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
@@ -43,6 +43,10 @@ def _build_model(model: dict, tp: int, pp: int):
         gated_linear_unit=s.gated_linear_unit, activation_func=activation, add_bias_linear=s.add_bias_linear,
         add_qkv_bias=s.add_qkv_bias, qk_layernorm=s.qk_layernorm,
         bias_activation_fusion=False,
+        **({"num_moe_experts": s.num_moe_experts, "moe_router_topk": s.moe_router_topk,
+            "moe_ffn_hidden_size": s.moe_ffn_hidden_size, "moe_router_pre_softmax": s.moe_router_pre_softmax,
+            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather",
+            "expert_model_parallel_size": int(model.get("ep", 1))} if s.is_moe else {}),
     )
     tied = s.tie_word_embeddings
     if s.position_embedding_type == "rope":
@@ -51,7 +55,8 @@ def _build_model(model: dict, tp: int, pp: int):
     else:
         pos_kw = dict(position_embedding_type="learned_absolute")
 
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm,
+                                    num_experts=s.num_moe_experts, moe_grouped_gemm=False)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -268,3 +268,23 @@ def test_an_expert_parallel_size_the_model_cannot_take_is_refused(hf_dirs, tmp_p
     with pytest.raises(ConfigError, match="is dense: drop --ep"):
         import_hf(hf_dirs["qwen3"], tmp_path / "out", tp=1, pp=1, ep=2, quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,tp,pp,ep", [("mixtral", 1, 2, 2), ("qwen3_moe", 2, 1, 1)])
+def test_megatron_core_moe_model_loads_our_shards(case, tp, pp, ep, hf_dirs, tmp_path):
+    """megatron-core's own GPTModel with MoE layers (SequentialMLP experts; with EP, its expert parallelism over the
+    data-parallel ranks) loads each rank's file of ours with strict=True, and its forward gives transformers'
+    logits."""
+    from conftest import torchrun
+    import_hf(hf_dirs[case], tmp_path / "ours", tp=tp, pp=pp, ep=ep, optimizer=False, quiet=True)
+    spec = hf.spec_from_hf(hf_dirs[case] / "config.json")
+    torch.save(TOKENS, tmp_path / "tokens.pt")
+    cfg = {"model": spec.to_dict(), "tp": tp, "pp": pp, "ep": ep, "form": "ours", "load": str(tmp_path / "ours"),
+           "padded_vocab": spec.padded_vocab_size(tp), "tokens": str(tmp_path / "tokens.pt"),
+           "out": str(tmp_path / "logits.pt")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    torchrun(tp * pp * ep, ["tests/mcore_load.py", str(tmp_path / "config.json")], timeout=600)
+    theirs = torch.load(tmp_path / "logits.pt")["logits"][..., :VOCAB]
+    _, want = logits(hf_dirs[case], TOKENS)
+    assert rel(theirs, want) < 1e-5
