@@ -134,9 +134,7 @@ def _is_tensor(t: object) -> bool:
 
 def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, state: dict) -> None:
     """One rank's tensors appended to their keys' shard lists (files are visited in rank order)."""
-    for local, key in meta.rank_keys(rank):
-        if rank.ep not in (None, 0) and layout.expert_index(key) is None:
-            continue  # a dense tensor's replica on another EP rank
+    for local, key in meta.rank_keys(rank, owned=True):
         if isinstance(state.get(local), TensorInfo):
             shards.setdefault(key, []).append(_shard(path, state[local]))
 
@@ -147,9 +145,7 @@ def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
     shards: Shards = {}
     for rank in meta.grid.ranks():
         path, state = _state(meta, checkpoint.optimizer_file(rank), "optimizer")
-        for local, key in meta.rank_keys(rank):
-            if rank.ep not in (None, 0) and layout.expert_index(key) is None:
-                continue
+        for local, key in meta.rank_keys(rank, owned=True):
             shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
             if shape is None:
                 continue

@@ -103,9 +103,13 @@ class Meta:
     def grid(self) -> Grid:
         return Grid(self.tp_size, self.pp_size, self.ep_size)
 
-    def rank_keys(self, rank: Rank) -> list[tuple[str, str]]:
-        """(file-local key, global key) of every tensor one rank's file holds."""
-        return layout.stage_keys(self.spec, self.layer_counts, rank.pp, rank.ep, self.ep_size)
+    def rank_keys(self, rank: Rank, owned: bool = False) -> list[tuple[str, str]]:
+        """(file-local key, global key) of every tensor one rank's file holds; `owned`: only those read from it (a
+        dense tensor's replicas on EP ranks > 0 left out)."""
+        keys = layout.stage_keys(self.spec, self.layer_counts, rank.pp, rank.ep, self.ep_size)
+        if owned and rank.ep not in (None, 0):
+            keys = [(local, key) for local, key in keys if layout.expert_index(key) is not None]
+        return keys
 
     @property
     def params_dtype(self) -> str:

@@ -40,10 +40,7 @@ def pipeline_split(counts: list[int]) -> dict:
 
 def check_expressible(spec: ModelSpec) -> None:
     """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's, Gemma's scaled
-    embeddings and zero-centred norms, experts not yet)."""
-    if spec.is_moe:
-        raise ConfigError(f"{spec.architecture}: mixture-of-experts models are not written in Megatron-LM's forms yet "
-                          f"(its expert keys and --num-experts arguments): keep the model in our format or HF")
+    embeddings and zero-centred norms)."""
     if spec.scale_embeddings or spec.zero_centered_norm:
         raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
                           f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "
@@ -53,6 +50,21 @@ def check_expressible(spec: ModelSpec) -> None:
         if odd:
             raise ConfigError(f"llama3 rope scaling with {', '.join(odd)}: Megatron-LM's --use-rope-scaling fixes "
                               f"these, so the written model would differ; keep the model in our format or HF")
+
+
+def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
+    """Megatron-LM's MoE arguments: every layer's MLP megatron-core's MoE layer with SequentialMLP experts (no
+    grouped GEMM), top-k routing, no shared experts, the load-balancing loss megatron-core's default (off)."""
+    if not spec.is_moe:
+        return {"num_experts": None, "expert_model_parallel_size": 1}
+    return {"num_experts": spec.num_moe_experts, "moe_router_topk": spec.moe_router_topk,
+            "moe_ffn_hidden_size": spec.moe_ffn_hidden_size, "moe_router_pre_softmax": spec.moe_router_pre_softmax,
+            "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+            "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+            "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
+            "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "allgather", "expert_tensor_parallel_size": None,
+            "expert_model_parallel_size": ep}
 
 
 def _torch_dtype(dtype: str):
@@ -89,14 +101,14 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
-        vocab_size=spec.vocab_size, num_experts=None, multi_latent_attention=False, mtp_num_layers=None,
+        vocab_size=spec.vocab_size, multi_latent_attention=False, mtp_num_layers=None, **moe_args(spec),
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
         transformer_impl="local", use_legacy_models=False, spec=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
         # the layout
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
-        pipeline_model_parallel_layout=None, context_parallel_size=1, expert_model_parallel_size=1,
+        pipeline_model_parallel_layout=None, context_parallel_size=1,
         sequence_parallel=False, **pipeline_split(counts),
         # precision and the checkpoint itself
         bf16=dtype == "bfloat16", fp16=dtype == "float16", params_dtype=_torch_dtype(dtype),

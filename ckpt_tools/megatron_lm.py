@@ -35,7 +35,6 @@ _ITER_DIR = re.compile(r"^iter_\d{7,}$")
 # Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
 _REFUSED = {
     "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages",
-    "num_experts": "mixture of experts",
     "pipeline_model_parallel_layout": "a custom pipeline layout", "multi_latent_attention": "multi-latent attention",
     "mtp_num_layers": "multi-token prediction layers",
     "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
@@ -185,8 +184,9 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
     supported = f"supported: {', '.join(families.names())} (docs/families.md)"
     if refused:
         raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
+    moe = moe_fields(args)
     found = features_of(args)
-    family, misfits = families.for_features(found)
+    family, misfits = families.for_features(found, moe=bool(moe))
     named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
     if family is not None and named in families.names() and named != family.name:
         candidate = families.get(named)
@@ -214,7 +214,40 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
         kv_channels=_arg(args, "kv_channels"), max_position_embeddings=_arg(args, "max_position_embeddings", 2048),
         norm_epsilon=float(eps if eps is not None else _arg(args, "layernorm_epsilon", 1e-5)),
         rotary_base=float(_arg(args, "rotary_base", 10000)),
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling)
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe)
+
+
+# Megatron-LM MoE arguments whose non-default values change the weights or the routing beyond what the MoE families
+# hold: (argument, its harmless values, what it would mean)
+_MOE_REFUSED = (
+    ("moe_shared_expert_intermediate_size", (None, 0), "shared experts"),
+    ("moe_router_score_function", ("softmax",), "a router score function other than softmax"),
+    ("moe_router_enable_expert_bias", (None, False), "a router expert bias"),
+    ("moe_router_num_groups", (None, 0, 1), "group-limited routing"),
+    ("moe_router_topk_scaling_factor", (None, 1, 1.0), "scaled top-k weights"),
+    ("moe_use_legacy_grouped_gemm", (None, False), "the legacy grouped-GEMM experts' weight1/weight2 tensors"),
+)
+
+
+def moe_fields(args) -> dict:
+    """Megatron-LM's MoE arguments -> ModelSpec fields ({} for a dense model); what the families cannot hold is
+    refused. Every layer must be an MoE layer (moe_layer_freq 1)."""
+    experts = _arg(args, "num_experts", None)
+    if not experts:
+        return {}
+    refused = [f"{k}={_arg(args, k, None)!r} ({why})" for k, ok, why in _MOE_REFUSED if _arg(args, k, ok[0]) not in ok]
+    freq = _arg(args, "moe_layer_freq", 1)
+    if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
+        refused.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
+    etp = _arg(args, "expert_tensor_parallel_size", None)
+    if etp not in (None, _arg(args, "tensor_model_parallel_size", 1)):
+        refused.append(f"expert_tensor_parallel_size={etp!r} (experts split over TP differently from the dense "
+                       f"layers)")
+    if refused:
+        raise ConfigError(f"unsupported Megatron-LM MoE arguments: {'; '.join(refused)}")
+    return {"num_moe_experts": int(experts), "moe_router_topk": int(_arg(args, "moe_router_topk", 2)),
+            "moe_ffn_hidden_size": _arg(args, "moe_ffn_hidden_size", None),
+            "moe_router_pre_softmax": bool(_arg(args, "moe_router_pre_softmax", False))}
 
 
 def _layer_counts(args, pp_size: int) -> list[int]:
@@ -255,8 +288,8 @@ def _first_file(iter_dir: Path) -> Path:
                       f"exists: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
 
 
-def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int) -> None:
-    grid = Grid(tp_size, pp_size)
+def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+    grid = Grid(tp_size, pp_size, ep_size)
     ranks = grid.ranks()
     expected = {_mp_rank(rank, pp_size) for rank in ranks}
     what = f"{grid} (from args) expects {_mp_rank(ranks[0], pp_size)}..{_mp_rank(ranks[-1], pp_size)}"
@@ -316,6 +349,11 @@ def args_of(path: Path, state) -> object:
     return args
 
 
+def expert_parallel(args) -> int:
+    """The EP size the arguments describe (a legacy checkpoint has one file per EP rank)."""
+    return int(_arg(args, "expert_model_parallel_size", 1) or 1) if _arg(args, "num_experts", None) else 1
+
+
 def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int, int, list[int]]:
     """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
     try:
@@ -332,7 +370,7 @@ def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int,
 
 
 def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: int, pp: int, counts: list[int],
-            padded: int, source: str) -> Meta:
+            padded: int, source: str, ep: int = 1) -> Meta:
     """The Meta of a Megatron-LM checkpoint (any form): `path` holds its args, `state` its common state."""
     if not isinstance(padded, int) or isinstance(padded, bool):
         raise FormatError(f"{path}: padded_vocab_size is {padded!r:.40}, expected an integer: the args are damaged; "
@@ -358,7 +396,7 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
         "checkpoint_version": state.get("checkpoint_version"),
     }
     return Meta(path=path, raw=raw, spec=spec, tp_size=tp, pp_size=pp, layer_counts=counts, padded_vocab=padded,
-                iteration=iteration, source=source, root=iter_dir)
+                iteration=iteration, source=source, root=iter_dir, ep_size=ep)
 
 
 def model_state(obj) -> dict | None:
@@ -380,9 +418,10 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     state = load(first)
     args = args_of(first, state)
     spec, tp, pp, counts = layout_of(first, args, vocab_size)
-    _check_rank_dirs(iter_dir, tp, pp)
+    ep = expert_parallel(args)
+    _check_rank_dirs(iter_dir, tp, pp, ep)
     _check_model_keys(first, state)
     padded = _arg(args, "padded_vocab_size")
     if padded is None:
         padded = model_state(state)["embedding.word_embeddings.weight"].shape[0] * tp
-    return meta_of(first, iter_dir, args, state, spec, tp, pp, counts, padded, "megatron-lm")
+    return meta_of(first, iter_dir, args, state, spec, tp, pp, counts, padded, "megatron-lm", ep)

@@ -1,11 +1,12 @@
 """Real Megatron-LM checkpoints, written by megatron-core itself, and megatron-core's own logits.
 
-Run under torchrun with TP x PP processes (gloo, CPU):
+Run under torchrun with TP x PP (x EP) processes (gloo, CPU):
 
-    torchrun --nproc-per-node TP*PP tests/mcore_checkpoints.py CONFIG.json OUT
+    torchrun --nproc-per-node TP*PP*EP tests/mcore_checkpoints.py CONFIG.json OUT
 
 CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "iteration": N, optional "dtype": "bfloat16" (the
-weights' dtype, as --bf16 keeps them; default float32) and "forward": false (no reference logits: for the
+weights' dtype, as --bf16 keeps them; default float32), "ep": E (an MoE model's expert parallelism over E
+data-parallel ranks) and "forward": false (no reference logits: for the
 benchmark's large checkpoints, benchmarks/megatron_forms.py)}. Each rank builds megatron-core's
 `GPTModel` (local spec, as tests/mcore_reference_child.py does), makes its norm weights and biases non-trivial
 (replicas equal), runs megatron-core's own forward on fixed tokens through the pipeline, and saves the model
@@ -122,31 +123,38 @@ def main(config_path: str, out: str) -> None:
 
     from ckpt_tools.spec import ModelSpec
     cfg = json.loads(Path(config_path).read_text())
-    tp, pp, iteration = cfg["tp"], cfg["pp"], cfg.get("iteration", 5)
+    tp, pp, iteration, ep = cfg["tp"], cfg["pp"], cfg.get("iteration", 5), cfg.get("ep", 1)
     spec = ModelSpec.from_dict(cfg["model"])
     padded = spec.padded_vocab_size(tp)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
+        moe_utils.te_general_gemm = None
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     torch.manual_seed(1234)
-    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, tp, pp)
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep}, tp, pp).eval()
     _perturb(model, torch)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     out_dir = Path(out)
+    ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else None
+    first_dp = ps.get_data_parallel_rank() == 0
     if cfg.get("forward", True):
         tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
         logits = _forward(model, tokens, torch)
-        if logits is not None and tp_rank == 0:
+        if logits is not None and tp_rank == 0 and first_dp:
             torch.save(tokens, out_dir / "tokens.pt")
             torch.save(logits, out_dir / "logits.pt")
     dtype = cfg.get("dtype", "float32")
     model.to(getattr(torch, dtype))
 
     args = _args(spec, tp, pp, padded, iteration, dtype)
+    args.expert_model_parallel_size = ep
     name = f"iter_{iteration:07d}"
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": None, "rng_tracker_states": {}}]
     # torch_dist: what Megatron-LM's save_checkpoint hands to dist_checkpointing.save
-    rng_object = ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank), replica_id=0)
+    rng_object = ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank), replica_id=ps.get_data_parallel_rank())
     state = {"args": args, "iteration": iteration, "checkpoint_version": 3.0,
              "model": model.sharded_state_dict(), "rng_state": rng_object}
     dist_dir = out_dir / "torch_dist" / name
@@ -158,8 +166,12 @@ def main(config_path: str, out: str) -> None:
     # legacy torch format, and the same with Transformer Engine names
     local = model.state_dict_for_save_checkpoint()
     keys_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map if len(model.decoder.layers) else {}
-    rank_dir = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    for form, model_state in (("torch", local), ("torch_te", _te_names(local, keys_map))):
+    rank_dir = (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+                + (f"_{ep_rank:03d}" if ep_rank is not None else ""))  # Megatron-LM's get_checkpoint_name
+    forms = (("torch", local), ("torch_te", _te_names(local, keys_map)))
+    if not (first_dp or ep_rank is not None):  # a data-parallel replica saves nothing (an EP rank its experts)
+        forms = ()
+    for form, model_state in forms:
         path = out_dir / form / name / rank_dir / "model_optim_rng.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0, "model": model_state,

@@ -178,6 +178,35 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
     assert rel(ours, expected) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case, tmp_path):
+    """megatron-core's own MoE GPTModel (SequentialMLP experts) at TP2 x EP2, saved as Megatron-LM does: torch_dist
+    (experts on a stacked expert axis), legacy torch (mp_rank_TT_EEE dirs, each EP rank's experts under local
+    indices) and legacy torch with Transformer Engine's names; each merges to a transformers MoE model whose logits
+    are megatron-core's own, and resharding the legacy one to our format (EP2 -> EP4) changes nothing."""
+    from conftest import torchrun
+    model = {"architecture": case, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-5,
+             "num_moe_experts": 4, **({"moe_ffn_hidden_size": 32, "moe_router_pre_softmax": True, "kv_channels": 24}
+                                      if case == "qwen3_moe" else {})}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 1, "ep": 2, "iteration": 5}))
+    torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
+    tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    merged = {}
+    for form in ("torch_dist", "torch", "torch_te"):
+        merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
+        cls, ours = logits(tmp_path / f"merged_{form}", tokens)
+        assert cls == CASES[case][0].replace("Config", "ForCausalLM") and rel(ours, expected) < 1e-5, form
+        merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")
+    reshard(tmp_path / "torch", tmp_path / "ours", tp=1, pp=2, ep=4, vocab_size=VOCAB, quiet=True)
+    merge(tmp_path / "ours", tmp_path / "merged_ours", quiet=True)
+    merged["ours"] = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
+    first = merged["torch_dist"]
+    for form, tensors in merged.items():
+        assert sorted(tensors) == sorted(first) and all(torch.equal(tensors[k], first[k]) for k in first), form
+
+
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral"])

@@ -100,7 +100,7 @@ def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[in
         bar = output.progress(len(ranks), "reshard", quiet, unit="file")
         with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size) as writer:
             for i, rank in enumerate(ranks):
-                for _, key in layout.stage_keys(spec, meta.layer_counts, rank.pp):
+                for _, key in meta.rank_keys(rank, owned=True):
                     if not layout.holds_weights(key, spec, meta.pp_size):
                         if rank.tp == 0:
                             writer.put_extra(rank.pp, key)

@@ -64,8 +64,8 @@ class LegacyShards(ShardSet):
         return []  # rank dirs beyond the layout are refused when the meta is read
 
     def _form(self) -> str | None:
-        first = self.file(MODEL, Rank(0, 0))
-        if (self.path(MODEL, Rank(0, 0)).parent / DISTRIB_OPTIM).is_file():
+        first = self.file(MODEL, self.meta.grid.first)
+        if (self.path(MODEL, self.meta.grid.first).parent / DISTRIB_OPTIM).is_file():
             return "flat"
         opt = first.get("optimizer")
         if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict) and opt["optimizer"].get("state"):
@@ -73,11 +73,11 @@ class LegacyShards(ShardSet):
         return "other" if opt else None
 
     def megatron_optimizer(self):
-        first = self.file(MODEL, Rank(0, 0))
+        first = self.file(MODEL, self.meta.grid.first)
         opt = first.get("optimizer")
         inner = opt.get("optimizer") if isinstance(opt, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
-        path = self.path(MODEL, Rank(0, 0))
+        path = self.path(MODEL, self.meta.grid.first)
         return path, groups, path, first.get("opt_param_scheduler")
 
     def has_optimizer(self) -> bool:

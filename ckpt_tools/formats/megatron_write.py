@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import io, layout, megatron_lm, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
-from ckpt_tools.formats.torch_dist import stacked_key
+from ckpt_tools.formats.torch_dist import lead_shape, stacked_key
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.torchfile import ELEMENT_SIZES
@@ -133,12 +133,12 @@ class DistWriter:
             return False
         return TP in layout.find_rule(key, self.spec, self.pp).axes or rank.tp == 0
 
-    def placed(self, key: str, layer: int | None, full: tuple[int, ...],
+    def placed(self, key: str, layer: tuple[int, ...] | None, full: tuple[int, ...],
                p: layout.Piece) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key` (layer: its
-        index on the stacked leading axis, None for a tensor outside the layers)."""
-        lead = () if layer is None else (layer,)
-        shape = full if layer is None else (self.spec.num_layers,) + full
+        indices on the stacked leading axes, layer and expert, None for a tensor outside the layers)."""
+        lead = layer or ()
+        shape = lead_shape(self.spec, layer) + full
         offsets = lead + tuple(p.start if d == p.dim else 0 for d in range(len(full)))
         sizes = (1,) * len(lead) + tuple(p.stop - p.start if d == p.dim else n for d, n in enumerate(full))
         return offsets, sizes, shape
@@ -148,8 +148,10 @@ class DistWriter:
         fqn, layer = stacked_key(key)
         if layer is None:
             return  # the output layer's extra state is not part of megatron-core's sharded state dict
-        # megatron-core stores an object as the list of its (one) local values
-        self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{layer}_{self.spec.num_layers}", [None])
+        # megatron-core stores an object as the list of its (one) local values, named by its place on the stacked
+        # axes: shard_<layer>_<layers>, an expert's shard_<layer>.<expert>_<layers>.<experts>
+        where = ".".join(map(str, layer)), ".".join(map(str, lead_shape(self.spec, layer)))
+        self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{where[0]}_{where[1]}", [None])
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         for rank in [r for r in self._files if r.pp == pp_rank]:

@@ -7,7 +7,11 @@
 
 Keys are megatron-core's with Transformer Engine's norm names (names.py). A layer's tensors are stacked on a
 leading layer axis (`decoder.layers.self_attention.linear_qkv.weight` is [num_layers, ...], global layer
-index = offset), or, in non-uniform stacks, kept per layer (`decoder.layers.<i>.<name>`). Each global tensor
+index = offset), or, in non-uniform stacks, kept per layer (`decoder.layers.<i>.<name>`). An MoE layer's experts
+are stacked on a second axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [num_layers, num_experts,
+...], global expert index = offset, whatever the EP split; megatron-core's grouped-GEMM experts save the same), and
+its pre-MLP norm is not fused into fc1 under Transformer Engine (`decoder.layers.pre_mlp_layernorm.weight`; the local
+spec still saves it under the fused name). Each global tensor
 is the TP=1 tensor of the layout table (a SwiGLU fc1 is [all gate; all up], QKV grouped), the vocab padded.
 
 The reader presents the checkpoint at the TP x PP its args record: a TP shard is the layout table's split of
@@ -41,13 +45,26 @@ _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.(?P
                      r"\.bucket_idx_(?P<bucket>\d+)\.(?P<name>param|exp_avg|exp_avg_sq)$")
 
 
-def stacked_key(key: str) -> tuple[str, int | None]:
-    """A global layout-table key -> (its key in megatron-core's sharded state dict, its index on the stacked layer
-    axis, or None when not a layer's). The one place that knows the naming; the writer uses it too."""
+Lead = tuple[int, ...]  # a tensor's indices on the stacked leading axes: (layer,) or (layer, expert)
+_EXPERTS = "mlp.experts.local_experts."
+
+
+def stacked_key(key: str) -> tuple[str, Lead | None]:
+    """A global layout-table key -> (its key in megatron-core's sharded state dict, its indices on the stacked
+    leading axes, or None when not a layer's). The one place that knows the naming; the writer uses it too."""
     i = layout.layer_index(key)
     if i is None:
         return key, None
-    return _LAYERS + names.to_te(key[len(f"{_LAYERS}{i}."):]), i
+    name = key[len(f"{_LAYERS}{i}."):]
+    e = layout.expert_index(key)
+    if e is not None:  # SequentialMLP: local_experts.<e>.<rest> -> experts.<rest> on a second (global expert) axis
+        return _LAYERS + "mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):], (i, e)
+    return _LAYERS + names.to_te(name), (i,)
+
+
+def lead_shape(spec, lead: Lead | None) -> tuple[int, ...]:
+    """The sizes of the stacked leading axes of a tensor with indices `lead`."""
+    return () if lead is None else (spec.num_layers, spec.num_moe_experts)[:len(lead)]
 
 
 class DistCheckpoint:
@@ -103,8 +120,11 @@ class DistCheckpoint:
         if i is None:
             candidates = [(key, None)]
         else:
-            stacked, _ = stacked_key(key)
-            candidates = [(f"{_LAYERS}{i}.{stacked[len(_LAYERS):]}", None), (stacked, i)]
+            stacked, lead = stacked_key(key)
+            candidates = [(stacked, lead)]
+            if len(lead) == 1:  # a non-uniform stack keeps each layer's own; an unfused norm its local name
+                candidates += [(f"{_LAYERS}{i}.{stacked[len(_LAYERS):]}", None),
+                               (_LAYERS + key[len(f"{_LAYERS}{i}."):], lead)]
         if field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
@@ -114,13 +134,13 @@ class DistCheckpoint:
         raise FormatError(f"{self.meta.dir / dcp.METADATA}: no tensor {' or '.join(f for f, _ in candidates)} "
                           f"(for {key}): the checkpoint is not the model its args describe; restore it from the source")
 
-    def expected_shape(self, key: str, layer: int | None) -> tuple[int, ...]:
+    def expected_shape(self, key: str, lead: Lead | None) -> tuple[int, ...]:
         full = layout.full_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.pp_size)
-        return full if layer is None else (self.meta.spec.num_layers,) + full
+        return lead_shape(self.meta.spec, lead) + full
 
-    def rank_boxes(self, key: str, rank: int, field: str | None = None) -> tuple[dcp.Entry, list[Box], int, bool]:
+    def rank_boxes(self, key: str, rank: int, field: str | None = None) -> tuple[dcp.Entry, list[Box], int, int]:
         """TP rank `rank`'s shard of `key` (at the checkpoint's TP) as parts of the stored tensor: (entry, the
-        box of each part in order, the dim they are joined on, whether the leading layer axis is dropped)."""
+        box of each part in order, the dim they are joined on, how many leading stacked axes are dropped)."""
         meta = self.meta
         entry, layer = self.entry(key, field)
         full = self.expected_shape(key, layer)
@@ -128,12 +148,12 @@ class DistCheckpoint:
             raise FormatError(f"{meta.dir / dcp.METADATA}: {entry.fqn} has global shape {list(entry.shape)}, the "
                               f"layout table says {list(full)} for this {meta.spec.architecture} model: the args and "
                               f"the weights disagree; restore the checkpoint from the source")
-        lead = [] if layer is None else [(layer, layer + 1)]
+        lead = [] if layer is None else [(x, x + 1) for x in layer]
         full = full[len(lead):]
         pieces = layout.reshard_pieces(key, meta.spec, 1, meta.padded_vocab, meta.tp_size, meta.padded_vocab,
                                        rank, meta.pp_size)
         boxes = [lead + [(p.start, p.stop) if d == p.dim else (0, n) for d, n in enumerate(full)] for p in pieces]
-        return entry, boxes, pieces[0].dim, bool(lead)
+        return entry, boxes, pieces[0].dim, len(lead)
 
     def hits(self, entry: dcp.Entry, box: Box) -> list[tuple[dcp.Chunk, Box]]:
         """The chunks that overlap a box, each with the overlap. The entry's chunks are checked first (inside its
@@ -223,7 +243,7 @@ class DistCheckpoint:
 
     def byte_parts(self) -> dict[str, list[list[tuple[Path, object]]]] | None:
         """Every model tensor's TP shards as runs of rows of chunks in the files, [(file, TensorInfo)] per rank
-        along dim 0 (the leading layer axis dropped); None when some shard is not made so: a shard split on dim 1
+        along dim 0 (the leading stacked axes dropped); None when some shard is not made so: a shard split on dim 1
         must be one whole chunk, a dim-0 shard may be rows of several chunks (as chunks copied from another layout
         or from an HF model's tensors are)."""
         out = {}
@@ -240,7 +260,7 @@ class DistCheckpoint:
             out[key] = ranks
         return out
 
-    def _rows_of(self, entry: dcp.Entry, box: Box, split: int, stacked: bool) -> list[tuple[Path, object]] | None:
+    def _rows_of(self, entry: dcp.Entry, box: Box, split: int, stacked: int) -> list[tuple[Path, object]] | None:
         """A box as (file, TensorInfo) runs of whole rows of the chunks it meets, in order along stored dim `split`;
         None where some chunk is cut on another dim, or rows of it are not contiguous bytes."""
         parts = []
@@ -253,7 +273,7 @@ class DistCheckpoint:
             row = info.nbytes // chunk.sizes[split] if chunk.sizes[split] else 0
             lo, hi = inter[split][0] - whole[split][0], inter[split][1] - whole[split][0]
             shape = (hi - lo,) + tuple(chunk.sizes[split + 1:])
-            shape = shape if split == int(stacked) else tuple(chunk.sizes[int(stacked):])  # dim-1: the whole chunk
+            shape = shape if split == stacked else tuple(chunk.sizes[stacked:])  # dim-1: the whole chunk
             parts.append((self.meta.dir / chunk.file, type(info)(info.dtype, shape, info.offset + lo * row)))
         return parts
 

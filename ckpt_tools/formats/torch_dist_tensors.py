@@ -81,7 +81,7 @@ class TorchDistShards(Reader):
             for rank in range(meta.tp_size):
                 entry, boxes, dim, stacked = self.ckpt.rank_boxes(global_key, rank, field)
                 parts = [self._box(entry, box) for box in boxes]
-                parts = [p[0] for p in parts] if stacked else parts
+                parts = [p[(0,) * stacked] for p in parts]  # the stacked leading axes (size 1) dropped
                 out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim))
         self._handed += out
         return out
