@@ -107,7 +107,7 @@ def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: Re
         what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
     elif unread:
         what += f" (NOT carried: its {unread}, not read by this version)"
-    return (f"resharded {meta.dir} TP{meta.tp_size} x PP{meta.pp_size} -> {out} Megatron-LM {form} TP{tp} x "
+    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} TP{tp} x "
             f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
             f"{loads_with(form, out, tp, len(counts), resume is not None)}")
 

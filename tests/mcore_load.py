@@ -68,8 +68,8 @@ def main(config_path: str) -> None:
         name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
         common = torch.load(iter_dir / name / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(common["model"], strict=True)
-    logits = _forward(model, torch.load(cfg["tokens"]), torch)
-    if logits is not None and tp_rank == 0:
+    logits = _forward(model.eval(), torch.load(cfg["tokens"]), torch)
+    if logits is not None and tp_rank == 0 and ps.get_data_parallel_rank() == 0:
         args = common["args"]
         torch.save({"logits": logits, "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
                     "iteration": common["iteration"]}, cfg["out"])

@@ -235,14 +235,38 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
 
 
-@pytest.mark.parametrize("case,form,why", [("gemma", "torch_dist", "no embedding scaling"),
-                                           ("mixtral", "torch_dist", "mixture-of-experts models are not written"),
-                                           ("qwen3_moe", "torch", "mixture-of-experts models are not written")])
-def test_families_megatron_lm_cannot_hold_are_refused_before_writing(case, form, why, hf_dirs, tmp_path):
+def test_gemma_is_not_written_in_megatron_lm_forms(hf_dirs, tmp_path):
     from ckpt_tools.errors import ConfigError
-    with pytest.raises(ConfigError, match=why):
-        import_hf(hf_dirs[case], tmp_path / "out", tp=1, pp=1, form=form, quiet=True)
+    with pytest.raises(ConfigError, match="no embedding scaling"):
+        import_hf(hf_dirs["gemma"], tmp_path / "out", tp=1, pp=1, form="torch_dist", quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,form,written,loaded", [("mixtral", "torch_dist", (2, 2), (2, 1, 2)),
+                                                      ("qwen3_moe", "torch", (2, 1), (2, 1, 1))])
+def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, loaded, hf_dirs, tmp_path):
+    """`ckpt import --format torch_dist|torch` of an MoE model: megatron-core's own MoE GPTModel loads it the way
+    Megatron-LM does (torch_dist at another TP x PP and with EP2; torch per rank, strict) and gives transformers'
+    logits; merging what we wrote gives the HF tensors back bit for bit."""
+    from conftest import torchrun
+    import_hf(hf_dirs[case], tmp_path / "megatron", tp=written[0], pp=written[1], form=form, quiet=True)
+    spec = hf.spec_from_hf(hf_dirs[case] / "config.json")
+    torch.save(TOKENS, tmp_path / "tokens.pt")
+    tp, pp, ep = loaded
+    cfg = {"model": spec.to_dict(), "tp": tp, "pp": pp, "ep": ep, "form": form, "load": str(tmp_path / "megatron"),
+           "padded_vocab": spec.padded_vocab_size(written[0]), "tokens": str(tmp_path / "tokens.pt"),
+           "out": str(tmp_path / "loaded.pt")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    torchrun(tp * pp * ep, ["tests/mcore_load.py", str(tmp_path / "config.json")], timeout=600)
+    result = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    _, want = logits(hf_dirs[case], TOKENS)
+    assert rel(result["logits"][..., :VOCAB], want) < 1e-5
+    assert result["args"]["num_experts"] == spec.num_moe_experts
+    merge(tmp_path / "megatron", tmp_path / "back", quiet=True)
+    original = load_safetensors(hf_dirs[case] / "model.safetensors")
+    back = load_safetensors(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
 
 
 @pytest.mark.parametrize("case", ["mistral", "phi3"])
@@ -261,8 +285,9 @@ def test_families_sharing_megatron_arguments_come_back_as_themselves(case, hf_di
 def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_path):
     """Mixtral imported at TP2 x PP2 x EP2 (each file: its stage's dense tensors and its two experts), resharded to
     TP1 x PP1 x EP4 and back to TP2 x PP2 without EP: every model and optimizer file is byte-identical to a direct
-    import at TP2 x PP2, the EP4 checkpoint merges to the HF weights bit for bit, and its sharded forward (the
-    experts gathered from their EP ranks) gives transformers' logits."""
+    import at TP2 x PP2, the EP4 checkpoint merges to the HF weights bit for bit, its sharded forward (the
+    experts gathered from their EP ranks) gives transformers' logits, and written into Megatron-LM's forms (the
+    torch_dist chunks copied from each EP rank's file) it merges to the same weights."""
     from ckpt_tools import verify
     from ckpt_tools.checkpoint import Meta
     from ckpt_tools.io import sha256_file
@@ -288,6 +313,11 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     tiers, _ = verify.run(tmp_path / "ep2", src, seq=48, batch=2)
     assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
     assert tiers[2].data["rel_l2"] < 1e-5
+    for form in ("torch_dist", "torch"):  # each EP rank's experts into Megatron-LM's forms, and back
+        reshard(tmp_path / "ep2", tmp_path / form, tp=1, pp=2, form=form, optimizer=False, quiet=True)
+        merge(tmp_path / form, tmp_path / f"{form}_merged", quiet=True)
+        back = load_safetensors(tmp_path / f"{form}_merged" / "model.safetensors")
+        assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original), form
 
 
 def test_an_expert_parallel_size_the_model_cannot_take_is_refused(hf_dirs, tmp_path):

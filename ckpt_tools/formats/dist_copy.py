@@ -98,7 +98,8 @@ def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[in
         iter_dir = tmp / name
         iter_dir.mkdir()
         bar = output.progress(len(ranks), "reshard", quiet, unit="file")
-        with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size) as writer:
+        with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
+                        saving_ep=meta.ep_size) as writer:
             for i, rank in enumerate(ranks):
                 for _, key in meta.rank_keys(rank, owned=True):
                     if not layout.holds_weights(key, spec, meta.pp_size):

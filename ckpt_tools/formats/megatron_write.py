@@ -59,20 +59,23 @@ class DistWriter:
     """
 
     def __init__(self, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
-                 args: argparse.Namespace, saving_tp: int | None = None):
-        """`saving_tp`: the TP size of the ranks that save the chunks, where it is not the target's (chunks copied
-        from a source's shards are saved by the source's ranks); it numbers the .distcp files."""
+                 args: argparse.Namespace, saving_tp: int | None = None, saving_ep: int = 1):
+        """`saving_tp`, `saving_ep`: the TP and EP sizes of the ranks that save the chunks, where they are not the
+        target's (chunks copied from a source's shards are saved by the source's ranks); they number the .distcp
+        files."""
         self.dir, self.spec, self.tp, self.counts, self.padded, self.args = iter_dir, spec, tp, counts, padded, args
         self.pp = len(counts)
-        self._saving_tp = saving_tp or tp
+        self._saving_tp, self._saving_ep = saving_tp or tp, saving_ep
         self._files: dict[Rank, list] = {}  # rank -> [file name, fd, position]
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self.nbytes = 0
 
     def _file(self, rank: Rank) -> list:
+        rank = Rank(rank.tp, rank.pp, rank.ep or None)  # EP rank 0 saves what a layout without EP saves
         if rank not in self._files:
-            name = f"__{rank.pp * self._saving_tp + rank.tp}_0.distcp"  # the saving process's global rank
+            # the saving process's global rank (TP fastest, then EP over the data-parallel ranks, then PP)
+            name = f"__{rank.tp + self._saving_tp * ((rank.ep or 0) + self._saving_ep * rank.pp)}_0.distcp"
             fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             self._files[rank] = [name, fd, 0, 0]  # name, fd, end, end when its writeback was last started
         return self._files[rank]
