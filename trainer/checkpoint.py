@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.ranks import Rank
+from ckpt_tools.ranks import Grid, Rank
 from trainer.config import TrainConfig
 from trainer.model import GPTStage
 from trainer.optim import MasterAdamW
@@ -43,13 +43,15 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
     dist.barrier()
     records: dict[str, dict] = {}
     full_state = opt.state_by_key()  # with the distributed optimizer a gather over DP: every rank takes part
-    if dp_rank == 0:
+    ep_rank = _ep_rank(stage)
+    writes = dp_rank == 0 if ep_rank is None else ps.get_expert_data_parallel_rank() == 0  # each EP rank its experts
+    if writes:
         model_state = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in stage.state_dict().items()}
         optim_state = {k: {n: t.detach().cpu() for n, t in s.items()} for k, s in full_state.items()}
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                "iteration": iteration, "consumed_samples": consumed_samples}
-        rank = Rank(tp_rank, pp_rank)
+        rank = Rank(tp_rank, pp_rank, ep_rank)
         files = {fmt.model_file(rank): {"model": model_state},
                  fmt.optimizer_file(rank): {
                      "optimizer": optim_state,
@@ -74,9 +76,14 @@ def save(cfg: TrainConfig, stage: GPTStage, opt: MasterAdamW, iteration: int, co
     return final
 
 
+def _ep_rank(stage: GPTStage) -> int | None:
+    """This rank's EP coordinate in file names: None without expert parallelism."""
+    return stage.ep[0] if stage.ep is not None else None
+
+
 def _meta(cfg: TrainConfig, stage: GPTStage, iteration: int, consumed: int, dp_size: int, files: dict) -> dict:
     return fmt.build_meta(stage.spec, stage.tp_size, stage.layer_counts, stage.padded_vocab, iteration, consumed,
-                          DTYPE_NAMES[cfg.dtype], dp_size, cfg.to_dict(), files)
+                          DTYPE_NAMES[cfg.dtype], dp_size, cfg.to_dict(), files, ep=stage.ep[1] if stage.ep else 1)
 
 
 def _check_compatible(meta: fmt.Meta, stage: GPTStage) -> None:
@@ -85,22 +92,20 @@ def _check_compatible(meta: fmt.Meta, stage: GPTStage) -> None:
                 if getattr(stage.spec, k) != v]
         raise ConfigError(f"{meta.path}: the checkpoint's model differs from the config ({'; '.join(diff)}): "
                           f"train with the checkpoint's model settings or start a new save_dir")
-    if meta.ep_size > 1:
-        raise ConfigError(f"{meta.dir}: saved at {meta.grid}; this trainer holds every expert on each rank: run "
-                          f"`ckpt reshard {meta.dir} OUT --tp {stage.tp_size} --pp {len(stage.layer_counts)} --ep 1` and "
-                          f"resume from OUT")
-    here = (stage.tp_size, len(stage.layer_counts), stage.layer_counts, stage.padded_vocab)
-    there = (meta.tp_size, meta.pp_size, meta.layer_counts, meta.padded_vocab)
+    ep = stage.ep[1] if stage.ep is not None else 1
+    here = (stage.tp_size, len(stage.layer_counts), ep, stage.layer_counts, stage.padded_vocab)
+    there = (meta.tp_size, meta.pp_size, meta.ep_size, meta.layer_counts, meta.padded_vocab)
     if here != there:
+        grids = Grid(*there[:3]), Grid(*here[:3])
         raise ConfigError(
-            f"{meta.dir}: saved at TP{there[0]} PP{there[1]} (layers {there[2]}, padded vocab {there[3]}) but this "
-            f"run is TP{here[0]} PP{here[1]} (layers {here[2]}, padded vocab {here[3]}): run `ckpt reshard {meta.dir} OUT --tp {here[0]} --pp {here[1]}` "
-            f"and resume from OUT")
+            f"{meta.dir}: saved at {grids[0]} (layers {there[3]}, padded vocab {there[4]}) but this run is {grids[1]} "
+            f"(layers {here[3]}, padded vocab {here[4]}): run `ckpt reshard {meta.dir} OUT --tp {here[0]} --pp "
+            f"{here[1]}{f' --ep {ep}' if meta.spec.is_moe else ''}` and resume from OUT")
 
 
 def check_shard(path: Path, state: dict, stage: GPTStage, meta: fmt.Meta) -> None:
     """Keys exactly the stage's, shapes exactly the layout table's shard shapes; one error for all."""
-    expected = [k for k, _ in layout.stage_keys(meta.spec, meta.layer_counts, stage.pp_rank)]
+    expected = list(stage.global_keys())
     problems = [f"missing tensor {k}" for k in expected if k not in state]
     problems += [f"unexpected tensor {k}" for k in state if k not in expected]
     keys = stage.global_keys()
@@ -145,7 +150,7 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     meta = fmt.Meta.read(ckpt_dir)
     _check_compatible(meta, stage)
     tp_rank, pp_rank, _ = _ranks()
-    rank = Rank(tp_rank, pp_rank)
+    rank = Rank(tp_rank, pp_rank, _ep_rank(stage))
     model_path = ckpt_dir / fmt.model_file(rank)
     if not model_path.is_file():
         raise FormatError(f"{model_path}: missing shard ({rank}) of a {meta.grid} checkpoint: restore the file")

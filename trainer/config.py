@@ -31,6 +31,7 @@ class TrainConfig:
     # parallelism (MegatronLMPlugin names); DP = world / (TP x PP)
     tp_degree: int = 1
     pp_degree: int = 1
+    ep_degree: int = 1  # MoE models: experts split over this many data-parallel ranks (megatron-core's EP)
     num_micro_batches: int = 1
     layers_per_stage: list[int] | None = None
     gradient_clipping: float = 1.0
@@ -78,7 +79,7 @@ class TrainConfig:
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ConfigError(f"recompute_granularity {self.recompute_granularity!r} is not supported: use "
                               f"selective or full (or leave it unset)")
-        for name in ("tp_degree", "pp_degree", "num_micro_batches", "micro_batch_size", "train_iters", "seq_length"):
+        for name in ("tp_degree", "pp_degree", "ep_degree", "num_micro_batches", "micro_batch_size", "train_iters", "seq_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, found {getattr(self, name)}")
         if self.layers_per_stage is not None and not (
@@ -113,6 +114,17 @@ class TrainConfig:
             raise ConfigError(f"world size {world_size} is not divisible by tp_degree x pp_degree = "
                               f"{self.tp_degree} x {self.pp_degree}: launch a multiple of {model_parallel} processes")
         dp = world_size // model_parallel
+        if self.ep_degree > 1:
+            experts = self.model.get("num_moe_experts")
+            if not experts or experts % self.ep_degree:
+                raise ConfigError(f"ep_degree {self.ep_degree} needs an MoE model whose num_moe_experts it divides "
+                                  f"(found {experts}): set ep_degree to 1 or a divisor of the experts")
+            if dp % self.ep_degree:
+                raise ConfigError(f"ep_degree {self.ep_degree} splits the experts over data-parallel ranks, but DP is "
+                                  f"{dp}: launch a multiple of tp_degree x pp_degree x ep_degree processes")
+            if self.use_distributed_optimizer:
+                raise ConfigError("use_distributed_optimizer with ep_degree > 1 is not supported by this trainer: "
+                                  "set one of them off")
         expected = self.micro_batch_size * self.num_micro_batches * dp
         if self.global_batch_size is not None and self.global_batch_size != expected:
             raise ConfigError(f"global_batch_size {self.global_batch_size} != micro_batch_size x num_micro_batches x DP "

@@ -229,12 +229,12 @@ class TransformerLayer(nn.Module):
     """Selective recompute (Megatron-LM's --recompute-activations) recomputes the attention core and
     the MLP activation in backward: the big, cheap activations; full recompute wraps the layer."""
 
-    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, ep: tuple[int, int] | None = None):
         super().__init__()
         self.input_layernorm = _norm(spec, config)
         self.self_attention = SelfAttention(spec, config, tp_size)
         self.pre_mlp_layernorm = _norm(spec, config)
-        self.mlp = MoE(spec, config, MLP) if spec.is_moe else MLP(spec, config)
+        self.mlp = MoE(spec, config, MLP, ep) if spec.is_moe else MLP(spec, config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 selective: bool = False) -> torch.Tensor:
@@ -243,9 +243,10 @@ class TransformerLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool,
+                 ep: tuple[int, int] | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size) for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size, ep) for _ in range(num_layers))
         self.final_layernorm = _norm(spec, config) if post_process else None
 
 
@@ -257,8 +258,11 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, *, tp_size: int, pp_rank: int,
-                 layer_counts: list[int], padded_vocab: int, recompute: str | None = None):
+                 layer_counts: list[int], padded_vocab: int, recompute: str | None = None,
+                 ep: tuple[int, int] | None = None):
+        """`ep`: (EP rank, EP size) when an MoE model's experts are split over expert-parallel ranks."""
         super().__init__()
+        self.ep = ep
         self.spec, self.padded_vocab, self.recompute = spec, padded_vocab, recompute
         self.sequence_parallel = config.sequence_parallel
         self.tp_size, self.pp_rank, self.layer_counts = tp_size, pp_rank, list(layer_counts)
@@ -266,7 +270,7 @@ class GPTStage(nn.Module):
         self.post_process = pp_rank == len(layer_counts) - 1
         if self.pre_process:
             self.embedding = Embedding(spec, config, padded_vocab)
-        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process)
+        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process, ep)
         self.share_weight = self.pre_process and spec.tie_word_embeddings
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
@@ -295,7 +299,8 @@ class GPTStage(nn.Module):
 
     def global_keys(self) -> dict[str, str]:
         """Stage-local state-dict key -> global key (layer numbers re-based over all stages)."""
-        return dict(layout.stage_keys(self.spec, self.layer_counts, self.pp_rank))
+        ep_rank, ep_size = self.ep or (None, 1)
+        return dict(layout.stage_keys(self.spec, self.layer_counts, self.pp_rank, ep_rank, ep_size))
 
 
 def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:

@@ -8,8 +8,13 @@ Routing is megatron-core's top-k router: either the top-k logits and a softmax o
 moe_router_pre_softmax) a softmax over every expert and its top-k probabilities as they are. Each token's output
 is the sum over its k experts of probability x expert(token), added in the order of the experts. The router's
 input is the same on every TP rank, so every TP rank picks the same experts and calls the same tensor-parallel
-layers. Every expert of the layer lives on every rank here (expert parallelism is a layout of the files;
-ckpt_tools.layout.local_experts says which EP rank holds which).
+layers.
+
+Expert parallelism (EP over the data-parallel ranks, as megatron-core's): an EP rank holds the experts
+ckpt_tools.layout.local_experts gives it. Each rank routes its own tokens, then the EP group's tokens, weights and
+choices are gathered on every rank of the group (megatron-core's all-gather token dispatcher); each rank applies its
+experts to the tokens routed to them, and the partial outputs are summed back to the rank whose tokens they are
+(a reduce-scatter). Gradients flow back through both collectives.
 
 The load-balancing loss is megatron-core's switch loss (moe_aux_loss_coeff x E x sum_e f_e p_e, f_e the fraction
 of token-slots routed to e and p_e the mean router probability of e). As megatron-core's MoEAuxLossAutoScaler
@@ -19,10 +24,13 @@ without travelling to the loss; `aux_loss` keeps its last value for the log.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
+from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
 
 
@@ -67,33 +75,85 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module]):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module], count: int):
         super().__init__()
-        self.local_experts = nn.ModuleList(mlp(spec, config, width=spec.moe_ffn_hidden_size)
-                                           for _ in range(spec.num_moe_experts))
+        self.local_experts = nn.ModuleList(mlp(spec, config, width=spec.moe_ffn_hidden_size) for _ in range(count))
+        for p in self.parameters():
+            p.expert = True  # reduced over the expert-data-parallel ranks, not all data-parallel ones
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0 over the EP group; backward: each rank's part of the summed gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, ctx.n = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group of `x`, this rank's dim-0 part (all-reduce and slice: gloo has no reduce-scatter)."""
+    x = x.contiguous()
+    if x.is_cuda:
+        out = torch.empty((x.shape[0] // dist.get_world_size(group),) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _Gather.apply(grad, ctx.group), None
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module]):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module],
+                 ep: tuple[int, int] | None = None):
         super().__init__()
         self.topk, self.pre_softmax = spec.moe_router_topk, spec.moe_router_pre_softmax
         self.num_experts, self.aux_loss_coeff = spec.num_moe_experts, config.moe_aux_loss_coeff
         self.router = Router(spec, config)
-        self.experts = Experts(spec, config, mlp)
+        self.experts_here = layout.local_experts(spec, *(ep or (None, 1)))  # global indices, local order
+        self.ep_group = ps.get_expert_model_parallel_group() if ep is not None and ep[1] > 1 else None
+        self.experts = Experts(spec, config, mlp, len(self.experts_here))
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         probs, index, scores = route(F.linear(tokens, self.router.weight), self.topk, self.pre_softmax)
+        aux = load_balancing_loss(index, scores, self.aux_loss_coeff) if self.training and self.aux_loss_coeff \
+            else None
+        if self.ep_group is not None:  # the EP group's tokens and routing on every rank of it
+            tokens, probs = _Gather.apply(tokens, self.ep_group), _Gather.apply(probs, self.ep_group)
+            gathered = [torch.empty_like(index) for _ in range(dist.get_world_size(self.ep_group))]
+            dist.all_gather(gathered, index.contiguous(), group=self.ep_group)
+            index = torch.cat(gathered)
         out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts.local_experts):
+        for expert, e in zip(self.experts.local_experts, self.experts_here):
             rows, slot = (index == e).nonzero(as_tuple=True)
             if rows.numel() == 0:  # the same on every TP rank: the router's input and weights are
                 continue
             y = expert(tokens[rows], selective)
             out.index_add_(0, rows, y * probs[rows, slot, None])
-        if self.training and self.aux_loss_coeff:
-            self.aux_loss = load_balancing_loss(index, scores, self.aux_loss_coeff)
-            out = AuxLoss.apply(out, self.aux_loss)
+        if self.ep_group is not None:
+            out = _ReduceScatter.apply(out, self.ep_group)
+        if aux is not None:
+            self.aux_loss = aux
+            out = AuxLoss.apply(out, aux)
         return out.reshape(shape)

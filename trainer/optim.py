@@ -86,6 +86,7 @@ class MasterAdamW:
         kinds = [(p.dim() > 1, c) for (_, p), c in zip(named, counted)]
         order = sorted(range(len(named)), key=lambda i: (not kinds[i][0], not kinds[i][1]))
         self.named = [named[i] for i in order]
+        self._counted = [kinds[i] for i in order]
         self.params = [p for _, p in self.named]
         self.sizes = [p.numel() for p in self.params]
         total = sum(self.sizes)
@@ -121,6 +122,12 @@ class MasterAdamW:
         self.steps = 0
         self.lr = cfg.lr
         self.decay_end = next((a for a, _, decay, _ in self.segments if not decay), self.hi - self.lo)
+        # MoE experts split over EP ranks: their gradients are summed over the ranks that hold the same experts
+        # (megatron-core's expert-data-parallel group) and their squares over the EP group for the norm
+        self.expert = [getattr(p, "expert", False) for p in self.params]
+        self.ep_split = any(self.expert) and ps.get_expert_model_parallel_world_size() > 1
+        if self.ep_split and distributed:
+            raise ValueError("the distributed optimizer with experts split over EP ranks is not supported")
         self._update = _adamw
         if device.type == "cuda":
             from trainer import kernels
@@ -140,7 +147,9 @@ class MasterAdamW:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if not self.distributed:
-            if self.dp > 1:
+            if self.ep_split:
+                self._reduce_split(flat)
+            elif self.dp > 1:
                 dist.all_reduce(flat, group=self.dp_group)
                 flat /= self.dp
             return flat
@@ -151,11 +160,41 @@ class MasterAdamW:
         dist.reduce_scatter_tensor(local, flat, group=self.dp_group)
         return (local / self.dp)[:self.hi - self.lo]
 
+    def _parts(self, expert: bool) -> list[slice]:
+        return [slice(s, s + n) for s, n, e in zip(self.starts, self.sizes, self.expert) if e == expert]
+
+    def _reduce_split(self, flat: torch.Tensor) -> None:
+        """Average dense gradients over DP and expert gradients over the expert-data-parallel ranks (each expert's
+        gradient already sums the tokens of its whole EP group), both divided by DP: the mean over all tokens."""
+        for expert, group in ((False, self.dp_group), (True, ps.get_expert_data_parallel_group())):
+            parts = self._parts(expert)
+            joined = torch.cat([flat[p] for p in parts])
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(joined, group=group)
+            joined /= self.dp
+            at = 0
+            for p in parts:
+                n = p.stop - p.start
+                flat[p] = joined[at:at + n]
+                at += n
+
+    def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
+        """This model-parallel rank's share of the squared global grad norm; with experts split over EP ranks, their
+        squares summed over the EP group (the dense ones are the same on every EP rank)."""
+        if not self.ep_split:
+            return _sum_of_squares(grad, self.segments)
+        sums = {False: torch.zeros((), device=grad.device), True: torch.zeros((), device=grad.device)}
+        for start, n, expert, (_, counted) in zip(self.starts, self.sizes, self.expert, self._counted):
+            if counted:
+                sums[expert] = sums[expert] + torch.linalg.vector_norm(grad[start:start + n], dtype=torch.float32).square()
+        dist.all_reduce(sums[True], group=ps.get_expert_model_parallel_group())
+        return sums[False] + sums[True]
+
     @torch.no_grad()
     def step(self, lr: float, max_norm: float) -> torch.Tensor:
         """Reduce, clip and apply this step's gradients; returns the global grad norm (on device)."""
         grad = self._local_grad()
-        sq = _sum_of_squares(grad, self.segments)
+        sq = self._sum_of_squares(grad)
         if self.distributed and self.dp > 1:
             dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=ps.get_model_parallel_group())

@@ -53,7 +53,8 @@ def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp_degree,
-                                 pipeline_model_parallel_size=cfg.pp_degree)
+                                 pipeline_model_parallel_size=cfg.pp_degree,
+                                 expert_model_parallel_size=cfg.ep_degree)
     return device, dp
 
 
@@ -69,8 +70,9 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu",
                            sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
+    ep = (ps.get_expert_model_parallel_rank(), cfg.ep_degree) if cfg.ep_degree > 1 else None
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                     layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute).to(device)
+                     layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute, ep=ep).to(device)
     initialize(stage, cfg.seed, ps.get_tensor_model_parallel_rank())
     if cfg.compile:
         for layer in stage.decoder.layers:
@@ -203,7 +205,8 @@ def train(cfg: TrainConfig) -> None:
     stepper = Stepper(cfg, stage, device)
     local_batch = cfg.micro_batch_size * cfg.num_micro_batches
     global_batch = local_batch * dp
-    logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}, "
+    logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}"
+               f"{f' (EP{cfg.ep_degree})' if cfg.ep_degree > 1 else ''}, "
                f"global batch {global_batch} x {cfg.seq_length} tokens, iterations {iteration} -> {cfg.train_iters}")
     saved_iteration, first_iteration = None, iteration
     clock, clock_iteration = time.perf_counter(), iteration
