@@ -18,7 +18,12 @@ ends and none in between. Peak memory is torch's max allocated, the largest over
 
 A row is `NAME[:key=value,...]`: NAME hf | mcore | ours; keys tp, pp, dp, mb (micro-batches per
 step, gradients accumulated; all three), sp (sequence parallelism), recompute (selective|full),
-distopt (distributed optimizer), compile (torch.compile the layers and the loss; default 1 for ours).
+distopt (distributed optimizer), compile (torch.compile the layers and the loss; default 1 for ours),
+moe (a mixture-of-experts model of that many experts, top-2: MOE_MODEL, hf is then MixtralForCausalLM; ours
+eager, its expert loop has data-dependent shapes) and ep (ours: experts split over that many of the DP ranks).
+
+MoE model (Mixtral-shaped, small): hidden 1024, 8 layers, 16 heads, 4 query groups, 8 experts of ffn 2816, top-2,
+vocab 32000, seq 2048, micro-batch 2; MFU counts the active parameters (2 experts a token, and the router).
 THROUGHPUT_PROFILE=DIR writes a kernel table of 2 more steps per row, THROUGHPUT_TRACE=DIR a chrome trace.
 """
 from __future__ import annotations
@@ -38,12 +43,16 @@ MODEL = dict(num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_
              vocab_size=32000, seq_length=2048, micro_batch_size=2)
 QUICK = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
              vocab_size=4096, seq_length=256, micro_batch_size=2)
+MOE_MODEL = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816,
+                 vocab_size=32000, seq_length=2048, micro_batch_size=2, moe_router_topk=2)
+QUICK_MOE = dict(QUICK, num_layers=2, moe_router_topk=2)
 DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
 
 
 def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
-    row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1}
+    row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
+           "moe": 0, "ep": 1}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
@@ -51,14 +60,30 @@ def parse_row(text: str) -> dict:
         row[k] = v if k == "recompute" else int(v)
     if name not in ("hf", "mcore", "ours") or (name != "ours" and row["tp"] * row["pp"] * row["dp"] > 1):
         raise SystemExit(f"row {text!r}: NAME is hf, mcore or ours; only ours runs on several GPUs")
+    if row["moe"] and (name == "mcore" or row["compile"] and "compile=1" in rest):
+        raise SystemExit(f"row {text!r}: MoE rows are hf or ours, ours eager")
+    if row["ep"] > 1 and (not row["moe"] or row["dp"] % row["ep"]):
+        raise SystemExit(f"row {text!r}: ep needs moe and divides dp")
+    if row["moe"]:
+        row["compile"] = 0
     row["gpus"] = row["tp"] * row["pp"] * row["dp"]
     return row
+
+
+def model_of(row: dict, quick: bool) -> dict:
+    """The model a row trains: the dense one, or with moe=E the MoE one with E experts."""
+    if not row["moe"]:
+        return QUICK if quick else MODEL
+    return dict(QUICK_MOE if quick else MOE_MODEL, num_moe_experts=row["moe"])
 
 
 def flops_per_token(m: dict) -> float:
     h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
     kv = h // m["num_attention_heads"] * m["num_query_groups"]
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * m["ffn_hidden_size"] + 2 * h
+    mlp = 3 * h * m["ffn_hidden_size"]
+    if m.get("num_moe_experts"):  # the active parameters: top-k experts a token, and the router
+        mlp = m["moe_router_topk"] * mlp + h * m["num_moe_experts"]
+    per_layer = h * (h + 2 * kv) + h * h + mlp + 2 * h
     params = layers * per_layer + h + h * m["vocab_size"]  # + final norm + output layer; no input embedding
     return 6 * params + 12 * layers * h * s
 
@@ -68,8 +93,9 @@ def ours(row: dict, m: dict):
     from trainer.config import TrainConfig
     from trainer.optim import make_optimizer
     from trainer.train import Stepper, build_stage, setup_distributed, train_step
+    moe = {"architecture": "mixtral", "ep_degree": row["ep"]} if m.get("num_moe_experts") else {"architecture": "llama"}
     cfg = TrainConfig.from_dict(dict(
-        architecture="llama", max_position_embeddings=m["seq_length"], dtype="bf16",
+        max_position_embeddings=m["seq_length"], dtype="bf16", **moe,
         tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
         sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
         use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
@@ -87,14 +113,19 @@ def ours(row: dict, m: dict):
 
 def hf(row: dict, m: dict):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"],
-                         num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_query_groups"],
-                         intermediate_size=m["ffn_hidden_size"], max_position_embeddings=m["seq_length"],
-                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    import transformers
+    sizes = dict(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"],
+                 num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_query_groups"],
+                 intermediate_size=m["ffn_hidden_size"], max_position_embeddings=m["seq_length"],
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if m.get("num_moe_experts"):
+        config, cls = transformers.MixtralConfig(**sizes, num_local_experts=m["num_moe_experts"],
+                                                 num_experts_per_tok=m["moe_router_topk"]), transformers.MixtralForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with device:
-        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+        model = cls._from_config(config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(tokens):
@@ -232,10 +263,12 @@ def run_row(row: dict, text: str, args, m: dict) -> dict:
 def describe(row: dict) -> str:
     accumulate = f", {row['mb']} micro-batches" if row["mb"] > 1 else ""
     if row["name"] == "hf":
-        return "HF LlamaForCausalLM, sdpa, pure bf16 AdamW" + accumulate
+        return f"HF {'MixtralForCausalLM' if row['moe'] else 'LlamaForCausalLM'}, sdpa, pure bf16 AdamW" + accumulate
     if row["name"] == "mcore":
         return "megatron-core GPTModel, local spec, pure bf16 AdamW" + accumulate
-    parts = [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + (["SP"] if row["sp"] else [])
+    parts = [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + ([f"EP{row['ep']}"] if row["ep"] > 1 else [])
+    parts += [f"MoE {row['moe']} experts top-2"] if row["moe"] else []
+    parts += ["SP"] if row["sp"] else []
     parts += [f"{row['recompute']} recompute"] if row["recompute"] else []
     parts += ["dist. optimizer"] if row["distopt"] else []
     parts += [f"{row['mb']} micro-batches"] if row["mb"] > 1 else []
@@ -252,9 +285,10 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
-    m = QUICK if args.quick else MODEL
     if args.worker:
-        return worker(parse_row(args.worker), m, args.steps, args.warmup, args.json)
+        row = parse_row(args.worker)
+        return worker(row, model_of(row, args.quick), args.steps, args.warmup, args.json)
+    m = QUICK if args.quick else MODEL
     import torch
     rows = [(text, parse_row(text)) for text in args.rows.split()]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -262,20 +296,27 @@ def main() -> None:
     header = (f"{torch.cuda.device_count()} x {gpu}, torch {torch.__version__}; model: {m['num_layers']} layers, hidden "
               f"{m['hidden_size']}, seq {m['seq_length']}, micro-batch {m['micro_batch_size']}; "
               f"{fpt / 1e9:.2f} GFLOP/token; {args.steps} timed steps after {args.warmup}")
+    moe = next((model_of(row, args.quick) for _, row in rows if row["moe"]), None)
+    if moe is not None:
+        header += (f"; MoE rows: {moe['num_layers']} layers, hidden {moe['hidden_size']}, {moe['num_moe_experts']} experts "
+                   f"of ffn {moe['ffn_hidden_size']}, top-{moe['moe_router_topk']}, "
+                   f"{flops_per_token(moe) / 1e9:.2f} GFLOP/token (active)")
     print(header, flush=True)
     lines = ["| row | GPUs | tokens/step | tokens/s | tokens/s/GPU | MFU | vs 1-GPU trainer | step ms | peak GiB/GPU | loss |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
-    single = None
+    single: dict[int, float] = {}
     for text, row in rows:
-        r = run_row(row, text, args, m)
+        r = run_row(row, text, args, model_of(row, args.quick))
+        fpt = flops_per_token(model_of(row, args.quick))
         if "error" in r:
             line = f"| {describe(row)} | {row['gpus']} | failed: {r['error'][-300:]} |"
         else:
             per_gpu = r["tokens_per_s"] / row["gpus"]
-            if row["name"] == "ours" and row["gpus"] == 1 and row["compile"]:
-                single = single or per_gpu
-            scale = f"{per_gpu / single:.2f}" if single and row["name"] == "ours" else "-"
+            if row["name"] == "ours" and row["gpus"] == 1 and (row["compile"] or row["moe"]):
+                single.setdefault(row["moe"], per_gpu)  # the 1-GPU trainer of the same model
+            base = single.get(row["moe"])
+            scale = f"{per_gpu / base:.2f}" if base and row["name"] == "ours" else "-"
             line = (f"| {describe(row)} | {row['gpus']} | {r['tokens_per_step']:,} | {r['tokens_per_s']:,.0f} | "
                     f"{per_gpu:,.0f} | {per_gpu * fpt / PEAK_FLOPS:.1%} | {scale} | {r['step_s'] * 1e3:.0f} | "
                     f"{r['peak_gib']:.1f} | {r['loss']:.3f} |")
