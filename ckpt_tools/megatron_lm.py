@@ -225,7 +225,6 @@ _MOE_REFUSED = (
     ("moe_router_enable_expert_bias", (None, False), "a router expert bias"),
     ("moe_router_num_groups", (None, 0, 1), "group-limited routing"),
     ("moe_router_topk_scaling_factor", (None, 1, 1.0), "scaled top-k weights"),
-    ("moe_use_legacy_grouped_gemm", (None, False), "the legacy grouped-GEMM experts' weight1/weight2 tensors"),
 )
 
 
@@ -407,7 +406,37 @@ def model_state(obj) -> dict | None:
         return None
     if names.is_legacy(model):
         return {names.from_legacy(k): v for k, v in names.flatten(model).items()}
-    return {names.from_te(k): v for k, v in model.items()}
+    state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items()}
+    state.pop(None, None)
+    if grouped_experts(model):
+        _split_grouped(state, _arg(obj.get("args"), "num_experts", 0) // _arg(obj.get("args"),
+                                                                             "expert_model_parallel_size", 1))
+    return state
+
+
+def grouped_experts(model: dict) -> bool:
+    """The legacy GroupedMLP's experts (--moe-use-legacy-grouped-gemm): a layer's local experts in two tensors."""
+    return any(str(k).endswith(_GROUPED) for k in model)
+
+
+_GROUPED = (".mlp.experts.weight1", ".mlp.experts.weight2")
+
+
+def _split_grouped(state: dict, local: int) -> None:
+    """GroupedMLP's weight1 [hidden, E_local * fc1 rows] and weight2 [E_local * ffn, hidden] (each expert's block is
+    its SequentialMLP weight transposed, as megatron-core's GroupedMLP views them: [E_local, hidden, fc1 rows] and
+    [E_local, ffn, hidden]) -> each expert's tensors under the table's names (copies: a transpose is not a byte
+    range)."""
+    for key in [k for k in state if k.endswith(_GROUPED)]:
+        w, base = state.pop(key), key[:-len("weight1")]
+        fc1 = key.endswith("1")
+        if local < 1 or w.dim() != 2 or w.shape[1 if fc1 else 0] % local:
+            raise FormatError(f"{key}: grouped experts of shape {tuple(w.shape)} do not split into {local} local "
+                              f"experts (num_experts / expert_model_parallel_size in the args): the args or the "
+                              f"file are damaged; restore them from the source")
+        blocks = w.reshape(local, w.shape[0], -1) if fc1 else w.reshape(local, -1, w.shape[1])
+        for e in range(local):
+            state[f"{base}local_experts.{e}.linear_fc{1 if fc1 else 2}.weight"] = blocks[e].t().contiguous()
 
 
 def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file) -> Meta:

@@ -39,6 +39,22 @@ def from_te(name: str) -> str:
     return name
 
 
+# Transformer Engine's GroupedLinear (TEGroupedMLP, --moe-grouped-gemm) holds a layer's local experts as the
+# weights of one module: `mlp.experts.linear_fc1.weight<e>`, SequentialMLP's `mlp.experts.local_experts.<e>.
+# linear_fc1.weight`, each expert's tensor the same; one `_extra_state` (Transformer Engine's FP8 metadata) for all.
+_TE_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_TE_GROUPED_EXTRA = re.compile(r"^.*\.mlp\.experts\.linear_fc[12]\._extra_state$")
+
+
+def from_te_grouped(name: str) -> str | None:
+    """A TEGroupedMLP expert's key -> the table's (SequentialMLP's), any other key unchanged; None for the grouped
+    linears' shared extra state, which holds no weights."""
+    if _TE_GROUPED_EXTRA.match(name):
+        return None
+    m = _TE_GROUPED.match(name)
+    return f"{m.group(1)}local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}" if m else name
+
+
 LEGACY_PREFIXES = {  # flattened legacy key prefix -> the table's (first match wins)
     "language_model.embedding.": "embedding.",
     "language_model.encoder.final_norm.": "decoder.final_layernorm.",

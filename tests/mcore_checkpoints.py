@@ -6,7 +6,8 @@ Run under torchrun with TP x PP (x EP) processes (gloo, CPU):
 
 CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "iteration": N, optional "dtype": "bfloat16" (the
 weights' dtype, as --bf16 keeps them; default float32), "ep": E (an MoE model's expert parallelism over E
-data-parallel ranks) and "forward": false (no reference logits: for the
+data-parallel ranks), "grouped": true (an MoE model
+also saved from megatron-core's GroupedMLP experts, --moe-grouped-gemm) and "forward": false (no reference logits: for the
 benchmark's large checkpoints, benchmarks/megatron_forms.py)}. Each rank builds megatron-core's
 `GPTModel` (local spec, as tests/mcore_reference_child.py does), makes its norm weights and biases non-trivial
 (replicas equal), runs megatron-core's own forward on fixed tokens through the pipeline, and saves the model
@@ -19,6 +20,9 @@ the ways Megatron-LM's `save_checkpoint` does:
                      checkpoint_version, model: GPTModel.state_dict_for_save_checkpoint(), rng_state}
     OUT/torch_te/    the same with Transformer Engine's key names, renamed by the map megatron-core's local
                      spec itself declares for that purpose (`sharded_state_dict_keys_map`)
+    OUT/grouped_torch_dist/, OUT/grouped_torch/   with "grouped": a GroupedMLP model loaded by dist_checkpointing from
+                     OUT/torch_dist, saved again: the experts as its weight1/weight2 tensors in the legacy form
+    OUT/grouped_torch_te/  the legacy form with TEGroupedMLP's names (Transformer Engine's GroupedLinear: weight{e})
     OUT/tokens.pt, OUT/logits.pt   tokens [b, s] and megatron-core's logits [b, s, padded vocab] (fp32)
 
 CPU shims (the model's math is untouched): `Tensor.cuda` is the identity, `torch.cuda.current_device` is
@@ -109,6 +113,22 @@ def _te_names(state: dict, keys_map: dict[str, str]) -> dict:
     return out
 
 
+def _te_grouped_names(state: dict) -> dict:
+    """SequentialMLP's local_experts.{e}.linear_fc1.weight -> TEGroupedMLP's linear_fc1.weight{e} (Transformer
+    Engine's GroupedLinear names its GEMMs' weights weight0..weightN-1, one extra state for all)."""
+    import re
+    out = {}
+    for key, value in state.items():
+        m = re.match(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias|_extra_state)$", key)
+        if m is None:
+            out[key] = value
+        elif m.group(4) == "_extra_state":
+            out.setdefault(f"{m.group(1)}{m.group(3)}._extra_state", value)
+        else:
+            out[f"{m.group(1)}{m.group(3)}.{m.group(4)}{m.group(2)}"] = value
+    return out
+
+
 def main(config_path: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
@@ -153,32 +173,50 @@ def main(config_path: str, out: str) -> None:
     name = f"iter_{iteration:07d}"
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": None, "rng_tracker_states": {}}]
-    # torch_dist: what Megatron-LM's save_checkpoint hands to dist_checkpointing.save
-    rng_object = ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank), replica_id=ps.get_data_parallel_rank())
-    state = {"args": args, "iteration": iteration, "checkpoint_version": 3.0,
-             "model": model.sharded_state_dict(), "rng_state": rng_object}
-    dist_dir = out_dir / "torch_dist" / name
-    if dist.get_rank() == 0:
-        dist_dir.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(state, str(dist_dir))
-
-    # legacy torch format, and the same with Transformer Engine names
-    local = model.state_dict_for_save_checkpoint()
-    keys_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map if len(model.decoder.layers) else {}
     rank_dir = (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
                 + (f"_{ep_rank:03d}" if ep_rank is not None else ""))  # Megatron-LM's get_checkpoint_name
-    forms = (("torch", local), ("torch_te", _te_names(local, keys_map)))
-    if not (first_dp or ep_rank is not None):  # a data-parallel replica saves nothing (an EP rank its experts)
-        forms = ()
-    for form, model_state in forms:
-        path = out_dir / form / name / rank_dir / "model_optim_rng.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0, "model": model_state,
-                    "rng_state": rng}, path)
+    saves = first_dp or ep_rank is not None  # a data-parallel replica saves nothing (an EP rank its experts)
+
+    def save(prefix: str, model, args, legacy_forms: dict) -> None:
+        """What Megatron-LM's save_checkpoint writes: torch_dist (dist_checkpointing.save of {args, iteration,
+        checkpoint_version, model: sharded_state_dict(), rng_state: ShardedObject}) and each legacy form given."""
+        rng_object = ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank),
+                                   replica_id=ps.get_data_parallel_rank())
+        state = {"args": args, "iteration": iteration, "checkpoint_version": 3.0,
+                 "model": model.sharded_state_dict(), "rng_state": rng_object}
+        dist_dir = out_dir / f"{prefix}torch_dist" / name
+        if dist.get_rank() == 0:
+            dist_dir.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(state, str(dist_dir))
+        for form, model_state in legacy_forms.items() if saves else ():
+            path = out_dir / f"{prefix}{form}" / name / rank_dir / "model_optim_rng.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0, "model": model_state,
+                        "rng_state": rng}, path)
+        forms.extend(f"{prefix}{f}" for f in ("torch_dist", *legacy_forms))
+
+    forms: list[str] = []
+    local = model.state_dict_for_save_checkpoint()
+    keys_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map if len(model.decoder.layers) else {}
+    save("", model, args, {"torch": local, "torch_te": _te_names(local, keys_map)})
+    if cfg.get("grouped"):  # --moe-grouped-gemm: megatron-core loads the torch_dist save into its GroupedMLP experts
+        grouped = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep}, tp, pp, grouped=True)
+        grouped.to(getattr(torch, dtype))
+        loaded = dist_checkpointing.load({"model": grouped.sharded_state_dict()}, str(out_dir / "torch_dist" / name))
+        grouped.load_state_dict(loaded["model"])
+        args = argparse.Namespace(**{**vars(args), "moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True})
+        save("grouped_", grouped, args, {"torch": grouped.state_dict_for_save_checkpoint()})
+        te_args = argparse.Namespace(**{**vars(args), "moe_use_legacy_grouped_gemm": False})
+        if saves:  # TEGroupedMLP's legacy names: Transformer Engine's GroupedLinear holds expert i as weight{i}
+            path = out_dir / "grouped_torch_te" / name / rank_dir / "model_optim_rng.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": te_args, "iteration": iteration, "checkpoint_version": 3.0,
+                        "model": _te_grouped_names(_te_names(local, keys_map)), "rng_state": rng}, path)
+        forms.append("grouped_torch_te")
     dist.barrier()
     if dist.get_rank() == 0:
-        for form in ("torch_dist", "torch", "torch_te"):
+        for form in forms:
             (out_dir / form / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()
     dist.destroy_process_group()

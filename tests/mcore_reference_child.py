@@ -20,7 +20,10 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _build_model(model: dict, tp: int, pp: int):
+def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
+    """megatron-core's GPTModel, local spec; an MoE model's experts are SequentialMLP, or with `grouped` the
+    GroupedMLP of --moe-grouped-gemm without Transformer Engine (built on CPU for its state dicts only: its
+    forward needs the grouped_gemm CUDA package)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -45,7 +48,7 @@ def _build_model(model: dict, tp: int, pp: int):
         bias_activation_fusion=False,
         **({"num_moe_experts": s.num_moe_experts, "moe_router_topk": s.moe_router_topk,
             "moe_ffn_hidden_size": s.moe_ffn_hidden_size, "moe_router_pre_softmax": s.moe_router_pre_softmax,
-            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather",
+            "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": "allgather",
             "expert_model_parallel_size": int(model.get("ep", 1))} if s.is_moe else {}),
     )
     tied = s.tie_word_embeddings
@@ -56,7 +59,10 @@ def _build_model(model: dict, tp: int, pp: int):
         pos_kw = dict(position_embedding_type="learned_absolute")
 
     spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm,
-                                    num_experts=s.num_moe_experts, moe_grouped_gemm=False)
+                                    num_experts=s.num_moe_experts, moe_grouped_gemm=grouped)
+    if grouped:
+        from megatron.core.transformer.moe import grouped_gemm_util
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

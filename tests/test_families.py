@@ -184,13 +184,16 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     """megatron-core's own MoE GPTModel (SequentialMLP experts) at TP2 x EP2, saved as Megatron-LM does: torch_dist
     (experts on a stacked expert axis), legacy torch (mp_rank_TT_EEE dirs, each EP rank's experts under local
     indices) and legacy torch with Transformer Engine's names; each merges to a transformers MoE model whose logits
-    are megatron-core's own, and resharding the legacy one to our format (EP2 -> EP4) changes nothing."""
+    are megatron-core's own, and resharding the legacy one to our format (EP2 -> EP4) changes nothing. The same
+    weights loaded by megatron-core into its grouped-GEMM experts (GroupedMLP: weight1/weight2) and saved again, in
+    torch_dist and legacy torch, and under TEGroupedMLP's legacy names, merge to the same tensors."""
     from conftest import torchrun
     model = {"architecture": case, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-5,
              "num_moe_experts": 4, **({"moe_ffn_hidden_size": 32, "moe_router_pre_softmax": True, "kv_channels": 24}
                                       if case == "qwen3_moe" else {})}
-    (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 1, "ep": 2, "iteration": 5}))
+    (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 1, "ep": 2, "iteration": 5,
+                                                        "grouped": True}))
     torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
     tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
     merged = {}
@@ -202,6 +205,9 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     reshard(tmp_path / "torch", tmp_path / "ours", tp=1, pp=2, ep=4, vocab_size=VOCAB, quiet=True)
     merge(tmp_path / "ours", tmp_path / "merged_ours", quiet=True)
     merged["ours"] = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
+    for form in ("grouped_torch_dist", "grouped_torch", "grouped_torch_te"):
+        merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
+        merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")
     first = merged["torch_dist"]
     for form, tensors in merged.items():
         assert sorted(tensors) == sorted(first) and all(torch.equal(tensors[k], first[k]) for k in first), form

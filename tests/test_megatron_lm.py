@@ -275,7 +275,6 @@ def test_torch_dcp_checkpoint_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("changes,expected", [
-    ({"num_experts": 8}, "num_experts=8 (mixture of experts)"),
     ({"squared_relu": True}, "squared_relu=True"),
     ({"virtual_pipeline_model_parallel_size": 2}, "virtual_pipeline_model_parallel_size=2"),
     ({"rotary_percent": 0.5}, "rotary_percent=0.5"),
@@ -291,6 +290,15 @@ def test_unsupported_args(llama_ckpt, changes, expected):
     msg = str(e.value)
     assert expected in msg and "supported: llama" in msg and "gpt2" in msg and "\n" not in msg
     assert msg.startswith(str(mlm.model_path(llama_ckpt / "iter_0000100", Rank(0, 0), PP)))
+
+
+def test_experts_in_the_args_of_a_model_no_moe_family_takes_are_refused(llama_ckpt):
+    """The args name 8 experts, the rest fits only a dense family: one line naming the count and the MoE families."""
+    resave_args(llama_ckpt, num_experts=8)
+    with pytest.raises(ConfigError) as e:
+        mlm.read_meta(llama_ckpt)
+    msg = str(e.value)
+    assert "num_moe_experts 8 does not fit llama" in msg and "mixtral, qwen3_moe" in msg and "\n" not in msg
 
 
 def test_gpt2_untied_is_refused(tmp_path):
