@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
@@ -78,8 +80,38 @@ class Experts(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module], count: int):
         super().__init__()
         self.local_experts = nn.ModuleList(mlp(spec, config, width=spec.moe_ffn_hidden_size) for _ in range(count))
+        self.biased = spec.add_bias_linear
         for p in self.parameters():
             p.expert = True  # reduced over the expert-data-parallel ranks, not all data-parallel ones
+
+    def forward(self, x: torch.Tensor, counts: list[int], selective: bool = False) -> torch.Tensor:
+        """x: the tokens routed to the local experts, expert by expert (counts[j] rows for expert j) -> each row
+        through its expert. One grouped GEMM per linear where torch has one for these tensors, else expert by
+        expert."""
+        if not self._grouped(x):
+            parts = x.split(counts)
+            return torch.cat([expert(part, selective) if len(part) else part
+                              for expert, part in zip(self.local_experts, parts)])
+        first = self.local_experts[0]
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        group = first.linear_fc1.tp_group
+        x = tensor_parallel.copy_to_tensor_model_parallel_region(x, group=group)  # ColumnParallelLinear's input
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [experts, fc1 rows / TP, hidden]
+        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        h = checkpoint(first.activation, h, use_reentrant=False) if selective else first.activation(h)
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [experts, hidden, ffn / TP]
+        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(y, group=group)  # RowParallelLinear's sum
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        """torch's grouped GEMM takes these tensors: no biases, rows of 16-byte multiples, and on CUDA bf16 on
+        Hopper or newer (elsewhere the per-expert loop)."""
+        if self.biased or not hasattr(torch, "_grouped_mm"):
+            return False
+        w1, w2 = self.local_experts[0].linear_fc1.weight, self.local_experts[0].linear_fc2.weight
+        if any(n * x.element_size() % 16 for n in (*w1.shape, w2.shape[1])) or w1.dtype != x.dtype:
+            return False
+        return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 class _Gather(torch.autograd.Function):
@@ -144,13 +176,16 @@ class MoE(nn.Module):
             gathered = [torch.empty_like(index) for _ in range(dist.get_world_size(self.ep_group))]
             dist.all_gather(gathered, index.contiguous(), group=self.ep_group)
             index = torch.cat(gathered)
-        out = torch.zeros_like(tokens)
-        for expert, e in zip(self.experts.local_experts, self.experts_here):
-            rows, slot = (index == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:  # the same on every TP rank: the router's input and weights are
-                continue
-            y = expert(tokens[rows], selective)
-            out.index_add_(0, rows, y * probs[rows, slot, None])
+        # the token-slots of the local experts, expert by expert (one host sync for the counts); every TP rank
+        # finds the same ones: the router's input and weights are the same on each
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        ends = [0, *torch.bincount(flat, minlength=self.num_experts).cumsum(0).tolist()]
+        lo, hi = self.experts_here[0], self.experts_here[-1] + 1
+        slots = order[ends[lo]:ends[hi]]
+        rows = slots // self.topk
+        y = self.experts(tokens[rows], [ends[e + 1] - ends[e] for e in self.experts_here], selective)
+        out = torch.zeros_like(tokens).index_add_(0, rows, y * probs.reshape(-1)[slots, None])
         if self.ep_group is not None:
             out = _ReduceScatter.apply(out, self.ep_group)
         if aux is not None:
