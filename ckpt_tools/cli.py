@@ -161,10 +161,10 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
             vocab_size: int | None, form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool,
             quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
-    if form == "torch_dist":  # first without torch: the source's shards copied as chunks, where that applies
+    if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
-                                    no_preflight, not no_optimizer)
+                                    no_preflight, not no_optimizer, form)
         if summary is not None:
             click.echo(summary)
             return

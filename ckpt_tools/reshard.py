@@ -184,12 +184,12 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True,
             copy_bytes: bool = True, ep: int | None = None) -> str:
-    """`copy_bytes`: for torch_dist, copy the source's shards as its chunks where formats.dist_copy takes them.
+    """`copy_bytes`: for Megatron-LM's forms, copy the source's bytes where formats.dist_copy takes them.
     `ep`: the target's expert parallelism (MoE models; None: the source's)."""
-    if form == to_megatron.TORCH_DIST and copy_bytes:
+    if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
-                                    optimizer)
+                                    optimizer, form)
         if summary is not None:
             return summary
     start = time.perf_counter()

@@ -196,11 +196,17 @@ def _torch_stand_in(obj: Any) -> Global | Call | None:
 
 
 # ---------------------------------------------------------------- zip archives as torch.save writes them
-Data = bytes | memoryview | list[tuple[int, int, int]]  # a record's bytes: in memory, or (fd, offset, nbytes) ranges
+# a record's bytes: in memory, or a list of (fd, offset, nbytes) ranges of other files and bytes in memory, in order
+Data = bytes | memoryview | list[tuple[int, int, int] | bytes | memoryview]
 
 
-def _nbytes(data: Data) -> int:
-    return sum(n for _, _, n in data) if isinstance(data, list) else len(data)
+def data_size(data: Data) -> int:
+    """The bytes a record's data holds."""
+    return sum(_nbytes(d) for d in data) if isinstance(data, list) else len(data)
+
+
+def _nbytes(part) -> int:
+    return part[2] if isinstance(part, tuple) else len(part)
 
 
 class Archive:
@@ -216,7 +222,7 @@ class Archive:
 
     def add(self, name: str, data: Data) -> None:
         full = f"{self.prefix}/{name}".encode()
-        nbytes, offset = _nbytes(data), self.pos - self.start
+        nbytes, offset = data_size(data), self.pos - self.start
         zip64 = nbytes >= ZIP64_LIMIT or offset >= ZIP64_LIMIT
         extra = struct.pack("<HHQQ", 1, 16, nbytes, nbytes) if zip64 else b""
         head = 30 + len(full) + len(extra) + 4  # + the padding field's own 4 bytes
@@ -231,9 +237,13 @@ class Archive:
 
     def _write(self, data: Data) -> None:
         if isinstance(data, list):
-            for src, offset, n in data:
-                copy_range(src, offset, self.fd, self.pos, n)
-                self.pos += n
+            for part in data:
+                if isinstance(part, tuple):
+                    src, offset, n = part
+                    copy_range(src, offset, self.fd, self.pos, n)
+                    self.pos += n
+                else:
+                    self._write(part)
             return
         view, done = memoryview(data).cast("B"), 0
         while done < len(view):
@@ -288,6 +298,6 @@ def save_pickled(fd: int, start: int, pickled: bytes) -> int:
 def save_tensor(fd: int, start: int, dtype: str, shape: tuple[int, ...], data: Data) -> int:
     """torch.save(tensor) of a contiguous tensor whose bytes are `data`, at `start` of fd; the position after it."""
     expected = math.prod(shape) * ELEMENT_SIZES[dtype]
-    if _nbytes(data) != expected:
-        raise ValueError(f"{_nbytes(data)} bytes for a {dtype} tensor of shape {tuple(shape)} ({expected} expected)")
+    if data_size(data) != expected:
+        raise ValueError(f"{data_size(data)} bytes for a {dtype} tensor of shape {tuple(shape)} ({expected} expected)")
     return _torch_records(Archive(fd, start), dumps(TensorRef("0", dtype, tuple(shape))), [("0", data)])

@@ -47,10 +47,11 @@ def same_tensors(a, b) -> None:
         assert y[name].dtype == t.dtype and torch.equal(y[name], t), name
 
 
-# (HF model, form, written TP x PP, TP x PP megatron-core loads it at)
+# (HF model, form, written TP x PP, TP x PP megatron-core loads it at); "resharded": imported into ours at TP1 x PP1,
+# then `reshard --format torch` (the legacy files written by copying bytes, formats/legacy_copy.py)
 LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("gpt2", "torch_dist", (2, 2), (2, 1)),
          ("llama_tied", "torch", (2, 2), (2, 2)), ("qwen2_tied", "torch_dist", (1, 2), (2, 2)),
-         ("qwen3", "torch", (2, 1), (2, 1))]
+         ("qwen3", "torch", (2, 1), (2, 1)), ("gpt2", "resharded", (2, 2), (2, 2))]
 
 
 @pytest.mark.slow
@@ -59,7 +60,11 @@ LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("gpt2", "torch_dist", (2, 2),
 def test_megatron_core_loads_what_we_write(arch, form, written, loaded, hf_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
     src, out = hf_dirs[arch], tmp_path / "megatron"
-    line = import_hf(src, out, tp=written[0], pp=written[1], form=form, quiet=True)
+    if form == "resharded":
+        import_hf(src, tmp_path / "ours", tp=1, pp=1, optimizer=False, quiet=True)
+        form, line = "torch", reshard(tmp_path / "ours", out, tp=written[0], pp=written[1], form="torch", quiet=True)
+    else:
+        line = import_hf(src, out, tp=written[0], pp=written[1], form=form, quiet=True)
     assert f"--ckpt-format {form}" in line
     assert (out / megatron_lm.TRACKER).read_text() == "release"
     spec = hf.spec_from_hf(src / "config.json")
@@ -404,3 +409,49 @@ def test_copied_chunks_merge_on_the_byte_path(hf_dirs, tmp_path):
     same = load_safetensors(hf_dirs["llama"] / "model.safetensors")
     merged = load_bytes(files["model.safetensors"])
     assert sorted(merged) == sorted(same) and all(torch.equal(merged[k], same[k]) for k in same)
+
+
+# (family, spec fields, source TP x PP, target TP x PP): joins and splits of TP (3 included) and PP, GQA, biases
+# and LayerNorm (gpt2), the tied head's copy appearing on a last stage, the vocab re-padded (250 rows)
+LEGACY_COPIES = [
+    ("llama", {"num_query_groups": 2}, (2, 2), (1, 1)),
+    ("llama", {"tie_word_embeddings": True, "vocab_size": 250, "make_vocab_size_divisible_by": 2}, (1, 1), (4, 2)),
+    ("gpt2", {"num_query_groups": 4}, (2, 1), (4, 2)),
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_query_groups": 6, "ffn_hidden_size": 192},
+     (2, 1), (3, 1)),
+]
+
+
+@pytest.mark.parametrize("arch,fields,src,dst", LEGACY_COPIES,
+                         ids=[f"{a}-tp{s[0]}pp{s[1]}-to-tp{d[0]}pp{d[1]}" for a, _, s, d in LEGACY_COPIES])
+def test_legacy_files_written_without_torch_hold_what_the_torch_path_writes(arch, fields, src, dst, tmp_path):
+    """`--format torch` by copying bytes (formats/legacy_copy.py: dim-0 pieces copied file to file, row-parallel
+    shards gathered by columns, new vocab rows zero) writes, file by file, what the torch path's torch.save writes:
+    the same keys in the same order, tensors bit-exact in dtype and shape, the same args."""
+    import subprocess
+    import sys
+
+    from bad_inputs import make_ckpt
+    from test_merge_sources import imported
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec(arch, **{"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+                              "vocab_size": 256, "max_position_embeddings": 128, **fields})
+    ck = make_ckpt(tmp_path / "src", spec, tp=src[0], pp=src[1], optimizer=False)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", "reshard", str(ck),
+                           str(tmp_path / "fast"), "--tp", str(dst[0]), "--pp", str(dst[1]), "--format", "torch"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not {m for m in imported(proc) if m.split(".")[0] == "torch"}  # the byte path wrote it
+    slow = reshard(ck, tmp_path / "slow", tp=dst[0], pp=dst[1], form="torch", quiet=True, copy_bytes=False)
+    assert proc.stdout.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
+    files = sorted((tmp_path / "slow" / "release").glob("mp_rank_*/model_optim_rng.pt"))
+    assert len(files) == dst[0] * dst[1]
+    for path in files:
+        b = torch.load(path, weights_only=False)
+        a = torch.load(tmp_path / "fast" / path.relative_to(tmp_path / "slow"), weights_only=False)
+        assert vars(a.pop("args")) == vars(b.pop("args"))
+        ma, mb = a.pop("model"), b.pop("model")
+        assert a == b and list(ma) == list(mb), path
+        for key, t in mb.items():
+            assert (t is None and ma[key] is None) or (ma[key].dtype == t.dtype and torch.equal(ma[key], t)), key

@@ -31,6 +31,7 @@ from pathlib import Path
 from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, to_megatron
 from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, field_shards
 from ckpt_tools.errors import CkptError
+from ckpt_tools.formats import legacy_copy
 from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
 from ckpt_tools.formats.torch_dist import stacked_key
@@ -42,8 +43,9 @@ STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-            no_preflight: bool = False, optimizer: bool = True) -> str | None:
-    """reshard.reshard(..., form="torch_dist") by copying bytes; None (nothing written) where it does not apply."""
+            no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST) -> str | None:
+    """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
+    apply. The legacy torch form is written by formats/legacy_copy.py, weights only."""
     start = time.perf_counter()
     if optimizer and megatron_lm.is_megatron_lm(Path(src)):
         return None  # a Megatron-LM optimizer is decoded with torch
@@ -52,15 +54,18 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     except Declined:
         return None
     try:
-        return _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start)
+        return _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form)
     finally:
         source.close()
 
 
 def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
-             quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float) -> str | None:
+             quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
+             form: str = TORCH_DIST) -> str | None:
     meta, spec = source.meta, source.meta.spec
     with_opt = optimizer and _has_optimizer(meta)
+    if with_opt and form != TORCH_DIST:
+        return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
     try:
         fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS} if with_opt and not fresh else {}
@@ -81,40 +86,49 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
         consumed = int(meta.raw.get("consumed_samples") or 0)
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
-    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, TORCH_DIST, resume, meta.dir)
-    nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet)
-    summary = to_megatron.resharded(meta, out, TORCH_DIST, tp, counts, resume, fresh, None, nbytes,
+    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
+    nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form)
+    summary = to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, None, nbytes,
                                     time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
 
 
 def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[int], padded: int, args,
-           resume: ResumeState | None, force: bool, quiet: bool) -> int:
-    meta, spec = source.meta, source.meta.spec
+           resume: ResumeState | None, force: bool, quiet: bool, form: str) -> int:
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
-    ranks = meta.grid.ranks()
     with output.staged(out, force) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir()
-        bar = output.progress(len(ranks), "reshard", quiet, unit="file")
-        with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
-                        saving_ep=meta.ep_size) as writer:
-            for i, rank in enumerate(ranks):
-                for _, key in meta.rank_keys(rank, owned=True):
-                    if not layout.holds_weights(key, spec, meta.pp_size):
-                        if rank.tp == 0:
-                            writer.put_extra(rank.pp, key)
-                    elif writer.saves(key, rank):
-                        for field, shards in ((None, source.shards), *fields.items()):
-                            _put(writer, source, rank, key, field, shards[key][rank.tp], padded)
-                bar.update(1)
-                if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
-                    writer.end_stage(rank.pp, iteration)
-            writer.close(iteration, resume.common() if resume is not None else None)
-        bar.close()
-        hf.copy_carried(meta.dir, iter_dir)
+        if form == TORCH_DIST:
+            nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet)
+        else:
+            nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet)
+        hf.copy_carried(source.meta.dir, iter_dir)
         io.write_text_atomic(tmp / megatron_lm.TRACKER, str(iteration) if resume is not None else megatron_lm.RELEASE)
+    return nbytes
+
+
+def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, counts: list[int], padded: int, args,
+                resume: ResumeState | None, iteration: int, quiet: bool) -> int:
+    meta, spec = source.meta, source.meta.spec
+    ranks = meta.grid.ranks()
+    bar = output.progress(len(ranks), "reshard", quiet, unit="file")
+    with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
+                    saving_ep=meta.ep_size) as writer:
+        for i, rank in enumerate(ranks):
+            for _, key in meta.rank_keys(rank, owned=True):
+                if not layout.holds_weights(key, spec, meta.pp_size):
+                    if rank.tp == 0:
+                        writer.put_extra(rank.pp, key)
+                elif writer.saves(key, rank):
+                    for field, shards in ((None, source.shards), *fields.items()):
+                        _put(writer, source, rank, key, field, shards[key][rank.tp], padded)
+            bar.update(1)
+            if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
+                writer.end_stage(rank.pp, iteration)
+        writer.close(iteration, resume.common() if resume is not None else None)
+    bar.close()
     return writer.nbytes
 
 

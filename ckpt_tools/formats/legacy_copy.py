@@ -1,0 +1,127 @@
+"""`ckpt reshard ... --format torch` without torch: each target rank's `model_optim_rng.pt` written as torch.save
+lays it out, its tensors' bytes copied from the source's files.
+
+A legacy file holds each TP rank's shard exactly, so unlike torch_dist (formats/dist_copy.py) the source's shards
+must be cut to the target's: `layout.reshard_pieces` names the pieces of the source shards that make a target
+shard. Pieces along dim 0 (column-parallel rows, QKV groups, SwiGLU halves, vocab rows) are byte ranges of the
+source files, copied file to file in the kernel; a row-parallel shard (pieces along dim 1) is gathered in memory,
+each source row's columns read straight into their place (one tensor at a time, in a reused buffer); new vocab
+padding rows are zeros. The tensor records come first and `data.pkl` (args, checkpoint_version, iteration, the
+model dict naming its tensors by record) last: torch.load finds records by name. Weights only: Megatron-LM's legacy
+optimizer state is not written by this version (to_megatron.check_optimizer_form).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckpt_tools import layout, megatron_lm, output, torchsave
+from ckpt_tools.byte_ranges import ByteSource, Shard
+from ckpt_tools.errors import LayoutError
+from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
+from ckpt_tools.ranks import Grid, Rank
+from ckpt_tools.torchfile import ELEMENT_SIZES
+
+Data = list  # (fd, offset, nbytes) ranges and bytes in memory, in order (torchsave.Archive takes both)
+
+
+def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
+          quiet: bool) -> int:
+    """Every target rank's file under iter_dir; the bytes of tensors written."""
+    meta, pp = source.meta, len(counts)
+    grid, nbytes = Grid(tp, pp), 0
+    bar = output.progress(tp * pp, "reshard", quiet, unit="file")
+    for rank in grid.ranks():
+        nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
+                              {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration})
+        bar.update(1)
+    bar.close()
+    return nbytes
+
+
+def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int,
+                header: dict) -> int:
+    meta, spec = source.meta, source.meta.spec
+    path.parent.mkdir(parents=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        archive, model, nbytes = torchsave.Archive(fd, 0, path.stem), {}, 0
+        for local, key in layout.stage_keys(spec, counts, rank.pp):
+            if not layout.holds_weights(key, spec, len(counts)):
+                model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
+                continue
+            dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
+            ref = str(len(model))
+            archive.add(f"data/{ref}", data)
+            model[local] = torchsave.TensorRef(ref, dtype, shape)
+            nbytes += torchsave.data_size(data)
+        archive.add("data.pkl", torchsave.dumps({**header, "model": model}))
+        archive.add(".format_version", b"1")
+        archive.add(".storage_alignment", str(torchsave.ALIGNMENT).encode())
+        archive.add("byteorder", b"little")
+        archive.add("version", b"3\n")
+        archive.close()
+    finally:
+        os.close(fd)
+    return nbytes
+
+
+def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, Data]:
+    """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
+    meta, spec = source.meta, source.meta.spec
+    src_key = _source_key(key, source)
+    shards = source.shards[src_key]
+    dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
+    shape = list(layout.full_shape(key, spec, padded, pp))
+    rule = layout.find_rule(key, spec, pp)
+    if rule.dim is None:
+        return dtype, tuple(shape), [(source.files.fd(p), o, n) for p, o, n in shards[0].whole]
+    shape[rule.dim] //= tp
+    pieces = layout.reshard_pieces(key, spec, meta.tp_size, meta.padded_vocab, tp, padded, rank, pp)
+    if pieces[0].dim == 0:
+        row = _row_bytes(shape, itemsize)
+        data: Data = []
+        for p in pieces:
+            if p.rank is None:
+                data.append(bytes((p.stop - p.start) * row))
+            else:
+                data += [(source.files.fd(f), o, n) for f, o, n in shards[p.rank].byte_ranges(p.start, p.stop)]
+        return dtype, tuple(shape), data
+    return dtype, tuple(shape), [_columns(source, shards, pieces, shape[0], itemsize)]
+
+
+def _source_key(key: str, source: ByteSource) -> str:
+    """The tied output copy a PP > 1 target keeps and a PP = 1 source lacks is the word embedding."""
+    if key == "output_layer.weight" and key not in source.shards:
+        return "embedding.word_embeddings.weight"
+    return key
+
+
+def _row_bytes(shape: list[int], itemsize: int) -> int:
+    n = itemsize
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def _columns(source: ByteSource, shards: list[Shard], pieces: list[layout.Piece], nrows: int,
+             itemsize: int) -> memoryview:
+    """A row-parallel shard in memory: each piece's columns of every row read into their place."""
+    widths = [(p.stop - p.start) * itemsize for p in pieces]
+    width = sum(widths)
+    buf, col = source._buffer(nrows * width), 0
+    for p, w in zip(pieces, widths):
+        shard = shards[p.rank]
+        if len(shard.parts) != 1 or shard.rows != nrows:
+            raise LayoutError(f"{p}: a row-parallel shard in {len(shard.parts)} parts of {shard.rows} rows")
+        path, offset, total = shard.whole[0]
+        src_width = total // nrows
+        if w == src_width:  # the whole source shard: one scatter read
+            source.files.read_into([buf[r * width + col:r * width + col + w] for r in range(nrows)], path, offset)
+        else:
+            for r in range(nrows):
+                source.files.read_into([buf[r * width + col:r * width + col + w]], path,
+                                       offset + r * src_width + p.start * itemsize)
+        col += w
+    return buf
+
