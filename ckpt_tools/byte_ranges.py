@@ -112,7 +112,7 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
             raise Declined(f"{path}: legacy QKV rows to reorder")
         if megatron_lm.grouped_experts(obj.get("model") or {}):
             raise Declined(f"{path}: grouped experts to transpose")
-        state = megatron_lm.model_state(obj)
+        state = megatron_lm.model_state(obj, path)
         if state is None or checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
             raise Declined(f"{path}: does not match the layout table")
         _add_shards(shards, meta, rank, path, state)

@@ -161,6 +161,8 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
             vocab_size: int | None, form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool,
             quiet: bool) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
+    from ckpt_tools.to_megatron import check_ep_form
+    check_ep_form(form, ep)
     if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
@@ -194,6 +196,8 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
             form: str, no_optimizer: bool, force: bool, quiet: bool) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     from ckpt_tools.plan import DTYPE_OPTIONS
+    from ckpt_tools.to_megatron import check_ep_form
+    check_ep_form(form, ep)
     if form == "torch_dist":  # first without torch: the HF tensors' rows copied as chunks, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),

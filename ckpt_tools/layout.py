@@ -21,7 +21,7 @@ tensors, so merge's torch-free byte source (ckpt_tools.byte_ranges) reads the sa
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -238,6 +238,14 @@ def tied_copies(spec: ModelSpec, pp_size: int, pp_rank: int) -> set[str]:
         return set()
     return ({"embedding.word_embeddings.weight"} if pp_rank == 0 else set()) | \
         ({"output_layer.weight"} if pp_rank == pp_size - 1 else set())
+
+
+def source_key(key: str, present: Container[str]) -> str:
+    """The tensor that holds `key` in a checkpoint holding the keys `present`: itself, or, for the tied output copy
+    that a PP > 1 layout keeps but a PP = 1 checkpoint lacks, the word embedding it copies."""
+    if key == "output_layer.weight" and key not in present:
+        return "embedding.word_embeddings.weight"
+    return key
 
 
 def local_experts(spec: ModelSpec, ep_rank: int | None, ep_size: int = 1) -> list[int]:

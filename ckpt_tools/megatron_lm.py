@@ -398,9 +398,9 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
                 iteration=iteration, source=source, root=iter_dir, ep_size=ep)
 
 
-def model_state(obj) -> dict | None:
+def model_state(obj, where: object = None, split: bool = True) -> dict | None:
     """A legacy file's model state dict with the layout table's names (Transformer Engine's renamed, a legacy
-    model's flattened and renamed)."""
+    model's flattened and renamed, GroupedMLP's experts split unless `split` is False: `where` names the file)."""
     model = obj.get("model") if isinstance(obj, dict) else None
     if not isinstance(model, dict):
         return None
@@ -408,9 +408,9 @@ def model_state(obj) -> dict | None:
         return {names.from_legacy(k): v for k, v in names.flatten(model).items()}
     state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items()}
     state.pop(None, None)
-    if grouped_experts(model):
-        _split_grouped(state, _arg(obj.get("args"), "num_experts", 0) // _arg(obj.get("args"),
-                                                                             "expert_model_parallel_size", 1))
+    if split and grouped_experts(model):
+        _split_grouped(where, state, _arg(obj.get("args"), "num_experts", 0) // _arg(obj.get("args"),
+                                                                                    "expert_model_parallel_size", 1))
     return state
 
 
@@ -422,7 +422,7 @@ def grouped_experts(model: dict) -> bool:
 _GROUPED = (".mlp.experts.weight1", ".mlp.experts.weight2")
 
 
-def _split_grouped(state: dict, local: int) -> None:
+def _split_grouped(where: object, state: dict, local: int) -> None:
     """GroupedMLP's weight1 [hidden, E_local * fc1 rows] and weight2 [E_local * ffn, hidden] (each expert's block is
     its SequentialMLP weight transposed, as megatron-core's GroupedMLP views them: [E_local, hidden, fc1 rows] and
     [E_local, ffn, hidden]) -> each expert's tensors under the table's names (copies: a transpose is not a byte
@@ -431,7 +431,7 @@ def _split_grouped(state: dict, local: int) -> None:
         w, base = state.pop(key), key[:-len("weight1")]
         fc1 = key.endswith("1")
         if local < 1 or w.dim() != 2 or w.shape[1 if fc1 else 0] % local:
-            raise FormatError(f"{key}: grouped experts of shape {tuple(w.shape)} do not split into {local} local "
+            raise FormatError(f"{where}: {key}: grouped experts of shape {tuple(w.shape)} do not split into {local} local "
                               f"experts (num_experts / expert_model_parallel_size in the args): the args or the "
                               f"file are damaged; restore them from the source")
         blocks = w.reshape(local, w.shape[0], -1) if fc1 else w.reshape(local, -1, w.shape[1])
@@ -452,5 +452,5 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     _check_model_keys(first, state)
     padded = _arg(args, "padded_vocab_size")
     if padded is None:
-        padded = model_state(state)["embedding.word_embeddings.weight"].shape[0] * tp
+        padded = model_state(state, first, split=False)["embedding.word_embeddings.weight"].shape[0] * tp
     return meta_of(first, iter_dir, args, state, spec, tp, pp, counts, padded, "megatron-lm", ep)

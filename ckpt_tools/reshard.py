@@ -186,6 +186,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             copy_bytes: bool = True, ep: int | None = None) -> str:
     """`copy_bytes`: for Megatron-LM's forms, copy the source's bytes where formats.dist_copy takes them.
     `ep`: the target's expert parallelism (MoE models; None: the source's)."""
+    to_megatron.check_ep_form(form, ep)
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
@@ -291,6 +292,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
               form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1) -> str:
     """`copy_bytes`: for torch_dist, copy the HF tensors' rows as chunks where formats.dist_copy takes them.
     `ep`: expert parallelism of the output (MoE models)."""
+    to_megatron.check_ep_form(form, ep)
     if form == to_megatron.TORCH_DIST and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet)

@@ -103,11 +103,8 @@ class Reader:
         return list(self._where)
 
     def source_key(self, key: str) -> str:
-        """The tensor that holds a key of another layout: itself, or, for the tied output copy that a
-        PP>1 layout keeps but this PP=1 checkpoint lacks, the word embedding it copies."""
-        if key == "output_layer.weight" and key not in self._where:
-            return "embedding.word_embeddings.weight"
-        return key
+        """The tensor that holds a key of another layout (layout.source_key)."""
+        return layout.source_key(key, self._where)
 
     def full(self, global_key: str, field: str | None = None):
         return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)

@@ -29,6 +29,14 @@ OURS = "ours"
 CHOICES = (OURS, *FORMS)
 
 
+def check_ep_form(form: str, ep: int | None) -> None:
+    """Expert parallelism is a property of our format's files only (refused before anything is read or written)."""
+    if form != OURS and ep not in (None, 1):
+        raise ConfigError(f"--ep {ep} applies to our format only: Megatron-LM's torch_dist holds each expert once and "
+                          f"loads at any --expert-model-parallel-size, and its legacy torch form is written at EP 1; "
+                          f"drop --ep (Megatron-LM takes its EP at load)")
+
+
 def check_optimizer_form(form: str, where: object) -> None:
     """Optimizer state goes into torch_dist only (refused before anything is read or written)."""
     if form != TORCH_DIST:

@@ -276,13 +276,26 @@ class Archive:
 def _torch_records(archive: Archive, pickled: bytes, tensors: list[tuple[str, Data]]) -> int:
     """The records torch.save writes, in its order: data.pkl, the format records, each tensor's data, version."""
     archive.add("data.pkl", pickled)
-    archive.add(".format_version", b"1")
-    archive.add(".storage_alignment", str(ALIGNMENT).encode())
-    archive.add("byteorder", sys.byteorder.encode())
+    _format_records(archive)
     for key, data in tensors:
         archive.add(f"data/{key}", data)
     archive.add("version", b"3\n")
     return archive.close()
+
+
+def finish(archive: Archive, pickled: bytes) -> int:
+    """An archive whose tensor records (data/<key>) were added first, as they were produced: data.pkl, the format
+    records and version after them (torch.load finds records by name), then the central directory."""
+    archive.add("data.pkl", pickled)
+    _format_records(archive)
+    archive.add("version", b"3\n")
+    return archive.close()
+
+
+def _format_records(archive: Archive) -> None:
+    archive.add(".format_version", b"1")
+    archive.add(".storage_alignment", str(ALIGNMENT).encode())
+    archive.add("byteorder", sys.byteorder.encode())
 
 
 def save_object(fd: int, start: int, obj: Any) -> int:

@@ -62,7 +62,9 @@ def test_megatron_core_loads_what_we_write(arch, form, written, loaded, hf_dirs,
     src, out = hf_dirs[arch], tmp_path / "megatron"
     if form == "resharded":
         import_hf(src, tmp_path / "ours", tp=1, pp=1, optimizer=False, quiet=True)
-        form, line = "torch", reshard(tmp_path / "ours", out, tp=written[0], pp=written[1], form="torch", quiet=True)
+        from ckpt_tools.formats import dist_copy
+        form, line = "torch", dist_copy.reshard(tmp_path / "ours", out, written[0], written[1], quiet=True, form="torch")
+        assert line is not None  # written by copying bytes, not left to the torch path
     else:
         line = import_hf(src, out, tp=written[0], pp=written[1], form=form, quiet=True)
     assert f"--ckpt-format {form}" in line
@@ -455,3 +457,18 @@ def test_legacy_files_written_without_torch_hold_what_the_torch_path_writes(arch
         assert a == b and list(ma) == list(mb), path
         for key, t in mb.items():
             assert (t is None and ma[key] is None) or (ma[key].dtype == t.dtype and torch.equal(ma[key], t)), key
+
+
+@pytest.mark.parametrize("form", ["torch_dist", "torch"])
+def test_an_expert_parallel_size_for_megatron_lm_forms_is_refused_before_writing(form, tmp_path):
+    """EP is our format's: Megatron-LM takes its EP at load. `--ep 2` with its forms is one line, nothing written."""
+    from bad_inputs import make_ckpt
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec("mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=96, vocab_size=256, max_position_embeddings=128, num_moe_experts=4)
+    ck = make_ckpt(tmp_path / "src", spec, tp=1, pp=1, optimizer=False)
+    out = tmp_path / "out"
+    line = one_line_error(run("reshard", ck, out, "--tp", "1", "--pp", "1", "--ep", "2", "--format", form))
+    assert "--ep 2 applies to our format only" in line
+    assert_nothing_written(out)

@@ -55,9 +55,9 @@ spec = ModelSpec.from_dict({"architecture": "mixtral", "num_layers": 1, "hidden_
                             "num_query_groups": 2, "ffn_hidden_size": 48, "vocab_size": 64, "num_moe_experts": 3})
 experts = Experts(spec, megatron_config(spec, 2, 1, torch.float32, True), MLP, 3)
 gen = torch.Generator().manual_seed(dist.get_rank() // 2)
-with torch.no_grad():  # each TP rank its part of the same experts
-    for p in experts.parameters():
-        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + dist.get_rank())))
+with torch.no_grad():  # each TP rank its part of every expert, each expert its own weights
+    for i, p in enumerate(experts.parameters()):
+        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * i + dist.get_rank())))
 x, counts = torch.randn(20, 32, generator=gen), [7, 0, 13]
 results = []
 for grouped in (True, False):

@@ -96,22 +96,40 @@ class Experts(nn.Module):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         group = first.linear_fc1.tp_group
         x = tensor_parallel.copy_to_tensor_model_parallel_region(x, group=group)  # ColumnParallelLinear's input
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [experts, fc1 rows / TP, hidden]
-        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        h = _GroupedLinear.apply(x, offs, *(e.linear_fc1.weight for e in self.local_experts))
         h = checkpoint(first.activation, h, use_reentrant=False) if selective else first.activation(h)
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [experts, hidden, ffn / TP]
-        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        y = _GroupedLinear.apply(h, offs, *(e.linear_fc2.weight for e in self.local_experts))
         return tensor_parallel.reduce_from_tensor_model_parallel_region(y, group=group)  # RowParallelLinear's sum
 
     def _grouped(self, x: torch.Tensor) -> bool:
         """torch's grouped GEMM takes these tensors: no biases, rows of 16-byte multiples, and on CUDA bf16 on
-        Hopper or newer (elsewhere the per-expert loop)."""
+        Hopper (elsewhere the per-expert loop: newer GPUs have been reported to give empty groups non-zero
+        weight gradients)."""
         if self.biased or not hasattr(torch, "_grouped_mm"):
             return False
         w1, w2 = self.local_experts[0].linear_fc1.weight, self.local_experts[0].linear_fc2.weight
         if any(n * x.element_size() % 16 for n in (*w1.shape, w2.shape[1])) or w1.dtype != x.dtype:
             return False
-        return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9)
+        return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """x [tokens, in] (rows grouped by expert, offs their cumulative ends) times each expert's weight [out, in],
+    transposed: one grouped GEMM. The experts' weights are stacked for the GEMM and stacked again in backward, not
+    saved: a saved stack would keep a copy of every local expert's weights until backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offs, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, offs, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = torch._grouped_mm(grad, torch.stack(weights), offs=offs)
+        dw = torch._grouped_mm(grad.t(), x, offs=offs)  # [experts, out, in]: each expert's rows only
+        return dx, None, *dw.unbind(0)
 
 
 class _Gather(torch.autograd.Function):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpt_tools import layout, megatron_lm, output, torchsave
+from ckpt_tools import io, layout, megatron_lm, output, torchsave
 from ckpt_tools.byte_ranges import ByteSource, Shard
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
@@ -28,7 +28,7 @@ Data = list  # (fd, offset, nbytes) ranges and bytes in memory, in order (torchs
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
           quiet: bool) -> int:
     """Every target rank's file under iter_dir; the bytes of tensors written."""
-    meta, pp = source.meta, len(counts)
+    pp = len(counts)
     grid, nbytes = Grid(tp, pp), 0
     bar = output.progress(tp * pp, "reshard", quiet, unit="file")
     for rank in grid.ranks():
@@ -41,11 +41,11 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
 
 def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int,
                 header: dict) -> int:
-    meta, spec = source.meta, source.meta.spec
+    spec = source.meta.spec
     path.parent.mkdir(parents=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        archive, model, nbytes = torchsave.Archive(fd, 0, path.stem), {}, 0
+        archive, model, nbytes, flushed = torchsave.Archive(fd, 0, path.stem), {}, 0, 0
         for local, key in layout.stage_keys(spec, counts, rank.pp):
             if not layout.holds_weights(key, spec, len(counts)):
                 model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
@@ -55,22 +55,20 @@ def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], p
             archive.add(f"data/{ref}", data)
             model[local] = torchsave.TensorRef(ref, dtype, shape)
             nbytes += torchsave.data_size(data)
-        archive.add("data.pkl", torchsave.dumps({**header, "model": model}))
-        archive.add(".format_version", b"1")
-        archive.add(".storage_alignment", str(torchsave.ALIGNMENT).encode())
-        archive.add("byteorder", b"little")
-        archive.add("version", b"3\n")
-        archive.close()
+            io.start_writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
+            flushed = archive.pos
+        torchsave.finish(archive, torchsave.dumps({**header, "model": model}))
+        os.fsync(fd)
     finally:
         os.close(fd)
+    io.fsync_dir(path.parent)
     return nbytes
 
 
 def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, Data]:
     """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
     meta, spec = source.meta, source.meta.spec
-    src_key = _source_key(key, source)
-    shards = source.shards[src_key]
+    shards = source.shards[layout.source_key(key, source.shards)]
     dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
     shape = list(layout.full_shape(key, spec, padded, pp))
     rule = layout.find_rule(key, spec, pp)
@@ -87,14 +85,7 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: in
             else:
                 data += [(source.files.fd(f), o, n) for f, o, n in shards[p.rank].byte_ranges(p.start, p.stop)]
         return dtype, tuple(shape), data
-    return dtype, tuple(shape), [_columns(source, shards, pieces, shape[0], itemsize)]
-
-
-def _source_key(key: str, source: ByteSource) -> str:
-    """The tied output copy a PP > 1 target keeps and a PP = 1 source lacks is the word embedding."""
-    if key == "output_layer.weight" and key not in source.shards:
-        return "embedding.word_embeddings.weight"
-    return key
+    return dtype, tuple(shape), [_columns(source, key, shards, pieces, shape[0], itemsize)]
 
 
 def _row_bytes(shape: list[int], itemsize: int) -> int:
@@ -104,7 +95,7 @@ def _row_bytes(shape: list[int], itemsize: int) -> int:
     return n
 
 
-def _columns(source: ByteSource, shards: list[Shard], pieces: list[layout.Piece], nrows: int,
+def _columns(source: ByteSource, key: str, shards: list[Shard], pieces: list[layout.Piece], nrows: int,
              itemsize: int) -> memoryview:
     """A row-parallel shard in memory: each piece's columns of every row read into their place."""
     widths = [(p.stop - p.start) * itemsize for p in pieces]
@@ -112,8 +103,10 @@ def _columns(source: ByteSource, shards: list[Shard], pieces: list[layout.Piece]
     buf, col = source._buffer(nrows * width), 0
     for p, w in zip(pieces, widths):
         shard = shards[p.rank]
-        if len(shard.parts) != 1 or shard.rows != nrows:
-            raise LayoutError(f"{p}: a row-parallel shard in {len(shard.parts)} parts of {shard.rows} rows")
+        if len(shard.parts) != 1 or shard.rows != nrows:  # ByteSource gives a row-parallel shard as one chunk
+            raise LayoutError(f"{shard.parts[0][0]}: {key}: TP rank {p.rank}'s row-parallel shard is {len(shard.parts)} "
+                              f"chunks of {shard.rows} rows, expected one of {nrows}: the file is damaged or not "
+                              f"Megatron-LM's; restore it from the source")
         path, offset, total = shard.whole[0]
         src_width = total // nrows
         if w == src_width:  # the whole source shard: one scatter read

@@ -22,7 +22,7 @@ class LegacyShards(ShardSet):
         return megatron_lm.model_path(self.meta.dir, rank, self.meta.pp_size)
 
     def _loaded(self, path: Path, kind: str, obj, rank: Rank) -> dict:
-        model = megatron_lm.model_state(obj)
+        model = megatron_lm.model_state(obj, path)
         order = megatron_lm.qkv_order(path, obj)
         if order is not None and kind != MODEL:
             raise FormatError(f"{path}: the optimizer state of a checkpoint_version {order} legacy model is not read "
