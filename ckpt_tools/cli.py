@@ -198,10 +198,10 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     from ckpt_tools.plan import DTYPE_OPTIONS
     from ckpt_tools.to_megatron import check_ep_form
     check_ep_form(form, ep)
-    if form == "torch_dist":  # first without torch: the HF tensors' rows copied as chunks, where that applies
+    if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet)
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form)
         if summary is not None:
             click.echo(summary)
             return

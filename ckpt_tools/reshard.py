@@ -290,12 +290,13 @@ def _copy_rng(shards: Reader, target: Target, grid: Grid) -> None:
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
               form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1) -> str:
-    """`copy_bytes`: for torch_dist, copy the HF tensors' rows as chunks where formats.dist_copy takes them.
+    """`copy_bytes`: for Megatron-LM's forms, copy the HF tensors' rows where formats.dist_copy takes them.
     `ep`: expert parallelism of the output (MoE models)."""
     to_megatron.check_ep_form(form, ep)
-    if form == to_megatron.TORCH_DIST and copy_bytes:
+    if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
-        summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet)
+        summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
+                                      form)
         if summary is not None:
             return summary
     start = time.perf_counter()

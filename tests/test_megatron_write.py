@@ -447,16 +447,39 @@ def test_legacy_files_written_without_torch_hold_what_the_torch_path_writes(arch
     assert not {m for m in imported(proc) if m.split(".")[0] == "torch"}  # the byte path wrote it
     slow = reshard(ck, tmp_path / "slow", tp=dst[0], pp=dst[1], form="torch", quiet=True, copy_bytes=False)
     assert proc.stdout.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
-    files = sorted((tmp_path / "slow" / "release").glob("mp_rank_*/model_optim_rng.pt"))
-    assert len(files) == dst[0] * dst[1]
+    same_legacy_files(tmp_path / "fast", tmp_path / "slow", dst[0] * dst[1])
+
+
+def same_legacy_files(fast, slow, count: int) -> None:
+    """Each rank's model_optim_rng.pt: the same keys in the same order, tensors bit-exact in dtype and shape, the
+    same args, iteration and checkpoint_version."""
+    files = sorted((slow / "release").glob("mp_rank_*/model_optim_rng.pt"))
+    assert len(files) == count
     for path in files:
         b = torch.load(path, weights_only=False)
-        a = torch.load(tmp_path / "fast" / path.relative_to(tmp_path / "slow"), weights_only=False)
+        a = torch.load(fast / path.relative_to(slow), weights_only=False)
         assert vars(a.pop("args")) == vars(b.pop("args"))
         ma, mb = a.pop("model"), b.pop("model")
         assert a == b and list(ma) == list(mb), path
         for key, t in mb.items():
             assert (t is None and ma[key] is None) or (ma[key].dtype == t.dtype and torch.equal(ma[key], t)), key
+
+
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 2), ("llama_tied", 2, 2), ("qwen2_tied", 1, 2), ("qwen3", 2, 1)])
+def test_imported_legacy_files_hold_what_the_torch_path_writes(arch, tp, pp, hf_dirs, tmp_path):
+    """`ckpt import --format torch` without torch: each HF tensor's rows cut into the target shards (q, k and v rows
+    per query group, gate and up halves, the vocab padded with zeros) hold, file by file, what torch.save writes."""
+    import subprocess
+    import sys
+
+    from test_merge_sources import imported
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", "import", str(hf_dirs[arch]),
+                           str(tmp_path / "fast"), "--tp", str(tp), "--pp", str(pp), "--format", "torch"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not {m for m in imported(proc) if m.split(".")[0] == "torch"}  # the byte path wrote it
+    import_hf(hf_dirs[arch], tmp_path / "slow", tp=tp, pp=pp, form="torch", quiet=True, copy_bytes=False)
+    same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp * pp)
 
 
 @pytest.mark.parametrize("form", ["torch_dist", "torch"])

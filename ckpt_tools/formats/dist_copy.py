@@ -187,8 +187,9 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-              dtype: str | None = None, force: bool = False, quiet: bool = False) -> str | None:
-    """reshard.import_hf(..., form="torch_dist") by copying bytes: each megatron-core tensor's rows that an HF tensor
+              dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST) -> str | None:
+    """reshard.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
+    formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
     from the safetensors file. None, having written nothing, where the torch path must do it: weights in another
     dtype than asked for, transposed kinds (GPT-2), names or shapes that disagree with config.json (the torch
@@ -213,35 +214,48 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
             return None
     out = output.check_target(out, force)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
-    args = to_megatron.check(spec, tp, counts, padded, params, TORCH_DIST, None, out)
-    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, params, args, force, quiet)
-    return to_megatron.imported(hf_dir, spec, out, TORCH_DIST, tp, counts, params, padded, nbytes,
+    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out)
+    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form)
+    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
                                 time.perf_counter() - start)
 
 
-def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, counts: list[int], padded: int,
-            params: str, args, force: bool, quiet: bool) -> int:
+def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, counts: list[int], padded: int, args,
+            force: bool, quiet: bool, form: str) -> int:
+    with output.staged(out, force) as tmp:
+        iter_dir = tmp / megatron_lm.RELEASE
+        iter_dir.mkdir()
+        if form == TORCH_DIST:
+            nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet)
+        else:
+            source = legacy_copy.hf_source(hf_dir, spec, index, rows)
+            try:
+                nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, 0, quiet, "import")
+            finally:
+                source.close()
+        hf.copy_carried(hf_dir, iter_dir, hf_dir=True)
+        io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
+    return nbytes
+
+
+def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts: list[int], padded: int, args,
+                 quiet: bool) -> int:
     pp = len(counts)
     fds: dict[Path, int] = {}
     try:
-        with output.staged(out, force) as tmp:
-            iter_dir = tmp / megatron_lm.RELEASE
-            iter_dir.mkdir()
-            bar = output.progress(len(rows), "import", quiet, unit="tensor")
-            with DistWriter(iter_dir, spec, tp, counts, padded, args) as writer:
-                for p in range(pp):
-                    rank = Rank(0, p)  # one .distcp per stage
-                    for _, key in layout.stage_keys(spec, counts, p):
-                        if not layout.holds_weights(key, spec, pp):
-                            writer.put_extra(p, key)
-                        elif writer.saves(key, rank):
-                            _put_hf(writer, index, fds, rank, key, *rows[key], padded)
-                            bar.update(1)
-                    writer.end_stage(p, 0)
-                writer.close(0, None)
-            bar.close()
-            hf.copy_carried(hf_dir, iter_dir, hf_dir=True)
-            io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
+        bar = output.progress(len(rows), "import", quiet, unit="tensor")
+        with DistWriter(iter_dir, spec, tp, counts, padded, args) as writer:
+            for p in range(pp):
+                rank = Rank(0, p)  # one .distcp per stage
+                for _, key in layout.stage_keys(spec, counts, p):
+                    if not layout.holds_weights(key, spec, pp):
+                        writer.put_extra(p, key)
+                    elif writer.saves(key, rank):
+                        _put_hf(writer, index, fds, rank, key, *rows[key], padded)
+                        bar.update(1)
+                writer.end_stage(p, 0)
+            writer.close(0, None)
+        bar.close()
     finally:
         for fd in fds.values():
             os.close(fd)

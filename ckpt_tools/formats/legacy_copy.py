@@ -1,5 +1,5 @@
-"""`ckpt reshard ... --format torch` without torch: each target rank's `model_optim_rng.pt` written as torch.save
-lays it out, its tensors' bytes copied from the source's files.
+"""`ckpt reshard / import ... --format torch` without torch: each target rank's `model_optim_rng.pt` written as
+torch.save lays it out, its tensors' bytes copied from the source's files.
 
 A legacy file holds each TP rank's shard exactly, so unlike torch_dist (formats/dist_copy.py) the source's shards
 must be cut to the target's: `layout.reshard_pieces` names the pieces of the source shards that make a target
@@ -9,6 +9,9 @@ each source row's columns read straight into their place (one tensor at a time, 
 padding rows are zeros. The tensor records come first and `data.pkl` (args, checkpoint_version, iteration, the
 model dict naming its tensors by record) last: torch.load finds records by name. Weights only: Megatron-LM's legacy
 optimizer state is not written by this version (to_megatron.check_optimizer_form).
+
+An HF model is read as a TP 1 source (`hf_source`): each megatron-core tensor's rows are row ranges of the HF
+tensors that hold them (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows).
 """
 from __future__ import annotations
 
@@ -16,21 +19,23 @@ import os
 from pathlib import Path
 
 from ckpt_tools import io, layout, megatron_lm, output, torchsave
+from ckpt_tools import hf
 from ckpt_tools.byte_ranges import ByteSource, Shard
+from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
 from ckpt_tools.ranks import Grid, Rank
-from ckpt_tools.torchfile import ELEMENT_SIZES
+from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo
 
 Data = list  # (fd, offset, nbytes) ranges and bytes in memory, in order (torchsave.Archive takes both)
 
 
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
-          quiet: bool) -> int:
+          quiet: bool, label: str = "reshard") -> int:
     """Every target rank's file under iter_dir; the bytes of tensors written."""
     pp = len(counts)
     grid, nbytes = Grid(tp, pp), 0
-    bar = output.progress(tp * pp, "reshard", quiet, unit="file")
+    bar = output.progress(tp * pp, label, quiet, unit="file")
     for rank in grid.ranks():
         nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
                               {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration})
@@ -118,3 +123,24 @@ def _columns(source: ByteSource, key: str, shards: list[Shard], pieces: list[lay
         col += w
     return buf
 
+
+
+def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
+    """An HF model's safetensors as a TP 1 x PP 1 source whose vocab is unpadded: each megatron-core tensor one shard,
+    made of the row ranges of its HF tensors in the order they take in it. `index`: name -> (file, dtype, shape,
+    data offset, bytes); `rows`: key -> (hf.Name, HF names), as dist_copy.import_hf checked them."""
+    shards = {}
+    for key, (row, names) in rows.items():
+        full_rows = layout.full_shape(key, spec, spec.vocab_size)[0]
+        parts = []
+        for name, runs in zip(names, hf.hf_rows(row.kind, spec, full_rows)):
+            path, dtype, shape, offset, _ = index[name]
+            row_bytes = ELEMENT_SIZES[dtype] * (shape[1] if len(shape) == 2 else 1)
+            at = 0  # rows of the HF tensor taken so far
+            for a, b in runs:
+                parts.append((a, (path, TensorInfo(dtype, (b - a, *shape[1:]), offset + at * row_bytes))))
+                at += b - a
+        shards[key] = [Shard(tuple(part for _, part in sorted(parts, key=lambda p: p[0])))]
+    meta = Meta(path=hf_dir / "config.json", raw={}, spec=spec, tp_size=1, pp_size=1, layer_counts=[spec.num_layers],
+                padded_vocab=spec.vocab_size, iteration=0, source="hf", root=hf_dir)
+    return ByteSource(meta, shards, shards, False)
