@@ -90,7 +90,7 @@ def _shard(path: Path, info: TensorInfo) -> Shard:
     return Shard(((path, info),))
 
 
-def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta, Shards]:
+def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta, Shards, bool]:
     """A Megatron-LM checkpoint's meta and model shards as byte ranges, read torch-free, in either form; every
     check the torch path's reader makes must pass."""
     iter_dir = megatron_lm.resolve_iter_dir(src)
@@ -102,12 +102,15 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         parts = ckpt.byte_parts()
         if parts is None:
             raise Declined("a TP shard that is not whole chunks")
-        return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}
+        held = ckpt.optimizer_form is not None or bool(ckpt.common.get("optimizer"))
+        return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}, held
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
     shards: Shards = {}
+    held = False
     for rank in meta.grid.ranks():
         path = megatron_lm.model_path(iter_dir, rank, meta.pp_size)
         obj = read(path)
+        held = held or bool(obj.get("optimizer")) or (path.parent / megatron_lm.DISTRIB_OPTIM).is_file()
         if megatron_lm.qkv_order(path, obj) is not None:
             raise Declined(f"{path}: legacy QKV rows to reorder")
         if megatron_lm.grouped_experts(obj.get("model") or {}):
@@ -116,7 +119,7 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         if state is None or checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
             raise Declined(f"{path}: does not match the layout table")
         _add_shards(shards, meta, rank, path, state)
-    return meta, shards
+    return meta, shards, held
 
 
 def _model_shards(meta: checkpoint.Meta) -> Shards:
@@ -245,6 +248,7 @@ class ByteSource:
 
     def __init__(self, meta: checkpoint.Meta, model: Shards, sources: Shards, ours: bool):
         self.meta, self.model, self.shards, self.ours = meta, model, sources, ours
+        self.megatron_optimizer = False  # a Megatron-LM source holding optimizer state (decoded by the torch path)
         self.files = _Files()
         self._buf = bytearray()
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
@@ -257,9 +261,10 @@ class ByteSource:
             if megatron_lm.is_megatron_lm(Path(src)):
                 if from_master:
                     raise Declined("no optimizer state is read from a Megatron-LM checkpoint")
-                meta, model = _megatron_shards(Path(src), vocab_size)
+                meta, model, held = _megatron_shards(Path(src), vocab_size)
                 ours = False
             else:
+                held = False
                 meta = checkpoint.Meta.read(checkpoint.resolve(src))
                 if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
                     raise Declined("--vocab-size differs from meta.json, or extra shard files")
@@ -268,6 +273,7 @@ class ByteSource:
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
         source = cls(meta, model, sources, ours)
+        source.megatron_optimizer = not ours and held
         try:
             source.check_replicas(sources)
             if not source.consistent():

@@ -29,6 +29,7 @@ from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
+DISTRIB_OPTIM = "distrib_optim.pt"  # the distributed optimizer's state beside a legacy rank file
 FILE = "model_optim_rng.pt"
 RELEASE = "release"
 _ITER_DIR = re.compile(r"^iter_\d{7,}$")

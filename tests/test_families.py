@@ -208,7 +208,7 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     # Megatron-LM's legacy form written from its torch_dist save by copying bytes (every expert at EP 1)
     from ckpt_tools.formats import dist_copy
     assert dist_copy.reshard(tmp_path / "torch_dist", tmp_path / "legacy", 1, 2, vocab_size=VOCAB, quiet=True,
-                             optimizer=False, form="torch") is not None  # not left to the torch path
+                             form="torch") is not None  # holding no optimizer state: not left to the torch path
     for form in ("grouped_torch_dist", "grouped_torch", "grouped_torch_te", "legacy"):
         merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
         merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")

@@ -47,13 +47,13 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
     apply. The legacy torch form is written by formats/legacy_copy.py, weights only."""
     start = time.perf_counter()
-    if optimizer and megatron_lm.is_megatron_lm(Path(src)):
-        return None  # a Megatron-LM optimizer is decoded with torch
     try:
         source = ByteSource.open(src, vocab_size, False)
     except Declined:
         return None
     try:
+        if optimizer and source.megatron_optimizer:
+            return None  # a Megatron-LM optimizer is decoded with torch
         return _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form)
     finally:
         source.close()

@@ -14,7 +14,7 @@ from ckpt_tools.formats import megatron_optim as mo
 from ckpt_tools.ranks import Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, ShardSet
 
-DISTRIB_OPTIM = "distrib_optim.pt"
+DISTRIB_OPTIM = megatron_lm.DISTRIB_OPTIM
 
 
 class LegacyShards(ShardSet):
