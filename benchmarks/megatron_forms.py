@@ -5,7 +5,8 @@
    (tests/mcore_checkpoints.py, under torchrun);
 2. times, as subprocesses, `cp -r` of each form's iteration dir (the bytes merge reads), `ckpt merge SRC OUT
    --format hf` of it (bf16, vocab trimmed) and `ckpt reshard` of the torch_dist save into each form at TP1 x PP2
-   (writing Megatron-LM checkpoints; weights only), warm page cache, interleaved rounds, median wall time, each
+   (writing Megatron-LM checkpoints; weights only), and `ckpt import` of the HF model the torch_dist save merges
+   to into each form at TP2 x PP2 against `cp -r` of that HF dir; warm page cache, interleaved rounds, median wall time, each
    command followed by `sync`; peak RSS of the command itself (GNU time);
 3. prints one table of ratios measured in one run (and writes it as markdown with --markdown PATH).
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,6 +98,13 @@ def main() -> None:
             ops[f"ckpt reshard -> {form} TP1xPP2"] = CKPT + [
                 "reshard", str(mcore / "torch_dist"), str(out), "--tp", "1", "--pp", str(PP), "--format", form,
                 "--no-optimizer", "--quiet", "--vocab-size", str(spec.vocab_size)]
+        hf_dir = work / "hf"  # the HF model the torch_dist save merges to: the input of the import rows
+        subprocess.run(CKPT + ["merge", str(mcore / "torch_dist"), str(hf_dir), "--format", "hf", "--quiet",
+                               "--vocab-size", str(spec.vocab_size)], env=env, check=True, stdout=subprocess.DEVNULL)
+        ops["cp -r HF dir"] = ["cp", "-r", str(hf_dir), str(out)]
+        for form in FORMS:  # HF -> Megatron-LM's forms at TP2 x PP2, weights only (release)
+            ops[f"ckpt import HF -> {form} TP{TP}xPP{PP}"] = CKPT + [
+                "import", str(hf_dir), str(out), "--tp", str(TP), "--pp", str(PP), "--format", form, "--quiet"]
         for argv in ops.values():  # warm the page cache and the bytecode cache
             run(argv, out, log, env)
         results: dict[str, list] = {name: [] for name in ops}
@@ -116,6 +125,13 @@ def main() -> None:
                              "wall": statistics.median(walls), "ratio": statistics.median(walls) / base,
                              "rss": max(m for _, m, _ in results[name]),
                              "largest": largest(spec) if name == merge else None, "walls": walls})
+        base = statistics.median(w for w, _, _ in results["cp -r HF dir"])
+        for name in ["cp -r HF dir", *(f"ckpt import HF -> {f} TP{TP}xPP{PP}" for f in FORMS)]:
+            walls = [w for w, _, _ in results[name]]
+            rows.append({"layers": spec.num_layers, "op": name, "read": tree_bytes(hf_dir),
+                         "written": results[name][0][2], "wall": statistics.median(walls),
+                         "ratio": statistics.median(walls) / base, "rss": max(m for _, m, _ in results[name]),
+                         "largest": None, "walls": walls})
         remove(mcore)
     table = render(rows, markdown=False)
     print(table)
