@@ -334,7 +334,7 @@ def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_pat
 
 def test_benchmark_quick_run():
     """benchmarks/megatron_forms.py --quick: megatron-core writes both forms, every command (merge of each, reshard
-    into each) runs, merge's memory stays within the target."""
+    into each, import of the HF model into each) runs, merge's memory stays within the target."""
     import subprocess
     import sys
     from conftest import ROOT
@@ -343,6 +343,7 @@ def test_benchmark_quick_run():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("4 ")]
     ops = ["cp -r torch_dist iter dir", "ckpt merge torch_dist", "ckpt reshard -> torch_dist TP1xPP2",
-           "ckpt reshard -> torch TP1xPP2", "cp -r torch iter dir", "ckpt merge torch"]
-    assert len(rows) == 6 and all(r.split(None, 1)[1].startswith(op + " ") for r, op in zip(rows, ops)), rows
+           "ckpt reshard -> torch TP1xPP2", "cp -r torch iter dir", "ckpt merge torch", "cp -r HF dir",
+           "ckpt import HF -> torch_dist TP2xPP2", "ckpt import HF -> torch TP2xPP2"]
+    assert len(rows) == 9 and all(r.split(None, 1)[1].startswith(op + " ") for r, op in zip(rows, ops)), rows
     assert all(r.rstrip().endswith("yes") for r in rows if "ckpt merge" in r)
