@@ -116,10 +116,12 @@ def _columns(source: ByteSource, key: str, shards: list[Shard], pieces: list[lay
         src_width = total // nrows
         if w == src_width:  # the whole source shard: one scatter read
             source.files.read_into([buf[r * width + col:r * width + col + w] for r in range(nrows)], path, offset)
-        else:
+        else:  # some of its columns: the shard read once, its rows' columns copied in memory
+            whole = memoryview(bytearray(total))
+            source.files.read_into([whole], path, offset)
+            at = p.start * itemsize
             for r in range(nrows):
-                source.files.read_into([buf[r * width + col:r * width + col + w]], path,
-                                       offset + r * src_width + p.start * itemsize)
+                buf[r * width + col:r * width + col + w] = whole[r * src_width + at:r * src_width + at + w]
         col += w
     return buf
 
