@@ -301,7 +301,7 @@ class ByteSource:
         if self.ours:
             checkpoint.check_hashes(self.meta)
 
-    def _buffer(self, nbytes: int) -> memoryview:
+    def buffer(self, nbytes: int) -> memoryview:
         """Memory for one tensor, reused: its pages stay mapped from one tensor to the next."""
         if len(self._buf) < nbytes:
             self._buf = bytearray(nbytes)
@@ -332,14 +332,14 @@ class ByteSource:
         tensor side by side, each shard's rows read straight into their place in the output rows."""
         if pieces[0].dim == 0:
             ranges = _byte_ranges(shards, pieces, rows)
-            buf, pos = self._buffer(sum(n for _, _, n in ranges)), 0
+            buf, pos = self.buffer(sum(n for _, _, n in ranges)), 0
             for path, offset, n in ranges:
                 self.files.read_into([buf[pos:pos + n]], path, offset)
                 pos += n
             return buf
         widths = [(p.stop - p.start) * itemsize for p in pieces]  # bytes of each shard's part of a row
         width, nrows = sum(widths), sum(b - a for a, b in rows)
-        buf, col = self._buffer(nrows * width), 0
+        buf, col = self.buffer(nrows * width), 0
         for p, w in zip(pieces, widths):
             shard = shards[p.rank]
             if w * shard.rows != shard.nbytes or len(shard.parts) != 1:

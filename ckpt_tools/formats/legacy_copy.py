@@ -105,7 +105,7 @@ def _columns(source: ByteSource, key: str, shards: list[Shard], pieces: list[lay
     """A row-parallel shard in memory: each piece's columns of every row read into their place."""
     widths = [(p.stop - p.start) * itemsize for p in pieces]
     width = sum(widths)
-    buf, col = source._buffer(nrows * width), 0
+    buf, col = source.buffer(nrows * width), 0
     for p, w in zip(pieces, widths):
         shard = shards[p.rank]
         if len(shard.parts) != 1 or shard.rows != nrows:  # ByteSource gives a row-parallel shard as one chunk

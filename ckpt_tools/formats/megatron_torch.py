@@ -36,8 +36,8 @@ class LegacyShards(ShardSet):
             return {**obj, MODEL: model}
         if megatron_lm.grouped_experts(obj[MODEL]):  # its parameters are not the table's, one by one
             raise FormatError(f"{path}: the optimizer state of grouped-GEMM experts (weight1/weight2, "
-                              f"--moe-use-legacy-grouped-gemm) is not read: pass --no-optimizer, or save the "
-                              f"checkpoint in torch_dist form (--ckpt-format torch_dist), whose optimizer state is")
+                              f"--moe-use-legacy-grouped-gemm) is not read by this version: pass --no-optimizer to "
+                              f"convert the weights")
         return {OPTIMIZER: self._decode(path, obj, model, rank.pp)}
 
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
