@@ -319,7 +319,7 @@ class ByteSource:
             if pieces[0].dim == 0 and not transpose and src_dtype == dtype:
                 yield name, shape, [(self.files.fd(p), o, n) for p, o, n in _byte_ranges(self.shards[e.key], pieces, rows)]
                 continue
-            data = self._read(self.shards[e.key], pieces, rows, itemsize)
+            data = self.gather(self.shards[e.key], pieces, rows, itemsize)
             if transpose:
                 data = _transposed(data, shape, itemsize)
             yield name, shape, data if src_dtype == dtype else _converted(data, src_dtype, dtype, self.torch_threads)
@@ -327,9 +327,10 @@ class ByteSource:
     def release(self) -> None:
         """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""
 
-    def _read(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows, itemsize: int) -> memoryview:
-        """Rows of the full tensor in memory: dim-0 pieces one after another; the shards of a row-parallel
-        tensor side by side, each shard's rows read straight into their place in the output rows."""
+    def gather(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows, itemsize: int) -> memoryview:
+        """Rows of a tensor made of `pieces` of the shards, in memory: dim-0 pieces one after another; on dim 1
+        the pieces side by side, each a shard's columns [start, stop) (all of them, read straight into their place
+        in the output rows; some of them, the shard's rows read once and their columns copied)."""
         if pieces[0].dim == 0:
             ranges = _byte_ranges(shards, pieces, rows)
             buf, pos = self.buffer(sum(n for _, _, n in ranges)), 0
@@ -337,18 +338,25 @@ class ByteSource:
                 self.files.read_into([buf[pos:pos + n]], path, offset)
                 pos += n
             return buf
-        widths = [(p.stop - p.start) * itemsize for p in pieces]  # bytes of each shard's part of a row
+        widths = [(p.stop - p.start) * itemsize for p in pieces]  # bytes of each piece's part of a row
         width, nrows = sum(widths), sum(b - a for a, b in rows)
         buf, col = self.buffer(nrows * width), 0
         for p, w in zip(pieces, widths):
             shard = shards[p.rank]
-            if w * shard.rows != shard.nbytes or len(shard.parts) != 1:
-                raise LayoutError(f"{p}: a piece of some of a shard's columns, not of a merge to TP 1")
-            out_row = 0
+            if len(shard.parts) != 1:
+                raise LayoutError(f"{shard.parts[0][0]}: a row-parallel shard in {len(shard.parts)} chunks, not one: "
+                                  f"the file is damaged or not Megatron-LM's; restore it from the source")
+            src_width, at, out_row = shard.nbytes // shard.rows, p.start * itemsize, 0
             for a, b in rows:
-                (path, offset, _), = shard.byte_ranges(a, b)
+                (path, offset, n), = shard.byte_ranges(a, b)
                 starts = [(out_row + i) * width + col for i in range(b - a)]
-                self.files.read_into([buf[x:x + w] for x in starts], path, offset)
+                if w == src_width:
+                    self.files.read_into([buf[x:x + w] for x in starts], path, offset)
+                else:
+                    whole = memoryview(bytearray(n))
+                    self.files.read_into([whole], path, offset)
+                    for i, x in enumerate(starts):
+                        buf[x:x + w] = whole[i * src_width + at:i * src_width + at + w]
                 out_row += b - a
             col += w
         return buf

@@ -4,8 +4,8 @@ torch.save lays it out, its tensors' bytes copied from the source's files.
 A legacy file holds each TP rank's shard exactly, so unlike torch_dist (formats/dist_copy.py) the source's shards
 must be cut to the target's: `layout.reshard_pieces` names the pieces of the source shards that make a target
 shard. Pieces along dim 0 (column-parallel rows, QKV groups, SwiGLU halves, vocab rows) are byte ranges of the
-source files, copied file to file in the kernel; a row-parallel shard (pieces along dim 1) is gathered in memory,
-each source row's columns read straight into their place (one tensor at a time, in a reused buffer); new vocab
+source files, copied file to file in the kernel; a row-parallel shard (pieces along dim 1) is gathered in memory by
+ByteSource.gather, as merge gathers one (one tensor at a time, in a reused buffer); new vocab
 padding rows are zeros. The tensor records come first and `data.pkl` (args, checkpoint_version, iteration, the
 model dict naming its tensors by record) last: torch.load finds records by name. Weights only: Megatron-LM's legacy
 optimizer state is not written by this version (to_megatron.check_optimizer_form).
@@ -15,6 +15,7 @@ tensors that hold them (hf.hf_rows: q, k and v rows per query group, gate and up
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -22,12 +23,10 @@ from ckpt_tools import io, layout, megatron_lm, output, torchsave
 from ckpt_tools import hf
 from ckpt_tools.byte_ranges import ByteSource, Shard
 from ckpt_tools.checkpoint import Meta
-from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo
 
-Data = list  # (fd, offset, nbytes) ranges and bytes in memory, in order (torchsave.Archive takes both)
 
 
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
@@ -70,61 +69,26 @@ def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], p
     return nbytes
 
 
-def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, Data]:
+def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
+           pp: int) -> tuple[str, tuple, torchsave.Data]:
     """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
     meta, spec = source.meta, source.meta.spec
     shards = source.shards[layout.source_key(key, source.shards)]
     dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
-    shape = list(layout.full_shape(key, spec, padded, pp))
-    rule = layout.find_rule(key, spec, pp)
-    if rule.dim is None:
-        return dtype, tuple(shape), [(source.files.fd(p), o, n) for p, o, n in shards[0].whole]
-    shape[rule.dim] //= tp
+    shape = layout.shard_shape(key, spec, padded, tp, pp)
+    if layout.is_replicated(key, spec, pp):
+        return dtype, shape, [(source.files.fd(p), o, n) for p, o, n in shards[0].whole]
     pieces = layout.reshard_pieces(key, spec, meta.tp_size, meta.padded_vocab, tp, padded, rank, pp)
     if pieces[0].dim == 0:
-        row = _row_bytes(shape, itemsize)
-        data: Data = []
+        row = math.prod(shape[1:]) * itemsize
+        data: list = []
         for p in pieces:
             if p.rank is None:
                 data.append(bytes((p.stop - p.start) * row))
             else:
                 data += [(source.files.fd(f), o, n) for f, o, n in shards[p.rank].byte_ranges(p.start, p.stop)]
-        return dtype, tuple(shape), data
-    return dtype, tuple(shape), [_columns(source, key, shards, pieces, shape[0], itemsize)]
-
-
-def _row_bytes(shape: list[int], itemsize: int) -> int:
-    n = itemsize
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def _columns(source: ByteSource, key: str, shards: list[Shard], pieces: list[layout.Piece], nrows: int,
-             itemsize: int) -> memoryview:
-    """A row-parallel shard in memory: each piece's columns of every row read into their place."""
-    widths = [(p.stop - p.start) * itemsize for p in pieces]
-    width = sum(widths)
-    buf, col = source.buffer(nrows * width), 0
-    for p, w in zip(pieces, widths):
-        shard = shards[p.rank]
-        if len(shard.parts) != 1 or shard.rows != nrows:  # ByteSource gives a row-parallel shard as one chunk
-            raise LayoutError(f"{shard.parts[0][0]}: {key}: TP rank {p.rank}'s row-parallel shard is {len(shard.parts)} "
-                              f"chunks of {shard.rows} rows, expected one of {nrows}: the file is damaged or not "
-                              f"Megatron-LM's; restore it from the source")
-        path, offset, total = shard.whole[0]
-        src_width = total // nrows
-        if w == src_width:  # the whole source shard: one scatter read
-            source.files.read_into([buf[r * width + col:r * width + col + w] for r in range(nrows)], path, offset)
-        else:  # some of its columns: the shard read once, its rows' columns copied in memory
-            whole = memoryview(bytearray(total))
-            source.files.read_into([whole], path, offset)
-            at = p.start * itemsize
-            for r in range(nrows):
-                buf[r * width + col:r * width + col + w] = whole[r * src_width + at:r * src_width + at + w]
-        col += w
-    return buf
-
+        return dtype, shape, data
+    return dtype, shape, [source.gather(shards, pieces, [(0, shape[0])], itemsize)]
 
 
 def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
