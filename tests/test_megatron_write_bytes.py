@@ -1,0 +1,182 @@
+"""Megatron-LM's forms written by copying bytes, without torch (formats/dist_copy.py for torch_dist,
+formats/legacy_copy.py for the legacy torch form), hold what the torch path writes: every chunk's values, every
+rank file's tensors, the same args and common.pt; sources the byte path must not take are left to the torch path.
+That the torch path's output is what megatron-core loads is tests/test_megatron_write.py's.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file as load_safetensors
+from test_megatron_write import hf_dirs, whole_tensors  # noqa: F401 (hf_dirs: a fixture)
+
+from ckpt_tools.reshard import import_hf, reshard
+
+
+# ------------------------------------------------------------ torch_dist by copying the source's shards
+def same_dist_checkpoints(a, b, scratch) -> None:
+    """Every tensor (torch's own DCP reader, whole) and every common.pt entry of two torch_dist iteration dirs equal."""
+    x, y = whole_tensors(a, scratch / "a.pt"), whole_tensors(b, scratch / "b.pt")
+    assert sorted(x) == sorted(y)
+    for name, t in x.items():
+        if torch.is_tensor(t):
+            assert y[name].dtype == t.dtype and y[name].shape == t.shape and torch.equal(y[name], t), name
+    ca, cb = (torch.load(d / "common.pt", weights_only=False) for d in (a, b))
+    assert vars(ca.pop("args")) == vars(cb.pop("args"))
+    assert ca == cb
+    assert json.loads((a / "metadata.json").read_text()) == json.loads((b / "metadata.json").read_text())
+
+
+@pytest.mark.slow
+def test_copied_chunks_hold_what_the_torch_path_writes(llama_run, tmp_path):
+    """Our trainer's TP2 x PP2 checkpoint with its optimizer, to torch_dist at TP1 x PP1: the source's shards copied
+    as chunks (one .distcp per source rank, no torch) hold every value the torch path's re-split shards hold."""
+    save = llama_run[0]
+    fast = reshard(save, tmp_path / "fast", tp=1, pp=1, form="torch_dist", quiet=True)
+    slow = reshard(save, tmp_path / "torch", tp=1, pp=1, form="torch_dist", quiet=True, copy_bytes=False)
+    fast = fast.replace(str(tmp_path / "fast"), str(tmp_path / "torch"))
+    assert fast.split(", ")[:-2] == slow.split(", ")[:-2]  # the same summary but for size and seconds
+    assert fast.split("; load with ")[1] == slow.split("; load with ")[1]
+    iteration = next(tmp_path.glob("fast/iter_*")).name
+    assert len(list((tmp_path / "fast" / iteration).glob("*.distcp"))) == 4  # the source's ranks save them
+    same_dist_checkpoints(tmp_path / "fast" / iteration, tmp_path / "torch" / iteration, tmp_path)
+
+
+def test_copied_chunks_repad_the_vocab_and_import_no_torch(tmp_path):
+    """A padded vocab the target TP does not divide (250 rows at TP1 -> 256 at TP4): the copied chunks stop at the
+    true vocab and a zero chunk pads, as the torch path pads; `ckpt reshard` imports no torch doing it."""
+    import subprocess
+    import sys
+
+    from bad_inputs import make_ckpt
+    from test_merge_sources import imported
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                     ffn_hidden_size=96, vocab_size=250, max_position_embeddings=128, make_vocab_size_divisible_by=2)
+    ck = make_ckpt(tmp_path / "src", spec, tp=1, pp=1)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", "reshard", str(ck),
+                           str(tmp_path / "fast"), "--tp", "4", "--pp", "1", "--format", "torch_dist", "--no-optimizer",
+                           "-q"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modules = imported(proc)
+    assert "ckpt_tools.formats.dist_copy" in modules and not {m for m in modules if m.split(".")[0] == "torch"}
+    reshard(ck, tmp_path / "torch", tp=4, pp=1, form="torch_dist", quiet=True, optimizer=False, copy_bytes=False)
+    fast, slow = tmp_path / "fast" / "release", tmp_path / "torch" / "release"
+    same_dist_checkpoints(fast, slow, tmp_path)
+    emb = whole_tensors(fast, tmp_path / "e.pt")["embedding.word_embeddings.weight"]
+    assert emb.shape[0] == 256 and not emb[250:].any() and emb[:250].any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2_tied", "qwen3"])
+def test_imported_chunks_hold_what_the_torch_path_writes(arch, hf_dirs, tmp_path):
+    """HF -> torch_dist by copying each HF tensor's rows as chunks (q/k/v per query group, gate/up halves, the true
+    vocab plus a zero chunk): every value as the torch path's split shards hold it (torch's DCP reader)."""
+    fast = import_hf(hf_dirs[arch], tmp_path / "fast", tp=2, pp=2, form="torch_dist", quiet=True)
+    slow = import_hf(hf_dirs[arch], tmp_path / "torch", tp=2, pp=2, form="torch_dist", quiet=True, copy_bytes=False)
+    fast = fast.replace(str(tmp_path / "fast"), str(tmp_path / "torch"))
+    assert fast.split(", ")[:-3] == slow.split(", ")[:-3] and fast.split("; ")[-1] == slow.split("; ")[-1]
+    assert len(list((tmp_path / "fast" / "release").glob("*.distcp"))) == 2  # one per stage: nothing was re-split
+    same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "torch" / "release", tmp_path)
+
+
+@pytest.mark.slow
+def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tmp_path):
+    """A layernorm's exp_avg that differs between TP ranks: the copy path declines (it would save TP rank 0's copy
+    only), and the torch path refuses the checkpoint in its words."""
+    import shutil
+
+    from bad_inputs import O, resave
+
+    from ckpt_tools.formats import dist_copy
+    from ckpt_tools.shards import open_checkpoint
+    ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
+    key = "decoder.layers.0.input_layernorm.weight"
+    resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
+    assert dist_copy.reshard(ck, tmp_path / "out", 1, 1, quiet=True) is None
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(Exception, match="replicated tensor differs between TP rank 0 and TP rank 1"):
+        reshard(ck, tmp_path / "out", 1, 1, form="torch_dist", quiet=True)
+
+
+def test_copied_chunks_merge_on_the_byte_path(hf_dirs, tmp_path):
+    """torch_dist whose TP shards are rows of several chunks (an import's q/k/v runs, a vocab and its zero chunk)
+    merges without torch, to the torch reader's bytes and to the HF model it came from."""
+    from test_merge_sources import assert_same_as_torch
+    import_hf(hf_dirs["llama"], tmp_path / "mlm", tp=2, pp=2, form="torch_dist", quiet=True)
+    files = assert_same_as_torch(tmp_path / "mlm", tmp_path / "merged")
+    from safetensors.torch import load as load_bytes
+    same = load_safetensors(hf_dirs["llama"] / "model.safetensors")
+    merged = load_bytes(files["model.safetensors"])
+    assert sorted(merged) == sorted(same) and all(torch.equal(merged[k], same[k]) for k in same)
+
+
+# (family, spec fields, source TP x PP, target TP x PP): joins and splits of TP (3 included) and PP, GQA, biases
+# and LayerNorm (gpt2), the tied head's copy appearing on a last stage, the vocab re-padded (250 rows)
+LEGACY_COPIES = [
+    ("llama", {"num_query_groups": 2}, (2, 2), (1, 1)),
+    ("llama", {"tie_word_embeddings": True, "vocab_size": 250, "make_vocab_size_divisible_by": 2}, (1, 1), (4, 2)),
+    ("gpt2", {"num_query_groups": 4}, (2, 1), (4, 2)),
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_query_groups": 6, "ffn_hidden_size": 192},
+     (2, 1), (3, 1)),
+]
+
+
+@pytest.mark.parametrize("arch,fields,src,dst", LEGACY_COPIES,
+                         ids=[f"{a}-tp{s[0]}pp{s[1]}-to-tp{d[0]}pp{d[1]}" for a, _, s, d in LEGACY_COPIES])
+def test_legacy_files_written_without_torch_hold_what_the_torch_path_writes(arch, fields, src, dst, tmp_path):
+    """`--format torch` by copying bytes (formats/legacy_copy.py: dim-0 pieces copied file to file, row-parallel
+    shards gathered by columns, new vocab rows zero) writes, file by file, what the torch path's torch.save writes:
+    the same keys in the same order, tensors bit-exact in dtype and shape, the same args."""
+    import subprocess
+    import sys
+
+    from bad_inputs import make_ckpt
+    from test_merge_sources import imported
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec(arch, **{"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+                              "vocab_size": 256, "max_position_embeddings": 128, **fields})
+    ck = make_ckpt(tmp_path / "src", spec, tp=src[0], pp=src[1], optimizer=False)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", "reshard", str(ck),
+                           str(tmp_path / "fast"), "--tp", str(dst[0]), "--pp", str(dst[1]), "--format", "torch"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not {m for m in imported(proc) if m.split(".")[0] == "torch"}  # the byte path wrote it
+    slow = reshard(ck, tmp_path / "slow", tp=dst[0], pp=dst[1], form="torch", quiet=True, copy_bytes=False)
+    assert proc.stdout.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
+    same_legacy_files(tmp_path / "fast", tmp_path / "slow", dst[0] * dst[1])
+
+
+def same_legacy_files(fast, slow, count: int) -> None:
+    """Each rank's model_optim_rng.pt: the same keys in the same order, tensors bit-exact in dtype and shape, the
+    same args, iteration and checkpoint_version."""
+    files = sorted((slow / "release").glob("mp_rank_*/model_optim_rng.pt"))
+    assert len(files) == count
+    for path in files:
+        b = torch.load(path, weights_only=False)
+        a = torch.load(fast / path.relative_to(slow), weights_only=False)
+        assert vars(a.pop("args")) == vars(b.pop("args"))
+        ma, mb = a.pop("model"), b.pop("model")
+        assert a == b and list(ma) == list(mb), path
+        for key, t in mb.items():
+            assert (t is None and ma[key] is None) or (ma[key].dtype == t.dtype and torch.equal(ma[key], t)), key
+
+
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 2), ("llama_tied", 2, 2), ("qwen2_tied", 1, 2), ("qwen3", 2, 1)])
+def test_imported_legacy_files_hold_what_the_torch_path_writes(arch, tp, pp, hf_dirs, tmp_path):
+    """`ckpt import --format torch` without torch: each HF tensor's rows cut into the target shards (q, k and v rows
+    per query group, gate and up halves, the vocab padded with zeros) hold, file by file, what torch.save writes."""
+    import subprocess
+    import sys
+
+    from test_merge_sources import imported
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", "import", str(hf_dirs[arch]),
+                           str(tmp_path / "fast"), "--tp", str(tp), "--pp", str(pp), "--format", "torch"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not {m for m in imported(proc) if m.split(".")[0] == "torch"}  # the byte path wrote it
+    import_hf(hf_dirs[arch], tmp_path / "slow", tp=tp, pp=pp, form="torch", quiet=True, copy_bytes=False)
+    same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp * pp)
