@@ -26,9 +26,43 @@ def _handle_errors(fn):
         except CkptError as e:
             if ctx.find_root().params.get("debug"):
                 raise
-            click.echo(f"error: {one_line(str(e))}", err=True)
+            from ckpt_tools.team import ENV, PeerFailed
+            if isinstance(e, PeerFailed):
+                ctx.exit(1)  # the process that failed said why
+            where = f" (process {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')})" \
+                if os.environ.get(ENV) == "1" else ""
+            click.echo(f"error{where}: {one_line(str(e))}", err=True)
             ctx.exit(1)
     return wrapper
+
+
+def _team_opts(fn):
+    """The launcher's options of the verbs that write with several processes (ckpt_tools.team)."""
+    for name, kind, words in reversed([
+            ("--nproc-per-node", int, "Write the output with N processes on this node (torchrun), each its share "
+                                      "of the files; the source and OUT on a filesystem every process sees."),
+            ("--nnodes", int, "Nodes taking part (default 1); run the same command on each, with its --node-rank."),
+            ("--node-rank", int, "This node's rank (default 0)."),
+            ("--master-addr", str, "Node 0's address, for the rendezvous (default 127.0.0.1)."),
+            ("--master-port", int, "A free port on node 0 (default: a free one; give it with --nnodes > 1).")]):
+        fn = click.option(name, type=kind, default=None, help=words)(fn)
+    return fn
+
+
+def _team(nproc_per_node: int | None, nnodes: int | None, node_rank: int | None, master_addr: str | None,
+          master_port: int | None):
+    """This process's team: one of the processes the launcher started, or itself alone; None when this process
+    has just launched the team, which has done the work (a failed team exits with its code here)."""
+    from ckpt_tools.team import ENV, SOLO, Team, launch
+    if os.environ.get(ENV) == "1":
+        return Team.from_env()
+    if (nproc_per_node or 1) == 1 and (nnodes or 1) == 1:
+        return SOLO
+    code = launch(sys.argv[1:], nproc_per_node or 1, nnodes or 1, node_rank or 0, master_addr or "127.0.0.1",
+                  master_port)
+    if code:
+        click.get_current_context().exit(code)
+    return None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -111,18 +145,24 @@ def _safety_opts(fn):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_safety_opts
 @_quiet_opt
+@_team_opts
 @_handle_errors
 def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: bool, max_shard_size: str,
           tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool, no_preflight: bool,
-          quiet: bool) -> None:
+          quiet: bool, **launcher) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
-    # no torch imported here: a merge that needs none never imports it
+    # no torch imported here: a merge that needs none never imports it (a team of processes does, for its rendezvous)
     from ckpt_tools import merge as m
     from ckpt_tools.plan import parse_size
-    click.echo(m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
-                       max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
-                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
-                       torch_threads=1))
+    team = _team(**launcher)
+    if team is None:
+        return
+    summary = m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
+                      max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
+                      force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
+                      torch_threads=1, team=team)
+    if team.lead:
+        click.echo(summary)
 
 
 def _one_thread() -> None:
@@ -156,25 +196,30 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_safety_opts
 @_quiet_opt
+@_team_opts
 @_handle_errors
 def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_stage: str | None,
             vocab_size: int | None, form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool,
-            quiet: bool) -> None:
+            quiet: bool, **launcher) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
     from ckpt_tools.to_megatron import check_ep_form
     check_ep_form(form, ep)
+    team = _team(**launcher)
+    if team is None:
+        return
+    summary = None
     if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
-                                    no_preflight, not no_optimizer, form)
-        if summary is not None:
-            click.echo(summary)
-            return
-    from ckpt_tools.reshard import reshard as reshard_checkpoint
-    _one_thread()
-    click.echo(reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
-                                  quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
-                                  optimizer=not no_optimizer, copy_bytes=False, ep=ep))
+                                    no_preflight, not no_optimizer, form, team)
+    if summary is None:
+        from ckpt_tools.reshard import reshard as reshard_checkpoint
+        _one_thread()
+        summary = reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
+                                     quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
+                                     optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team)
+    if team.lead:
+        click.echo(summary)
 
 
 @main.command("import")
@@ -191,26 +236,32 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_quiet_opt
+@_team_opts
 @_handle_errors
 def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: str | None, dtype: str | None,
-            form: str, no_optimizer: bool, force: bool, quiet: bool) -> None:
+            form: str, no_optimizer: bool, force: bool, quiet: bool, **launcher) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     from ckpt_tools.plan import DTYPE_OPTIONS
     from ckpt_tools.to_megatron import check_ep_form
     check_ep_form(form, ep)
+    team = _team(**launcher)
+    if team is None:
+        return
+    summary = None
     if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form)
-        if summary is not None:
-            click.echo(summary)
-            return
-    import torch
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team)
+    if summary is None:
+        import torch
 
-    from ckpt_tools.reshard import import_hf
-    click.echo(import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                         dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
-                         optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep))
+        from ckpt_tools.reshard import import_hf
+        summary = import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
+                            dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
+                            optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep,
+                            team=team)
+    if team.lead:
+        click.echo(summary)
 
 
 @main.command()

@@ -20,6 +20,7 @@ tensors, so merge's torch-free byte source (ckpt_tools.byte_ranges) reads the sa
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
@@ -310,6 +311,14 @@ def shard_shape(key: str, spec: ModelSpec, padded_vocab: int, tp_size: int, pp_s
         _check_divides(key, rule, spec, shape[rule.dim], tp_size)
         shape[rule.dim] //= tp_size
     return tuple(shape)
+
+
+def rank_numel(spec: ModelSpec, counts: Sequence[int], padded_vocab: int, tp_size: int, pp_rank: int,
+               ep_rank: int | None = None, ep_size: int = 1) -> int:
+    """Elements of the weights one rank's file holds (what a team of writing processes balances)."""
+    pp = len(counts)
+    return sum(math.prod(shard_shape(key, spec, padded_vocab, tp_size, pp))
+               for _, key in stage_keys(spec, counts, pp_rank, ep_rank, ep_size) if holds_weights(key, spec, pp))
 
 
 def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: int) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import hf, io, layout, output
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
 if TYPE_CHECKING:
@@ -120,9 +121,10 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
 def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | None = None,
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-          no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None) -> str:
+          no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None, team: Team = SOLO) -> str:
     """Write the merged model; returns the one-line summary. `via` picks the source (AUTO: the byte source when
-    it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used."""
+    it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used; `team`: the processes that
+    write the output files between them (ckpt_tools.team)."""
     start = time.perf_counter()
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
@@ -131,7 +133,8 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
         job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size)
         tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None
         output.preflight(out, job.total, no_preflight)
-        job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source))
+        job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source),
+                  team)
     finally:
         source.close()
     return job.summary(out, time.perf_counter() - start, source.note, leftover)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ckpt_tools import io
 from ckpt_tools.errors import CkptError
+from ckpt_tools.team import SOLO, Team
 
 
 def check_target(out: str | Path, force: bool) -> Path:
@@ -32,21 +33,30 @@ def _remove(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(out: str | Path, force: bool, directory: bool = True) -> Iterator[Path]:
-    """Yield a temp path beside OUT (a fresh dir, or a file path); rename it to OUT on success."""
+def staged(out: str | Path, force: bool, directory: bool = True, team: Team = SOLO) -> Iterator[Path]:
+    """Yield a temp path beside OUT (a fresh dir, or a file path); rename it to OUT on success. In a team (several
+    processes writing parts of OUT, ckpt_tools.team) process 0 makes the temp dir and renames it once every
+    process has said it succeeded; a failure anywhere removes it."""
     out = check_target(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    _remove(tmp)
-    if directory:
-        tmp.mkdir()
+    tmp = out.parent / team.first(lambda: f".{out.name}.tmp-{os.getpid()}")
+    if team.lead:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+        if directory:
+            tmp.mkdir()
+    team.share(lambda: None)  # the others write into tmp only once it exists
     try:
         yield tmp
         if directory:
             io.fsync_dir(tmp)
-    except BaseException:
-        _remove(tmp)
+    except BaseException as e:
+        team.announce(e)  # the others hear of it where they wait (at the end of their part)
+        if team.lead:
+            _remove(tmp)
         raise
+    team.share(lambda: None)  # every process has written its part
+    if not team.lead:
+        return
     old = None
     if out.exists() or out.is_symlink():
         old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -16,6 +16,7 @@ from ckpt_tools import hf, io, layout, output
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
 if TYPE_CHECKING:
@@ -110,16 +111,19 @@ class Job:
         return metadata
 
     def write(self, out: Path, force: bool, quiet: bool, tok_dir: Path | None,
-              write_file: Callable[[Path, list[Entry], object], None]) -> None:
+              write_file: Callable[[Path, list[Entry], object], None], team: Team = SOLO) -> None:
         """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
-        file (updating the progress bar per entry), then config, index and tokenizer files for HF."""
+        file (updating the progress bar per entry), then config, index and tokenizer files for HF. In a team each
+        process writes its run of the files (team.split by bytes), process 0 the files beside them."""
         extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt in DIRS else None
-        with output.staged(out, force, directory=self.fmt in DIRS) as tmp:
-            bar = output.progress(self.total, "merge", quiet)
-            for name, group in zip(self.names, self.files):
-                write_file(tmp / name if self.fmt in DIRS else tmp, group, bar)
+        owners = team.split([sum(e.nbytes(self.dtype) for e in group) for group in self.files])
+        with output.staged(out, force, directory=self.fmt in DIRS, team=team) as tmp:
+            mine = [i for i, owner in enumerate(owners) if owner == team.rank]
+            bar = output.progress(sum(e.nbytes(self.dtype) for i in mine for e in self.files[i]), "merge", quiet)
+            for i in mine:
+                write_file(tmp / self.names[i] if self.fmt in DIRS else tmp, self.files[i], bar)
             bar.close()
-            if extras is not None:
+            if extras is not None and team.lead:
                 _write_hf_extras(tmp, *extras, tok_dir, self.files, self.names, self.total)
 
     def summary(self, out: Path, seconds: float, *notes: str | None) -> str:

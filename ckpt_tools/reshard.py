@@ -27,6 +27,7 @@ from ckpt_tools.plan import prepare
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team, team_of_one
 from ckpt_tools.writers import TorchFileWriter, dtype_name
 
 
@@ -34,8 +35,10 @@ class Target:
     """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
 
     def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool,
-                 ep: int = 1):
+                 ep: int = 1, mine: set[Rank] | None = None):
+        """`mine`: the ranks whose files this process writes (a team's share; None: all)."""
         self.dir, self.spec, self.tp, self.counts, self.padded, self.ep = ckpt_dir, spec, tp, counts, padded, ep
+        self.mine = mine
         self.pp = len(counts)
         self.optimizer = optimizer
         self._pool = ThreadPoolExecutor(2)  # hashes and fsyncs finished files while the next ones are written
@@ -44,7 +47,8 @@ class Target:
 
     def begin_stage(self, pp_rank: int) -> None:
         self.pp_rank = pp_rank
-        self._ranks = Grid(self.tp, self.pp, self.ep).ranks(pp_rank)  # file order
+        self._ranks = [r for r in Grid(self.tp, self.pp, self.ep).ranks(pp_rank)  # file order
+                       if self.mine is None or r in self.mine]
         self._model = [TorchFileWriter(self.dir / fmt.model_file(rank)) for rank in self._ranks]
         self._model_state: list[dict] = [{} for _ in self._ranks]
         self._optim = [TorchFileWriter(self.dir / fmt.optimizer_file(rank)) for rank in self._ranks] \
@@ -101,6 +105,20 @@ class Target:
         out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
         self._pool.shutdown()
         return out
+
+    def file_bytes(self, rank: Rank, kind: str, itemsize: int) -> int:
+        """About the bytes of one of its files (model tensors of `itemsize`, or their fp32 master and moments): what
+        a team balances."""
+        numel = layout.rank_numel(self.spec, self.counts, self.padded, self.tp, rank.pp, rank.ep, self.ep)
+        return numel * (itemsize if kind == MODEL else 4 * len(OPTIMIZER_FIELDS))
+
+    def share(self, team: Team, kinds: tuple[str, ...], itemsize: int) -> list[tuple[str, Rank]]:
+        """The (kind, rank) files this process writes, in the order one process writes them all; sets `mine`."""
+        files = [(kind, rank) for kind in kinds for rank in Grid(self.tp, self.pp, self.ep).ranks()]
+        owners = team.split([self.file_bytes(rank, kind, itemsize) for kind, rank in files])
+        mine = [f for f, owner in zip(files, owners) if owner == team.rank]
+        self.mine = {rank for _, rank in mine}
+        return mine
 
 
 def _record_and_sync(path: Path) -> dict:
@@ -169,28 +187,33 @@ class Resharder:
 
 
 def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
-            hf_dir: bool = False) -> None:
-    """Tokenizer, chat templates, generation and HF config carried along; meta.json; `latest`."""
+            hf_dir: bool = False, team: Team = SOLO) -> int:
+    """Tokenizer, chat templates, generation and HF config carried along; meta.json (the records of every process's
+    files); `latest`. The bytes of the shard files, every process's."""
     ckpt = target.dir
-    for f in hf.copy_carried(carried_from, ckpt, hf_dir) if carried_from is not None else []:
+    for f in hf.copy_carried(carried_from, ckpt, hf_dir) if team.lead and carried_from is not None else []:
         target.add_file(f)
-    meta["files"] = target.records()
-    fmt.write_meta(ckpt / fmt.META, meta)
-    io.fsync_dir(ckpt)
-    io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
+    shared = team.share(lambda: (target.records(), target.nbytes))
+    if team.lead:
+        meta["files"] = dict(sorted((name, r) for records, _ in shared for name, r in records.items()))
+        fmt.write_meta(ckpt / fmt.META, meta)
+        io.fsync_dir(ckpt)
+        io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
+    return sum(nbytes for _, nbytes in shared)
 
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True,
-            copy_bytes: bool = True, ep: int | None = None) -> str:
+            copy_bytes: bool = True, ep: int | None = None, team: Team = SOLO) -> str:
     """`copy_bytes`: for Megatron-LM's forms, copy the source's bytes where formats.dist_copy takes them.
-    `ep`: the target's expert parallelism (MoE models; None: the source's)."""
+    `ep`: the target's expert parallelism (MoE models; None: the source's). `team`: the processes writing the
+    output's files between them (ckpt_tools.team)."""
     to_megatron.check_ep_form(form, ep)
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
-                                    optimizer, form)
+                                    optimizer, form, team)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -201,21 +224,23 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
+        team_of_one(team, f"reshard into Megatron-LM's {form} form from this source (through torch)")
         return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread)
-    with output.staged(out, force) as tmp:
+    with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
-        ckpt.mkdir()
+        ckpt.mkdir(exist_ok=True)
         target = Target(ckpt, spec, tp, counts, padded, with_opt, ep)
         extras = shards.optimizer_extras() if with_opt else {}
-        kinds = (MODEL, OPTIMIZER) if with_opt else (MODEL,)
-        bar = output.progress(len(kinds) * tp * pp * ep, "reshard", quiet, unit="file")
+        kinds = (OPTIMIZER, MODEL) if with_opt else (MODEL,)  # the small model files last: the wait for the last
+        mine = target.share(team, kinds, _itemsize(meta.params_dtype))  # file's hash is short
+        bar = output.progress(len(mine), "reshard", quiet, unit="file")
         resharder = Resharder(shards, target)
-        for kind in reversed(kinds):  # the small model files last: the wait for the last file's hash is short
-            for rank in Grid(tp, pp, ep).ranks():
-                resharder.write_file(kind, rank, extras)
-                bar.update(1)
+        for kind, rank in mine:
+            resharder.write_file(kind, rank, extras)
+            bar.update(1)
         bar.close()
-        _copy_rng(shards, target, Grid(tp, pp, ep))
+        if team.lead:
+            _copy_rng(shards, target, Grid(tp, pp, ep))
         consumed = int(meta.raw.get("consumed_samples") or 0)
         origin = {"op": "reshard", "from": {"dir": str(meta.dir), "source": meta.source, "tp_size": meta.tp_size,
                                             "pp_size": meta.pp_size, "layers_per_stage": meta.layer_counts,
@@ -225,7 +250,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         new_meta = fmt.build_meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
                                   meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {},
                                   origin, ep)
-        _finish(tmp, meta.iteration, target, new_meta, meta.dir)
+        nbytes = _finish(tmp, meta.iteration, target, new_meta, meta.dir, team=team)
     shards.close()
     notes = ""
     if padded != meta.padded_vocab:
@@ -234,7 +259,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     return (f"resharded {meta.dir} {meta.grid} (layers {meta.layer_counts}) -> {out} "
             f"{Grid(tp, pp, ep)} (layers {counts}), iteration {meta.iteration}, "
             f"{'model + optimizer' if with_opt else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
-            f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
+            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
             + (f"\n{leftover}" if leftover else ""))
 
 
@@ -258,6 +283,10 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
     shards.close()
     return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
                                  time.perf_counter() - start)
+
+
+def _itemsize(dtype: str | torch.dtype) -> int:
+    return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
 def _resume_state(shards: Reader) -> megatron_resume.ResumeState:
@@ -289,14 +318,15 @@ def _copy_rng(shards: Reader, target: Target, grid: Grid) -> None:
 # ---------------------------------------------------------------- import: HF -> shards
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
-              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1) -> str:
+              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1, team: Team = SOLO) -> str:
     """`copy_bytes`: for Megatron-LM's forms, copy the HF tensors' rows where formats.dist_copy takes them.
-    `ep`: expert parallelism of the output (MoE models)."""
+    `ep`: expert parallelism of the output (MoE models). `team`: the processes writing the output's files between
+    them (ckpt_tools.team)."""
     to_megatron.check_ep_form(form, ep)
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
-                                      form)
+                                      form, team)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -329,14 +359,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     first = source.get(rows["embedding.word_embeddings.weight"][1][0])
     params_dtype = dtype or first.dtype
     if form != to_megatron.OURS:
+        team_of_one(team, f"import into Megatron-LM's {form} form from these weights (through torch)")
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
                                    quiet, start)
-    with output.staged(out, force) as tmp:
+    with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
-        ckpt.mkdir()
+        ckpt.mkdir(exist_ok=True)
         target = Target(ckpt, spec, tp, counts, padded, optimizer, ep)
+        target.share(team, (MODEL,), params_dtype.itemsize * (7 if optimizer else 1))  # a rank's model + optimizer
         bar = output.progress(len(rows), "import", quiet, unit="tensor")
         for p in range(pp):
+            if not any(rank.pp == p for rank in target.mine):
+                continue  # another process writes this stage's files
             target.begin_stage(p)
             for _, key in layout.stage_keys(spec, counts, p):
                 if not layout.holds_weights(key, spec, pp):
@@ -356,11 +390,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
         meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep)
-        _finish(tmp, 0, target, meta, hf_dir, hf_dir=True)
+        nbytes = _finish(tmp, 0, target, meta, hf_dir, hf_dir=True, team=team)
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, pp, ep)} "
             f"(layers {counts}), {dtype_name(params_dtype)}, "
             f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
-            f"{target.nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")
+            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")
 
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,

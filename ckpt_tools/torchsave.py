@@ -214,9 +214,10 @@ class Archive:
 
     add() each record, then close(), which writes the central directory and returns the archive's end. Offsets
     inside are relative to `start`: torch.load reads the archive's bytes on their own, as DCP hands them over.
+    With fd None nothing is written: the positions are counted alone.
     """
 
-    def __init__(self, fd: int, start: int, prefix: str = "archive"):
+    def __init__(self, fd: int | None, start: int, prefix: str = "archive"):
         self.fd, self.start, self.pos, self.prefix = fd, start, start, prefix
         self._entries: list[tuple[bytes, int, int]] = []  # (name, local header offset, size)
 
@@ -236,6 +237,9 @@ class Archive:
         self._entries.append((full, offset, nbytes))
 
     def _write(self, data: Data) -> None:
+        if self.fd is None:  # an archive only counted (another process writes it): its size, no bytes
+            self.pos += data_size(data)
+            return
         if isinstance(data, list):
             for part in data:
                 if isinstance(part, tuple):

@@ -8,6 +8,7 @@ from pathlib import Path
 from ckpt_tools import layout
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.io import free_port
+from ckpt_tools.team import torchrun
 from trainer import accelerate, data
 from trainer.config import TrainConfig, accelerate_keys_of, load_config, read_yaml
 
@@ -65,20 +66,6 @@ def launch_command(config_path: str, overrides: list[str], dp: int | None = None
     for item in overrides:
         cmd += ["--set", item]
     return cmd
-
-
-def torchrun(argv: list[str]) -> int:
-    """torchrun, except that a failed rank ends it with exit code 1 and no traceback of torchrun's own: the
-    ranks have printed their one-line `error (rank N): ...` messages, which say what went wrong."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
-    try:
-        main(argv)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(f"torchrun: rank {rank} exited with code {failure.exitcode}", file=sys.stderr, flush=True)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":  # `python -m trainer.launch ARGS` = `torchrun ARGS` without the traceback

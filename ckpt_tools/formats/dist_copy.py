@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, to_megatron
@@ -35,7 +36,8 @@ from ckpt_tools.formats import legacy_copy
 from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
 from ckpt_tools.formats.torch_dist import stacked_key
-from ckpt_tools.ranks import Rank
+from ckpt_tools.ranks import TP, Rank
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
 
 STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
@@ -43,9 +45,11 @@ STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-            no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST) -> str | None:
+            no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST,
+            team: Team = SOLO) -> str | None:
     """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
-    apply. The legacy torch form is written by formats/legacy_copy.py, weights only."""
+    apply. The legacy torch form is written by formats/legacy_copy.py, weights only. `team`: the processes writing
+    the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
     try:
         source = ByteSource.open(src, vocab_size, False)
@@ -54,14 +58,15 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     try:
         if optimizer and source.megatron_optimizer:
             return None  # a Megatron-LM optimizer is decoded with torch
-        return _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form)
+        return _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
+                        team)
     finally:
         source.close()
 
 
 def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
              quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
-             form: str = TORCH_DIST) -> str | None:
+             form: str = TORCH_DIST, team: Team = SOLO) -> str | None:
     meta, spec = source.meta, source.meta.spec
     with_opt = optimizer and _has_optimizer(meta)
     if with_opt and form != TORCH_DIST:
@@ -87,35 +92,56 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
     args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
-    nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form)
+    nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form, team)
     summary = to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, None, nbytes,
                                     time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
 
 
 def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[int], padded: int, args,
-           resume: ResumeState | None, force: bool, quiet: bool, form: str) -> int:
+           resume: ResumeState | None, force: bool, quiet: bool, form: str, team: Team) -> int:
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
-    with output.staged(out, force) as tmp:
+    with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
-        iter_dir.mkdir()
+        iter_dir.mkdir(exist_ok=True)
         if form == TORCH_DIST:
-            nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet)
+            nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet, team)
         else:
-            nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet)
-        hf.copy_carried(source.meta.dir, iter_dir)
-        io.write_text_atomic(tmp / megatron_lm.TRACKER, str(iteration) if resume is not None else megatron_lm.RELEASE)
+            nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet, team=team)
+        if team.lead:
+            hf.copy_carried(source.meta.dir, iter_dir)
+            io.write_text_atomic(tmp / megatron_lm.TRACKER,
+                                 str(iteration) if resume is not None else megatron_lm.RELEASE)
     return nbytes
 
 
+def shared_dist(team: Team, make: Callable[[], DistWriter], run: Callable[[DistWriter, object], None], units: int,
+                label: str, quiet: bool) -> DistWriter:
+    """`run(writer, bar)` puts every chunk of the output into `make()`'s writer. In a team it runs twice: first
+    counting alone (every .distcp's size), then writing this process's run of the files (team.split by those
+    sizes) and counting the rest, so that every process's index is the whole one; process 0 writes it."""
+    if team.size > 1:
+        with make().only(set(), lead=False) as dry:
+            run(dry, output.progress(0, label, True))
+        names = sorted(dry.ends, key=lambda n: int(n[2:].split("_")[0]))  # the saving ranks' order
+        owners = team.split([dry.ends[n] for n in names])
+        mine = {n for n, owner in zip(names, owners) if owner == team.rank}
+        make_all = make
+        make = lambda: make_all().only(mine, team.lead)  # noqa: E731
+    bar = output.progress(units, label, quiet, unit="file")
+    with make() as writer:
+        run(writer, bar)
+    bar.close()
+    return writer
+
+
 def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, counts: list[int], padded: int, args,
-                resume: ResumeState | None, iteration: int, quiet: bool) -> int:
+                resume: ResumeState | None, iteration: int, quiet: bool, team: Team = SOLO) -> int:
     meta, spec = source.meta, source.meta.spec
     ranks = meta.grid.ranks()
-    bar = output.progress(len(ranks), "reshard", quiet, unit="file")
-    with DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
-                    saving_ep=meta.ep_size) as writer:
+
+    def run(writer: DistWriter, bar) -> None:
         for i, rank in enumerate(ranks):
             for _, key in meta.rank_keys(rank, owned=True):
                 if not layout.holds_weights(key, spec, meta.pp_size):
@@ -128,8 +154,8 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
             if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
                 writer.end_stage(rank.pp, iteration)
         writer.close(iteration, resume.common() if resume is not None else None)
-    bar.close()
-    return writer.nbytes
+    return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
+                                                saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
 
 
 def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard,
@@ -187,7 +213,8 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-              dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST) -> str | None:
+              dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
+              team: Team = SOLO) -> str | None:
     """reshard.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
@@ -215,88 +242,117 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     out = output.check_target(out, force)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
     args = to_megatron.check(spec, tp, counts, padded, params, form, None, out)
-    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form)
+    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
     return to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
                                 time.perf_counter() - start)
 
 
 def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, counts: list[int], padded: int, args,
-            force: bool, quiet: bool, form: str) -> int:
-    with output.staged(out, force) as tmp:
+            force: bool, quiet: bool, form: str, team: Team) -> int:
+    with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / megatron_lm.RELEASE
-        iter_dir.mkdir()
+        iter_dir.mkdir(exist_ok=True)
         if form == TORCH_DIST:
-            nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet)
+            nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team)
         else:
             source = legacy_copy.hf_source(hf_dir, spec, index, rows)
             try:
-                nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, 0, quiet, "import")
+                nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, 0, quiet, "import", team)
             finally:
                 source.close()
-        hf.copy_carried(hf_dir, iter_dir, hf_dir=True)
-        io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
+        if team.lead:
+            hf.copy_carried(hf_dir, iter_dir, hf_dir=True)
+            io.write_text_atomic(tmp / megatron_lm.TRACKER, megatron_lm.RELEASE)
     return nbytes
 
 
 def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts: list[int], padded: int, args,
-                 quiet: bool) -> int:
+                 quiet: bool, team: Team = SOLO) -> int:
     pp = len(counts)
     fds: dict[Path, int] = {}
+
+    def run(writer: DistWriter, bar) -> None:
+        for p in range(pp):
+            for _, key in layout.stage_keys(spec, counts, p):
+                if not layout.holds_weights(key, spec, pp):
+                    writer.put_extra(p, key)
+                elif writer.saves(key, Rank(0, p)):
+                    _put_hf(writer, index, fds, p, key, *rows[key], padded)
+            bar.update(1)
+            writer.end_stage(p, 0)
+        writer.close(0, None)
     try:
-        bar = output.progress(len(rows), "import", quiet, unit="tensor")
-        with DistWriter(iter_dir, spec, tp, counts, padded, args) as writer:
-            for p in range(pp):
-                rank = Rank(0, p)  # one .distcp per stage
-                for _, key in layout.stage_keys(spec, counts, p):
-                    if not layout.holds_weights(key, spec, pp):
-                        writer.put_extra(p, key)
-                    elif writer.saves(key, rank):
-                        _put_hf(writer, index, fds, rank, key, *rows[key], padded)
-                        bar.update(1)
-                writer.end_stage(p, 0)
-            writer.close(0, None)
-        bar.close()
+        return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args), run, pp, "import",
+                           quiet).nbytes
     finally:
         for fd in fds.values():
             os.close(fd)
-    return writer.nbytes
 
 
-def _put_hf(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, row, names: list[str],
+def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, row, names: list[str],
             padded: int) -> None:
-    """One megatron-core tensor's chunks: the row ranges of its HF tensor(s), and zeros for the vocab padding."""
+    """One megatron-core tensor's chunks: the row ranges of its HF tensor(s), and zeros for the vocab padding, each
+    cut at the target's TP shards and saved by the TP rank that holds it (one .distcp per target rank, as
+    megatron-core saves them)."""
     spec = writer.spec
     fqn, layer = stacked_key(key)
     full = layout.full_shape(key, spec, padded, writer.pp)
     if layout.find_rule(key, spec, writer.pp).dim == 1:  # row-parallel: a chunk per target TP rank (see below)
-        _put_columns(writer, index, fds, rank, key, names, full)
+        _put_columns(writer, index, fds, stage, key, names, full)
         return
+    shards = [(r, p.start, p.stop) for r in (range(writer.tp) if TP in layout.find_rule(key, spec, writer.pp).axes
+                                               else [0])
+              for p in layout.reshard_pieces(key, spec, 1, padded, writer.tp, padded, r, writer.pp)]
+
+    def put(a: int, b: int, data) -> None:  # rows [a, b) of the full tensor, cut at the TP shards
+        at = a
+        for r, lo, hi in shards:
+            lo, hi = max(a, lo), min(b, hi)
+            if lo < hi:
+                offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(0, 0, lo, hi))
+                writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
     for name, runs in zip(names, hf.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
             fds[path] = os.open(path, os.O_RDONLY)
         row_bytes = ELEMENT_SIZES[dtype] * (shape[1] if len(shape) == 2 else 1)
-        at = 0  # rows of the HF tensor taken so far
+        taken = 0  # rows of the HF tensor taken so far
         for a, b in runs:
-            offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(0, 0, a, b))
-            writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes, [(fds[path], offset + at * row_bytes,
-                                                                         (b - a) * row_bytes)])
-            at += b - a
+            start = offset + taken * row_bytes
+            put(a, b, lambda i, j, start=start: [(fds[path], start + i * row_bytes, (j - i) * row_bytes)])
+            taken += b - a
     if row.kind == hf.VOCAB and padded > spec.vocab_size:
         dtype = index[names[0]][1]
-        offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(None, 0, spec.vocab_size, padded))
-        writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes,
-                         bytes((padded - spec.vocab_size) * full[1] * ELEMENT_SIZES[dtype]))
+        row_bytes = full[1] * ELEMENT_SIZES[dtype]
+        put(spec.vocab_size, padded, lambda i, j: bytes((j - i) * row_bytes))
 
 
-def _put_columns(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: str, names: list[str],
+def _put_columns(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, names: list[str],
                  full: tuple[int, ...]) -> None:
     """A row-parallel tensor as one chunk per target TP rank (its columns), as megatron-core saves it: merge and
     reshard then read each rank's shard as one chunk. Columns are not contiguous bytes, so the tensor is read
-    into memory once (numpy, no torch) and each rank's columns are written from there."""
-    import numpy as np
+    into memory once (numpy, no torch) and each rank's columns are written from there (not read where no rank
+    of this process's files takes them)."""
     (name,) = names
     path, dtype, shape, offset, nbytes = index[name]
+    fqn, layer = stacked_key(key)
+    tp, width = writer.tp, shape[1] * ELEMENT_SIZES[dtype] // writer.tp
+    rows = None
+    for r in range(tp):
+        piece = layout.Piece(0, 1, r * full[1] // tp, (r + 1) * full[1] // tp)
+        offsets, sizes, gshape = writer.placed(key, layer, full, piece)
+        if not writer.writes_rank(Rank(r, stage)):
+            writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, [(-1, 0, shape[0] * width)])
+            continue
+        if rows is None:
+            rows = _read_rows(fds, path, offset, nbytes, shape[0])
+        columns = rows[:, r * width:(r + 1) * width].copy()
+        writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, memoryview(columns).cast("B"))
+
+
+def _read_rows(fds: dict, path: Path, offset: int, nbytes: int, count: int):
+    """A tensor's bytes as a uint8 array of `count` rows (numpy, no torch)."""
+    import numpy as np
     if path not in fds:
         fds[path] = os.open(path, os.O_RDONLY)
     buf = bytearray(nbytes)
@@ -306,14 +362,7 @@ def _put_columns(writer: DistWriter, index: dict, fds: dict, rank: Rank, key: st
         if n <= 0:
             raise OSError(f"{path}: ended at byte {offset + done}")
         done += n
-    rows = np.frombuffer(buf, np.uint8).reshape(shape[0], -1)
-    fqn, layer = stacked_key(key)
-    tp, width = writer.tp, rows.shape[1] // writer.tp
-    for r in range(tp):
-        piece = layout.Piece(0, 1, r * full[1] // tp, (r + 1) * full[1] // tp)
-        offsets, sizes, gshape = writer.placed(key, layer, full, piece)
-        columns = np.ascontiguousarray(rows[:, r * width:(r + 1) * width])
-        writer.put_chunk(rank, fqn, dtype, gshape, offsets, sizes, memoryview(columns).cast("B"))
+    return np.frombuffer(buf, np.uint8).reshape(count, -1)
 
 
 def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:

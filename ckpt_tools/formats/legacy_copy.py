@@ -25,22 +25,30 @@ from ckpt_tools.byte_ranges import ByteSource, Shard
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
 from ckpt_tools.ranks import Grid, Rank
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo
 
 
 
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
-          quiet: bool, label: str = "reshard") -> int:
-    """Every target rank's file under iter_dir; the bytes of tensors written."""
-    pp = len(counts)
-    grid, nbytes = Grid(tp, pp), 0
-    bar = output.progress(tp * pp, label, quiet, unit="file")
-    for rank in grid.ranks():
-        nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
-                              {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration})
-        bar.update(1)
-    bar.close()
-    return nbytes
+          quiet: bool, label: str = "reshard", team: Team = SOLO) -> int:
+    """Every target rank's file under iter_dir (in a team, this process's run of them, balanced by their bytes);
+    the bytes of tensors written by every process."""
+    pp, spec = len(counts), source.meta.spec
+    ranks = Grid(tp, pp).ranks()
+    sizes = [layout.rank_numel(spec, counts, padded, tp, rank.pp) for rank in ranks]
+    owners = team.split(sizes)
+    mine = [rank for rank, owner in zip(ranks, owners) if owner == team.rank]
+
+    def write_mine() -> int:
+        nbytes, bar = 0, output.progress(len(mine), label, quiet, unit="file")
+        for rank in mine:
+            nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
+                                  {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration})
+            bar.update(1)
+        bar.close()
+        return nbytes
+    return sum(team.share(write_mine))
 
 
 def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int,

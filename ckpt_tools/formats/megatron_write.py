@@ -70,20 +70,37 @@ class DistWriter:
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self.nbytes = 0
+        self.writes: set[str] | None = None  # the .distcp files this process writes (None: all; set(): none)
+        self.lead = True  # writes the index and common.pt (a team's process 0; never a dry run)
+        self.ends: dict[str, int] = {}  # each .distcp's size, once it is ended
+
+    def only(self, names: set[str], lead: bool) -> DistWriter:
+        """Write these .distcp files and count the others (a team's share, ckpt_tools.team; `set()`: a dry run that
+        counts every file's size); `lead`: write the index too."""
+        self.writes, self.lead = names, lead
+        return self
+
+    def writes_rank(self, rank: Rank) -> bool:
+        return self.writes is None or self._name(rank) in self.writes
+
+    def _name(self, rank: Rank) -> str:
+        # the saving process's global rank (TP fastest, then EP over the data-parallel ranks, then PP); EP rank 0
+        # saves what a layout without EP saves
+        return f"__{rank.tp + self._saving_tp * ((rank.ep or 0) + self._saving_ep * rank.pp)}_0.distcp"
 
     def _file(self, rank: Rank) -> list:
-        rank = Rank(rank.tp, rank.pp, rank.ep or None)  # EP rank 0 saves what a layout without EP saves
+        rank = Rank(rank.tp, rank.pp, rank.ep or None)
         if rank not in self._files:
-            # the saving process's global rank (TP fastest, then EP over the data-parallel ranks, then PP)
-            name = f"__{rank.tp + self._saving_tp * ((rank.ep or 0) + self._saving_ep * rank.pp)}_0.distcp"
-            fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            self._files[rank] = [name, fd, 0, 0]  # name, fd, end, end when its writeback was last started
+            name = self._name(rank)
+            fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) \
+                if self.writes is None or name in self.writes else None
+            self._files[rank] = [name, fd, 0, 0]  # name, fd (None: counted only), end, end at the last writeback
         return self._files[rank]
 
     def _written(self, entry: list) -> None:
         """Start the writeback of what was written since the last start, every WRITEBACK bytes: the disk writes
         overlap the copying, and the stage's final fsync has little left to wait for."""
-        if entry[2] - entry[3] >= WRITEBACK:
+        if entry[1] is not None and entry[2] - entry[3] >= WRITEBACK:
             io.start_writeback(entry[1], entry[3], entry[2] - entry[3])
             entry[3] = entry[2]
 
@@ -158,9 +175,11 @@ class DistWriter:
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         for rank in [r for r in self._files if r.pp == pp_rank]:
-            _, fd, _, _ = self._files.pop(rank)
-            os.fsync(fd)
-            os.close(fd)
+            name, fd, end, _ = self._files.pop(rank)
+            self.ends[name] = end
+            if fd is not None:
+                os.fsync(fd)
+                os.close(fd)
 
     def __enter__(self) -> DistWriter:
         return self
@@ -168,12 +187,15 @@ class DistWriter:
     def __exit__(self, *exc) -> None:
         """Close every .distcp still open (a write that failed: the staged output is removed)."""
         for _, fd, _, _ in self._files.values():
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         self._files.clear()
 
     def close(self, iteration: int, common: dict | None = None) -> None:
         for pp_rank in sorted({r.pp for r in self._files}):
             self.end_stage(pp_rank, iteration)
+        if not self.lead or self.writes == set():
+            return
         state, storage = {}, []
         for fqn, (dtype, shape, chunks) in self._tensors.items():
             state[fqn] = _tensor_metadata(dtype, shape, [(o, s) for o, s, _ in chunks])

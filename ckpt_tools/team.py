@@ -1,0 +1,209 @@
+"""Several processes writing one output: `ckpt merge / reshard / import --nproc-per-node N [--nnodes M ...]`.
+
+The verb runs in N x M processes under torchrun (`python -m ckpt_tools.team` is torchrun without its traceback).
+Every process plans the whole output from the layout table, as one process does, and writes the output files
+`split` gives it: contiguous runs of the output's files, in the order one process writes them, balanced by their
+bytes (each source byte is read by the process writing the file it goes to, so in total about once). The files of
+the other processes are only counted (their sizes and offsets, for an index such as torch_dist's `.metadata`).
+Process 0 writes what covers every file (meta.json with each file's hash, the index, config and tokenizer files)
+after `share` has collected what each process wrote, and renames the staged output (output.staged) when every
+process has said it succeeded: the output appears whole or not at all, as with one process.
+
+torch.distributed (gloo) is used for the rendezvous and these few small collectives only; the data goes through
+the filesystem, which must be the same for every process (one machine, or a shared filesystem). A killed process
+ends the others (torchrun) and leaves the staged `.OUT.tmp-*` dir, never a complete-looking OUT; a rerun writes
+it afresh.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ckpt_tools.errors import CkptError
+
+ENV = "CKPT_TEAM"  # set to 1 by the launcher: the verb is one process of a team
+TIMEOUT = datetime.timedelta(days=1)  # a process waits this long for the slowest one's files
+T = TypeVar("T")
+
+
+class PeerFailed(CkptError):
+    """Another process of the team failed (it printed why); this one stops without writing more."""
+
+
+@dataclass(frozen=True)
+class Team:
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def from_env(cls) -> Team:
+        """This process's place in a team started by the launcher; one process alone otherwise."""
+        if os.environ.get(ENV) != "1" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return SOLO
+        import atexit
+
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+            atexit.register(dist.destroy_process_group)  # gloo's threads ended before the interpreter's end
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def lead(self) -> bool:
+        """Process 0: it writes what covers every file, and prints the summary."""
+        return self.rank == 0
+
+    def split(self, sizes: Sequence[int]) -> list[int]:
+        """The process writing each unit (an output file) of sizes in bytes, in order: contiguous runs whose
+        largest total is the smallest possible (the same answer in every process)."""
+        return split(sizes, self.size)
+
+    def share(self, fn: Callable[[], T]) -> list[T]:
+        """Run fn here, then learn every process's value (a list by rank). If fn failed anywhere, every process
+        raises: the one that failed its own error, the others PeerFailed. Every process must call it, in the same
+        order: it is where they wait for each other."""
+        try:
+            value, error = fn(), None
+        except BaseException as e:  # noqa: BLE001 (re-raised below, after the others have heard of it)
+            value, error = None, e
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return [value]
+        import torch.distributed as dist
+        results: list = [None] * self.size
+        dist.all_gather_object(results, (error is None, value if error is None else _words(error)))
+        if error is not None:
+            error.announced = True
+            raise error
+        failed = [(r, words) for r, (ok, words) in enumerate(results) if not ok]
+        if failed:
+            peer = PeerFailed(f"process {failed[0][0]} of {self.size} failed: {failed[0][1]}")
+            peer.announced = True
+            raise peer
+        return [v for _, v in results]
+
+    def announce(self, error: BaseException) -> None:
+        """Tell the others of a failure they have not heard of yet (at the team's next `share`, where they wait)."""
+        if self.size > 1 and not getattr(error, "announced", False):
+            try:
+                self.share(lambda: _raise(error))
+            except BaseException:  # noqa: BLE001 (it is error itself, now announced)
+                pass
+
+    def first(self, fn: Callable[[], T]) -> T:
+        """fn's value in process 0, known to every process (fn runs in process 0 only)."""
+        return self.share(lambda: fn() if self.lead else None)[0]
+
+
+SOLO = Team()
+
+
+def team_of_one(team: Team, what: str) -> None:
+    """Refuse, before anything is written, a conversion that this version runs in one process only."""
+    if team.size > 1:
+        raise CkptError(f"{what} runs in one process in this version, not in {team.size}: drop --nproc-per-node "
+                        f"and --nnodes")
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+def _words(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if not isinstance(error, CkptError) else str(error)
+
+
+def split(sizes: Sequence[int], parts: int) -> list[int]:
+    """Owners (0..parts-1) of consecutive units: the contiguous split minimising the largest part's bytes, found by
+    bisecting that largest total (each unit weighs at least 1, so empty files are spread too)."""
+    weights = [max(int(s), 1) for s in sizes]
+    if parts <= 1 or not weights:
+        return [0] * len(weights)
+
+    def owners(cap: int) -> list[int] | None:
+        out, part, used = [], 0, 0
+        for w in weights:
+            if used + w > cap and used:
+                part, used = part + 1, 0
+            if part >= parts:
+                return None
+            out.append(part)
+            used += w
+        return out
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if owners(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return owners(lo)
+
+
+# ---------------------------------------------------------------- the launcher
+OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def worker_argv(argv: Sequence[str]) -> list[str]:
+    """The command line without the launcher's options (`--opt V` or `--opt=V`): what each process runs."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in OPTIONS)):
+            out.append(arg)
+    return out
+
+
+def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_addr: str,
+           master_port: int | None) -> int:
+    """Run `ckpt ARGV` (the launcher's options taken out) as nproc processes on this node of nnodes; the exit code."""
+    import subprocess
+
+    from ckpt_tools.io import free_port
+    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise CkptError(f"--nproc-per-node {nproc} --nnodes {nnodes} --node-rank {node_rank}: give at least one "
+                        f"process and one node, and a node rank below --nnodes")
+    if nnodes > 1 and master_port is None:
+        raise CkptError("--nnodes > 1 needs --master-addr and --master-port: the address and a free port of node 0, "
+                        "the same on every node")
+    cmd = [sys.executable, "-m", "ckpt_tools.team", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+           f"--nproc-per-node={nproc}", f"--master-addr={master_addr}",
+           f"--master-port={master_port or free_port()}", "-m", "ckpt_tools.cli", *worker_argv(argv)]
+    return subprocess.call(cmd, env={**os.environ, ENV: "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+                                     "LOGLEVEL": "ERROR"})
+
+
+def torchrun(argv: list[str], quiet_errors: bool = False) -> int:
+    """torchrun, except that a failed rank ends it with exit code 1 and no traceback of torchrun's own: the
+    ranks have printed their one-line error messages, which say what went wrong. `quiet_errors`: say nothing of
+    a rank that exited with code 1 (it printed why); a rank killed or crashed is named."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+    if quiet_errors:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        main(argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if not (quiet_errors and failure.exitcode == 1):
+            how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else \
+                f"exited with code {failure.exitcode}"
+            print(f"{'error: process' if quiet_errors else 'torchrun: rank'} {rank} {how}"
+                  f"{': the output was not written (its staged dir is left beside it)' if quiet_errors else ''}",
+                  file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # `python -m ckpt_tools.team ARGS` = `torchrun ARGS` for the ckpt verbs
+    sys.exit(torchrun(sys.argv[1:], quiet_errors=True))
