@@ -295,4 +295,7 @@ def verify(src: str, other: str | None, device: str | None, dtype: str, tokens_f
 
 
 if __name__ == "__main__":
+    if os.environ.get("CKPT_TEAM") == "1":  # one process of a team (ckpt_tools.team)
+        from ckpt_tools.team import run_worker
+        run_worker(main)
     sys.exit(main())

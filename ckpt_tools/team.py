@@ -44,12 +44,9 @@ class Team:
         """This process's place in a team started by the launcher; one process alone otherwise."""
         if os.environ.get(ENV) != "1" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return SOLO
-        import atexit
-
         import torch.distributed as dist
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
-            atexit.register(dist.destroy_process_group)  # gloo's threads ended before the interpreter's end
         return cls(dist.get_rank(), dist.get_world_size())
 
     @property
@@ -76,7 +73,12 @@ class Team:
             return [value]
         import torch.distributed as dist
         results: list = [None] * self.size
-        dist.all_gather_object(results, (error is None, value if error is None else _words(error)))
+        try:
+            dist.all_gather_object(results, (error is None, value if error is None else _words(error)))
+        except RuntimeError as e:  # a process is gone (killed): torchrun ends the team and names it
+            lost = PeerFailed(f"lost contact with another process: {e}")
+            lost.announced = True
+            raise (error or lost) from None
         if error is not None:
             error.announced = True
             raise error
@@ -149,6 +151,20 @@ def split(sizes: Sequence[int], parts: int) -> list[int]:
 OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port")
 
 
+def run_worker(main: Callable[[], object]) -> None:
+    """Run the `ckpt` command in one process of a team, and end the process at once when it returns: gloo's
+    threads are never torn down (a teardown racing the other processes' exits can abort the process after its
+    work is done and its files are synced)."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def worker_argv(argv: Sequence[str]) -> list[str]:
     """The command line without the launcher's options (`--opt V` or `--opt=V`): what each process runs."""
     out, skip = [], False
@@ -194,13 +210,17 @@ def torchrun(argv: list[str], quiet_errors: bool = False) -> int:
     try:
         main(argv)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if not (quiet_errors and failure.exitcode == 1):
+        failures = sorted(e.failures.items())
+        if quiet_errors:  # a process that exited with 1 printed why (or stopped as another failed), and torchrun
+            failures = [(r, f) for r, f in failures if f.exitcode != 1]  # ends the others with SIGTERM
+            failures = [(r, f) for r, f in failures if f.exitcode != -15] or failures
+        for rank, failure in failures:
             how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else \
                 f"exited with code {failure.exitcode}"
             print(f"{'error: process' if quiet_errors else 'torchrun: rank'} {rank} {how}"
-                  f"{': the output was not written (its staged dir is left beside it)' if quiet_errors else ''}",
-                  file=sys.stderr, flush=True)
+                  f"{': the output was not written' if quiet_errors else ''}", file=sys.stderr, flush=True)
+            if not quiet_errors:
+                break
         return 1
     return 0
 

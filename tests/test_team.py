@@ -1,0 +1,175 @@
+"""merge, reshard and import written by a team of processes (--nproc-per-node, ckpt_tools.team): the output is
+byte-identical to one process's, a killed process leaves no complete-looking output and a rerun finishes it, a
+failing process stops the others and leaves nothing behind."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools import output
+from ckpt_tools.team import split, worker_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (verb, source, options): every writer a team can run, each output file-by-file compared
+CASES = {
+    "merge-hf": ("merge", "ours", ["--max-shard-size", "150KB"]),
+    "merge-safetensors": ("merge", "ours", ["--format", "safetensors"]),
+    "reshard-ours": ("reshard", "ours", ["--tp", "1", "--pp", "3", "--layers-per-stage", "1,1,2"]),
+    "reshard-torch_dist-optimizer": ("reshard", "ours", ["--tp", "1", "--pp", "1", "--format", "torch_dist"]),
+    "reshard-torch": ("reshard", "ours", ["--tp", "1", "--pp", "2", "--format", "torch", "--no-optimizer"]),
+    "import-ours": ("import", "hf", ["--tp", "2", "--pp", "2"]),
+    "import-torch_dist": ("import", "hf", ["--tp", "2", "--pp", "1", "--format", "torch_dist"]),
+    "import-torch": ("import", "hf", ["--tp", "1", "--pp", "2", "--format", "torch"]),
+}
+
+
+def ckpt(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "ckpt_tools.cli", *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**os.environ, **(env or {})})
+    if check and proc.returncode:
+        raise AssertionError(f"ckpt {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under path (or path itself) -> its sha256."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {p.relative_to(path).as_posix() if p != path else "": hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
+
+
+@pytest.fixture(scope="module")
+def sources(llama_run, tmp_path_factory) -> dict[str, Path]:
+    """Our trained TP2 x PP2 checkpoint (optimizer state at iteration 8), and an HF Llama in several files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = tmp_path_factory.mktemp("team") / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(
+        hf, max_shard_size="100KB")
+    return {"ours": llama_run[0], "hf": hf}
+
+
+@pytest.fixture(scope="module")
+def alone(sources, tmp_path_factory) -> dict[str, Path]:
+    """Each case written by one process, as every test compares against."""
+    root = tmp_path_factory.mktemp("alone")
+    outs = {}
+    for case, (verb, src, opts) in CASES.items():
+        outs[case] = root / case
+        ckpt(verb, str(sources[src]), str(outs[case]), "-q", *opts)
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_team_writes_the_bytes_one_process_writes(case, nproc, sources, alone, tmp_path):
+    verb, src, opts = CASES[case]
+    out = tmp_path / "out"
+    proc = ckpt(verb, str(sources[src]), str(out), "-q", *opts, "--nproc-per-node", str(nproc))
+    assert tree(out) == tree(alone[case])
+    assert proc.stdout.count("\n") == 1 and str(out) in proc.stdout  # process 0's summary, once
+    assert not output.leftovers(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["merge-hf", "reshard-torch_dist-optimizer", "import-ours"])
+def test_a_killed_process_leaves_no_output_and_a_rerun_finishes_it(case, sources, alone, tmp_path):
+    """Process 1 is killed (SIGKILL) at its first fsync, after it has written a file: torchrun ends the others and
+    OUT does not appear (process 0 removes the staged dir when it notices the loss in time; else the dir stays, never
+    a complete-looking output, and the rerun names it); the same command again writes it."""
+    verb, src, opts = CASES[case]
+    out = tmp_path / "out"
+    cmd = (verb, str(sources[src]), str(out), "-q", *opts, "--nproc-per-node", "3")
+    proc = ckpt(*cmd, env=_hook(tmp_path, "kill"), check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == ["error: process 1 was killed by signal 9: the output was not written"], proc.stderr[-2000:]
+    assert not out.exists()
+    left = output.leftovers(out)
+    again = ckpt(*cmd)
+    assert tree(out) == tree(alone[case])
+    assert ("left by an interrupted run" in again.stdout) == bool(left)
+
+
+@pytest.mark.slow
+def test_a_failing_process_stops_the_team_and_leaves_nothing(sources, tmp_path):
+    """Process 1 fails with an error at its first fsync: it says why in one line, the others stop without a word
+    of their own, and the staged output is removed."""
+    verb, src, opts = CASES["reshard-ours"]
+    out = tmp_path / "out"
+    proc = ckpt(verb, str(sources[src]), str(out), "-q", *opts, "--nproc-per-node", "3",
+                env=_hook(tmp_path, "error"), check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error (process 1 of 3): injected failure"], proc.stderr[-2000:]
+    assert not out.exists() and not output.leftovers(out)
+
+
+def _hook(tmp_path: Path, what: str) -> dict:
+    """A sitecustomize that makes process 1 of a team die (kill) or fail (error) at its first fsync."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(f'''
+import os
+if os.environ.get("CKPT_TEAM") == "1" and os.environ.get("RANK") == "1":
+    def fsync(fd):
+        if {what!r} == "kill":
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        from ckpt_tools.errors import CkptError
+        raise CkptError("injected failure")
+    os.fsync = fsync
+''')
+    return {"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_through_torch_conversion_is_refused_in_a_team_before_writing(sources, tmp_path):
+    """What this version converts through torch only runs in one process: said in one line, nothing written."""
+    out = tmp_path / "out"
+    proc = ckpt("import", str(sources["hf"]), str(out), "--format", "torch_dist", "--dtype", "bf16",
+                "--nproc-per-node", "2", check=False)
+    assert proc.returncode == 1
+    assert "runs in one process in this version, not in 2: drop --nproc-per-node" in proc.stderr
+    assert not out.exists() and not output.leftovers(out)
+
+
+def test_a_multi_node_team_needs_the_rendezvous_port(sources, tmp_path):
+    proc = ckpt("merge", str(sources["hf"]), str(tmp_path / "out"), "--nnodes", "2", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: --nnodes > 1 needs --master-addr and --master-port: the address and a free port of node 0, the same "
+        "on every node"]
+
+
+def test_the_split_is_contiguous_and_balances_bytes_as_well_as_any_contiguous_split():
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.choice([0, 1, 5, 100, 1000, rng.randrange(10**6)]) for _ in range(rng.randrange(0, 9))]
+        parts = rng.randrange(1, 5)
+        owners = split(sizes, parts)
+        assert owners == sorted(owners) and all(0 <= o < parts for o in owners) and len(owners) == len(sizes)
+        weights = [max(s, 1) for s in sizes]
+
+        def largest(assign):
+            return max((sum(w for w, o in zip(weights, assign) if o == p) for p in range(parts)), default=0)
+        best = min((largest([sum(i >= c for c in cuts) for i in range(len(sizes))])
+                    for cuts in itertools.combinations_with_replacement(range(len(sizes) + 1), parts - 1)),
+                   default=0)
+        assert largest(owners) == best, (sizes, parts, owners)
+
+
+def test_the_processes_run_the_command_without_the_launcher_options():
+    argv = ["--debug", "reshard", "a", "b", "--tp", "2", "--nproc-per-node", "3", "--master-port=29500",
+            "--nnodes=1", "--node-rank", "0", "--master-addr", "10.0.0.1", "-q"]
+    assert worker_argv(argv) == ["--debug", "reshard", "a", "b", "--tp", "2", "-q"]
