@@ -111,11 +111,17 @@ def train(config_path: str, tp: int | None, pp: int | None, dp: int | None, over
 @click.argument("src", type=click.Path())
 @click.option("--tensors", is_flag=True, help="Also list every tensor with its full shape and split.")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
+@click.option("--plan", "nproc", type=int, default=None,
+              help="How N processes (--nproc-per-node x --nnodes) split the work on SRC, and the time it takes.")
+@click.option("--bandwidth", type=float, default=None,
+              help="With --plan: the node's disk bandwidth in MB/s (default: measured by a short copy of SRC).")
 @_handle_errors
-def inspect(src: str, tensors: bool, vocab_size: int | None) -> None:
+def inspect(src: str, tensors: bool, vocab_size: int | None, nproc: int | None, bandwidth: float | None) -> None:
     """Summarize a checkpoint: architecture, sizes, layout, files, dtype, iteration, parameters, bytes."""
-    from ckpt_tools.inspect import describe
+    from ckpt_tools.inspect import describe, team_plan
     click.echo(describe(src, show_tensors=tensors, vocab_size=vocab_size))
+    if nproc is not None:
+        click.echo(team_plan(src, nproc, bandwidth, vocab_size))
 
 
 def _quiet_opt(fn):

@@ -121,3 +121,68 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
                     shape = "x".join(map(str, rule.shape(s, meta.padded_vocab)))
                     lines.append(f"  pp{pp_rank} {key}: {shape}, {rule.split}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- --plan N: a team's split and its time
+SAMPLE = 256 << 20  # bytes each measuring thread copies
+
+
+def team_plan(src: str | Path, nproc: int, bandwidth: float | None = None, vocab_size: int | None = None) -> str:
+    """How N processes (ckpt_tools.team) would split SRC's files (the bytes a reshard or merge of it moves, each
+    process a contiguous run balanced by bytes, as team.split plans every output), and the time that takes at a
+    bandwidth: `bandwidth` (MB/s for the whole node), else measured by copying part of SRC's largest file with
+    min(N, cores) threads at once into a temp file (the system's temp dir) and fsyncing it."""
+    import os
+
+    from ckpt_tools.errors import ConfigError
+    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.team import split
+    if nproc < 1:
+        raise ConfigError(f"--plan {nproc}: give the number of processes, 1 or more")
+    meta = open_checkpoint(src, vocab_size).meta
+    files = sorted(p for p in meta.dir.rglob("*") if p.is_file())
+    sizes = [p.stat().st_size for p in files]
+    owners = split(sizes, nproc)
+    measured = bandwidth is None
+    if measured:
+        bandwidth = _measure(max(files, key=lambda p: p.stat().st_size), min(nproc, os.cpu_count() or 1))
+    per_process = bandwidth * 1e6 / nproc  # the node's bandwidth shared by its processes
+    lines = [f"plan        {nproc} process(es) over {len(files)} files, {human_bytes(sum(sizes))}; "
+             f"{'measured' if measured else 'given'} node bandwidth {bandwidth:,.0f} MB/s"]
+    worst = 0.0
+    for p in range(nproc):
+        mine = [(f, n) for f, n, o in zip(files, sizes, owners) if o == p]
+        nbytes = sum(n for _, n in mine)
+        seconds = nbytes / per_process
+        worst = max(worst, seconds)
+        where = f"{mine[0][0].relative_to(meta.dir)} .. {mine[-1][0].relative_to(meta.dir)}" if mine else "-"
+        lines.append(f"  process {p}: {len(mine)} files, {human_bytes(nbytes)}, ~{seconds:,.1f} s  ({where})")
+    lines.append(f"expected    ~{worst:,.1f} s for the slowest process (plus a few seconds of start-up per "
+                 f"process); more processes help while the disk or the network, not one core, is the limit")
+    return "\n".join(lines)
+
+
+def _measure(path: Path, threads: int) -> float:
+    """MB/s of `threads` concurrent copies of (up to) SAMPLE bytes each of `path` into a temp file, fsynced."""
+    import os
+    import tempfile
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt_tools.writers import copy_range
+    size = path.stat().st_size
+    chunk = max(1, min(SAMPLE, size // threads))
+    src = os.open(path, os.O_RDONLY)
+    fd, name = tempfile.mkstemp(prefix="ckpt-plan-")
+    try:
+        def copy(i: int) -> None:
+            copy_range(src, (i * chunk) % max(1, size - chunk + 1), fd, i * chunk, chunk)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(copy, range(threads)))
+        os.fsync(fd)
+        return threads * chunk / (time.perf_counter() - start) / 1e6
+    finally:
+        os.close(src)
+        os.close(fd)
+        os.unlink(name)

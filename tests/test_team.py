@@ -173,3 +173,19 @@ def test_the_processes_run_the_command_without_the_launcher_options():
     argv = ["--debug", "reshard", "a", "b", "--tp", "2", "--nproc-per-node", "3", "--master-port=29500",
             "--nnodes=1", "--node-rank", "0", "--master-addr", "10.0.0.1", "-q"]
     assert worker_argv(argv) == ["--debug", "reshard", "a", "b", "--tp", "2", "-q"]
+
+
+def test_inspect_plan_splits_the_files_by_bytes_and_times_the_slowest_process(sources):
+    """`ckpt inspect --plan N --bandwidth B`: every file once, in contiguous runs, the time of the slowest run at B/N."""
+    import re
+
+    from ckpt_tools.inspect import team_plan
+    text = team_plan(sources["ours"], 3, bandwidth=30.0)
+    rows = re.findall(r"process (\d): (\d+) files, .*?, ~([\d.]+) s", text)
+    assert [int(p) for p, _, _ in rows] == [0, 1, 2]
+    ckpt_dir = next(p for p in sources["ours"].iterdir() if p.name.startswith("checkpoint-8"))
+    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file())
+    assert sum(int(n) for _, n, _ in rows) == len(files)
+    owners = split([p.stat().st_size for p in files], 3)
+    slowest = max(sum(p.stat().st_size for p, o in zip(files, owners) if o == k) for k in range(3)) / (30e6 / 3)
+    assert f"~{slowest:,.1f} s for the slowest process" in text
