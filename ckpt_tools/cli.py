@@ -26,12 +26,15 @@ def _handle_errors(fn):
         except CkptError as e:
             if ctx.find_root().params.get("debug"):
                 raise
-            from ckpt_tools.team import ENV, PeerFailed
-            if isinstance(e, PeerFailed):
-                ctx.exit(1)  # the process that failed said why
-            where = f" (process {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')})" \
-                if os.environ.get(ENV) == "1" else ""
-            click.echo(f"error{where}: {one_line(str(e))}", err=True)
+            from ckpt_tools.team import ENV, Team, said_by
+            if os.environ.get(ENV) == "1":  # one process of a team: the others hear of it, one of them says it
+                team = Team.from_env()
+                team.announce(e)
+                said = said_by(e, team)
+                if said is not None:
+                    click.echo(f"error{said[0]}: {one_line(said[1])}", err=True)
+                ctx.exit(1)
+            click.echo(f"error: {one_line(str(e))}", err=True)
             ctx.exit(1)
     return wrapper
 

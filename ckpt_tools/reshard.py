@@ -27,7 +27,7 @@ from ckpt_tools.plan import prepare
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.team import SOLO, Team, team_of_one
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.writers import TorchFileWriter, dtype_name
 
 
@@ -224,8 +224,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
-        team_of_one(team, f"reshard into Megatron-LM's {form} form from this source (through torch)")
-        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread)
+        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team)
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir(exist_ok=True)
@@ -264,7 +263,8 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 
 def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
-                         with_opt: bool, force: bool, quiet: bool, start: float, unread: str | None = None) -> str:
+                         with_opt: bool, force: bool, quiet: bool, start: float, unread: str | None = None,
+                         team: Team = SOLO) -> str:
     meta, spec = shards.meta, shards.meta.spec
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
     if with_opt and not fresh:
@@ -279,7 +279,7 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
         return shard
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype,
                                lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
-                               label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of)
+                               label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of, team=team)
     shards.close()
     return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
                                  time.perf_counter() - start)
@@ -359,9 +359,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     first = source.get(rows["embedding.word_embeddings.weight"][1][0])
     params_dtype = dtype or first.dtype
     if form != to_megatron.OURS:
-        team_of_one(team, f"import into Megatron-LM's {form} form from these weights (through torch)")
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
-                                   quiet, start)
+                                   quiet, start, team)
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
@@ -399,7 +398,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
                         counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
-                        start: float) -> str:
+                        start: float, team: Team = SOLO) -> str:
     pp, current = len(counts), {}
 
     def shard_of(key: str, rank: int) -> torch.Tensor:
@@ -410,6 +409,6 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
             current[key] = layout.split(key, full, spec, tp, pp)
         return current[key][rank]
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
-                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True)
+                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team)
     return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
                                 time.perf_counter() - start)

@@ -79,10 +79,10 @@ class Team:
             lost = PeerFailed(f"lost contact with another process: {e}")
             lost.announced = True
             raise (error or lost) from None
-        if error is not None:
-            error.announced = True
-            raise error
         failed = [(r, words) for r, (ok, words) in enumerate(results) if not ok]
+        if error is not None:
+            error.announced, error.failures = True, failed
+            raise error
         if failed:
             peer = PeerFailed(f"process {failed[0][0]} of {self.size} failed: {failed[0][1]}")
             peer.announced = True
@@ -105,11 +105,18 @@ class Team:
 SOLO = Team()
 
 
-def team_of_one(team: Team, what: str) -> None:
-    """Refuse, before anything is written, a conversion that this version runs in one process only."""
-    if team.size > 1:
-        raise CkptError(f"{what} runs in one process in this version, not in {team.size}: drop --nproc-per-node "
-                        f"and --nnodes")
+def said_by(error: BaseException, team: Team) -> tuple[str, str] | None:
+    """(where, words) of this process's failure: None where another process says it (the lowest-ranked one failing
+    with the same words, or the one that failed first); `where` names the process where the words are its own, and
+    is empty where every process failed alike (an input all of them refuse)."""
+    if isinstance(error, PeerFailed):
+        return None
+    words = _words(error)
+    failures = getattr(error, "failures", None) or [(team.rank, words)]
+    if any(r < team.rank and w == words for r, w in failures):
+        return None
+    alike = len(failures) == team.size and all(w == words for _, w in failures)
+    return ("" if alike or team.size == 1 else f" (process {team.rank} of {team.size})"), words
 
 
 def _raise(error: BaseException) -> None:

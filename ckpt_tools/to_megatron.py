@@ -21,6 +21,7 @@ from ckpt_tools.formats.megatron_write import FORMS, TORCH_DIST, writer_for
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.ranks import Grid
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
 
 if TYPE_CHECKING:
     import torch
@@ -61,22 +62,26 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
 def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
           shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
           carried_from: Path | None = None, hf_dir: bool = False, resume: ResumeState | None = None,
-          state_of: Callable[[str, str, int], torch.Tensor] | None = None) -> int:
+          state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO) -> int:
     """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
     The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
-    Megatron-LM ignores them and a later merge gives them back."""
+    Megatron-LM ignores them and a later merge gives them back. In a team each process writes a run of the target
+    ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only."""
     args = check(spec, tp, counts, padded, dtype, form, resume, out)
     pp = len(counts)
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
-    with output.staged(out, force) as tmp:
+    everyone = Grid(tp, pp).ranks()
+    owners = team.split([layout.rank_numel(spec, counts, padded, tp, rank.pp) for rank in everyone])
+    mine = {rank for rank, owner in zip(everyone, owners) if owner == team.rank}
+    with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
-        iter_dir.mkdir()
-        with writer_for(form, iter_dir, spec, tp, counts, padded, args) as writer:
+        iter_dir.mkdir(exist_ok=True)
+        with writer_for(form, iter_dir, spec, tp, counts, padded, args).only_ranks(mine, team) as writer:
             keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
-            bar = output.progress(sum(map(len, keys)), label, quiet, unit="tensor")
+            bar = output.progress(sum(len(keys[r.pp]) for r in mine), label, quiet, unit="tensor")
             for p in range(pp):
-                ranks = Grid(tp, pp).ranks(p)
+                ranks = [rank for rank in Grid(tp, pp).ranks(p) if rank in mine]
                 for _, key in keys[p]:
                     if not layout.holds_weights(key, spec, pp):
                         writer.put_extra(p, key)
@@ -86,13 +91,15 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
                         for field in OPTIMIZER_FIELDS if resume is not None else ():
                             for rank in ranks:  # one field at a time: one full tensor in memory, not four
                                 writer.put(rank, key, state_of(key, field, rank.tp), field)
-                    bar.update(1)
+                    bar.update(len(ranks))
                 writer.end_stage(p, iteration)
             writer.close(iteration, resume.common() if resume is not None else None)
         bar.close()
-        if carried_from is not None:
-            hf.copy_carried(carried_from, iter_dir, hf_dir)
-        io.write_text_atomic(tmp / megatron_lm.TRACKER, str(iteration) if resume is not None else megatron_lm.RELEASE)
+        if team.lead:
+            if carried_from is not None:
+                hf.copy_carried(carried_from, iter_dir, hf_dir)
+            io.write_text_atomic(tmp / megatron_lm.TRACKER,
+                                 str(iteration) if resume is not None else megatron_lm.RELEASE)
     return writer.nbytes
 
 

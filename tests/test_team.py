@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ckpt_tools import output
+from ckpt_tools.io import free_port
 from ckpt_tools.team import split, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +30,9 @@ CASES = {
     "import-ours": ("import", "hf", ["--tp", "2", "--pp", "2"]),
     "import-torch_dist": ("import", "hf", ["--tp", "2", "--pp", "1", "--format", "torch_dist"]),
     "import-torch": ("import", "hf", ["--tp", "1", "--pp", "2", "--format", "torch"]),
+    # through torch (the HF weights are fp32): to_megatron.write with its writers' share of the ranks
+    "import-torch_dist-bf16": ("import", "hf", ["--tp", "2", "--pp", "2", "--format", "torch_dist", "--dtype", "bf16"]),
+    "import-torch-bf16": ("import", "hf", ["--tp", "2", "--pp", "1", "--format", "torch", "--dtype", "bf16"]),
 }
 
 
@@ -134,14 +138,20 @@ if os.environ.get("CKPT_TEAM") == "1" and os.environ.get("RANK") == "1":
     return {"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def test_a_through_torch_conversion_is_refused_in_a_team_before_writing(sources, tmp_path):
-    """What this version converts through torch only runs in one process: said in one line, nothing written."""
-    out = tmp_path / "out"
-    proc = ckpt("import", str(sources["hf"]), str(out), "--format", "torch_dist", "--dtype", "bf16",
-                "--nproc-per-node", "2", check=False)
-    assert proc.returncode == 1
-    assert "runs in one process in this version, not in 2: drop --nproc-per-node" in proc.stderr
-    assert not out.exists() and not output.leftovers(out)
+@pytest.mark.slow
+def test_a_team_reshards_through_the_torch_reader_as_one_process(sources, tmp_path):
+    """Model and optimizer state into torch_dist through the torch reader (the path of a Megatron-LM source's
+    optimizer state), by 3 processes under torchrun and by one: the same files."""
+    from ckpt_tools.reshard import reshard
+    reshard(sources["ours"], tmp_path / "alone", 1, 2, quiet=True, form="torch_dist", copy_bytes=False)
+    env = {**os.environ, "CKPT_TEAM": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "ckpt_tools.team", "--nproc-per-node", "3",
+                           f"--master-port={free_port()}", str(ROOT / "tests" / "team_reshard.py"),
+                           str(sources["ours"]), str(tmp_path / "team"), "1", "2", "torch_dist"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tree(tmp_path / "team") == tree(tmp_path / "alone")
+    assert any(p.name.startswith("iter_") for p in (tmp_path / "team").iterdir())  # with its optimizer state
 
 
 def test_a_multi_node_team_needs_the_rendezvous_port(sources, tmp_path):

@@ -122,13 +122,13 @@ def shared_dist(team: Team, make: Callable[[], DistWriter], run: Callable[[DistW
     counting alone (every .distcp's size), then writing this process's run of the files (team.split by those
     sizes) and counting the rest, so that every process's index is the whole one; process 0 writes it."""
     if team.size > 1:
-        with make().only(set(), lead=False) as dry:
+        with make().only(None, dry=True) as dry:
             run(dry, output.progress(0, label, True))
         names = sorted(dry.ends, key=lambda n: int(n[2:].split("_")[0]))  # the saving ranks' order
         owners = team.split([dry.ends[n] for n in names])
         mine = {n for n, owner in zip(names, owners) if owner == team.rank}
         make_all = make
-        make = lambda: make_all().only(mine, team.lead)  # noqa: E731
+        make = lambda: make_all().only(mine, team)  # noqa: E731
     bar = output.progress(units, label, quiet, unit="file")
     with make() as writer:
         run(writer, bar)

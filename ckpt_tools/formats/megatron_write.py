@@ -32,6 +32,7 @@ from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import lead_shape, stacked_key
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
 if TYPE_CHECKING:
@@ -69,16 +70,22 @@ class DistWriter:
         self._files: dict[Rank, list] = {}  # rank -> [file name, fd, position]
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
-        self.nbytes = 0
-        self.writes: set[str] | None = None  # the .distcp files this process writes (None: all; set(): none)
-        self.lead = True  # writes the index and common.pt (a team's process 0; never a dry run)
+        self._opened: set[str] = set()  # the .distcp files this process writes
+        self.nbytes = 0  # of the chunks this process writes; after close(), every process's
+        self.writes: set[str] | None = None  # the .distcp files this process writes (None: all it is given)
+        self.team, self.dry = SOLO, False
         self.ends: dict[str, int] = {}  # each .distcp's size, once it is ended
 
-    def only(self, names: set[str], lead: bool) -> DistWriter:
-        """Write these .distcp files and count the others (a team's share, ckpt_tools.team; `set()`: a dry run that
-        counts every file's size); `lead`: write the index too."""
-        self.writes, self.lead = names, lead
+    def only(self, names: set[str] | None, team: Team = SOLO, dry: bool = False) -> DistWriter:
+        """Write these .distcp files (None: every file given chunks) and only count the others (their sizes and
+        chunks' places); `team`: the processes writing the rest, whose index entries process 0 gathers at close;
+        `dry`: a pass that only counts (every file's size, in `ends`), writing nothing at all."""
+        self.writes, self.team, self.dry = (set() if dry else names), team, dry
         return self
+
+    def only_ranks(self, ranks: set[Rank], team: Team) -> DistWriter:
+        """Write the files of these saving ranks only (the others' chunks are never given: a team's share)."""
+        return self.only({self._name(r) for r in ranks}, team)
 
     def writes_rank(self, rank: Rank) -> bool:
         return self.writes is None or self._name(rank) in self.writes
@@ -95,6 +102,8 @@ class DistWriter:
             fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) \
                 if self.writes is None or name in self.writes else None
             self._files[rank] = [name, fd, 0, 0]  # name, fd (None: counted only), end, end at the last writeback
+            if fd is not None:
+                self._opened.add(name)
         return self._files[rank]
 
     def _written(self, entry: list) -> None:
@@ -117,7 +126,8 @@ class DistWriter:
             raise LayoutError(f"{fqn}: a chunk of a {dtype} {tuple(shape)} tensor, earlier ones of a {known[0]} "
                               f"{known[1]} one")
         known[2].append((tuple(offsets), tuple(sizes), (name, start, entry[2] - start)))
-        self.nbytes += math.prod(sizes) * ELEMENT_SIZES[dtype]
+        if fd is not None:
+            self.nbytes += math.prod(sizes) * ELEMENT_SIZES[dtype]
 
     def put_object(self, rank: Rank, fqn: str, obj) -> None:
         """An object entry (torch.save of `obj`)."""
@@ -194,13 +204,16 @@ class DistWriter:
     def close(self, iteration: int, common: dict | None = None) -> None:
         for pp_rank in sorted({r.pp for r in self._files}):
             self.end_stage(pp_rank, iteration)
-        if not self.lead or self.writes == set():
+        if self.dry:
+            return
+        tensors, objects = self._index()
+        if not self.team.lead:
             return
         state, storage = {}, []
-        for fqn, (dtype, shape, chunks) in self._tensors.items():
+        for fqn, (dtype, shape, chunks) in tensors.items():
             state[fqn] = _tensor_metadata(dtype, shape, [(o, s) for o, s, _ in chunks])
             storage += [(_index(fqn, o), _storage(*where)) for o, _, where in chunks]
-        for fqn, where in self._objects.items():
+        for fqn, where in objects.items():
             state[fqn] = torchsave.New(torchsave.Global(DCP, "BytesStorageMetadata"))
             storage.append((_index(fqn, None), _storage(*where)))
         metadata = torchsave.New(torchsave.Global(DCP, "Metadata"), {
@@ -210,6 +223,27 @@ class DistWriter:
         _save_common(self.dir / "common.pt", {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                                                "iteration": iteration, **(common or {})})
         (self.dir / "metadata.json").write_text(json.dumps(DIST_METADATA))
+
+
+    def _index(self) -> tuple[dict, dict]:
+        """Every process's chunks and objects in the files it wrote (gathered by process 0; `nbytes` becomes the
+        team's), each tensor's chunks in order of their offsets and the tensors and objects in the order of their
+        names: the same index however the files were shared out."""
+        mine = self._opened
+        tensors = {fqn: (dtype, shape, [c for c in chunks if c[2][0] in mine])
+                   for fqn, (dtype, shape, chunks) in self._tensors.items()}
+        objects = {fqn: where for fqn, where in self._objects.items() if where[0] in mine}
+        shared = self.team.share(lambda: ({f: t for f, t in tensors.items() if t[2]}, objects, self.nbytes))
+        self.nbytes = sum(n for _, _, n in shared)
+        merged: dict[str, tuple[str, tuple[int, ...], list]] = {}
+        for part, _, _ in shared:
+            for fqn, (dtype, shape, chunks) in part.items():
+                known = merged.setdefault(fqn, (dtype, shape, []))
+                if known[:2] != (dtype, shape):
+                    raise LayoutError(f"{fqn}: chunks of a {dtype} {shape} tensor and of a {known[0]} {known[1]} one")
+                known[2].extend(chunks)
+        tensors = {fqn: (d, s, sorted(c)) for fqn, (d, s, c) in sorted(merged.items())}
+        return tensors, dict(sorted(kv for _, part, _ in shared for kv in part.items()))
 
 
 def _tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list) -> torchsave.New:
@@ -262,7 +296,17 @@ class LegacyWriter:
         self._writers: dict[Rank, TorchFileWriter] = {}
         self._state: dict[Rank, dict] = {}
         self._local: dict[tuple[int, str], str] = {}
-        self.nbytes = 0
+        self.nbytes = 0  # of the tensors this process writes; after close(), every process's
+        self._mine: set[Rank] | None = None
+        self.team = SOLO
+
+    def only_ranks(self, ranks: set[Rank], team: Team) -> LegacyWriter:
+        """Write these ranks' files only (a team's share; the others' tensors are never given)."""
+        self._mine, self.team = ranks, team
+        return self
+
+    def _ranks(self, pp_rank: int) -> list[Rank]:
+        return [r for r in Grid(self.tp, self.pp).ranks(pp_rank) if self._mine is None or r in self._mine]
 
     def _writer(self, rank: Rank) -> TorchFileWriter:
         if rank not in self._state:
@@ -281,18 +325,18 @@ class LegacyWriter:
         self.nbytes += shard.nbytes
 
     def put_extra(self, pp_rank: int, key: str) -> None:
-        for rank in Grid(self.tp, self.pp).ranks(pp_rank):
+        for rank in self._ranks(pp_rank):
             self._writer(rank)
             self._state[rank][self._local[pp_rank, key]] = None
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
-        for rank in Grid(self.tp, self.pp).ranks(pp_rank):
+        for rank in self._ranks(pp_rank):
             writer = self._writers.pop(rank)
             writer.close({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                           "model": self._state.pop(rank)})
 
     def close(self, iteration: int, common: dict | None = None) -> None:
-        pass
+        self.nbytes = sum(self.team.share(lambda: self.nbytes))
 
     def __enter__(self) -> LegacyWriter:
         return self
