@@ -26,6 +26,7 @@ from ckpt_tools import checkpoint, hf, layout, megatron_lm
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import Entry
 from ckpt_tools.ranks import Rank
+from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
 
 Range = tuple[Path, int, int]  # bytes of a file: (file, offset, nbytes)
@@ -296,10 +297,10 @@ class ByteSource:
         return [(a, b) for key, ts in shards.items() if layout.is_replicated(key, meta.spec, meta.pp_size)
                 for s in ts[1:] for a, b in zip(s.whole, ts[0].whole)]
 
-    def check_hashes(self) -> None:
+    def check_hashes(self, team: Team = SOLO) -> None:
         """--check-hashes: the sha256 of every file meta.json records (Megatron-LM records none)."""
         if self.ours:
-            checkpoint.check_hashes(self.meta)
+            checkpoint.check_hashes(self.meta, team)
 
     def buffer(self, nbytes: int) -> memoryview:
         """Memory for one tensor, reused: its pages stay mapped from one tensor to the next."""

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from ckpt_tools import io, layout
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
 
 FORMAT = "ckpt-tools/1"
 META = "meta.json"
@@ -216,10 +217,12 @@ def size_problem(meta: Meta, path: Path) -> str | None:
     return None
 
 
-def check_files(meta: Meta) -> list[str]:
-    """Every file meta.json records: present, the recorded size, the recorded sha256."""
+def check_files(meta: Meta, names: Container[str] | None = None) -> list[str]:
+    """Every file meta.json records (or those of them in `names`): present, the recorded size, the recorded sha256."""
     problems = []
     for name, rec in meta.raw.get("files", {}).items():
+        if names is not None and name not in names:
+            continue
         path = meta.dir / name
         if not path.is_file():
             problems.append(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
@@ -231,9 +234,13 @@ def check_files(meta: Meta) -> list[str]:
     return problems
 
 
-def check_hashes(meta: Meta) -> None:
-    """--check-hashes: refuse a checkpoint any of whose recorded files is missing, resized or changed."""
-    problems = check_files(meta)
+def check_hashes(meta: Meta, team: Team = SOLO) -> None:
+    """--check-hashes: refuse a checkpoint any of whose recorded files is missing, resized or changed (in a team, each
+    process hashes its run of the files, balanced by their bytes, and every process hears of every problem)."""
+    files = meta.raw.get("files", {})
+    owners = team.split([int(rec.get("size") or 0) for rec in files.values()])
+    mine = {name for name, owner in zip(files, owners) if owner == team.rank}
+    problems = [p for found in team.share(lambda: check_files(meta, mine)) for p in found]
     if problems:
         raise FormatError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 

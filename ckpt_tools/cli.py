@@ -24,9 +24,11 @@ def _handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except CkptError as e:
-            if ctx.find_root().params.get("debug"):
-                raise
             from ckpt_tools.team import ENV, Team, said_by
+            if ctx.find_root().params.get("debug"):
+                if os.environ.get(ENV) == "1":
+                    Team.from_env().announce(e)
+                raise
             if os.environ.get(ENV) == "1":  # one process of a team: the others hear of it, one of them says it
                 team = Team.from_env()
                 team.announce(e)
@@ -48,21 +50,22 @@ def _team_opts(fn):
             ("--node-rank", int, "This node's rank (default 0)."),
             ("--master-addr", str, "Node 0's address, for the rendezvous (default 127.0.0.1)."),
             ("--master-port", int, "A free port on node 0 (default: a free one; give it with --nnodes > 1).")]):
-        fn = click.option(name, type=kind, default=None, help=words)(fn)
+        fn = click.option(name, type=click.IntRange(min=1) if name in ("--nproc-per-node", "--nnodes") else kind,
+                          default=None, help=words)(fn)
     return fn
 
 
 def _team(nproc_per_node: int | None, nnodes: int | None, node_rank: int | None, master_addr: str | None,
           master_port: int | None):
     """This process's team: one of the processes the launcher started, or itself alone; None when this process
-    has just launched the team, which has done the work (a failed team exits with its code here)."""
+    has just launched the team, which has done the work (a failed team exits with its code here). The team runs
+    this process's own command line (sys.argv): `ckpt` as a command, not click's `main(args=...)` in a program."""
     from ckpt_tools.team import ENV, SOLO, Team, launch
     if os.environ.get(ENV) == "1":
         return Team.from_env()
     if (nproc_per_node or 1) == 1 and (nnodes or 1) == 1:
         return SOLO
-    code = launch(sys.argv[1:], nproc_per_node or 1, nnodes or 1, node_rank or 0, master_addr or "127.0.0.1",
-                  master_port)
+    code = launch(sys.argv[1:], nproc_per_node or 1, nnodes or 1, node_rank or 0, master_addr, master_port)
     if code:
         click.get_current_context().exit(code)
     return None
@@ -125,6 +128,8 @@ def inspect(src: str, tensors: bool, vocab_size: int | None, nproc: int | None, 
     click.echo(describe(src, show_tensors=tensors, vocab_size=vocab_size))
     if nproc is not None:
         click.echo(team_plan(src, nproc, bandwidth, vocab_size))
+    elif bandwidth is not None:
+        raise click.BadParameter("--bandwidth goes with --plan N", param_hint="--bandwidth")
 
 
 def _quiet_opt(fn):
@@ -166,6 +171,7 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
     team = _team(**launcher)
     if team is None:
         return
+    quiet = quiet or not team.lead  # one progress bar: process 0's
     summary = m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
                       max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
@@ -216,6 +222,7 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
     team = _team(**launcher)
     if team is None:
         return
+    quiet = quiet or not team.lead  # one progress bar: process 0's
     summary = None
     if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
@@ -256,6 +263,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     team = _team(**launcher)
     if team is None:
         return
+    quiet = quiet or not team.lead  # one progress bar: process 0's
     summary = None
     if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
         from ckpt_tools.formats import dist_copy
@@ -286,20 +294,27 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random token ids.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None, help="Write an HDF5 report here.")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
+@_team_opts
 @_handle_errors
 def verify(src: str, other: str | None, device: str | None, dtype: str, tokens_file: str | None, batch: int,
-           seq_len: int, seed: int, report: str | None, vocab_size: int | None) -> None:
+           seq_len: int, seed: int, report: str | None, vocab_size: int | None, **launcher) -> None:
     """Prove SRC (sharded) and OTHER (HF dir, safetensors file or checkpoint) are the same model: tiers 1-3."""
     from ckpt_tools import verify as v
+    team = _team(**launcher)
+    if team is None:
+        return
     tiers, settings = v.run(src, other, device=device, dtype=dtype, tokens_file=tokens_file, batch=batch,
-                            seq=seq_len, seed=seed, vocab_size=vocab_size)
+                            seq=seq_len, seed=seed, vocab_size=vocab_size, team=team)
+    if not team.lead:
+        return  # its share of tier 1 went to process 0, which says the result
     click.echo(v.table(tiers, settings))
     if report:
         v.write_report(report, tiers, settings)
         click.echo(f"report: {report}")
     failed = [t for t in tiers if not t.ok]
     if failed:
-        raise CkptError(f"verify failed: tier {failed[0].name}: {failed[0].reason}")
+        from ckpt_tools.team import Alone  # in a team, process 0 says it after the others have ended
+        raise (Alone if team.size > 1 else CkptError)(f"verify failed: tier {failed[0].name}: {failed[0].reason}")
     click.echo("verify passed: all tiers within tolerance")
 
 

@@ -55,8 +55,8 @@ class TensorSource:
         self.reader, self.meta, self.field = reader, meta, "master" if from_master else None
         self.note = _tied_copy_note(reader)
 
-    def check_hashes(self) -> None:
-        self.reader.check_hashes()
+    def check_hashes(self, team: Team = SOLO) -> None:
+        self.reader.check_hashes(team)
 
     def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], Data]]:
         import torch
@@ -92,7 +92,7 @@ def _tied_copy_note(shards: Reader) -> str | None:
 
 
 def open_source(src: str | Path, vocab_size: int | None, from_master: bool, check_hashes: bool, via: str = AUTO,
-                torch_threads: int | None = None) -> ByteSource | TensorSource:
+                torch_threads: int | None = None, team: Team = SOLO) -> ByteSource | TensorSource:
     """The source a merge reads SRC through (see the module docstring), its files' hashes checked if asked."""
     from ckpt_tools.byte_ranges import ByteSource, Declined
     if via == AUTO and os.environ.get(TORCH_PATH, "0") not in ("", "0"):
@@ -106,12 +106,12 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
                 raise
     if source is None:
         from ckpt_tools.shards import open_checked
-        source = TensorSource(open_checked(src, vocab_size, check_hashes), from_master, torch_threads)
+        source = TensorSource(open_checked(src, vocab_size, check_hashes, team), from_master, torch_threads)
     else:
         source.torch_threads = torch_threads  # for a conversion step
         if check_hashes:
             try:
-                source.check_hashes()
+                source.check_hashes(team)
             except BaseException:
                 source.close()
                 raise
@@ -128,7 +128,7 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
     start = time.perf_counter()
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    source = open_source(src, vocab_size, from_master, check_hashes, via, torch_threads)
+    source = open_source(src, vocab_size, from_master, check_hashes, via, torch_threads, team)
     try:
         job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size)
         tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None

@@ -36,25 +36,28 @@ def _remove(path: Path) -> None:
 def staged(out: str | Path, force: bool, directory: bool = True, team: Team = SOLO) -> Iterator[Path]:
     """Yield a temp path beside OUT (a fresh dir, or a file path); rename it to OUT on success. In a team (several
     processes writing parts of OUT, ckpt_tools.team) process 0 makes the temp dir and renames it once every
-    process has said it succeeded; a failure anywhere removes it."""
+    process has said it succeeded; a failure anywhere removes it, and every process waits for that removal."""
     out = check_target(out, force)
     tmp = out.parent / team.first(lambda: f".{out.name}.tmp-{os.getpid()}")
-    if team.lead:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _remove(tmp)
-        if directory:
-            tmp.mkdir()
-    team.share(lambda: None)  # the others write into tmp only once it exists
+
+    def make() -> None:
+        if team.lead:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _remove(tmp)
+            if directory:
+                tmp.mkdir()
+    team.share(make)  # the others write into tmp only once it exists
     try:
         yield tmp
-        if directory:
+        if directory and team.lead:
             io.fsync_dir(tmp)
+        team.share(lambda: None)  # every process has written its part
     except BaseException as e:
         team.announce(e)  # the others hear of it where they wait (at the end of their part)
         if team.lead:
             _remove(tmp)
+        team.settle()  # no process ends (and torchrun ends the rest) before the removal is done
         raise
-    team.share(lambda: None)  # every process has written its part
     if not team.lead:
         return
     old = None

@@ -148,12 +148,12 @@ def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | 
 
 
 def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | None,
-            check_hashes: bool) -> tuple[Path, str | None, Reader]:
+            check_hashes: bool, team: Team = SOLO) -> tuple[Path, str | None, Reader]:
     """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
     leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
     from ckpt_tools.shards import open_checked
     out = output.check_target(out, force)
-    return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes)
+    return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes, team)
 
 
 def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict | None]:

@@ -35,10 +35,9 @@ class Target:
     """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
 
     def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool,
-                 ep: int = 1, mine: set[Rank] | None = None):
-        """`mine`: the ranks whose files this process writes (a team's share; None: all)."""
+                 ep: int = 1):
         self.dir, self.spec, self.tp, self.counts, self.padded, self.ep = ckpt_dir, spec, tp, counts, padded, ep
-        self.mine = mine
+        self.mine: set[Rank] | None = None  # the ranks whose files this process writes (a team's share; None: all)
         self.pp = len(counts)
         self.optimizer = optimizer
         self._pool = ThreadPoolExecutor(2)  # hashes and fsyncs finished files while the next ones are written
@@ -63,6 +62,10 @@ class Target:
         if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
             full = layout.pad_vocab(key, full, self.spec, self.padded)
         return layout.split(key, full, self.spec, self.tp, self.pp)
+
+    def holds(self, key: str) -> bool:
+        """Whether a file of this stage that this process writes holds `key`."""
+        return key in self._local
 
     def _files(self, key: str) -> list[tuple[int, str, int]]:
         """(file index, file-local key, TP rank) of every file of this stage that holds `key` (an expert: the files of
@@ -193,13 +196,14 @@ def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from:
     ckpt = target.dir
     for f in hf.copy_carried(carried_from, ckpt, hf_dir) if team.lead and carried_from is not None else []:
         target.add_file(f)
-    shared = team.share(lambda: (target.records(), target.nbytes))
+    shared = team.share(lambda: (target.records(), target.nbytes), to_lead=True)
     if team.lead:
         meta["files"] = dict(sorted((name, r) for records, _ in shared for name, r in records.items()))
         fmt.write_meta(ckpt / fmt.META, meta)
         io.fsync_dir(ckpt)
         io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
-    return sum(nbytes for _, nbytes in shared)
+        return sum(nbytes for _, nbytes in shared)
+    return 0  # process 0 says the total
 
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
@@ -217,7 +221,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         if summary is not None:
             return summary
     start = time.perf_counter()
-    out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes)
+    out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes, team)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
     ep = meta.ep_size if ep is None else layout.check_ep(spec, ep)
@@ -366,14 +370,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         ckpt.mkdir(exist_ok=True)
         target = Target(ckpt, spec, tp, counts, padded, optimizer, ep)
         target.share(team, (MODEL,), params_dtype.itemsize * (7 if optimizer else 1))  # a rank's model + optimizer
-        bar = output.progress(len(rows), "import", quiet, unit="tensor")
-        for p in range(pp):
-            if not any(rank.pp == p for rank in target.mine):
-                continue  # another process writes this stage's files
+        stages = sorted({rank.pp for rank in target.mine})  # the others' stages are not read here
+        bar = output.progress(sum(len(layout.stage_keys(spec, counts, p)) for p in stages), "import", quiet,
+                              unit="tensor")
+        for p in stages:
             target.begin_stage(p)
             for _, key in layout.stage_keys(spec, counts, p):
+                if not target.holds(key):  # an expert of another process's EP ranks
+                    bar.update(1)
+                    continue
                 if not layout.holds_weights(key, spec, pp):
                     target.put(key, None)
+                    bar.update(1)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
                 full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)

@@ -23,6 +23,7 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.ranks import Rank
+from ckpt_tools.team import SOLO, Team
 
 MODEL, OPTIMIZER = "model", "optimizer"
 OPTIMIZER_FIELDS = fmt.OPTIMIZER_FIELDS
@@ -74,11 +75,12 @@ class Reader:
         there is none (then no optimizer state is left behind by a verb that carries only what it reads)."""
         return None
 
-    def check_hashes(self) -> None:
+    def check_hashes(self, team: Team = SOLO) -> None:
         """sha256 of every file the checkpoint records (merge/reshard --check-hashes, verify tier 1)."""
 
-    def file_problems(self) -> tuple[int, list[str]]:
-        """(files the checkpoint records sizes and hashes of, the problems found checking them)."""
+    def file_problems(self, team: Team = SOLO) -> tuple[int, list[str]]:
+        """(files the checkpoint records sizes and hashes of, the problems found checking them; in a team, this
+        process's run of the files, balanced by their bytes)."""
         return 0, []
 
     def rng_state(self):
@@ -182,8 +184,10 @@ class ShardSet(Reader):
         if problem:
             raise FormatError(problem)
 
-    def file_problems(self) -> tuple[int, list[str]]:
-        return len(self.meta.raw.get("files", {})), fmt.check_files(self.meta)
+    def file_problems(self, team: Team = SOLO) -> tuple[int, list[str]]:
+        files = self.meta.raw.get("files", {})
+        owners = team.split([int(rec.get("size") or 0) for rec in files.values()])
+        return len(files), fmt.check_files(self.meta, {n for n, o in zip(files, owners) if o == team.rank})
 
     def rng_state(self):
         path = self.meta.dir / fmt.rng_file(self.meta.grid.first)
@@ -194,9 +198,9 @@ class ShardSet(Reader):
         self.check_size(path)
         return io.load_file(path, mmap=False)
 
-    def check_hashes(self) -> None:
+    def check_hashes(self, team: Team = SOLO) -> None:
         """sha256 of every file meta.json records (merge/reshard --check-hashes, verify tier 1)."""
-        fmt.check_hashes(self.meta)
+        fmt.check_hashes(self.meta, team)
 
     def _state(self, kind: str, rank: Rank) -> dict:
         return self.file(kind, rank)[kind]
@@ -274,12 +278,13 @@ def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> Reader:
     return ShardSet(meta)
 
 
-def open_checked(src: str | Path, vocab_size: int | None = None, check_hashes: bool = False) -> Reader:
+def open_checked(src: str | Path, vocab_size: int | None = None, check_hashes: bool = False,
+                 team: Team = SOLO) -> Reader:
     """open_checkpoint, then refuse (before any output exists) a checkpoint whose shards do not
     match the layout table, and with `check_hashes` one whose files differ from meta.json."""
     from ckpt_tools.errors import collect
     shards = open_checkpoint(src, vocab_size)
     if check_hashes:
-        shards.check_hashes()
+        shards.check_hashes(team)
     collect(shards.validate()[:5], FormatError)
     return shards

@@ -34,6 +34,11 @@ class PeerFailed(CkptError):
     """Another process of the team failed (it printed why); this one stops without writing more."""
 
 
+class Alone(CkptError):
+    """A failure of process 0 after the team's shared work, when the others have ended: said as by one process."""
+    announced = True
+
+
 @dataclass(frozen=True)
 class Team:
     rank: int = 0
@@ -59,10 +64,11 @@ class Team:
         largest total is the smallest possible (the same answer in every process)."""
         return split(sizes, self.size)
 
-    def share(self, fn: Callable[[], T]) -> list[T]:
-        """Run fn here, then learn every process's value (a list by rank). If fn failed anywhere, every process
-        raises: the one that failed its own error, the others PeerFailed. Every process must call it, in the same
-        order: it is where they wait for each other."""
+    def share(self, fn: Callable[[], T], to_lead: bool = False) -> list[T]:
+        """Run fn here, then learn every process's value (a list by rank; with `to_lead`, process 0 alone gets the
+        values, the others a list of None: for large values only process 0 uses). If fn failed anywhere, every
+        process raises: the one that failed its own error, the others PeerFailed. Every process must call it, in
+        the same order: it is where they wait for each other."""
         try:
             value, error = fn(), None
         except BaseException as e:  # noqa: BLE001 (re-raised below, after the others have heard of it)
@@ -73,13 +79,19 @@ class Team:
             return [value]
         import torch.distributed as dist
         results: list = [None] * self.size
+        mine = (error is None, None if error is not None else None if to_lead else value,
+                None if error is None else _words(error))
         try:
-            dist.all_gather_object(results, (error is None, value if error is None else _words(error)))
+            dist.all_gather_object(results, mine)
+            failed = [(r, words) for r, (ok, _, words) in enumerate(results) if not ok]
+            values = [v for _, v, _ in results]
+            if to_lead and not failed:
+                values = [None] * self.size if not self.lead else values
+                dist.gather_object(value, values if self.lead else None, dst=0)
         except RuntimeError as e:  # a process is gone (killed): torchrun ends the team and names it
             lost = PeerFailed(f"lost contact with another process: {e}")
             lost.announced = True
             raise (error or lost) from None
-        failed = [(r, words) for r, (ok, words) in enumerate(results) if not ok]
         if error is not None:
             error.announced, error.failures = True, failed
             raise error
@@ -87,7 +99,19 @@ class Team:
             peer = PeerFailed(f"process {failed[0][0]} of {self.size} failed: {failed[0][1]}")
             peer.announced = True
             raise peer
-        return [v for _, v in results]
+        return values
+
+    def all(self, flag: bool) -> bool:
+        """Whether flag holds in every process: a choice they must make alike (which path writes the output)."""
+        return all(self.share(lambda: flag))
+
+    def settle(self) -> None:
+        """After a failure every process knows of: wait for the others here (a lost process ends the wait)."""
+        if self.size > 1:
+            try:
+                self.share(lambda: None)
+            except BaseException:  # noqa: BLE001 (only a wait: its failures are those already being raised)
+                pass
 
     def announce(self, error: BaseException) -> None:
         """Tell the others of a failure they have not heard of yet (at the team's next `share`, where they wait)."""
@@ -106,12 +130,14 @@ SOLO = Team()
 
 
 def said_by(error: BaseException, team: Team) -> tuple[str, str] | None:
-    """(where, words) of this process's failure: None where another process says it (the lowest-ranked one failing
-    with the same words, or the one that failed first); `where` names the process where the words are its own, and
-    is empty where every process failed alike (an input all of them refuse)."""
+    """(where, words) of this process's failure: None where another process says it (PeerFailed: the one that
+    failed; the same words: the lowest-ranked process failing with them); `where` names the process where the words
+    are its own, and is empty where every process failed alike (an input all of them refuse)."""
     if isinstance(error, PeerFailed):
         return None
     words = _words(error)
+    if isinstance(error, Alone):
+        return "", words
     failures = getattr(error, "failures", None) or [(team.rank, words)]
     if any(r < team.rank and w == words for r, w in failures):
         return None
@@ -167,6 +193,10 @@ def run_worker(main: Callable[[], object]) -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 (a bug: its traceback, then the same quick end)
+        import traceback
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -185,20 +215,24 @@ def worker_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_addr: str,
+def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_addr: str | None,
            master_port: int | None) -> int:
     """Run `ckpt ARGV` (the launcher's options taken out) as nproc processes on this node of nnodes; the exit code."""
     import subprocess
 
     from ckpt_tools.io import free_port
+    import importlib.util
     if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise CkptError(f"--nproc-per-node {nproc} --nnodes {nnodes} --node-rank {node_rank}: give at least one "
                         f"process and one node, and a node rank below --nnodes")
-    if nnodes > 1 and master_port is None:
+    if nnodes > 1 and (master_port is None or master_addr is None):
         raise CkptError("--nnodes > 1 needs --master-addr and --master-port: the address and a free port of node 0, "
                         "the same on every node")
+    if importlib.util.find_spec("torch") is None:
+        raise CkptError("--nproc-per-node / --nnodes start the processes with torchrun, which comes with torch: "
+                        "pip install torch (its CPU build is enough), or run in one process")
     cmd = [sys.executable, "-m", "ckpt_tools.team", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-           f"--nproc-per-node={nproc}", f"--master-addr={master_addr}",
+           f"--nproc-per-node={nproc}", f"--master-addr={master_addr or '127.0.0.1'}",
            f"--master-port={master_port or free_port()}", "-m", "ckpt_tools.cli", *worker_argv(argv)]
     return subprocess.call(cmd, env={**os.environ, ENV: "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
                                      "LOGLEVEL": "ERROR"})

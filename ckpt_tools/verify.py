@@ -34,6 +34,7 @@ from ckpt_tools.io import free_port
 from ckpt_tools.errors import CkptError
 from ckpt_tools.plan import HF, SAFETENSORS, plan
 from ckpt_tools.shards import Reader, open_checkpoint
+from ckpt_tools.team import SOLO, Alone, Team
 
 TOLERANCES = {  # fp32: fixed; bf16: the floors of the run (calibrated()), these only bound them from below
     "fp32": {"hidden_rel": 1e-4, "logits_rel": 1e-4, "kl": 1e-8, "top1": 0.999},
@@ -80,10 +81,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tuple(a.shape) == tuple(b.shape) and layout.same_bits(a.to(b.dtype), b)
 
 
-def integrity(src: Reader, tier: Tier) -> None:
-    """Sizes and sha256 of every recorded file; every shard's keys and shapes as the layout table says."""
+def integrity(src: Reader, tier: Tier, team: Team = SOLO) -> None:
+    """Sizes and sha256 of every recorded file (in a team, each process its run of the files); every shard's keys and
+    shapes as the layout table says."""
     meta = src.meta
-    recorded, file_problems = src.file_problems()
+    recorded, file_problems = src.file_problems(team)
+    file_problems = [p for found in team.share(lambda: file_problems) for p in found]
     for problem in file_problems:
         tier.fail(problem)
     if recorded:
@@ -96,26 +99,31 @@ def integrity(src: Reader, tier: Tier) -> None:
                       + (f" ({len(problems)} problem(s))" if problems else ""))
 
 
-def tier1(src: Reader, other: Path | None) -> Tier:
+def tier1(src: Reader, other: Path | None, team: Team = SOLO) -> Tier:
+    """In a team, each process compares its run of the tensors (balanced by their bytes) and process 0 words the
+    whole."""
     tier = Tier("1 weights")
-    integrity(src, tier)
+    integrity(src, tier, team)
     if other is None:
         return tier
     kind = other_kind(other)
-    compared = exact = 0
+    spec, padded = src.meta.spec, src.meta.padded_vocab
     mismatched: list[str] = []
     if kind == "shards":
         theirs = open_checkpoint(other)
         fields = [None] + (["master", "exp_avg", "exp_avg_sq"] if src.has_optimizer() and theirs.has_optimizer() else [])
-        keys = [k for k in src.keys() if layout.holds_weights(k, src.meta.spec, src.meta.pp_size)]
+        keys = [k for k in src.keys() if layout.holds_weights(k, spec, src.meta.pp_size)]
         missing = [k for k in keys if k not in theirs.keys()]
         extra = [k for k in theirs.keys() if k not in src.keys()
                  and layout.holds_weights(k, theirs.meta.spec, theirs.meta.pp_size)]
-        for key in (k for k in keys if k in theirs.keys()):
+        both = [k for k in keys if k in theirs.keys()]
+        owners = team.split([math.prod(layout.full_shape(k, spec, padded, src.meta.pp_size)) for k in both])
+        compared = exact = 0
+        for key in (k for k, owner in zip(both, owners) if owner == team.rank):
             for f in fields:
                 a, b = src.full(key, f), theirs.full(key, f)
-                if layout.has_padded_rows(key, src.meta.spec, None):  # compare the true rows
-                    a, b = a[: src.meta.spec.vocab_size], b[: src.meta.spec.vocab_size]
+                if layout.has_padded_rows(key, spec, None):  # compare the true rows
+                    a, b = a[: spec.vocab_size], b[: spec.vocab_size]
                 compared += 1
                 if _same(a, b):
                     exact += 1
@@ -125,13 +133,14 @@ def tier1(src: Reader, other: Path | None) -> Tier:
             theirs.release()
     else:
         tensors = hf.HFTensors(other)
-        used: set[str] = set()
-        for e in plan(src.meta.spec, src.meta.padded_vocab, kind):
-            converted = hf.to_hf(e.kind, src.full(e.key), src.meta.spec)
+        entries = plan(spec, padded, kind)
+        owners = team.split([e.nbytes("float32") for e in entries])
+        compared = exact = 0
+        for e in (e for e, owner in zip(entries, owners) if owner == team.rank):
+            converted = hf.to_hf(e.kind, src.full(e.key), spec)
             for name, a in zip(e.names, converted):
                 if name not in tensors.where:
                     continue
-                used.add(name)
                 compared += 1
                 b = tensors.get(name)
                 if _same(a, b):
@@ -139,9 +148,12 @@ def tier1(src: Reader, other: Path | None) -> Tier:
                 else:
                     mismatched.append(f"{e.key} -> {name}: {_diff(a, b)}")
             src.release()
-        wanted = {n for e in plan(src.meta.spec, src.meta.padded_vocab, kind) for n in e.names}
+        wanted = {n for e in entries for n in e.names}
         missing = sorted(wanted - set(tensors.where))
         extra = sorted(set(tensors.where) - wanted)
+    found = team.share(lambda: (compared, exact, mismatched))  # in the tensors' order: the processes' runs in turn
+    compared, exact = sum(c for c, _, _ in found), sum(x for _, x, _ in found)
+    mismatched = [m for _, _, part in found for m in part]
     tier.lines.append(f"{compared} tensors compared: {exact} bit-exact, {len(mismatched)} differ, "
                       f"{len(missing)} missing, {len(extra)} extra")
     tier.lines += [f"differs: {m}" for m in mismatched[:10]]
@@ -157,8 +169,13 @@ def tier1(src: Reader, other: Path | None) -> Tier:
 
 
 # ---------------------------------------------------------------- forward passes
+TEAM_ENV = ("CKPT_TEAM", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a team's process 0 starts torchrun runs of its own
+
+
 def _env() -> dict:
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {k: v for k, v in os.environ.items() if k not in TEAM_ENV and not k.startswith("TORCHELASTIC_")}
+    return {**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def sharded_forward(ckpt: Path, tokens: torch.Tensor, work: Path, tp: int, pp: int, dtype: str, device: str, tag: str,
@@ -316,8 +333,9 @@ def make_tokens(src: Reader, other: Path | None, text_file: Path | None, batch: 
 
 def run(src: str | Path, other: str | Path | None = None, *, device: str | None = None, dtype: str = "fp32",
         tokens_file: str | Path | None = None, batch: int = 4, seq: int = 128, seed: int = 0,
-        vocab_size: int | None = None) -> tuple[list[Tier], dict]:
-    """All tiers; returns them and the run's settings (for the report)."""
+        vocab_size: int | None = None, team: Team = SOLO) -> tuple[list[Tier], dict]:
+    """All tiers; returns them and the run's settings (for the report). In a team the processes share tier 1's
+    work; process 0 alone runs the forward passes (the others return tier 1 only)."""
     shards = open_checkpoint(src, vocab_size)
     meta = shards.meta
     other_path = Path(other) if other is not None else None
@@ -326,8 +344,22 @@ def run(src: str | Path, other: str | Path | None = None, *, device: str | None 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_device(device, meta.tp_size * meta.pp_size)
     tokens = make_tokens(shards, other_path, Path(tokens_file) if tokens_file else None, batch, seq, seed)
-    tiers = [tier1(shards, other_path)]
+    tiers = [tier1(shards, other_path, team)]
     shards.close()
+    if not team.lead:
+        return tiers, {}
+    try:  # process 0 alone from here on: in a team, the others have ended
+        return _forward_tiers(tiers, meta, other_path, tokens, tokens_file, device, dtype, seed, vocab_size)
+    except CkptError as e:
+        if team.size == 1:
+            raise
+        raise Alone(str(e)) from None
+
+
+def _forward_tiers(tiers: list[Tier], meta, other_path: Path | None, tokens: torch.Tensor,
+                   tokens_file: str | Path | None, device: str, dtype: str, seed: int,
+                   vocab_size: int | None) -> tuple[list[Tier], dict]:
+    """Tiers 2 and 3 after tier 1 (none where SRC's shards do not load), and the run's settings."""
     tol = TOLERANCES[dtype]
     settings = {"src": str(meta.dir), "other": str(other_path) if other_path else "", "device": device,
                 "dtype": dtype, "tp": meta.tp_size, "pp": meta.pp_size,

@@ -33,6 +33,8 @@ CASES = {
     # through torch (the HF weights are fp32): to_megatron.write with its writers' share of the ranks
     "import-torch_dist-bf16": ("import", "hf", ["--tp", "2", "--pp", "2", "--format", "torch_dist", "--dtype", "bf16"]),
     "import-torch-bf16": ("import", "hf", ["--tp", "2", "--pp", "1", "--format", "torch", "--dtype", "bf16"]),
+    # experts over EP ranks: each process reads only the experts of its files
+    "import-moe-ep2": ("import", "moe", ["--tp", "1", "--pp", "1", "--ep", "2"]),
 }
 
 
@@ -53,14 +55,17 @@ def tree(path: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def sources(llama_run, tmp_path_factory) -> dict[str, Path]:
-    """Our trained TP2 x PP2 checkpoint (optimizer state at iteration 8), and an HF Llama in several files."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Our trained TP2 x PP2 checkpoint (optimizer state at iteration 8), an HF Llama in several files, an HF
+    Mixtral."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
     torch.manual_seed(0)
-    hf = tmp_path_factory.mktemp("team") / "hf"
-    LlamaForCausalLM(LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(
-        hf, max_shard_size="100KB")
-    return {"ours": llama_run[0], "hf": hf}
+    root = tmp_path_factory.mktemp("team")
+    shape = {"vocab_size": 250, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+             "num_key_value_heads": 2}
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **shape)).save_pretrained(root / "hf", max_shard_size="100KB")
+    MixtralForCausalLM(MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=None, **shape)).save_pretrained(root / "moe")
+    return {"ours": llama_run[0], "hf": root / "hf", "moe": root / "moe"}
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +112,11 @@ def test_a_killed_process_leaves_no_output_and_a_rerun_finishes_it(case, sources
 
 
 @pytest.mark.slow
-def test_a_failing_process_stops_the_team_and_leaves_nothing(sources, tmp_path):
+@pytest.mark.parametrize("case", ["reshard-ours", "merge-hf", "import-torch_dist"])
+def test_a_failing_process_stops_the_team_and_leaves_nothing(case, sources, tmp_path):
     """Process 1 fails with an error at its first fsync: it says why in one line, the others stop without a word
-    of their own, and the staged output is removed."""
-    verb, src, opts = CASES["reshard-ours"]
+    of their own, and the staged output is removed (also where process 0 hears of it only at the very end)."""
+    verb, src, opts = CASES[case]
     out = tmp_path / "out"
     proc = ckpt(verb, str(sources[src]), str(out), "-q", *opts, "--nproc-per-node", "3",
                 env=_hook(tmp_path, "error"), check=False)
@@ -199,3 +205,29 @@ def test_inspect_plan_splits_the_files_by_bytes_and_times_the_slowest_process(so
     owners = split([p.stat().st_size for p in files], 3)
     slowest = max(sum(p.stat().st_size for p, o in zip(files, owners) if o == k) for k in range(3)) / (30e6 / 3)
     assert f"~{slowest:,.1f} s for the slowest process" in text
+
+
+@pytest.mark.slow
+def test_a_team_verifies_tier_1_as_one_process_and_finds_a_changed_tensor(alone, sources, tmp_path):
+    """`ckpt verify SRC OTHER --nproc-per-node 3`: file hashes and tensor comparisons shared out, the same tier-1
+    findings as one process; a tensor changed in OTHER among the last process's share is named; tiers 2-3 run."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    other = alone["merge-hf"]
+    one = ckpt("verify", str(sources["ours"]), str(other))
+    team = ckpt("verify", str(sources["ours"]), str(other), "--nproc-per-node", "3")
+    assert team.stdout == one.stdout and "verify passed" in team.stdout
+    bad = shutil.copytree(other, tmp_path / "bad")
+    last = sorted(bad.glob("model-*.safetensors"))[-1]
+    tensors = load_file(last)
+    name = sorted(tensors)[-1]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    save_file(tensors, last, metadata={"format": "pt"})
+    proc = ckpt("verify", str(sources["ours"]), str(bad), "--nproc-per-node", "3", check=False)
+    assert proc.returncode == 1
+    assert f"-> {name}: 1 element(s) differ" in proc.stdout
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        line for line in ckpt("verify", str(sources["ours"]), str(bad), check=False).stderr.splitlines()
+        if line.startswith("error")]

@@ -54,19 +54,24 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     try:
         source = ByteSource.open(src, vocab_size, False)
     except Declined:
-        return None
+        source = None
     try:
-        if optimizer and source.megatron_optimizer:
-            return None  # a Megatron-LM optimizer is decoded with torch
-        return _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
-                        team)
+        # a Megatron-LM optimizer is decoded with torch
+        go = None if source is None or (optimizer and source.megatron_optimizer) else \
+            _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
+                     team)
+        if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
+            return None
+        return go()
     finally:
-        source.close()
+        if source is not None:
+            source.close()
 
 
 def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
              quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
-             form: str = TORCH_DIST, team: Team = SOLO) -> str | None:
+             form: str = TORCH_DIST, team: Team = SOLO) -> Callable[[], str] | None:
+    """None where the copy does not apply, else what writes the output and returns the summary."""
     meta, spec = source.meta, source.meta.spec
     with_opt = optimizer and _has_optimizer(meta)
     if with_opt and form != TORCH_DIST:
@@ -79,11 +84,19 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
         step = _step(meta) if fields else None
     except (Declined, Unreadable, CkptError, OSError):
         return None
-    # from here on, what is refused is refused as the torch path refuses it, in its words
+    return lambda: _reshard_copy(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, start, form,
+                                 team, fields, step, fresh)
+
+
+def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
+                  quiet: bool, check_hashes: bool, no_preflight: bool, start: float, form: str, team: Team,
+                  fields: dict, step: float | None, fresh: bool) -> str:
+    # what is refused here is refused as the torch path refuses it, in its words
+    meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
     if check_hashes:
-        source.check_hashes()
+        source.check_hashes(team)
     counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     resume = None
@@ -117,7 +130,7 @@ def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[in
 
 
 def shared_dist(team: Team, make: Callable[[], DistWriter], run: Callable[[DistWriter, object], None], units: int,
-                label: str, quiet: bool) -> DistWriter:
+                label: str, quiet: bool, unit: str = "file") -> DistWriter:
     """`run(writer, bar)` puts every chunk of the output into `make()`'s writer. In a team it runs twice: first
     counting alone (every .distcp's size), then writing this process's run of the files (team.split by those
     sizes) and counting the rest, so that every process's index is the whole one; process 0 writes it."""
@@ -129,7 +142,7 @@ def shared_dist(team: Team, make: Callable[[], DistWriter], run: Callable[[DistW
         mine = {n for n, owner in zip(names, owners) if owner == team.rank}
         make_all = make
         make = lambda: make_all().only(mine, team)  # noqa: E731
-    bar = output.progress(units, label, quiet, unit="file")
+    bar = output.progress(units, label, quiet, unit=unit)
     with make() as writer:
         run(writer, bar)
     bar.close()
@@ -223,6 +236,20 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     path words that), anything unreadable."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
+    copied = _copied(hf_dir, dtype)
+    if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
+        return None
+    spec, index, rows, params = copied
+    out = output.check_target(out, force)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out)
+    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
+    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
+                                time.perf_counter() - start)
+
+
+def _copied(hf_dir: Path, dtype: str | None) -> tuple | None:
+    """(spec, index, rows, params dtype) of an HF model whose tensors this path copies; None where it does not."""
     try:
         spec = hf.spec_from_hf(hf_dir / "config.json")
         index = _safetensors_index(hf_dir)
@@ -239,12 +266,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         shapes = hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
         if any(index[n][1] != params or index[n][2] != s for n, s in zip(names, shapes)):
             return None
-    out = output.check_target(out, force)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
-    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out)
-    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
-    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
-                                time.perf_counter() - start)
+    return spec, index, rows, params
 
 
 def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, counts: list[int], padded: int, args,
@@ -283,7 +305,7 @@ def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts:
         writer.close(0, None)
     try:
         return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args), run, pp, "import",
-                           quiet).nbytes
+                           quiet, unit="stage").nbytes
     finally:
         for fd in fds.values():
             os.close(fd)

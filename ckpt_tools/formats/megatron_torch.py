@@ -58,7 +58,7 @@ class LegacyShards(ShardSet):
             raise FormatError(f"{where}: the optimizer state is malformed ({type(e).__name__}: {str(e)[:100]}): "
                               f"it cannot be mapped to the model's parameters; restore the file") from None
 
-    def file_problems(self) -> tuple[int, list[str]]:
+    def file_problems(self, team: object = None) -> tuple[int, list[str]]:
         return 0, []  # Megatron-LM records no sizes or hashes
 
     def rng_state(self):

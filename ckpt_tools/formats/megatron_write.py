@@ -67,7 +67,7 @@ class DistWriter:
         self.dir, self.spec, self.tp, self.counts, self.padded, self.args = iter_dir, spec, tp, counts, padded, args
         self.pp = len(counts)
         self._saving_tp, self._saving_ep = saving_tp or tp, saving_ep
-        self._files: dict[Rank, list] = {}  # rank -> [file name, fd, position]
+        self._files: dict[Rank, list] = {}  # rank -> [file name, fd, end, end at the last writeback start]
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self._opened: set[str] = set()  # the .distcp files this process writes
@@ -206,7 +206,7 @@ class DistWriter:
             self.end_stage(pp_rank, iteration)
         if self.dry:
             return
-        tensors, objects = self._index()
+        tensors, objects = self._gathered_index()
         if not self.team.lead:
             return
         state, storage = {}, []
@@ -224,16 +224,18 @@ class DistWriter:
                                                "iteration": iteration, **(common or {})})
         (self.dir / "metadata.json").write_text(json.dumps(DIST_METADATA))
 
-
-    def _index(self) -> tuple[dict, dict]:
-        """Every process's chunks and objects in the files it wrote (gathered by process 0; `nbytes` becomes the
-        team's), each tensor's chunks in order of their offsets and the tensors and objects in the order of their
-        names: the same index however the files were shared out."""
+    def _gathered_index(self) -> tuple[dict, dict]:
+        """Every process's chunks and objects in the files it wrote, gathered by process 0 (whose `nbytes` becomes
+        the team's; the others get nothing): each tensor's chunks in order of their offsets and the tensors and
+        objects in the order of their names, the same index however the files were shared out."""
         mine = self._opened
         tensors = {fqn: (dtype, shape, [c for c in chunks if c[2][0] in mine])
                    for fqn, (dtype, shape, chunks) in self._tensors.items()}
         objects = {fqn: where for fqn, where in self._objects.items() if where[0] in mine}
-        shared = self.team.share(lambda: ({f: t for f, t in tensors.items() if t[2]}, objects, self.nbytes))
+        shared = self.team.share(lambda: ({f: t for f, t in tensors.items() if t[2]}, objects, self.nbytes),
+                                 to_lead=True)
+        if not self.team.lead:
+            return {}, {}
         self.nbytes = sum(n for _, _, n in shared)
         merged: dict[str, tuple[str, tuple[int, ...], list]] = {}
         for part, _, _ in shared:
@@ -336,7 +338,8 @@ class LegacyWriter:
                           "model": self._state.pop(rank)})
 
     def close(self, iteration: int, common: dict | None = None) -> None:
-        self.nbytes = sum(self.team.share(lambda: self.nbytes))
+        shared = self.team.share(lambda: self.nbytes, to_lead=True)
+        self.nbytes = sum(shared) if self.team.lead else 0  # process 0 says the total
 
     def __enter__(self) -> LegacyWriter:
         return self
