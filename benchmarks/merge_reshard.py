@@ -92,8 +92,9 @@ def layers_for(size_gb: float, quick: bool) -> int:
     return -(-layers // 4) * 4
 
 
-def generate(save_dir: Path, spec: ModelSpec) -> None:
-    """Write SAVE_DIR/checkpoint-<ITERATION>/ and SAVE_DIR/latest the way the trainer does (no training)."""
+def generate(save_dir: Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write SAVE_DIR/checkpoint-<ITERATION>/ and SAVE_DIR/latest the way the trainer does (no training): the
+    parameters in DTYPE (bf16: the trainer's mixed precision), fp32 master/exp_avg/exp_avg_sq."""
     padded, counts = spec.padded_vocab_size(TP), layout.layers_per_stage(spec.num_layers, PP)
     tmp = save_dir / fmt.temp_name(ITERATION)
     tmp.mkdir(parents=True)
@@ -110,7 +111,7 @@ def generate(save_dir: Path, spec: ModelSpec) -> None:
                 continue
             master = full_init(key, spec, padded, SEED)  # fp32, TP/PP-invariant
             fields = {"master": master, "exp_avg": master * 1e-2, "exp_avg_sq": master.square() * 1e-4}
-            params = layout.split(key, master.to(torch.bfloat16), spec, TP, PP)
+            params = layout.split(key, master.to(dtype), spec, TP, PP)
             parts = {f: layout.split(key, v, spec, TP, PP) for f, v in fields.items()}
             for t in range(TP):
                 model_state[t][local] = model[t].tensor(params[t])
@@ -125,7 +126,7 @@ def generate(save_dir: Path, spec: ModelSpec) -> None:
                           "iteration": ITERATION, "consumed_samples": ITERATION * 8}, tmp / fmt.rng_file(Rank(t, p)))
     files = {f.name: fmt.file_record(f) for f in sorted(tmp.iterdir())}
     # the toolkit's own meta.json builder (reshard and import write theirs with it)
-    meta = fmt.build_meta(spec, TP, counts, padded, ITERATION, ITERATION * 8, "bfloat16", 1,
+    meta = fmt.build_meta(spec, TP, counts, padded, ITERATION, ITERATION * 8, str(dtype).removeprefix("torch."), 1,
                            {"seq_length": 2048, **SCHEDULE}, files, {"op": "synthetic", "by": "benchmarks/merge_reshard.py"})
     fmt.commit(save_dir, ITERATION, meta)
 
@@ -160,8 +161,10 @@ def child_env(work: Path) -> dict[str, str]:
     return env
 
 
-def run(argv: list[str], out: Path, log: Path, env: dict[str, str] | None = None) -> tuple[float, int, int]:
-    """(wall s including a trailing sync, the command's peak RSS in bytes, output bytes); OUT removed after.
+def run(argv: list[str], out: Path, log: Path, env: dict[str, str] | None = None,
+        keep: bool = False) -> tuple[float, int, int]:
+    """(wall s including a trailing sync, the command's peak RSS in bytes, output bytes); OUT removed after
+    (kept with KEEP).
 
     A child forked from this (torch-sized) process starts with our RSS as its high-water mark, so
     os.wait4's ru_maxrss alone would credit `cp` with ~360 MiB; GNU time, a tiny process, forks the
@@ -181,7 +184,8 @@ def run(argv: list[str], out: Path, log: Path, env: dict[str, str] | None = None
         sys.exit(f"{' '.join(argv)} failed (exit {proc.returncode}):\n{log.read_text()[-2000:]}")
     rss_kib = int(rss_file.read_text().split()[-1]) if prefix else usage.ru_maxrss
     nbytes = tree_bytes(out)
-    remove(out)
+    if not keep:
+        remove(out)
     return wall, rss_kib * 1024, nbytes
 
 

@@ -18,7 +18,8 @@ ends and none in between. Peak memory is torch's max allocated, the largest over
 
 A row is `NAME[:key=value,...]`: NAME hf | mcore | ours; keys tp, pp, dp, mb (micro-batches per
 step, gradients accumulated; all three), sp (sequence parallelism), recompute (selective|full),
-distopt (distributed optimizer), compile (torch.compile the layers and the loss; default 1 for ours),
+distopt (distributed optimizer), acc32 (ours: micro-batch gradients accumulated and DP-reduced in fp32,
+default 1; 0 accumulates them in bf16), compile (torch.compile the layers and the loss; default 1 for ours),
 moe (a mixture-of-experts model of that many experts, top-2: MOE_MODEL, hf is then MixtralForCausalLM; ours
 eager, its expert loop has data-dependent shapes) and ep (ours: experts split over that many of the DP ranks).
 
@@ -52,7 +53,7 @@ DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
 def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
-           "moe": 0, "ep": 1}
+           "moe": 0, "ep": 1, "acc32": 1}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
@@ -99,6 +100,7 @@ def ours(row: dict, m: dict):
         tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
         sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
         use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
+        accumulate_allreduce_grads_in_fp32=bool(row["acc32"]),
         lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, **{k: v for k, v in m.items() if k != "vocab_size"}))
     device, _ = setup_distributed(cfg)
     stage = build_stage(cfg, m["vocab_size"], device)
@@ -272,6 +274,7 @@ def describe(row: dict) -> str:
     parts += [f"{row['recompute']} recompute"] if row["recompute"] else []
     parts += ["dist. optimizer"] if row["distopt"] else []
     parts += [f"{row['mb']} micro-batches"] if row["mb"] > 1 else []
+    parts += ["grads accumulated in bf16"] if not row["acc32"] else []
     return "trainer, " + ", ".join(parts) + (", compiled" if row["compile"] else ", eager") + ", fp32 masters"
 
 

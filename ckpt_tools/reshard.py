@@ -335,6 +335,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
             return summary
     start = time.perf_counter()
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
+    leftover = output.note_leftovers(out)  # before this run stages its own
+    tail = f"\n{leftover}" if leftover else ""
     spec = hf.spec_from_hf(hf_dir / "config.json")
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
     layout.check_ep(spec, ep)
@@ -364,7 +366,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     params_dtype = dtype or first.dtype
     if form != to_megatron.OURS:
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
-                                   quiet, start, team)
+                                   quiet, start, team) + tail
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
@@ -401,7 +403,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, pp, ep)} "
             f"(layers {counts}), {dtype_name(params_dtype)}, "
             f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
-            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s")
+            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{tail}")
 
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,

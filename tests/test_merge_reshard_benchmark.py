@@ -37,3 +37,29 @@ def test_quick_run_prints_the_table(tmp_path):
         for op in ("ckpt merge --format hf", "ckpt reshard --tp 1 --pp 1 --format torch_dist"):
             torch_free = float(ops[op][5].replace(",", ""))
             assert torch_free < with_torch / 3, (op, torch_free, with_torch)
+
+
+def test_matrix_quick_run_fills_every_cell(tmp_path):
+    """benchmarks/matrix.py --quick: every input x operation cell runs (the script exits non-zero when a command
+    fails), each has a ratio to cp of its own output, merge's path does not load torch, and merge stays in its
+    memory target."""
+    table = tmp_path / "m.md"
+    proc = subprocess.run([sys.executable, "benchmarks/matrix.py", "--quick", "--markdown", str(table)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    text = table.read_text()
+    assert "merge's imports load torch: no" in text
+    details = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+               if line.startswith("| ") and line.count("|") == 8 and not line.startswith("| operation")]
+    cells = {(op, name): row for op, name, *row in details}
+    expected = {("merge -> HF", n) for n in ("ours bf16", "ours fp32", "torch_dist", "torch")}
+    expected |= {(op, n) for op in ("reshard TP2 -> TP1", "reshard TP2 -> TP4", "reshard TP2 -> TP3",
+                                    "reshard PP2 -> PP3 (uneven)") for n in ("ours bf16", "ours fp32", "torch_dist", "torch")}
+    expected |= {("export -> torch_dist", n) for n in ("ours bf16", "ours fp32", "torch")}
+    expected |= {("export -> torch", n) for n in ("ours bf16", "ours fp32", "torch_dist")}
+    expected |= {(f"import -> {t}", "HF") for t in ("ours TP3xPP2", "torch_dist TP2xPP2", "torch TP2xPP2")}
+    assert set(cells) == expected, set(cells) ^ expected
+    for (op, _), (wall, cp, out_mb, rss, big) in cells.items():
+        assert float(wall) > 0 and float(cp) > 0 and float(out_mb.replace(",", "")) > 0, (op, wall, cp, out_mb)
+        if op == "merge -> HF":
+            assert float(rss.replace(",", "")) <= 2 * float(big.replace(",", "")) + 512, (op, rss, big)

@@ -112,6 +112,19 @@ def test_a_killed_process_leaves_no_output_and_a_rerun_finishes_it(case, sources
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_writer_names_what_an_interrupted_run_left(case, sources, alone, tmp_path):
+    """A temp output left beside OUT (a run killed before it could remove it) is named in the summary, whichever
+    writer runs, and the output is still the one a clean run writes."""
+    verb, src, opts = CASES[case]
+    out = tmp_path / "out"
+    (tmp_path / ".out.tmp-1").mkdir()
+    proc = ckpt(verb, str(sources[src]), str(out), "-q", *opts)
+    assert ".out.tmp-1" in proc.stdout and "left by an interrupted run" in proc.stdout, proc.stdout
+    assert tree(out) == tree(alone[case])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["reshard-ours", "merge-hf", "import-torch_dist"])
 def test_a_failing_process_stops_the_team_and_leaves_nothing(case, sources, tmp_path):
     """Process 1 fails with an error at its first fsync: it says why in one line, the others stop without a word

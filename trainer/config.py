@@ -55,6 +55,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     seed: int = 1234
     dtype: str = "fp32"  # bf16 keeps fp32 master weights in the optimizer
+    accumulate_allreduce_grads_in_fp32: bool = True  # bf16: micro-batch gradients summed and DP-reduced in fp32
     # data
     corpus: str = "corpus.txt"
     tokenizer: str = "tokenizer"

@@ -76,6 +76,11 @@ def _adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
         weight.copy_(master)
 
 
+def _into_main_grad(p: torch.nn.Parameter) -> None:
+    p.main_grad.add_(p.grad)
+    p.grad = None
+
+
 class MasterAdamW:
     def __init__(self, stage: GPTStage, cfg: TrainConfig, dp_group=None, distributed: bool = False):
         self.cfg, self.dp_group, self.distributed = cfg, dp_group, distributed
@@ -117,6 +122,15 @@ class MasterAdamW:
         self.mixed = dtype != torch.float32
         self.master = local.float().clone() if self.mixed or distributed else local
         self.weight = None if self.master is local else local  # written by the update from the masters
+        # fp32 gradient accumulation (Megatron-LM's accumulate_allreduce_grads_in_fp32, its default in bf16): each
+        # micro-batch's bf16 gradient is added into one flat fp32 buffer as soon as autograd has it (the weights'
+        # `.grad` is then cleared), and the DP reduction runs on that buffer in fp32
+        self.main_grad = None
+        if self.mixed and cfg.accumulate_allreduce_grads_in_fp32:
+            self.main_grad = torch.zeros(self.flat.numel(), dtype=torch.float32, device=device)
+            for p, s, n in zip(self.params, self.starts, self.sizes):
+                p.main_grad = self.main_grad[s:s + n].view_as(p)
+                p.register_post_accumulate_grad_hook(_into_main_grad)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = 0
@@ -141,11 +155,25 @@ class MasterAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.main_grad is not None:
+            self.main_grad.zero_()
+
+    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The gradient accumulated so far this step: the fp32 buffer's view, else `.grad`."""
+        return p.main_grad if self.main_grad is not None else p.grad
+
+    def scale_main_grad(self, factor: float) -> None:
+        """Scale the fp32-accumulated gradients (the pipeline schedule scales only `.grad`)."""
+        if self.main_grad is not None:
+            self.main_grad.mul_(factor)
 
     def _local_grad(self) -> torch.Tensor:
         """This rank's slice of the DP-averaged flat gradient."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.main_grad is not None:
+            flat = self.main_grad  # fp32, already padded to DP x chunk in distributed mode
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
         if not self.distributed:
             if self.ep_split:
                 self._reduce_split(flat)
@@ -153,7 +181,8 @@ class MasterAdamW:
                 dist.all_reduce(flat, group=self.dp_group)
                 flat /= self.dp
             return flat
-        flat = torch.nn.functional.pad(flat.float(), (0, self.flat.numel() - flat.numel()))
+        if self.main_grad is None:
+            flat = torch.nn.functional.pad(flat.float(), (0, self.flat.numel() - flat.numel()))
         if self.dp == 1:
             return flat[:self.hi - self.lo]
         local = torch.empty(self.chunk, dtype=torch.float32, device=flat.device)

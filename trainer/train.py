@@ -119,11 +119,11 @@ class Stepper:
         return None
 
 
-def sync_sequence_parallel_grads(stage: GPTStage) -> None:
+def sync_sequence_parallel_grads(stage: GPTStage, opt: MasterAdamW) -> None:
     """Under SP a norm (or a row-parallel bias) saw only this rank's part of the sequence, and a per-head
     q/k norm saw only this rank's heads: sum their gradients over TP, as megatron-core's
     finalize_model_grads does for parameters marked `sequence_parallel` and for q/k layernorms."""
-    grads = [p.grad for p in stage.parameters() if p.grad is not None and (
+    grads = [g for p in stage.parameters() if (g := opt.grad_of(p)) is not None and (
         (stage.sequence_parallel and getattr(p, "sequence_parallel", False)) or getattr(p, "partial_over_tp", False))]
     if stage.tp_size == 1 or not grads:
         return
@@ -132,14 +132,14 @@ def sync_sequence_parallel_grads(stage: GPTStage) -> None:
     torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def sync_tied_embeddings(stage: GPTStage) -> None:
+def sync_tied_embeddings(stage: GPTStage, opt: MasterAdamW) -> None:
     """With tied embeddings and PP > 1 the first and last stages hold copies; sum their grads."""
     if not (stage.spec.tie_word_embeddings and len(stage.layer_counts) > 1 and ps.is_rank_in_embedding_group()):
         return
     weight = stage.embedding.word_embeddings.weight if stage.pre_process else stage.output_layer.weight
-    if weight.grad is None:
+    if opt.grad_of(weight) is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+    dist.all_reduce(opt.grad_of(weight), group=ps.get_embedding_group())
 
 
 class Logger:
@@ -167,8 +167,10 @@ def train_step(cfg: TrainConfig, stage: GPTStage, stepper: Stepper, opt: MasterA
     """One optimizer step on one global batch; (mean loss on the last stage, grad norm), on device."""
     opt.zero_grad()
     loss = stepper(tokens)
-    sync_sequence_parallel_grads(stage)
-    sync_tied_embeddings(stage)
+    if stepper.schedule is not None:  # the schedule divided `.grad` by the micro-batches, not the fp32 buffer
+        opt.scale_main_grad(1.0 / cfg.num_micro_batches)
+    sync_sequence_parallel_grads(stage, opt)
+    sync_tied_embeddings(stage, opt)
     norm = opt.step(lr, cfg.gradient_clipping)
     if loss is not None and opt.dp > 1:
         loss = loss.clone()

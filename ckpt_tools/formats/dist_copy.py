@@ -241,11 +241,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         return None
     spec, index, rows, params = copied
     out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
     args = to_megatron.check(spec, tp, counts, padded, params, form, None, out)
     nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
-    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
-                                time.perf_counter() - start)
+    summary = to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
+                                   time.perf_counter() - start)
+    return summary + (f"\n{leftover}" if leftover else "")
 
 
 def _copied(hf_dir: Path, dtype: str | None) -> tuple | None:
