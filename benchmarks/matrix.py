@@ -13,8 +13,8 @@ PP2). Reshard writes the source's own form (ours -> ours, torch_dist -> torch_di
 the optimizer state where the source has one (export of ours into the legacy torch form: weights only, the
 form this version writes an optimizer into being torch_dist).
 
-Each cell times the command (subprocess, followed by `sync`, warm page cache, median of --repeats rounds) against
-`cp -r` of the output that command wrote, in the same rounds: the cost of writing the same bytes. Peak RSS is the
+Each cell times the command (subprocess, followed by `sync`, warm page cache, median of --repeats runs) against
+`cp -r` of the output that command wrote, the two alternating: the cost of writing the same bytes. Peak RSS is the
 command's own (GNU time). The largest tensor is the model's largest full tensor in the element size the command
 moves (fp32 where an optimizer is carried). Targets (issue 21): wall <= 1.25 x cp; RSS <= 2 x largest + 512 MiB.
 Start-up: `ckpt --help` and a merge of a tiny checkpoint, with torch left unimported.
@@ -141,22 +141,23 @@ def at(argv: list[str], out: Path) -> list[str]:
 
 
 def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict) -> dict:
-    """Per cell: the command's and cp -r of its output's wall times, the command's peak RSS and output bytes."""
+    """Per cell: the command's and cp -r of its output's wall times, the command's peak RSS and output bytes. A cell
+    is measured in one go (its output kept for cp only while it is measured: the whole matrix's outputs would not fit
+    on the disk), the command and cp alternating, so that a slow phase of the machine hits both alike."""
     out, copy, log = work / "out", work / "copy", work / "last.log"
-    refs, first = {}, {}
-    for i, (key, argv) in enumerate(cells.items()):  # warm-up: fills the caches, keeps the output for cp
-        refs[key] = work / f"ref-{i}"
-        first[key] = run(at(argv, refs[key]), refs[key], log, env, keep=True)
-    results = {key: {"wall": [], "cp": [], "rss": [], "bytes": first[key][2]} for key in cells}
-    for r in range(repeats):  # interleaved rounds: a slow phase of the machine hits every cell alike
-        for key, argv in cells.items():
-            wall, rss, _ = first[key] if not warm and r == 0 else run(at(argv, out), out, log, env)
-            results[key]["wall"].append(wall)
-            results[key]["rss"].append(rss)
-            results[key]["cp"].append(run(["cp", "-r", str(refs[key]), str(copy)], copy, log, env)[0])
-        print(f"  round {r + 1}/{repeats} done", file=sys.stderr)
-    for ref in refs.values():
+    results = {}
+    for i, (key, argv) in enumerate(cells.items()):
+        ref = work / "ref"
+        first = run(at(argv, ref), ref, log, env, keep=True)  # warm-up: fills the caches, keeps the output for cp
+        r = results[key] = {"wall": [], "cp": [], "rss": [], "bytes": first[2]}
+        for k in range(repeats):
+            wall, rss, _ = first if not warm and k == 0 else run(at(argv, out), out, log, env)
+            r["wall"].append(wall)
+            r["rss"].append(rss)
+            r["cp"].append(run(["cp", "-r", str(ref), str(copy)], copy, log, env)[0])
         remove(ref)
+        print(f"  {i + 1}/{len(cells)} {key[0]} of {key[1]}: {statistics.median(r['wall']):.2f} s, cp "
+              f"{statistics.median(r['cp']):.2f} s", file=sys.stderr)
     return results
 
 
@@ -234,8 +235,8 @@ def main() -> None:
         table = render(spec, sources, results, markdown=False)
         note = (f"llama, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads in "
                 f"{spec.num_query_groups} query groups, ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}; inputs "
-                f"TP{TP} x PP{PP}. Cell: median wall / median cp -r of the command's own output, and peak RSS "
-                f"('!': over 1.25x or over 2 x largest tensor + 512 MiB). {repeats} round(s), warm cache, sync after "
+                f"TP{TP} x PP{PP}. Cell: median wall / median cp -r of the command's own output (alternating), and peak RSS "
+                f"('!': over 1.25x or over 2 x largest tensor + 512 MiB). {repeats} run(s) each, warm cache, sync after "
                 f"each command; {os.cpu_count()} CPUs, load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after. "
                 f"Start-up: ckpt --help {boot['help_s']:.2f} s; merge's imports load torch: "
                 f"{'yes' if boot['merge_imports_torch'] else 'no'}.")

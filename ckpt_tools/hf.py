@@ -19,6 +19,7 @@ the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,6 +167,20 @@ def spec_from_hf(config_path: Path) -> ModelSpec:
                           f"fix config.json or save the model again with transformers") from None
 
 
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """name -> (safetensors dtype, shape, first byte, end byte in the file) from a header safe_open has read."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {name: (e["dtype"], tuple(e["shape"]), 8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1])
+            for name, e in header.items()}
+
+
 class HFTensors:
     """The tensors of an HF model dir (model.safetensors or an index of several) or of one
     safetensors file, read lazily."""
@@ -184,6 +199,8 @@ class HFTensors:
             raise FormatError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json: only safetensors "
                               f"weights are imported (convert .bin weights with transformers' save_pretrained)")
         self._handles = {}
+        self._paths: dict[str, Path] = {}
+        self._offsets: dict[str, dict] = {}
         self.where: dict[str, str] = {}
         for name in files:
             path = hf_dir / name
@@ -194,11 +211,26 @@ class HFTensors:
             except Exception as e:  # safetensors raises its own error types for a damaged header
                 raise FormatError(f"{path}: not a readable safetensors file ({e}): download or merge it again") from None
             self._handles[name] = handle
+            self._paths[name] = path
             for key in handle.keys():
                 self.where[key] = name
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name)
+        """The tensor, read into memory of its own (pread, not the file's mapping: the pages of every tensor read so
+        far would otherwise stay resident until the end)."""
+        import torch
+        file = self.where[name]
+        if file not in self._offsets:
+            self._offsets[file] = _data_offsets(self._paths[file])
+        dtype, shape, start, end = self._offsets[file][name]
+        if dtype not in SAFETENSORS_DTYPES or end == start:
+            return self._handles[file].get_tensor(name)
+        buf = bytearray(end - start)
+        with open(self._paths[file], "rb", buffering=0) as f:
+            f.seek(start)
+            if f.readinto(buf) != len(buf):
+                raise FormatError(f"{self._paths[file]}: {name} runs past the end of the file: download or merge it again")
+        return torch.frombuffer(buf, dtype=getattr(torch, SAFETENSORS_DTYPES[dtype])).reshape(shape)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.where[name]].get_slice(name).get_shape())

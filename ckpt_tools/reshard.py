@@ -89,6 +89,12 @@ class Target:
         for i, local, t in self._files(key):
             self._optim_state[i].setdefault(local, {})[field] = self._optim[i].tensor(shards[t])
 
+    def put_zeros(self, key: str, field: str) -> None:
+        """An fp32 optimizer field of zeros (a fresh moment), never made in memory nor written (TorchFileWriter.zeros)."""
+        shape = layout.shard_shape(key, self.spec, self.padded, self.tp, self.pp)
+        for i, local, _ in self._files(key):
+            self._optim_state[i].setdefault(local, {})[field] = self._optim[i].zeros(torch.float32, shape)
+
     def end_stage(self, optimizer_extras: dict) -> None:
         for i in range(len(self._ranks)):
             self._close(self._model[i], {"model": self._model_state[i]})
@@ -354,10 +360,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                           f"the weights and config.json disagree")
     wrong = []  # shapes too, before anything is written: a mismatch would crash mid-way or import garbage
     for key, (row, names) in rows.items():
-        full = torch.empty(layout.full_shape(key, spec, padded), device="meta")
-        for name, want in zip(names, hf.to_hf(row.kind, full, spec)):
-            if source.shape(name) != tuple(want.shape):
-                wrong.append(f"{name} {list(source.shape(name))}, expected {list(want.shape)}")
+        for name, want in zip(names, hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
+            if source.shape(name) != tuple(want):
+                wrong.append(f"{name} {list(source.shape(name))}, expected {list(want)}")
     if wrong:
         raise FormatError(f"{hf_dir}: tensor shapes do not match a {spec.architecture} model of this config.json "
                           f"({'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}): "
@@ -389,10 +394,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                 full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
                 target.put(key, full)
                 if optimizer:
-                    master = full.float()
-                    target.put_state(key, "master", master)
-                    target.put_state(key, "exp_avg", torch.zeros_like(master))
-                    target.put_state(key, "exp_avg_sq", torch.zeros_like(master))
+                    target.put_state(key, "master", full.float())
+                    target.put_zeros(key, "exp_avg")
+                    target.put_zeros(key, "exp_avg_sq")
                     target.put_state(key, "step", torch.tensor(0.0))
                 bar.update(1)
             target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
