@@ -8,12 +8,14 @@ path (ckpt_tools.merge with ckpt_tools.byte_ranges) writes through this module t
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import hashlib
 import json
 import os
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +153,46 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+_ZEROS = memoryview(bytes(1 << 22))
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file's bytes; its holes (a fresh optimizer's zero moments) are hashed from a buffer of zeros, not
+    read."""
     h, buf = hashlib.sha256(), bytearray(chunk)  # one reused buffer: no fresh pages per chunk
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        for start, end, data in _extents(f.fileno()):
+            if not data:
+                for at in range(start, end, len(_ZEROS)):
+                    h.update(_ZEROS[:min(len(_ZEROS), end - at)])
+                continue
+            f.seek(start)
+            left = end - start
+            while left > 0 and (n := f.readinto(view[:min(chunk, left)])):
+                h.update(view[:n])
+                left -= n
     return h.hexdigest()
+
+
+def _extents(fd: int) -> Iterator[tuple[int, int, bool]]:
+    """(start, end, holds data) of a file's data and hole runs; one data run where the filesystem cannot tell."""
+    size = os.fstat(fd).st_size
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole up to the end
+                yield pos, size, False
+                return
+            yield pos, size, True  # SEEK_DATA not supported here
+            return
+        if data > pos:
+            yield pos, data, False
+        hole = os.lseek(fd, data, os.SEEK_HOLE)
+        yield data, hole, True
+        pos = hole
 
 
 # ---------------------------------------------------------------- resident pages of mmap'd files
