@@ -36,6 +36,7 @@ STORAGE_CLASSES = {"float32": "FloatStorage", "bfloat16": "BFloat16Storage", "fl
 ALIGNMENT = 64  # torch.save's storage alignment (its .storage_alignment record)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at least this needs zip64 fields (a module value: tests lower it)
 ZIP64_MARK = 0xFFFFFFFF  # what a 32-bit field holds when its value is in the zip64 fields
+SMALL_WRITE = 1 << 16  # writes below this are gathered in memory and written together
 
 
 class Unpicklable(TypeError):
@@ -220,6 +221,7 @@ class Archive:
     def __init__(self, fd: int | None, start: int, prefix: str = "archive"):
         self.fd, self.start, self.pos, self.prefix = fd, start, start, prefix
         self._entries: list[tuple[bytes, int, int]] = []  # (name, local header offset, size)
+        self._small, self._small_at = bytearray(), start  # headers and pickles, written together (one pwrite)
 
     def add(self, name: str, data: Data) -> None:
         full = f"{self.prefix}/{name}".encode()
@@ -243,16 +245,30 @@ class Archive:
         if isinstance(data, list):
             for part in data:
                 if isinstance(part, tuple):
+                    self._flush()
                     src, offset, n = part
                     copy_range(src, offset, self.fd, self.pos, n)
                     self.pos += n
                 else:
                     self._write(part)
             return
-        view, done = memoryview(data).cast("B"), 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], self.pos + done)
-        self.pos += done
+        view = memoryview(data).cast("B")
+        if len(view) < SMALL_WRITE:
+            if not self._small:
+                self._small_at = self.pos
+            self._small += view
+            self.pos += len(view)
+            if len(self._small) >= SMALL_WRITE:
+                self._flush()
+            return
+        self._flush()
+        _pwrite_all(self.fd, view, self.pos)
+        self.pos += len(view)
+
+    def _flush(self) -> None:
+        if self._small:
+            _pwrite_all(self.fd, memoryview(self._small), self._small_at)
+            self._small = bytearray()
 
     def close(self) -> int:
         """The central directory and end records; the position after the archive."""
@@ -274,7 +290,15 @@ class Archive:
             self._write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
                                 ZIP64_MARK if zip64 else cd_size, ZIP64_MARK if zip64 else cd_start, 0))
+        if self.fd is not None:
+            self._flush()
         return self.pos
+
+
+def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], pos + done)
 
 
 def _torch_records(archive: Archive, pickled: bytes, tensors: list[tuple[str, Data]]) -> int:
