@@ -10,6 +10,7 @@ and fsynced in background threads while the next ones are written.
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +41,8 @@ class Target:
         self.mine: set[Rank] | None = None  # the ranks whose files this process writes (a team's share; None: all)
         self.pp = len(counts)
         self.optimizer = optimizer
-        self._pool = ThreadPoolExecutor(2)  # hashes and fsyncs finished files while the next ones are written
+        # hashes and fsyncs finished files while the next ones are written (sha256 runs at ~2 GB/s a core)
+        self._pool = ThreadPoolExecutor(min(8, max(2, os.cpu_count() or 2)))
         self._hashes: dict[str, Future] = {}
         self.nbytes = 0
 
