@@ -226,10 +226,15 @@ class HFTensors:
         if dtype not in SAFETENSORS_DTYPES or end == start:
             return self._handles[file].get_tensor(name)
         buf = bytearray(end - start)
+        view, done = memoryview(buf), 0
         with open(self._paths[file], "rb", buffering=0) as f:
             f.seek(start)
-            if f.readinto(buf) != len(buf):
-                raise FormatError(f"{self._paths[file]}: {name} runs past the end of the file: download or merge it again")
+            while done < len(buf):  # one read returns at most ~2 GiB
+                n = f.readinto(view[done:])
+                if not n:
+                    raise FormatError(f"{self._paths[file]}: {name} runs past the end of the file: download or merge "
+                                      f"it again")
+                done += n
         return torch.frombuffer(buf, dtype=getattr(torch, SAFETENSORS_DTYPES[dtype])).reshape(shape)
 
     def shape(self, name: str) -> tuple[int, ...]:

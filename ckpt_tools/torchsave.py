@@ -245,7 +245,7 @@ class Archive:
         if isinstance(data, list):
             for part in data:
                 if isinstance(part, tuple):
-                    self._flush()
+                    self.flush()
                     src, offset, n = part
                     copy_range(src, offset, self.fd, self.pos, n)
                     self.pos += n
@@ -259,13 +259,14 @@ class Archive:
             self._small += view
             self.pos += len(view)
             if len(self._small) >= SMALL_WRITE:
-                self._flush()
+                self.flush()
             return
-        self._flush()
+        self.flush()
         _pwrite_all(self.fd, view, self.pos)
         self.pos += len(view)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the small writes gathered so far."""
         if self._small:
             _pwrite_all(self.fd, memoryview(self._small), self._small_at)
             self._small = bytearray()
@@ -291,7 +292,7 @@ class Archive:
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
                                 ZIP64_MARK if zip64 else cd_size, ZIP64_MARK if zip64 else cd_start, 0))
         if self.fd is not None:
-            self._flush()
+            self.flush()
         return self.pos
 
 

@@ -222,3 +222,20 @@ def test_sha256_of_a_file_with_holes_equals_hashlib(runs, tmp_path):
             f.seek(n, 1) if run == "hole" else f.write(os.urandom(n))
         f.truncate(f.tell())
     assert sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_an_hf_tensor_over_2_gib_is_read_whole(tmp_path):
+    """One read() returns at most ~2 GiB on Linux: a larger tensor (a 70B model's embedding in bf16) is read in
+    several, not refused as truncated. The file is sparse: zeros but for its last element."""
+    import json
+    import struct
+    from ckpt_tools.hf import HFTensors
+    n = (1 << 30) + (1 << 19)  # bf16 elements: 2 GiB + 1 MiB
+    header = json.dumps({"x": {"dtype": "BF16", "shape": [n], "data_offsets": [0, 2 * n]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.seek(2 * n - 2, 1)
+        f.write(torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    t = HFTensors(tmp_path).get("x")
+    assert t.shape == (n,) and float(t[-1]) == 1.5 and float(t[0]) == 0.0

@@ -70,10 +70,20 @@ def test_fp32_gradient_accumulation_sums_each_bf16_micro_batch_gradient_in_fp32(
     assert r["rel_error_fp32_accumulation"] < r["rel_error_bf16_accumulation"], r
 
 
-def test_bf16_pipeline_with_fp32_accumulation_follows_the_unpipelined_curve(tmp_path):
+@pytest.mark.parametrize("config", ["tiny_llama.yaml", "tiny_gpt2.yaml"])
+def test_bf16_pipeline_with_fp32_accumulation_follows_the_unpipelined_curve(config, tmp_path):
     """PP2's schedule divides `.grad` by the micro-batches; the fp32 buffer must be divided too (a missed
-    division shows as a 4x grad norm)."""
+    division shows as a 4x grad norm). gpt2 ties its embeddings: the two stages' copies sum their fp32 buffers."""
     common = dict(dtype="bf16", tp_degree=1, train_iters=3)
-    unpipelined = train("tiny_llama.yaml", tmp_path / "pp1", 1, pp_degree=1, **common)
-    pipelined = train("tiny_llama.yaml", tmp_path / "pp2", 2, pp_degree=2, **common)
+    unpipelined = train(config, tmp_path / "pp1", 1, pp_degree=1, **common)
+    pipelined = train(config, tmp_path / "pp2", 2, pp_degree=2, **common)
     assert_same_curve(unpipelined, pipelined, 1e-3)
+
+
+def test_bf16_distributed_optimizer_reduce_scatters_the_fp32_buffer(tmp_path):
+    """DP2, bf16 weights: the distributed optimizer (reduce-scatter of the fp32 buffer, padded to DP x chunk)
+    follows the plain optimizer (all-reduce of it)."""
+    common = dict(dtype="bf16", tp_degree=1, pp_degree=1, train_iters=3)
+    plain = train("tiny_llama.yaml", tmp_path / "plain", 2, **common)
+    sharded = train("tiny_llama.yaml", tmp_path / "sharded", 2, use_distributed_optimizer=True, **common)
+    assert_same_curve(plain, sharded, 1e-3)

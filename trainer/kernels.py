@@ -1,8 +1,9 @@
 """A Triton kernel for the trainer's AdamW step on CUDA: one pass over the flat buffers.
 
-Per element it reads the bf16 (or fp32) gradient, the fp32 master and both fp32 moments, and
-writes the master, the moments and the bf16 weight: 28 bytes per parameter in bf16 training, the
-least an fp32-master AdamW can move. The math is `trainer.optim._adamw`'s (torch.optim.AdamW's),
+Per element it reads the gradient (fp32 where micro-batches are accumulated in fp32, the default;
+else bf16), the fp32 master and both fp32 moments, and writes the master, the moments and the bf16
+weight: 30 bytes per parameter in bf16 training (28 with a bf16 gradient), the least an fp32-master
+AdamW can move. The math is `trainer.optim._adamw`'s (torch.optim.AdamW's),
 which stays the reference and the CPU path; tests/test_gpu.py compares the two.
 """
 from __future__ import annotations

@@ -9,7 +9,9 @@ each rank steps its slice, the new weights are all-gathered. The state is expose
 key, so the optimizer file on disk is the same in both modes and for any DP size.
 
 The segments are ordered decay first, so the update needs one boundary. On CUDA it is one Triton
-kernel (trainer/kernels.py: bf16 gradient in; master, moments and bf16 weight out). A step takes
+kernel (trainer/kernels.py: fp32 or bf16 gradient in; master, moments and bf16 weight out). In bf16
+training the micro-batches' gradients are summed in an fp32 buffer (`main_grad`, Megatron's
+accumulate_allreduce_grads_in_fp32) unless the config turns it off. A step takes
 no host sync: the grad norm and the clip factor stay on the device.
 """
 from __future__ import annotations
@@ -77,8 +79,9 @@ def _adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
 
 
 def _into_main_grad(p: torch.nn.Parameter) -> None:
-    p.main_grad.add_(p.grad)
-    p.grad = None
+    if p.grad is not None and p.main_grad is not None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
 
 
 class MasterAdamW:
@@ -129,8 +132,9 @@ class MasterAdamW:
         if self.mixed and cfg.accumulate_allreduce_grads_in_fp32:
             self.main_grad = torch.zeros(self.flat.numel(), dtype=torch.float32, device=device)
             for p, s, n in zip(self.params, self.starts, self.sizes):
+                if not hasattr(p, "main_grad"):  # one hook per parameter, whichever optimizer's buffer it feeds
+                    p.register_post_accumulate_grad_hook(_into_main_grad)
                 p.main_grad = self.main_grad[s:s + n].view_as(p)
-                p.register_post_accumulate_grad_hook(_into_main_grad)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = 0

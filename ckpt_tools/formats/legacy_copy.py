@@ -67,6 +67,7 @@ def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], p
             archive.add(f"data/{ref}", data)
             model[local] = torchsave.TensorRef(ref, dtype, shape)
             nbytes += torchsave.data_size(data)
+            archive.flush()
             io.start_writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
             flushed = archive.pos
         torchsave.finish(archive, torchsave.dumps({**header, "model": model}))
