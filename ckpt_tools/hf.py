@@ -27,6 +27,7 @@ from ckpt_tools import families, layout
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.families import C_ATTN, CONV1D, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.writers import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -167,14 +168,12 @@ def spec_from_hf(config_path: Path) -> ModelSpec:
                           f"fix config.json or save the model again with transformers") from None
 
 
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def _data_offsets(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-    """name -> (safetensors dtype, shape, first byte, end byte in the file) from a header safe_open has read."""
+def data_offsets(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """name -> (safetensors dtype, shape, first byte, end byte in the file) of a safetensors file, from its header."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 << 20:
+            raise FormatError(f"{path}: a safetensors header of {n} bytes: download or merge it again")
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return {name: (e["dtype"], tuple(e["shape"]), 8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1])
@@ -221,7 +220,7 @@ class HFTensors:
         import torch
         file = self.where[name]
         if file not in self._offsets:
-            self._offsets[file] = _data_offsets(self._paths[file])
+            self._offsets[file] = data_offsets(self._paths[file])
         dtype, shape, start, end = self._offsets[file][name]
         if dtype not in SAFETENSORS_DTYPES or end == start:
             return self._handles[file].get_tensor(name)

@@ -39,6 +39,7 @@ from ckpt_tools.formats.torch_dist import stacked_key
 from ckpt_tools.ranks import TP, Rank
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
+from ckpt_tools.writers import SAFETENSORS_DTYPES
 
 STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
@@ -222,7 +223,7 @@ def _step(meta: checkpoint.Meta) -> float:
 
 
 # ---------------------------------------------------------------- import: an HF model's tensors as chunks
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes this path copies
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
@@ -411,18 +412,12 @@ def _read_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int
     out = {}
     for name in files:
         path = hf_dir / name
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 << 20:
-                raise Declined(f"{path}: a header of {n} bytes")
-            header = json.loads(f.read(n))
-        end, at = path.stat().st_size, 0
-        entries = sorted(((e["data_offsets"], t, e) for t, e in header.items() if t != "__metadata__"),
-                         key=lambda x: x[0][0])
-        for (a, b), tensor, e in entries:  # safetensors' own rule: the data one tensor after another, no gap
-            dtype, shape = SAFETENSORS_DTYPES.get(e["dtype"]), tuple(e["shape"])
-            if dtype is None or len(shape) > 2 or a != at or b - a != math.prod(shape) * ELEMENT_SIZES[dtype] \
-                    or 8 + n + b > end or tensor in out:
+        end, at = path.stat().st_size, None
+        entries = sorted(hf.data_offsets(path).items(), key=lambda item: item[1][2])
+        for tensor, (code, shape, a, b) in entries:  # safetensors' own rule: the data one tensor after another
+            dtype = SAFETENSORS_DTYPES.get(code)
+            if dtype not in COPIED_DTYPES or len(shape) > 2 or at not in (None, a) \
+                    or b - a != math.prod(shape) * ELEMENT_SIZES[dtype] or b > end or tensor in out:
                 raise Declined(f"{path}: {tensor} is not a tensor this path copies")
-            out[tensor], at = (path, dtype, shape, 8 + n + a, b - a), b
+            out[tensor], at = (path, dtype, shape, a, b - a), b
     return out
