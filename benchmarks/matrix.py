@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -43,7 +42,6 @@ import megatron_forms  # noqa: E402
 import merge_reshard  # noqa: E402
 from merge_reshard import CKPT, MIB, child_env, remove, run, tree_bytes  # noqa: E402
 
-from ckpt_tools import layout  # noqa: E402
 from ckpt_tools.spec import ModelSpec  # noqa: E402
 
 TP, PP = 2, 2
@@ -61,11 +59,7 @@ def make_spec(size_gb: float, quick: bool) -> ModelSpec:
                          ffn_hidden_size=264, vocab_size=1000, max_position_embeddings=256)
     one = ModelSpec("llama", num_layers=1, hidden_size=1536, num_attention_heads=24, num_query_groups=12,
                     ffn_hidden_size=4104, vocab_size=32000, max_position_embeddings=4096)
-    padded = one.padded_vocab_size(TP)
-    per_layer = sum(math.prod(layout.full_shape(k, one, padded) or (0,)) for _, k in layout.stage_keys(one, [1], 0)
-                    if layout.layer_index(k) is not None)
-    rest = 2 * padded * one.hidden_size + one.hidden_size
-    layers = max(4, round((size_gb * 1e9 / 2 - rest) / per_layer / 2) * 2)
+    layers = max(4, megatron_forms.layers_for(one, size_gb, 2))
     layers += 2 if layers % 3 == 0 else 0
     return ModelSpec(**{**one.to_dict(), "num_layers": layers})
 
@@ -79,10 +73,8 @@ def uneven(layers: int) -> str:
 
 
 def largest(spec: ModelSpec, element_size: int) -> int:
-    padded = spec.padded_vocab_size(TP)
-    return max(math.prod(layout.full_shape(k, spec, padded) or (0,))
-               for p in range(PP) for _, k in layout.stage_keys(spec, layout.layers_per_stage(spec.num_layers, PP), p)
-               ) * element_size
+    """Bytes of the model's largest full tensor at ELEMENT_SIZE."""
+    return megatron_forms.largest(spec) // 2 * element_size  # megatron_forms counts bf16
 
 
 # ---------------------------------------------------------------- the inputs

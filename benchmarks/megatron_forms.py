@@ -41,12 +41,16 @@ def make_spec(size_gb: float, quick: bool) -> ModelSpec:
                          ffn_hidden_size=176, vocab_size=1000)
     one = ModelSpec("llama", num_layers=1, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
                     ffn_hidden_size=2816, vocab_size=32000, max_position_embeddings=4096)
+    return ModelSpec(**{**one.to_dict(), "num_layers": layers_for(one, size_gb, PP)})
+
+
+def layers_for(one: ModelSpec, size_gb: float, multiple: int) -> int:
+    """How many layers (a multiple of MULTIPLE, at least one such) give the model of ONE's widths SIZE_GB of bf16."""
     padded = one.padded_vocab_size(TP)
     per_layer = sum(math.prod(layout.full_shape(k, one, padded)) for _, k in layout.stage_keys(one, [1], 0)
                     if layout.layer_index(k) is not None and layout.full_shape(k, one, padded))
     rest = 2 * padded * one.hidden_size + one.hidden_size
-    layers = max(PP, round((size_gb * 1e9 / 2 - rest) / per_layer / PP) * PP)
-    return ModelSpec(**{**one.to_dict(), "num_layers": layers})
+    return max(multiple, round((size_gb * 1e9 / 2 - rest) / per_layer / multiple) * multiple)
 
 
 def generate(work: Path, spec: ModelSpec) -> Path:
