@@ -83,7 +83,11 @@ def _bias(s: ModelSpec, pp: int) -> bool:
 
 
 def _qk_norm(s: ModelSpec, pp: int) -> bool:
-    return s.qk_layernorm
+    return s.qk_layernorm and not s.qk_norm_across_heads
+
+
+def _qk_norm_across(s: ModelSpec, pp: int) -> bool:
+    return s.qk_layernorm and s.qk_norm_across_heads
 
 
 def _moe(s: ModelSpec, pp: int) -> bool:
@@ -124,6 +128,11 @@ TABLE: tuple[Rule, ...] = (
     Rule(_L + "self_attention.linear_qkv._extra_state", EXTRA, LAYER, None, _always),
     Rule(_L + "self_attention.q_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm),
     Rule(_L + "self_attention.k_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm),
+    # OLMoE's norms over all heads: each TP rank holds its own heads' (query groups') slice
+    Rule(_L + "self_attention.q_layernorm.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_attention_heads * s.kv_channels,), _qk_norm_across),
+    Rule(_L + "self_attention.k_layernorm.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_query_groups * s.kv_channels,), _qk_norm_across),
     Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always),
     Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
     Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,

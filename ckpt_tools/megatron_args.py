@@ -40,7 +40,10 @@ def pipeline_split(counts: list[int]) -> dict:
 
 def check_expressible(spec: ModelSpec) -> None:
     """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's, Gemma's scaled
-    embeddings and zero-centred norms)."""
+    embeddings and zero-centred norms, OLMoE's q/k norms over all heads)."""
+    if spec.qk_norm_across_heads:
+        raise ConfigError(f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises "
+                          f"each head: Megatron-LM's forms cannot hold this model; keep it in our format or HF")
     if spec.scale_embeddings or spec.zero_centered_norm:
         raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
                           f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "

@@ -42,7 +42,8 @@ class ModelSpec:
     normalization: str | None = None  # RMSNorm | LayerNorm
     add_bias_linear: bool | None = None  # biases on every linear layer
     add_qkv_bias: bool | None = None  # biases on the QKV projection only (Qwen2)
-    qk_layernorm: bool | None = None  # a per-head norm on queries and keys (Qwen3)
+    qk_layernorm: bool | None = None  # a norm on queries and keys (Qwen3, OLMoE)
+    qk_norm_across_heads: bool | None = None  # that norm spans all heads at once, not each head (OLMoE)
     position_embedding_type: str | None = None  # rope | learned_absolute
     rope_scaling: str | None = None  # None or llama3 (Llama 3.1 frequency scaling)
     rope_scaling_factor: float = 8.0  # llama3 scaling parameters (megatron-core's defaults)

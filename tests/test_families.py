@@ -44,6 +44,8 @@ CASES = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "mixtral"),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "norm_topk_prob": False, "head_dim": 24}, "qwen3_moe"),
+    # q/k norms over all heads (each TP rank its heads' slice), top-2 of 4 experts, not renormalised
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}, "olmoe"),
 }
 
 
@@ -104,7 +106,7 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("gemma", "llama3_tied", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+FORWARD = ("gemma", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
 @pytest.mark.slow
@@ -219,17 +221,20 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
-    """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), Gemma's zero-centred norms
-    start at zero; a checkpoint resharded to TP1 x PP2 continues the same curve. (QKV biases are linear biases, split
+    """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), OLMoE's norms over all heads
+    sum their squares over TP and keep each rank's weight slice, Gemma's zero-centred norms start at zero; a
+    checkpoint resharded to TP1 x PP2 continues the same curve. (QKV biases are linear biases, split
     with their weight like gpt2's and trained in gpt2's tests; llama3 scaling only changes the rotary tables, whose
     forward test_sharded_forward_equals_transformers checks.)"""
     extra = {"architecture": arch, "kv_channels": 24} if arch in ("qwen3", "gemma") else {"architecture": arch}
     if arch == "gemma":
         extra["tie_word_embeddings"] = True
-    if arch == "mixtral":  # top-2 of 4 experts, each on every rank; the load-balancing loss in the curve
+    if arch in ("mixtral", "olmoe"):  # top-2 of 4 experts, each on every rank; the load-balancing loss in the curve
         extra.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
+    if arch == "olmoe":
+        extra.update(moe_router_pre_softmax=True)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}
@@ -245,10 +250,25 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
 
 
-def test_gemma_is_not_written_in_megatron_lm_forms(hf_dirs, tmp_path):
+def test_olmoe_norm_over_all_heads_split_over_tp_equals_transformers(tmp_path):
+    """The trainer's OLMoE q/k norm at TP2 (each rank half the features, the squares summed over TP through autograd)
+    against transformers' OlmoeRMSNorm over the whole width: output, input and weight gradients of each half."""
+    from conftest import torchrun
+    torchrun(2, ["tests/across_heads_norm_check.py", str(tmp_path / "errors.json")])
+    for errors in json.loads((tmp_path / "errors.json").read_text()):
+        assert all(e < 1e-6 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("case,why", [("gemma", "no embedding scaling"), ("olmoe", "norms span all heads")])
+def test_models_megatron_core_cannot_build_are_not_written_in_megatron_lm_forms(case, why, hf_dirs, tmp_path):
     from ckpt_tools.errors import ConfigError
-    with pytest.raises(ConfigError, match="no embedding scaling"):
-        import_hf(hf_dirs["gemma"], tmp_path / "out", tp=1, pp=1, form="torch_dist", quiet=True)
+    for form in ("torch_dist", "torch"):
+        with pytest.raises(ConfigError, match=why):
+            import_hf(hf_dirs[case], tmp_path / "out", tp=1, pp=1, form=form, quiet=True)
+        assert not (tmp_path / "out").exists()
+    import_hf(hf_dirs[case], tmp_path / "ours", tp=1, pp=1, optimizer=False, quiet=True)
+    with pytest.raises(ConfigError, match=why):
+        reshard(tmp_path / "ours", tmp_path / "out", tp=1, pp=1, form="torch_dist", quiet=True)
     assert not (tmp_path / "out").exists()
 
 

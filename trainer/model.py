@@ -71,6 +71,26 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
+class AcrossHeadsRMSNorm(nn.Module):
+    """An RMSNorm over `width` features that TP splits (OLMoE's q/k norms over all heads): this rank holds its
+    1/TP slice of the features and of the weight; the sum of squares is summed over TP (autograd through the
+    all-reduce), then each rank scales its slice, as transformers' OlmoeRMSNorm does the whole: in fp32, cast
+    back, times the weight. The weight's gradient is this rank's own (its slice), not summed."""
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, width: int, tp_size: int):
+        super().__init__()
+        self.width, self.eps, self.tp_size = width, spec.norm_epsilon, tp_size
+        self.weight = nn.Parameter(torch.ones(width // tp_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            from torch.distributed.nn.functional import all_reduce
+            squares = all_reduce(squares, group=ps.get_tensor_model_parallel_group())
+        return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
 def _tp_group():
     """The TP group, passed explicitly: megatron-core warns (and torch.compile breaks its graph) on
     every call of a layer built without one."""
@@ -168,7 +188,10 @@ class SelfAttention(nn.Module):
         self.linear_qkv = tensor_parallel.ColumnParallelLinear(
             spec.hidden_size, qkv_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.qkv_bias,
             gather_output=False)
-        if spec.qk_layernorm:  # megatron-core's order: after linear_qkv
+        if spec.qk_norm_across_heads:  # OLMoE: this rank's slice of norms over every head
+            self.q_layernorm = AcrossHeadsRMSNorm(spec, config, spec.num_attention_heads * spec.kv_channels, tp_size)
+            self.k_layernorm = AcrossHeadsRMSNorm(spec, config, spec.num_query_groups * spec.kv_channels, tp_size)
+        elif spec.qk_layernorm:  # megatron-core's order: after linear_qkv
             self.q_layernorm = _norm(spec, config, spec.kv_channels)
             self.k_layernorm = _norm(spec, config, spec.kv_channels)
 
@@ -177,7 +200,10 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         hpg, d = self.spec.heads_per_group, self.spec.kv_channels
         q, k, v = qkv.view(s, b, self.groups, hpg + 2, d).split([hpg, 1, 1], dim=3)
-        if self.spec.qk_layernorm:  # per head, before the rotation (megatron-core and transformers alike)
+        if self.spec.qk_norm_across_heads:  # over all of this rank's heads at once, before the rotation
+            q = self.q_layernorm(q.reshape(s, b, -1)).view(s, b, self.groups, hpg, d)
+            k = self.k_layernorm(k.reshape(s, b, -1)).view(s, b, self.groups, 1, d)
+        elif self.spec.qk_layernorm:  # per head, before the rotation (megatron-core and transformers alike)
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -23,7 +23,7 @@ from ckpt_tools.errors import ConfigError
 SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "gated", "conv1d", "c_attn", "qkv_fused"
 
 # ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
-FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
             "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings")
 
 
@@ -182,9 +182,9 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import gemma, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+    from ckpt_tools.families import gemma, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_moe
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
-            mixtral.FAMILY, qwen3_moe.FAMILY)
+            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

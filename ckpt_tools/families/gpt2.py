@@ -36,7 +36,8 @@ def _ffn(c: dict) -> int:
 FAMILY = Family(
     name="gpt2", model_type="gpt2", hf_class="GPT2LMHeadModel",
     features={"normalization": ("LayerNorm",), "activation": ("gelu", "gelu_tanh"), "add_bias_linear": (True,),
-              "add_qkv_bias": (False,), "qk_layernorm": (False,), "position_embedding_type": ("learned_absolute",),
+              "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
+              "position_embedding_type": ("learned_absolute",),
               "rope_scaling": (None,), "tie_word_embeddings": (True,), "zero_centered_norm": (False,),
               "scale_embeddings": (False,)},
     names=NAMES, check=_check,

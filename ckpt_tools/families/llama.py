@@ -22,7 +22,8 @@ NAMES = (
 
 # What every Llama-like family fixes; a family overrides single entries.
 FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_linear": (False,),
-            "add_qkv_bias": (False,), "qk_layernorm": (False,), "position_embedding_type": ("rope",),
+            "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
+            "position_embedding_type": ("rope",),
             "rope_scaling": (None,), "tie_word_embeddings": (False, True), "zero_centered_norm": (False,),
             "scale_embeddings": (False,)}
 
