@@ -21,7 +21,8 @@ step, gradients accumulated; all three), sp (sequence parallelism), recompute (s
 distopt (distributed optimizer), acc32 (ours: micro-batch gradients accumulated and DP-reduced in fp32,
 default 1; 0 accumulates them in bf16), compile (torch.compile the layers and the loss; default 1 for ours),
 moe (a mixture-of-experts model of that many experts, top-2: MOE_MODEL, hf is then MixtralForCausalLM; ours
-eager, its expert loop has data-dependent shapes) and ep (ours: experts split over that many of the DP ranks).
+eager, its expert loop has data-dependent shapes), ep (ours: experts split over that many of the DP ranks) and
+mcoremoe (ours: 1 trains the MoE layers with megatron-core's own MoELayer, `moe_layer: megatron_core`).
 
 MoE model (Mixtral-shaped, small): hidden 1024, 8 layers, 16 heads, 4 query groups, 8 experts of ffn 2816, top-2,
 vocab 32000, seq 2048, micro-batch 2; MFU counts the active parameters (2 experts a token, and the router).
@@ -53,7 +54,7 @@ DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
 def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
-           "moe": 0, "ep": 1, "acc32": 1}
+           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
@@ -63,6 +64,8 @@ def parse_row(text: str) -> dict:
         raise SystemExit(f"row {text!r}: NAME is hf, mcore or ours; only ours runs on several GPUs")
     if row["moe"] and (name == "mcore" or row["compile"] and "compile=1" in rest):
         raise SystemExit(f"row {text!r}: MoE rows are hf or ours, ours eager")
+    if row["mcoremoe"] and not (row["moe"] and name == "ours"):
+        raise SystemExit(f"row {text!r}: mcoremoe is a key of ours' MoE rows")
     if row["ep"] > 1 and (not row["moe"] or row["dp"] % row["ep"]):
         raise SystemExit(f"row {text!r}: ep needs moe and divides dp")
     if row["moe"]:
@@ -94,7 +97,9 @@ def ours(row: dict, m: dict):
     from trainer.config import TrainConfig
     from trainer.optim import make_optimizer
     from trainer.train import Stepper, build_stage, setup_distributed, train_step
-    moe = {"architecture": "mixtral", "ep_degree": row["ep"]} if m.get("num_moe_experts") else {"architecture": "llama"}
+    moe = {"architecture": "mixtral", "ep_degree": row["ep"],
+           "moe_layer": "megatron_core" if row["mcoremoe"] else "ours"} if m.get("num_moe_experts") else \
+        {"architecture": "llama"}
     cfg = TrainConfig.from_dict(dict(
         max_position_embeddings=m["seq_length"], dtype="bf16", **moe,
         tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
@@ -270,6 +275,7 @@ def describe(row: dict) -> str:
         return "megatron-core GPTModel, local spec, pure bf16 AdamW" + accumulate
     parts = [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + ([f"EP{row['ep']}"] if row["ep"] > 1 else [])
     parts += [f"MoE {row['moe']} experts top-2"] if row["moe"] else []
+    parts += ["megatron-core's MoELayer"] if row["mcoremoe"] else []
     parts += ["SP"] if row["sp"] else []
     parts += [f"{row['recompute']} recompute"] if row["recompute"] else []
     parts += ["dist. optimizer"] if row["distopt"] else []

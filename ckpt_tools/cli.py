@@ -202,7 +202,8 @@ def _layers(text: str | None) -> list[int] | None:
 @click.argument("out", type=click.Path())
 @click.option("--tp", type=int, required=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, required=True, help="Target pipeline-parallel size.")
-@click.option("--ep", type=int, default=None, help="Target expert-parallel size (MoE models; default: the source's).")
+@click.option("--ep", type=int, default=None,
+              help="Target expert-parallel size (MoE models; ours or --format torch; default: the source's).")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
@@ -227,7 +228,7 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
     if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
-                                    no_preflight, not no_optimizer, form, team)
+                                    no_preflight, not no_optimizer, form, team, ep)
     if summary is None:
         from ckpt_tools.reshard import reshard as reshard_checkpoint
         _one_thread()
@@ -243,7 +244,8 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @click.argument("out", type=click.Path())
 @click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
-@click.option("--ep", type=int, default=1, show_default=True, help="Target expert-parallel size (MoE models).")
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="Target expert-parallel size (MoE models; ours or --format torch).")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Model weight dtype (default: the HF weights' own).")
@@ -268,7 +270,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team)
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep)
     if summary is None:
         import torch
 

@@ -78,8 +78,8 @@ def _torch_dtype(dtype: str):
 
 
 def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
-               iteration: int = 0, tokenizer: str | None = None) -> argparse.Namespace:
-    """The Namespace for `spec` at TP `tp` x PP len(counts), weights of dtype name `dtype`."""
+               iteration: int = 0, tokenizer: str | None = None, ep: int = 1) -> argparse.Namespace:
+    """The Namespace for `spec` at TP `tp` x PP len(counts) (x EP `ep`), weights of dtype name `dtype`."""
     check_expressible(spec)
     rope = spec.position_embedding_type == "rope"
     gqa = spec.num_query_groups != spec.num_attention_heads
@@ -104,7 +104,7 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
-        vocab_size=spec.vocab_size, multi_latent_attention=False, mtp_num_layers=None, **moe_args(spec),
+        vocab_size=spec.vocab_size, multi_latent_attention=False, mtp_num_layers=None, **moe_args(spec, ep),
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
         transformer_impl="local", use_legacy_models=False, spec=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,

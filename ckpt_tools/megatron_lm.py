@@ -279,13 +279,13 @@ def _layer_counts(args, pp_size: int) -> list[int]:
 
 
 def _first_file(iter_dir: Path) -> Path:
-    """The (tp0, pp0) file, named either way (args say which naming is right; checked later)."""
-    for pp_size in (1, 2):
-        if model_path(iter_dir, Rank(0, 0), pp_size).is_file():
-            return model_path(iter_dir, Rank(0, 0), pp_size)
-    first = [model_path(iter_dir, Rank(0, 0), pp_size) for pp_size in (1, 2)]
-    raise FormatError(f"{iter_dir}: neither {first[0]} nor {first[1]} "
-                      f"exists: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
+    """The (tp0, pp0[, ep0]) file, named any way (args say which naming is right; checked later)."""
+    names = [model_path(iter_dir, rank, pp_size) for rank in (Rank(0, 0), Rank(0, 0, 0)) for pp_size in (1, 2)]
+    for path in names:
+        if path.is_file():
+            return path
+    raise FormatError(f"{iter_dir}: none of {', '.join(p.parent.name for p in names[:3])} or {names[3].parent.name} "
+                      f"holds {FILE}: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
 
 
 def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int, ep_size: int = 1) -> None:

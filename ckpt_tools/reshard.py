@@ -225,18 +225,20 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
-                                    optimizer, form, team)
+                                    optimizer, form, team, ep)
         if summary is not None:
             return summary
     start = time.perf_counter()
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes, team)
     meta, spec = shards.meta, shards.meta.spec
     counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
-    ep = meta.ep_size if ep is None else layout.check_ep(spec, ep)
+    ep = to_megatron.target_ep(form, ep, meta.ep_size) if form != to_megatron.OURS else \
+        meta.ep_size if ep is None else layout.check_ep(spec, ep)
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
-        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team)
+        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team,
+                                    ep)
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir(exist_ok=True)
@@ -276,13 +278,13 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
                          with_opt: bool, force: bool, quiet: bool, start: float, unread: str | None = None,
-                         team: Team = SOLO) -> str:
+                         team: Team = SOLO, ep: int = 1) -> str:
     meta, spec = shards.meta, shards.meta.spec
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
     if with_opt and not fresh:
         to_megatron.check_optimizer_form(form, meta.dir)
     resume = _resume_state(shards) if with_opt and not fresh else None
-    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
+    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep)
     resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))
 
     def state_of(key: str, field: str | None, rank: int) -> torch.Tensor:
@@ -291,10 +293,11 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
         return shard
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype,
                                lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
-                               label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of, team=team)
+                               label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of, team=team,
+                               ep=ep)
     shards.close()
     return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
-                                 time.perf_counter() - start)
+                                 time.perf_counter() - start, ep)
 
 
 def _itemsize(dtype: str | torch.dtype) -> int:
@@ -338,7 +341,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
-                                      form, team)
+                                      form, team, ep)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -373,7 +376,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     params_dtype = dtype or first.dtype
     if form != to_megatron.OURS:
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
-                                   quiet, start, team) + tail
+                                   quiet, start, team, ep) + tail
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
@@ -414,7 +417,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
                         counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
-                        start: float, team: Team = SOLO) -> str:
+                        start: float, team: Team = SOLO, ep: int = 1) -> str:
     pp, current = len(counts), {}
 
     def shard_of(key: str, rank: int) -> torch.Tensor:
@@ -425,6 +428,6 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
             current[key] = layout.split(key, full, spec, tp, pp)
         return current[key][rank]
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
-                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team)
+                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team, ep=ep)
     return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
-                                time.perf_counter() - start)
+                                time.perf_counter() - start, ep)

@@ -31,11 +31,16 @@ CHOICES = (OURS, *FORMS)
 
 
 def check_ep_form(form: str, ep: int | None) -> None:
-    """Expert parallelism is a property of our format's files only (refused before anything is read or written)."""
-    if form != OURS and ep not in (None, 1):
-        raise ConfigError(f"--ep {ep} applies to our format only: Megatron-LM's torch_dist holds each expert once and "
-                          f"loads at any --expert-model-parallel-size, and its legacy torch form is written at EP 1; "
-                          f"drop --ep (Megatron-LM takes its EP at load)")
+    """Expert parallelism is a property of the files of our format and of Megatron-LM's legacy form (a dir per EP
+    rank), not of torch_dist (refused before anything is read or written)."""
+    if form == TORCH_DIST and ep not in (None, 1):
+        raise ConfigError(f"--ep {ep} does not apply to torch_dist: it holds each expert once and Megatron-LM loads "
+                          f"it at any --expert-model-parallel-size; drop --ep")
+
+
+def target_ep(form: str, ep: int | None, source_ep: int = 1) -> int:
+    """The EP of a Megatron-LM target: the one asked for, else the source's for the legacy form; 1 for torch_dist."""
+    return 1 if form == TORCH_DIST else source_ep if ep is None else ep
 
 
 def check_optimizer_form(form: str, where: object) -> None:
@@ -48,11 +53,12 @@ def check_optimizer_form(form: str, where: object) -> None:
 
 
 def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
-          resume: ResumeState | None = None, where: object = None):
-    """The args of the target (raises ConfigError for a target Megatron-LM cannot express)."""
+          resume: ResumeState | None = None, where: object = None, ep: int = 1):
+    """The args of the target (raises ConfigError for a target Megatron-LM cannot express). `ep` > 1: the legacy
+    form's dirs per EP rank (args.expert_model_parallel_size, which its writers read)."""
     if resume is not None:
         check_optimizer_form(form, where)
-    args = build_args(spec, tp, counts, padded, dtype, form)
+    args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep))
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
         args.no_save_optim, args.use_distributed_optimizer = False, True
@@ -62,17 +68,17 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
 def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
           shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
           carried_from: Path | None = None, hf_dir: bool = False, resume: ResumeState | None = None,
-          state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO) -> int:
+          state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO, ep: int = 1) -> int:
     """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
     The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
     Megatron-LM ignores them and a later merge gives them back. In a team each process writes a run of the target
     ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only."""
-    args = check(spec, tp, counts, padded, dtype, form, resume, out)
+    args = check(spec, tp, counts, padded, dtype, form, resume, out, ep)
     pp = len(counts)
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
-    everyone = Grid(tp, pp).ranks()
-    owners = team.split([layout.rank_numel(spec, counts, padded, tp, rank.pp) for rank in everyone])
+    everyone = Grid(tp, pp, ep).ranks()
+    owners = team.split([layout.rank_numel(spec, counts, padded, tp, rank.pp, rank.ep, ep) for rank in everyone])
     mine = {rank for rank, owner in zip(everyone, owners) if owner == team.rank}
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
@@ -81,15 +87,17 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
             keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
             bar = output.progress(sum(len(keys[r.pp]) for r in mine), label, quiet, unit="tensor")
             for p in range(pp):
-                ranks = [rank for rank in Grid(tp, pp).ranks(p) if rank in mine]
+                ranks = [rank for rank in Grid(tp, pp, ep).ranks(p) if rank in mine]
+                holds = {rank: {key for _, key in layout.stage_keys(spec, counts, p, rank.ep, ep)} for rank in ranks}
                 for _, key in keys[p]:
                     if not layout.holds_weights(key, spec, pp):
                         writer.put_extra(p, key)
                     else:
-                        for rank in ranks:
+                        held = [rank for rank in ranks if key in holds[rank]]  # an expert: its EP rank's files
+                        for rank in held:
                             writer.put(rank, key, shard_of(key, rank.tp))
                         for field in OPTIMIZER_FIELDS if resume is not None else ():
-                            for rank in ranks:  # one field at a time: one full tensor in memory, not four
+                            for rank in held:  # one field at a time: one full tensor in memory, not four
                                 writer.put(rank, key, state_of(key, field, rank.tp), field)
                     bar.update(len(ranks))
                 writer.end_stage(p, iteration)
@@ -103,18 +111,20 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
     return writer.nbytes
 
 
-def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False) -> str:
+def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep: int = 1) -> str:
     """The Megatron-LM command-line flags that load the written checkpoint."""
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
     if resume:
         where += " --use-distributed-optimizer"
     if form == megatron_lm.TORCH:
         where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+        if ep > 1:
+            where += f" --expert-model-parallel-size {ep}"
     return where
 
 
 def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: ResumeState | None, fresh: bool,
-              unread: str | None, nbytes: int, seconds: float) -> str:
+              unread: str | None, nbytes: int, seconds: float, ep: int = 1) -> str:
     """The one-line summary of a reshard into Megatron-LM's forms (`meta`: the source's)."""
     what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
             f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
@@ -122,14 +132,15 @@ def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: Re
         what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
     elif unread:
         what += f" (NOT carried: its {unread}, not read by this version)"
-    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} TP{tp} x "
-            f"PP{len(counts)} (layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), resume is not None)}")
+    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} {Grid(tp, len(counts), ep)} "
+            f"(layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
+            f"{loads_with(form, out, tp, len(counts), resume is not None, ep)}")
 
 
 def imported(hf_dir: Path, spec: ModelSpec, out: Path, form: str, tp: int, counts: list[int], dtype: str, padded: int,
-             nbytes: int, seconds: float) -> str:
+             nbytes: int, seconds: float, ep: int = 1) -> str:
     """The one-line summary of an import into Megatron-LM's forms."""
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
-            f"TP{tp} x PP{len(counts)} (layers {counts}), {dtype}, weights only (release), padded vocab "
-            f"{padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with {loads_with(form, out, tp, len(counts))}")
+            f"{Grid(tp, len(counts), ep)} (layers {counts}), {dtype}, weights only (release), padded vocab "
+            f"{padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
+            f"{loads_with(form, out, tp, len(counts), ep=ep)}")

@@ -65,7 +65,10 @@ def main(config_path: str) -> None:
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
         model.load_state_dict(state["model"], strict=True)
     else:
+        # Megatron-LM's get_checkpoint_name: _PPP with pipeline parallelism, _EEE with expert parallelism
         name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        if ep > 1:
+            name += f"_{ps.get_expert_model_parallel_rank():03d}"
         common = torch.load(iter_dir / name / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(common["model"], strict=True)
     logits = _forward(model.eval(), torch.load(cfg["tokens"]), torch)

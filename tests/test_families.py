@@ -273,14 +273,16 @@ def test_models_megatron_core_cannot_build_are_not_written_in_megatron_lm_forms(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,form,written,loaded", [("mixtral", "torch_dist", (2, 2), (2, 1, 2)),
-                                                      ("qwen3_moe", "torch", (2, 1), (2, 1, 1))])
+@pytest.mark.parametrize("case,form,written,loaded", [("mixtral", "torch_dist", (2, 2, 1), (2, 1, 2)),
+                                                      ("qwen3_moe", "torch", (2, 1, 1), (2, 1, 1)),
+                                                      ("mixtral", "torch", (1, 2, 2), (1, 2, 2))])
 def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, loaded, hf_dirs, tmp_path):
     """`ckpt import --format torch_dist|torch` of an MoE model: megatron-core's own MoE GPTModel loads it the way
-    Megatron-LM does (torch_dist at another TP x PP and with EP2; torch per rank, strict) and gives transformers'
-    logits; merging what we wrote gives the HF tensors back bit for bit."""
+    Megatron-LM does (torch_dist at another TP x PP and with EP2; torch per rank, strict, with EP2 from the
+    mp_rank_TT_PPP_EEE dirs, each EP rank's experts under local indices) and gives transformers' logits; merging
+    what we wrote gives the HF tensors back bit for bit."""
     from conftest import torchrun
-    import_hf(hf_dirs[case], tmp_path / "megatron", tp=written[0], pp=written[1], form=form, quiet=True)
+    import_hf(hf_dirs[case], tmp_path / "megatron", tp=written[0], pp=written[1], ep=written[2], form=form, quiet=True)
     spec = hf.spec_from_hf(hf_dirs[case] / "config.json")
     torch.save(TOKENS, tmp_path / "tokens.pt")
     tp, pp, ep = loaded
@@ -317,7 +319,8 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     TP1 x PP1 x EP4 and back to TP2 x PP2 without EP: every model and optimizer file is byte-identical to a direct
     import at TP2 x PP2, the EP4 checkpoint merges to the HF weights bit for bit, its sharded forward (the
     experts gathered from their EP ranks) gives transformers' logits, and written into Megatron-LM's forms (the
-    torch_dist chunks copied from each EP rank's file) it merges to the same weights."""
+    torch_dist chunks copied from each EP rank's file; the legacy form at the source's EP2) it merges to the same
+    weights."""
     from ckpt_tools import verify
     from ckpt_tools.checkpoint import Meta
     from ckpt_tools.io import sha256_file
@@ -343,8 +346,11 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     tiers, _ = verify.run(tmp_path / "ep2", src, seq=48, batch=2)
     assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
     assert tiers[2].data["rel_l2"] < 1e-5
-    for form in ("torch_dist", "torch"):  # each EP rank's experts into Megatron-LM's forms, and back
+    for form in ("torch_dist", "torch"):  # each EP rank's experts into Megatron-LM's forms (legacy: at EP2), and back
         reshard(tmp_path / "ep2", tmp_path / form, tp=1, pp=2, form=form, optimizer=False, quiet=True)
+        if form == "torch":
+            assert sorted(p.name for p in (tmp_path / form / "release").glob("mp_rank_*")) == \
+                [f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(2)]
         merge(tmp_path / form, tmp_path / f"{form}_merged", quiet=True)
         back = load_safetensors(tmp_path / f"{form}_merged" / "model.safetensors")
         assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original), form
@@ -404,4 +410,27 @@ def test_trainer_splits_experts_over_data_parallel_ranks(tmp_path):
     for run in (resumed, resumed_ep2):
         assert [m["iteration"] for m in run] == [4, 5, 6]
         for a, b in zip(ep1[3:], run):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+
+
+@pytest.mark.slow
+def test_trainer_trains_with_megatron_cores_own_moe_layer(tmp_path):
+    """`moe_layer: megatron_core`: megatron-core's MoELayer (TopKRouter, alltoall dispatcher over EP2, SequentialMLP
+    experts, its load-balancing loss through MoEAuxLossAutoScaler) trains the curve of the trainer's own MoE layer
+    from the same initial weights; its checkpoint holds the same keys, and the trainer's own layer resumes it on the
+    same curve (and the other way round)."""
+    moe = {"architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+           "tp_degree": 1, "pp_degree": 1, "ep_degree": 2, "train_iters": 6, "save_interval": 3,
+           "num_micro_batches": 2}
+    theirs = train("tiny_llama.yaml", tmp_path / "mcore" / "save", 2, moe_layer="megatron_core", **moe)
+    ours = train("tiny_llama.yaml", tmp_path / "ours" / "save", 2, moe_layer="ours", **moe)
+    assert theirs[-1]["loss"] < theirs[0]["loss"] - 0.05, [m["loss"] for m in theirs]
+    for a, b in zip(ours, theirs):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    for src, layer, want in (("mcore", "ours", ours), ("ours", "megatron_core", theirs)):
+        run = tmp_path / f"{src}_to_{layer}" / "save"
+        reshard(tmp_path / src / "save" / "checkpoint-3", run, tp=1, pp=1, ep=2, quiet=True)
+        resumed = train("tiny_llama.yaml", run, 2, moe_layer=layer, **moe)
+        assert [m["iteration"] for m in resumed] == [4, 5, 6]
+        for a, b in zip(want[3:], resumed):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)

@@ -180,6 +180,35 @@ def test_moe_expert_parallel_training_on_gpus(tmp_path):
 
 
 @_needs_gpus(1)
+def test_megatron_cores_moe_layer_trains_the_trainers_moe_curve_on_gpu(tmp_path):
+    """`moe_layer: megatron_core` on a GPU (megatron-core's MoELayer, nothing patched but the router's reference to
+    Transformer Engine's GEMM): the curve of the trainer's own MoE layer from the same weights, fp32 and bf16."""
+    from conftest import train
+    moe = {"architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+           "tp_degree": 1, "pp_degree": 1, "train_iters": 6, "num_micro_batches": 2}
+    for dtype, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
+        theirs = train("tiny_llama.yaml", tmp_path / f"mcore_{dtype}" / "save", 1, moe_layer="megatron_core",
+                       dtype=dtype, **moe)
+        ours = train("tiny_llama.yaml", tmp_path / f"ours_{dtype}" / "save", 1, dtype=dtype, **moe)
+        print(dtype, [(a["loss"], b["loss"]) for a, b in zip(ours, theirs)])
+        assert theirs[-1]["loss"] < theirs[0]["loss"]
+        assert all(abs(a["loss"] - b["loss"]) <= tol * abs(a["loss"]) for a, b in zip(ours, theirs))
+
+
+@_needs_gpus(2)
+def test_megatron_cores_moe_layer_under_tensor_and_sequence_parallelism_on_gpus(tmp_path):
+    """megatron-core's MoE layer at TP2 with sequence parallelism (each TP rank routes its part of the sequence, the
+    router's gradients summed over TP) trains the TP1 curve."""
+    from conftest import train
+    moe = {"architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+           "pp_degree": 1, "train_iters": 6, "num_micro_batches": 2, "moe_layer": "megatron_core", "dtype": "fp32"}
+    tp2 = train("tiny_llama.yaml", tmp_path / "tp2" / "save", 2, tp_degree=2, sequence_parallelism=True, **moe)
+    tp1 = train("tiny_llama.yaml", tmp_path / "tp1" / "save", 1, tp_degree=1, **moe)
+    print([(a["loss"], b["loss"]) for a, b in zip(tp1, tp2)])
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) for a, b in zip(tp1, tp2))
+
+
+@_needs_gpus(1)
 def test_grouped_expert_gemm_equals_the_expert_loop_on_gpu():
     """The trainer's grouped expert GEMM (torch._grouped_mm, bf16 on the GPU) against one matmul per expert in
     fp32: outputs, input gradients and each expert's weight gradient, an expert with no tokens getting zeros."""

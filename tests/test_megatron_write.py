@@ -315,9 +315,9 @@ def test_optimizer_state_megatron_lm_could_not_resume_from_is_not_written(hf_dir
     assert_nothing_written(out)
 
 
-@pytest.mark.parametrize("form", ["torch_dist", "torch"])
-def test_an_expert_parallel_size_for_megatron_lm_forms_is_refused_before_writing(form, tmp_path):
-    """EP is our format's: Megatron-LM takes its EP at load. `--ep 2` with its forms is one line, nothing written."""
+def test_an_expert_parallel_size_for_torch_dist_is_refused_before_writing(tmp_path):
+    """torch_dist holds each expert once and Megatron-LM takes its EP at load: `--ep 2` with it is one line, nothing
+    written. (The legacy form takes `--ep`: a dir per EP rank; tests/test_families.py.)"""
     from bad_inputs import make_ckpt
 
     from ckpt_tools.spec import ModelSpec
@@ -325,6 +325,6 @@ def test_an_expert_parallel_size_for_megatron_lm_forms_is_refused_before_writing
                      ffn_hidden_size=96, vocab_size=256, max_position_embeddings=128, num_moe_experts=4)
     ck = make_ckpt(tmp_path / "src", spec, tp=1, pp=1, optimizer=False)
     out = tmp_path / "out"
-    line = one_line_error(run("reshard", ck, out, "--tp", "1", "--pp", "1", "--ep", "2", "--format", form))
-    assert "--ep 2 applies to our format only" in line
+    line = one_line_error(run("reshard", ck, out, "--tp", "1", "--pp", "1", "--ep", "2", "--format", "torch_dist"))
+    assert "--ep 2 does not apply to torch_dist" in line and "drop --ep" in line
     assert_nothing_written(out)

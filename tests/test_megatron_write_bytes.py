@@ -181,3 +181,25 @@ def test_imported_legacy_files_hold_what_the_torch_path_writes(arch, tp, pp, hf_
     assert not {m for m in imported(proc) if m.split(".")[0] == "torch"}  # the byte path wrote it
     import_hf(hf_dirs[arch], tmp_path / "slow", tp=tp, pp=pp, form="torch", quiet=True, copy_bytes=False)
     same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp * pp)
+
+
+def test_legacy_files_at_expert_parallelism_hold_what_the_torch_path_writes(tmp_path):
+    """`--format torch --ep 2`: Megatron-LM's mp_rank_TT_PPP_EEE dirs, each EP rank's experts under local indices,
+    written by copying bytes and by the torch path alike (file by file), and the summary names the flag that loads
+    it."""
+    from bad_inputs import make_ckpt
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec("mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=96, vocab_size=256, max_position_embeddings=128, num_moe_experts=4)
+    ck = make_ckpt(tmp_path / "src", spec, tp=2, pp=1, optimizer=False)
+    fast = reshard(ck, tmp_path / "fast", tp=1, pp=2, ep=2, form="torch", quiet=True)
+    slow = reshard(ck, tmp_path / "slow", tp=1, pp=2, ep=2, form="torch", quiet=True, copy_bytes=False)
+    assert "TP1 x PP2 x EP2" in fast and "--expert-model-parallel-size 2" in fast and fast.split(", ")[:-2] == \
+        slow.replace("slow", "fast").split(", ")[:-2]
+    assert sorted(p.name for p in (tmp_path / "fast" / "release").iterdir()) == \
+        [f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(2)]
+    same_legacy_files(tmp_path / "fast", tmp_path / "slow", 4)
+    model = torch.load(tmp_path / "fast" / "release" / "mp_rank_00_001_001" / "model_optim_rng.pt",
+                       weights_only=False)["model"]
+    assert {k.split("local_experts.")[1][0] for k in model if "local_experts" in k} == {"0", "1"}  # local indices

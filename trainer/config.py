@@ -37,6 +37,7 @@ class TrainConfig:
     gradient_clipping: float = 1.0
     sequence_parallelism: bool = False
     moe_aux_loss_coeff: float = 0.0  # MoE models: megatron-core's load-balancing loss weight (its default 0)
+    moe_layer: str = "ours"  # MoE models' MLPs: trainer/moe.py's ("ours") or megatron-core's MoELayer ("megatron_core")
     recompute_activations: bool = False  # Megatron-LM's meaning: selective recompute
     recompute_granularity: str | None = None  # "selective" | "full"; None: selective if recompute_activations
     use_distributed_optimizer: bool = False  # masters and Adam moments sharded over DP (ZeRO-1)
@@ -75,8 +76,15 @@ class TrainConfig:
         if self.sequence_parallelism and self.seq_length % self.tp_degree:
             raise ConfigError(f"sequence_parallelism splits the sequence over TP: seq_length {self.seq_length} is not "
                               f"divisible by tp_degree {self.tp_degree}; change one of them")
-        if self.sequence_parallelism and self.model.get("num_moe_experts"):
-            raise ConfigError("sequence_parallelism with MoE layers is not supported by this trainer: set it to false")
+        if self.moe_layer not in ("ours", "megatron_core"):
+            raise ConfigError(f"moe_layer {self.moe_layer!r} is not supported: use ours or megatron_core")
+        moe = bool(self.model.get("num_moe_experts"))
+        if self.sequence_parallelism and moe and self.moe_layer == "ours":
+            raise ConfigError("sequence_parallelism with the trainer's own MoE layer is not supported: set it to false, "
+                              "or set moe_layer: megatron_core")
+        if moe and self.moe_layer == "megatron_core" and self.tp_degree > 1 and not self.sequence_parallelism:
+            raise ConfigError("megatron-core's MoE layer trains under tensor parallelism only with sequence "
+                              "parallelism: set sequence_parallelism: true (or tp_degree: 1)")
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ConfigError(f"recompute_granularity {self.recompute_granularity!r} is not supported: use "
                               f"selective or full (or leave it unset)")

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
+from trainer import mcore_moe
 from trainer.moe import MoE
 
 
@@ -255,12 +256,18 @@ class TransformerLayer(nn.Module):
     """Selective recompute (Megatron-LM's --recompute-activations) recomputes the attention core and
     the MLP activation in backward: the big, cheap activations; full recompute wraps the layer."""
 
-    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, ep: tuple[int, int] | None = None):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, ep: tuple[int, int] | None = None,
+                 moe_layer: str = "ours"):
         super().__init__()
         self.input_layernorm = _norm(spec, config)
         self.self_attention = SelfAttention(spec, config, tp_size)
         self.pre_mlp_layernorm = _norm(spec, config)
-        self.mlp = MoE(spec, config, MLP, ep) if spec.is_moe else MLP(spec, config)
+        if not spec.is_moe:
+            self.mlp = MLP(spec, config)
+        elif moe_layer == "megatron_core":  # megatron-core's MoELayer itself (trainer/mcore_moe.py)
+            self.mlp = mcore_moe.build(spec, config, ep[1] if ep is not None else 1)
+        else:
+            self.mlp = MoE(spec, config, MLP, ep)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 selective: bool = False) -> torch.Tensor:
@@ -270,9 +277,9 @@ class TransformerLayer(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool,
-                 ep: tuple[int, int] | None = None):
+                 ep: tuple[int, int] | None = None, moe_layer: str = "ours"):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size, ep) for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size, ep, moe_layer) for _ in range(num_layers))
         self.final_layernorm = _norm(spec, config) if post_process else None
 
 
@@ -285,8 +292,9 @@ class GPTStage(nn.Module):
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, *, tp_size: int, pp_rank: int,
                  layer_counts: list[int], padded_vocab: int, recompute: str | None = None,
-                 ep: tuple[int, int] | None = None):
-        """`ep`: (EP rank, EP size) when an MoE model's experts are split over expert-parallel ranks."""
+                 ep: tuple[int, int] | None = None, moe_layer: str = "ours"):
+        """`ep`: (EP rank, EP size) when an MoE model's experts are split over expert-parallel ranks. `moe_layer`:
+        an MoE model's MLPs, trainer/moe.py's ("ours") or megatron-core's MoELayer ("megatron_core")."""
         super().__init__()
         self.ep = ep
         self.spec, self.padded_vocab, self.recompute = spec, padded_vocab, recompute
@@ -296,7 +304,7 @@ class GPTStage(nn.Module):
         self.post_process = pp_rank == len(layer_counts) - 1
         if self.pre_process:
             self.embedding = Embedding(spec, config, padded_vocab)
-        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process, ep)
+        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process, ep, moe_layer)
         self.share_weight = self.pre_process and spec.tie_word_embeddings
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(

@@ -29,6 +29,7 @@ from trainer import checkpoint, data
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
 from trainer.model import GPTStage, initialize, megatron_config
+from trainer import mcore_moe
 from trainer.moe import AuxLoss
 from trainer.optim import MasterAdamW, lr_at, make_optimizer
 
@@ -72,7 +73,8 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
                            sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
     ep = (ps.get_expert_model_parallel_rank(), cfg.ep_degree) if cfg.ep_degree > 1 else None
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                     layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute, ep=ep).to(device)
+                     layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute, ep=ep,
+                     moe_layer=cfg.moe_layer).to(device)
     initialize(stage, cfg.seed, ps.get_tensor_model_parallel_rank())
     if cfg.compile:
         for layer in stage.decoder.layers:
@@ -100,6 +102,8 @@ class Stepper:
         losses = []
         n = self.cfg.num_micro_batches
         AuxLoss.scale = 1.0 / n  # the MoE load-balancing loss, divided as the LM loss is
+        if self.cfg.moe_layer == "megatron_core":
+            mcore_moe.set_aux_loss_scale(1.0 / n)
         for x, y in zip(inputs.chunk(n), labels.chunk(n)):
             loss = self.loss_fn(self.stage(x), y)
             (loss / n).backward()
@@ -108,6 +112,8 @@ class Stepper:
 
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         AuxLoss.scale = 1.0  # the schedule divides the gradients by the micro-batches at the end
+        if self.cfg.moe_layer == "megatron_core":
+            mcore_moe.set_aux_loss_scale(1.0)
         if self.stage.pre_process:
             self.schedule.step(inputs)
             return None

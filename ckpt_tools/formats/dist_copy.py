@@ -47,10 +47,10 @@ STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST,
-            team: Team = SOLO) -> str | None:
+            team: Team = SOLO, ep: int | None = None) -> str | None:
     """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
-    apply. The legacy torch form is written by formats/legacy_copy.py, weights only. `team`: the processes writing
-    the output's files between them (ckpt_tools.team)."""
+    apply. The legacy torch form is written by formats/legacy_copy.py, weights only, at EP `ep` (None: the source's).
+    `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
     try:
         source = ByteSource.open(src, vocab_size, False)
@@ -60,7 +60,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         # a Megatron-LM optimizer is decoded with torch
         go = None if source is None or (optimizer and source.megatron_optimizer) else \
             _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
-                     team)
+                     team, ep)
         if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
             return None
         return go()
@@ -71,7 +71,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
              quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
-             form: str = TORCH_DIST, team: Team = SOLO) -> Callable[[], str] | None:
+             form: str = TORCH_DIST, team: Team = SOLO, ep: int | None = None) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta, spec = source.meta, source.meta.spec
     with_opt = optimizer and _has_optimizer(meta)
@@ -86,12 +86,12 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
     except (Declined, Unreadable, CkptError, OSError):
         return None
     return lambda: _reshard_copy(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, start, form,
-                                 team, fields, step, fresh)
+                                 team, fields, step, fresh, to_megatron.target_ep(form, ep, meta.ep_size))
 
 
 def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
                   quiet: bool, check_hashes: bool, no_preflight: bool, start: float, form: str, team: Team,
-                  fields: dict, step: float | None, fresh: bool) -> str:
+                  fields: dict, step: float | None, fresh: bool, ep: int = 1) -> str:
     # what is refused here is refused as the torch path refuses it, in its words
     meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
@@ -105,10 +105,10 @@ def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers:
         consumed = int(meta.raw.get("consumed_samples") or 0)
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
-    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir)
+    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep)
     nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form, team)
     summary = to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, None, nbytes,
-                                    time.perf_counter() - start)
+                                    time.perf_counter() - start, ep)
     return summary + (f"\n{leftover}" if leftover else "")
 
 
@@ -228,7 +228,7 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
-              team: Team = SOLO) -> str | None:
+              team: Team = SOLO, ep: int = 1) -> str | None:
     """reshard.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
@@ -244,10 +244,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
-    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out)
+    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out, ep)
     nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
     summary = to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
-                                   time.perf_counter() - start)
+                                   time.perf_counter() - start, ep)
     return summary + (f"\n{leftover}" if leftover else "")
 
 

@@ -34,16 +34,16 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
           quiet: bool, label: str = "reshard", team: Team = SOLO) -> int:
     """Every target rank's file under iter_dir (in a team, this process's run of them, balanced by their bytes);
     the bytes of tensors written by every process."""
-    pp, spec = len(counts), source.meta.spec
-    ranks = Grid(tp, pp).ranks()
-    sizes = [layout.rank_numel(spec, counts, padded, tp, rank.pp) for rank in ranks]
+    pp, spec, ep = len(counts), source.meta.spec, args.expert_model_parallel_size or 1
+    ranks = Grid(tp, pp, ep).ranks()  # a dir per EP rank where EP > 1, its experts under local indices
+    sizes = [layout.rank_numel(spec, counts, padded, tp, rank.pp, rank.ep, ep) for rank in ranks]
     owners = team.split(sizes)
     mine = [rank for rank, owner in zip(ranks, owners) if owner == team.rank]
 
     def write_mine() -> int:
         nbytes, bar = 0, output.progress(len(mine), label, quiet, unit="file")
         for rank in mine:
-            nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
+            nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp, ep,
                                   {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration})
             bar.update(1)
         bar.close()
@@ -51,14 +51,14 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
     return sum(team.share(write_mine))
 
 
-def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int,
+def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int, ep: int,
                 header: dict) -> int:
     spec = source.meta.spec
     path.parent.mkdir(parents=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         archive, model, nbytes, flushed = torchsave.Archive(fd, 0, path.stem), {}, 0, 0
-        for local, key in layout.stage_keys(spec, counts, rank.pp):
+        for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
             if not layout.holds_weights(key, spec, len(counts)):
                 model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
                 continue

@@ -294,10 +294,10 @@ class LegacyWriter:
                  args: argparse.Namespace):
         self.dir, self.spec, self.tp, self.counts = iter_dir, spec, tp, counts
         self.args = _with_torch_globals(args)  # pickled by pickle itself, which needs the real torch.<dtype>
-        self.pp = len(counts)
+        self.pp, self.ep = len(counts), args.expert_model_parallel_size or 1  # a dir per EP rank where EP > 1
         self._writers: dict[Rank, TorchFileWriter] = {}
         self._state: dict[Rank, dict] = {}
-        self._local: dict[tuple[int, str], str] = {}
+        self._local: dict[tuple[Rank, str], str] = {}
         self.nbytes = 0  # of the tensors this process writes; after close(), every process's
         self._mine: set[Rank] | None = None
         self.team = SOLO
@@ -308,7 +308,7 @@ class LegacyWriter:
         return self
 
     def _ranks(self, pp_rank: int) -> list[Rank]:
-        return [r for r in Grid(self.tp, self.pp).ranks(pp_rank) if self._mine is None or r in self._mine]
+        return [r for r in Grid(self.tp, self.pp, self.ep).ranks(pp_rank) if self._mine is None or r in self._mine]
 
     def _writer(self, rank: Rank) -> TorchFileWriter:
         if rank not in self._state:
@@ -317,19 +317,20 @@ class LegacyWriter:
             from ckpt_tools.writers import TorchFileWriter
             self._writers[rank] = TorchFileWriter(path)
             self._state[rank] = {}
-            for local, key in layout.stage_keys(self.spec, self.counts, rank.pp):
-                self._local[rank.pp, key] = local
+            for local, key in layout.stage_keys(self.spec, self.counts, rank.pp, rank.ep, self.ep):
+                self._local[rank, key] = local  # experts under this EP rank's local indices
         return self._writers[rank]
 
     def put(self, rank: Rank, key: str, shard: torch.Tensor) -> None:
         ref = self._writer(rank).tensor(shard)
-        self._state[rank][self._local[rank.pp, key]] = ref
+        self._state[rank][self._local[rank, key]] = ref
         self.nbytes += shard.nbytes
 
     def put_extra(self, pp_rank: int, key: str) -> None:
         for rank in self._ranks(pp_rank):
             self._writer(rank)
-            self._state[rank][self._local[pp_rank, key]] = None
+            if (rank, key) in self._local:  # an expert's extra state: its EP rank's files only
+                self._state[rank][self._local[rank, key]] = None
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         for rank in self._ranks(pp_rank):
