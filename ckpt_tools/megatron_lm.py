@@ -239,10 +239,6 @@ def moe_fields(args) -> dict:
     freq = _arg(args, "moe_layer_freq", 1)
     if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
         refused.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
-    etp = _arg(args, "expert_tensor_parallel_size", None)
-    if etp not in (None, _arg(args, "tensor_model_parallel_size", 1)):
-        refused.append(f"expert_tensor_parallel_size={etp!r} (experts split over TP differently from the dense "
-                       f"layers)")
     if refused:
         raise ConfigError(f"unsupported Megatron-LM MoE arguments: {'; '.join(refused)}")
     return {"num_moe_experts": int(experts), "moe_router_topk": int(_arg(args, "moe_router_topk", 2)),
@@ -354,6 +350,13 @@ def expert_parallel(args) -> int:
     return int(_arg(args, "expert_model_parallel_size", 1) or 1) if _arg(args, "num_experts", None) else 1
 
 
+def expert_tensor_parallel(args) -> int:
+    """The TP size of the experts (--expert-tensor-parallel-size; megatron-core's default: TP). torch_dist saves the
+    experts as global tensors whatever it is; a legacy file holds its rank's expert-TP shard."""
+    tp = int(_arg(args, "tensor_model_parallel_size", 1) or 1)
+    return int(_arg(args, "expert_tensor_parallel_size", tp) or tp) if _arg(args, "num_experts", None) else tp
+
+
 def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int, int, list[int]]:
     """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
     try:
@@ -449,6 +452,11 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     args = args_of(first, state)
     spec, tp, pp, counts = layout_of(first, args, vocab_size)
     ep = expert_parallel(args)
+    if expert_tensor_parallel(args) != tp:
+        raise ConfigError(f"{first}: expert_tensor_parallel_size {expert_tensor_parallel(args)} differs from "
+                          f"tensor_model_parallel_size {tp}: this version reads experts split over TP other than the "
+                          f"dense layers' from torch_dist only (Megatron-LM's legacy form saves such a run from "
+                          f"expert-data-parallel rank 0 alone); save the run with --ckpt-format torch_dist")
     _check_rank_dirs(iter_dir, tp, pp, ep)
     _check_model_keys(first, state)
     padded = _arg(args, "padded_vocab_size")

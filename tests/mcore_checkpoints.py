@@ -6,7 +6,7 @@ Run under torchrun with TP x PP (x EP) processes (gloo, CPU):
 
 CONFIG.json: {"model": ModelSpec fields, "tp": T, "pp": P, "iteration": N, optional "dtype": "bfloat16" (the
 weights' dtype, as --bf16 keeps them; default float32), "ep": E (an MoE model's expert parallelism over E
-data-parallel ranks), "grouped": true (an MoE model
+data-parallel ranks), "etp": ETP (--expert-tensor-parallel-size, default TP), "grouped": true (an MoE model
 also saved from megatron-core's GroupedMLP experts, --moe-grouped-gemm) and "forward": false (no reference logits: for the
 benchmark's large checkpoints, benchmarks/megatron_forms.py)}. Each rank builds megatron-core's
 `GPTModel` (local spec, as tests/mcore_reference_child.py does), makes its norm weights and biases non-trivial
@@ -144,16 +144,17 @@ def main(config_path: str, out: str) -> None:
     from ckpt_tools.spec import ModelSpec
     cfg = json.loads(Path(config_path).read_text())
     tp, pp, iteration, ep = cfg["tp"], cfg["pp"], cfg.get("iteration", 5), cfg.get("ep", 1)
+    etp = cfg.get("etp", tp)  # --expert-tensor-parallel-size (an MoE model's experts split over ETP ranks)
     spec = ModelSpec.from_dict(cfg["model"])
     padded = spec.padded_vocab_size(tp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
         moe_utils.te_general_gemm = None
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     torch.manual_seed(1234)
-    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep}, tp, pp).eval()
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep, "etp": etp}, tp, pp).eval()
     _perturb(model, torch)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     out_dir = Path(out)
@@ -169,7 +170,7 @@ def main(config_path: str, out: str) -> None:
     model.to(getattr(torch, dtype))
 
     args = _args(spec, tp, pp, padded, iteration, dtype)
-    args.expert_model_parallel_size = ep
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep, etp
     name = f"iter_{iteration:07d}"
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": None, "rng_tracker_states": {}}]
@@ -201,7 +202,7 @@ def main(config_path: str, out: str) -> None:
     keys_map = model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map if len(model.decoder.layers) else {}
     save("", model, args, {"torch": local, "torch_te": _te_names(local, keys_map)})
     if cfg.get("grouped"):  # --moe-grouped-gemm: megatron-core loads the torch_dist save into its GroupedMLP experts
-        grouped = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep}, tp, pp, grouped=True)
+        grouped = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep, "etp": etp}, tp, pp, grouped=True)
         grouped.to(getattr(torch, dtype))
         loaded = dist_checkpointing.load({"model": grouped.sharded_state_dict()}, str(out_dir / "torch_dist" / name))
         grouped.load_state_dict(loaded["model"])

@@ -33,7 +33,7 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
 
     from ckpt_tools.spec import ModelSpec
 
-    fields = {k: v for k, v in model.items() if k not in ("padded_vocab_size", "ep") and v is not None}
+    fields = {k: v for k, v in model.items() if k not in ("padded_vocab_size", "ep", "etp") and v is not None}
     s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features
     activation = {"swiglu": F.silu, "gelu": F.gelu,
                   "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
@@ -49,7 +49,8 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
         **({"num_moe_experts": s.num_moe_experts, "moe_router_topk": s.moe_router_topk,
             "moe_ffn_hidden_size": s.moe_ffn_hidden_size, "moe_router_pre_softmax": s.moe_router_pre_softmax,
             "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": "allgather",
-            "expert_model_parallel_size": int(model.get("ep", 1))} if s.is_moe else {}),
+            "expert_model_parallel_size": int(model.get("ep", 1)),
+            "expert_tensor_parallel_size": int(model.get("etp") or tp)} if s.is_moe else {}),
     )
     tied = s.tie_word_embeddings
     if s.position_embedding_type == "rope":

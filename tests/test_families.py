@@ -434,3 +434,31 @@ def test_trainer_trains_with_megatron_cores_own_moe_layer(tmp_path):
         assert [m["iteration"] for m in resumed] == [4, 5, 6]
         for a, b in zip(want[3:], resumed):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+
+
+@pytest.mark.slow
+def test_megatron_core_moe_checkpoint_with_another_expert_tensor_parallel_size_merges(tmp_path):
+    """megatron-core's MoE GPTModel at TP2 with its experts unsplit (--expert-tensor-parallel-size 1; the experts then
+    lie whole on each TP rank), saved as Megatron-LM does: the torch_dist save (experts as global tensors, whatever
+    their split) merges to a transformers Mixtral with megatron-core's own logits, and reshards into our format
+    (experts split over TP as the dense layers) bit-exactly; the legacy form of such a run is refused in one line."""
+    from conftest import torchrun
+
+    from ckpt_tools.errors import ConfigError
+    model = {"architecture": "mixtral", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "num_query_groups": 2, "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128,
+             "norm_epsilon": 1e-5, "num_moe_experts": 4}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 1, "etp": 1, "iteration": 5}))
+    torchrun(2, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
+    tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    merge(tmp_path / "torch_dist", tmp_path / "merged", vocab_size=VOCAB, quiet=True)
+    cls, ours = logits(tmp_path / "merged", tokens)
+    assert cls == "MixtralForCausalLM" and rel(ours, expected) < 1e-5
+    reshard(tmp_path / "torch_dist", tmp_path / "ours", tp=2, pp=1, vocab_size=VOCAB, quiet=True)
+    merge(tmp_path / "ours", tmp_path / "merged_ours", quiet=True)
+    first = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    again = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
+    assert sorted(again) == sorted(first) and all(torch.equal(again[k], first[k]) for k in first)
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_size 1 differs from tensor_model_parallel_size 2"):
+        merge(tmp_path / "torch", tmp_path / "legacy", vocab_size=VOCAB, quiet=True)
+    assert not (tmp_path / "legacy").exists()
