@@ -98,6 +98,14 @@ def _dense(s: ModelSpec, pp: int) -> bool:
     return not s.is_moe
 
 
+def _shared(s: ModelSpec, pp: int) -> bool:
+    return s.moe_shared_expert_intermediate_size is not None
+
+
+def _shared_gate(s: ModelSpec, pp: int) -> bool:
+    return s.moe_shared_expert_gate
+
+
 def _h(s: ModelSpec, v: int) -> tuple[int, ...]:
     return (s.hidden_size,)
 
@@ -108,6 +116,7 @@ def _d(s: ModelSpec, v: int) -> tuple[int, ...]:
 
 _L = "decoder.layers.{i}."
 _E = _L + "mlp.experts.local_experts.{e}."  # megatron-core's SequentialMLP; `{e}` the expert (local in a file)
+_S = _L + "mlp.shared_experts."
 TABLE: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", VOCAB, FIRST, lambda s, v: (v, s.hidden_size), _always),
     Rule("embedding.position_embeddings.weight", REPLICATED, FIRST,
@@ -153,6 +162,14 @@ TABLE: tuple[Rule, ...] = (
     Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _moe),
     Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), _moe),
     Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, _moe),
+    # a shared expert (megatron-core's SharedExpertMLP, after the experts): a dense gated MLP and its sigmoid gate
+    Rule(_S + "gate_weight", REPLICATED, LAYER, lambda s, v: (1, s.hidden_size), _shared_gate),
+    Rule(_S + "linear_fc1.weight", GATED, LAYER,
+         lambda s, v: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size), _shared),
+    Rule(_S + "linear_fc1._extra_state", EXTRA, LAYER, None, _shared),
+    Rule(_S + "linear_fc2.weight", ROW, LAYER,
+         lambda s, v: (s.hidden_size, s.moe_shared_expert_intermediate_size), _shared),
+    Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, _shared),
     Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
     Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
     # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
@@ -295,11 +312,13 @@ def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: in
     rules = rules_for(spec, pp_size)
     if pp_rank == 0:
         out += [(r.name, r.name) for r in rules if r.stage == FIRST]
-    layer = [r for r in rules if r.stage == LAYER and not r.expert]
-    expert = [r for r in rules if r.stage == LAYER and r.expert]  # the MLP's last rows, expert by expert
+    layer = [r for r in rules if r.stage == LAYER and not r.expert and not r.name.startswith(_S)]
+    expert = [r for r in rules if r.stage == LAYER and r.expert]  # the MLP's rows, expert by expert
+    shared = [r for r in rules if r.stage == LAYER and r.name.startswith(_S)]  # then a shared expert's
     for i in range(counts[pp_rank]):
         out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in layer]
         out += [(r.name.format(i=i, e=j), r.name.format(i=offset + i, e=e)) for j, e in experts for r in expert]
+        out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in shared]
     if pp_rank == pp_size - 1:
         out += [(r.name, r.name) for r in rules if r.stage == LAST]
     return out

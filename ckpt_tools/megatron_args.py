@@ -57,12 +57,15 @@ def check_expressible(spec: ModelSpec) -> None:
 
 def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
     """Megatron-LM's MoE arguments: every layer's MLP megatron-core's MoE layer with SequentialMLP experts (no
-    grouped GEMM), top-k routing, no shared experts, the load-balancing loss megatron-core's default (off)."""
+    grouped GEMM), top-k routing, a shared expert where the family has one, the load-balancing loss megatron-core's
+    default (off)."""
     if not spec.is_moe:
         return {"num_experts": None, "expert_model_parallel_size": 1}
     return {"num_experts": spec.num_moe_experts, "moe_router_topk": spec.moe_router_topk,
             "moe_ffn_hidden_size": spec.moe_ffn_hidden_size, "moe_router_pre_softmax": spec.moe_router_pre_softmax,
-            "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+            "moe_grouped_gemm": False, "moe_layer_freq": 1,
+            "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": bool(spec.moe_shared_expert_gate), "moe_shared_expert_overlap": False,
             "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
             "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,

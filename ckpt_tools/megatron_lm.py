@@ -139,6 +139,7 @@ _ARG_OF = {
     "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
     "rope_scaling": ("use_rope_scaling", lambda v: v is not None),
     "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
+    "moe_shared_expert_gate": ("moe_shared_expert_gate", None),
 }
 
 
@@ -172,6 +173,7 @@ def features_of(args) -> dict:
         "position_embedding_type": _arg(args, "position_embedding_type", "learned_absolute"),
         "rope_scaling": "llama3" if _arg(args, "use_rope_scaling", False) else None,
         "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+        "moe_shared_expert_gate": bool(_arg(args, "moe_shared_expert_gate", False)),
     }
 
 
@@ -221,7 +223,6 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
 # Megatron-LM MoE arguments whose non-default values change the weights or the routing beyond what the MoE families
 # hold: (argument, its harmless values, what it would mean)
 _MOE_REFUSED = (
-    ("moe_shared_expert_intermediate_size", (None, 0), "shared experts"),
     ("moe_router_score_function", ("softmax",), "a router score function other than softmax"),
     ("moe_router_enable_expert_bias", (None, False), "a router expert bias"),
     ("moe_router_num_groups", (None, 0, 1), "group-limited routing"),
@@ -243,7 +244,8 @@ def moe_fields(args) -> dict:
         raise ConfigError(f"unsupported Megatron-LM MoE arguments: {'; '.join(refused)}")
     return {"num_moe_experts": int(experts), "moe_router_topk": int(_arg(args, "moe_router_topk", 2)),
             "moe_ffn_hidden_size": _arg(args, "moe_ffn_hidden_size", None),
-            "moe_router_pre_softmax": bool(_arg(args, "moe_router_pre_softmax", False))}
+            "moe_router_pre_softmax": bool(_arg(args, "moe_router_pre_softmax", False)),
+            "moe_shared_expert_intermediate_size": _arg(args, "moe_shared_expert_intermediate_size", None) or None}
 
 
 def _layer_counts(args, pp_size: int) -> list[int]:

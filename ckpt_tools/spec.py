@@ -58,6 +58,8 @@ class ModelSpec:
     moe_router_topk: int = 2  # experts per token
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k, not renormalised (Qwen3-MoE's
     # norm_topk_prob false); else top-k of the logits, then softmax over those k (= Mixtral's renormalised top-k)
+    moe_shared_expert_intermediate_size: int | None = None  # a shared expert every token goes through (Qwen2-MoE)
+    moe_shared_expert_gate: bool | None = None  # its output scaled by sigmoid(gate_weight . x) (a feature: Qwen2-MoE)
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -95,6 +97,13 @@ class ModelSpec:
             if self.moe_router_topk > self.num_moe_experts:
                 raise ConfigError(f"moe_router_topk {self.moe_router_topk} exceeds num_moe_experts "
                                   f"{self.num_moe_experts}: each token picks at most every expert")
+            if (self.moe_shared_expert_intermediate_size is not None) != family.shared_experts:
+                raise ConfigError(f"moe_shared_expert_intermediate_size {self.moe_shared_expert_intermediate_size!r} "
+                                  f"does not fit {self.architecture}: " + (
+                                      "its MoE layers have a shared expert: give its width" if family.shared_experts
+                                      else "its MoE layers have no shared expert"))
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("moe_shared_expert_gate needs a shared expert (moe_shared_expert_intermediate_size)")
         if family.check is not None:
             family.check(self)
 

@@ -50,6 +50,8 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
             "moe_ffn_hidden_size": s.moe_ffn_hidden_size, "moe_router_pre_softmax": s.moe_router_pre_softmax,
             "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": "allgather",
             "expert_model_parallel_size": int(model.get("ep", 1)),
+            "moe_shared_expert_intermediate_size": s.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": bool(s.moe_shared_expert_gate),
             "expert_tensor_parallel_size": int(model.get("etp") or tp)} if s.is_moe else {}),
     )
     tied = s.tie_word_embeddings

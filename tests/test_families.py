@@ -46,6 +46,9 @@ CASES = {
                                      "norm_topk_prob": False, "head_dim": 24}, "qwen3_moe"),
     # q/k norms over all heads (each TP rank its heads' slice), top-2 of 4 experts, not renormalised
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}, "olmoe"),
+    # QKV biases, and a shared expert scaled by its sigmoid gate beside the routed top-2 of 4
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "norm_topk_prob": False}, "qwen2_moe"),
 }
 
 
@@ -106,7 +109,7 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("gemma", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+FORWARD = ("gemma", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
 @pytest.mark.slow
@@ -127,7 +130,8 @@ def test_family_records_map_their_config_both_ways():
         spec = ModelSpec(architecture=family.name, num_layers=2, hidden_size=64, num_attention_heads=4,
                          num_query_groups=4 if family.name == "gpt2" else 2, ffn_hidden_size=96, vocab_size=VOCAB,
                          kv_channels=16, max_position_embeddings=128,
-                         **({"num_moe_experts": 4, "moe_router_topk": 2} if family.moe else {}))
+                         **({"num_moe_experts": 4, "moe_router_topk": 2} if family.moe else {}),
+                         **({"moe_shared_expert_intermediate_size": 48} if family.shared_experts else {}))
         config = hf.hf_config(spec, "float32", 1, 2)
         assert config["model_type"] == family.model_type
         back = ModelSpec.from_dict(family.spec_fields(config, pytest.fail))
@@ -181,7 +185,7 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case, tmp_path):
     """megatron-core's own MoE GPTModel (SequentialMLP experts) at TP2 x EP2, saved as Megatron-LM does: torch_dist
     (experts on a stacked expert axis), legacy torch (mp_rank_TT_EEE dirs, each EP rank's experts under local
@@ -193,7 +197,9 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     model = {"architecture": case, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-5,
              "num_moe_experts": 4, **({"moe_ffn_hidden_size": 32, "moe_router_pre_softmax": True, "kv_channels": 24}
-                                      if case == "qwen3_moe" else {})}
+                                      if case == "qwen3_moe" else {}),
+             **({"moe_ffn_hidden_size": 32, "moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 48}
+                if case == "qwen2_moe" else {})}
     (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 1, "ep": 2, "iteration": 5,
                                                         "grouped": True}))
     torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
@@ -221,7 +227,7 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), OLMoE's norms over all heads
     sum their squares over TP and keep each rank's weight slice, Gemma's zero-centred norms start at zero; a
@@ -231,10 +237,12 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     extra = {"architecture": arch, "kv_channels": 24} if arch in ("qwen3", "gemma") else {"architecture": arch}
     if arch == "gemma":
         extra["tie_word_embeddings"] = True
-    if arch in ("mixtral", "olmoe"):  # top-2 of 4 experts, each on every rank; the load-balancing loss in the curve
+    if arch in ("mixtral", "olmoe", "qwen2_moe"):  # top-2 of 4 experts, each on every rank; the load-balancing loss
         extra.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
-    if arch == "olmoe":
+    if arch in ("olmoe", "qwen2_moe"):
         extra.update(moe_router_pre_softmax=True)
+    if arch == "qwen2_moe":  # a gated shared expert beside the routed ones, split over TP as the dense MLP
+        extra.update(moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}
@@ -275,6 +283,7 @@ def test_models_megatron_core_cannot_build_are_not_written_in_megatron_lm_forms(
 @pytest.mark.slow
 @pytest.mark.parametrize("case,form,written,loaded", [("mixtral", "torch_dist", (2, 2, 1), (2, 1, 2)),
                                                       ("qwen3_moe", "torch", (2, 1, 1), (2, 1, 1)),
+                                                      ("qwen2_moe", "torch_dist", (1, 2, 1), (2, 1, 2)),
                                                       ("mixtral", "torch", (1, 2, 2), (1, 2, 2))])
 def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, loaded, hf_dirs, tmp_path):
     """`ckpt import --format torch_dist|torch` of an MoE model: megatron-core's own MoE GPTModel loads it the way
@@ -366,7 +375,7 @@ def test_an_expert_parallel_size_the_model_cannot_take_is_refused(hf_dirs, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,tp,pp,ep", [("mixtral", 1, 2, 2), ("qwen3_moe", 2, 1, 1)])
+@pytest.mark.parametrize("case,tp,pp,ep", [("mixtral", 1, 2, 2), ("qwen3_moe", 2, 1, 1), ("qwen2_moe", 2, 1, 1)])
 def test_megatron_core_moe_model_loads_our_shards(case, tp, pp, ep, hf_dirs, tmp_path):
     """megatron-core's own GPTModel with MoE layers (SequentialMLP experts; with EP, its expert parallelism over the
     data-parallel ranks) loads each rank's file of ours with strict=True, and its forward gives transformers'
@@ -390,12 +399,14 @@ def test_trainer_splits_experts_over_data_parallel_ranks(tmp_path):
     """EP2 over DP2 (megatron-core's expert parallelism: each rank holds two of the four experts, tokens gathered
     and their outputs summed back across the EP group) trains the same curve as every expert on every rank; its
     checkpoint has a file per EP rank, which resharded to EP1 resumes the EP1 run's curve, and the EP1 checkpoint
-    resharded to EP2 resumes at EP2."""
+    resharded to EP2 resumes at EP2. The load-balancing loss keeps the experts evenly loaded (the logged balance)."""
     moe = {"architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
            "tp_degree": 1, "pp_degree": 1, "train_iters": 6, "save_interval": 3, "num_micro_batches": 2}
     ep2 = train("tiny_llama.yaml", tmp_path / "ep2" / "save", 2, ep_degree=2, **moe)
     ep1 = train("tiny_llama.yaml", tmp_path / "ep1" / "save", 2, ep_degree=1, **moe)
     assert ep1[-1]["loss"] < ep1[0]["loss"] - 0.05, [m["loss"] for m in ep1]
+    # the experts share the tokens: E x sum_e (share routed to e) x (mean probability of e) is 1 when even, 4 at worst
+    assert all(m["moe_balance"] < 1.2 for m in ep1 + ep2), [m["moe_balance"] for m in ep1 + ep2]
     for a, b in zip(ep1, ep2):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
         # the norms agree to fp32 summation order: without EP the norm is one fp32 sum over the whole flat buffer
@@ -414,14 +425,18 @@ def test_trainer_splits_experts_over_data_parallel_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_trains_with_megatron_cores_own_moe_layer(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_trainer_trains_with_megatron_cores_own_moe_layer(arch, tmp_path):
     """`moe_layer: megatron_core`: megatron-core's MoELayer (TopKRouter, alltoall dispatcher over EP2, SequentialMLP
-    experts, its load-balancing loss through MoEAuxLossAutoScaler) trains the curve of the trainer's own MoE layer
-    from the same initial weights; its checkpoint holds the same keys, and the trainer's own layer resumes it on the
-    same curve (and the other way round)."""
-    moe = {"architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+    experts, Qwen2-MoE's gated shared expert as its SharedExpertMLP, its load-balancing loss through
+    MoEAuxLossAutoScaler) trains the curve of the trainer's own MoE layer from the same initial weights; its
+    checkpoint holds the same keys, and the trainer's own layer resumes it on the same curve (and the other way
+    round)."""
+    moe = {"architecture": arch, "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
            "tp_degree": 1, "pp_degree": 1, "ep_degree": 2, "train_iters": 6, "save_interval": 3,
            "num_micro_batches": 2}
+    if arch == "qwen2_moe":
+        moe.update(moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48, moe_router_pre_softmax=True)
     theirs = train("tiny_llama.yaml", tmp_path / "mcore" / "save", 2, moe_layer="megatron_core", **moe)
     ours = train("tiny_llama.yaml", tmp_path / "ours" / "save", 2, moe_layer="ours", **moe)
     assert theirs[-1]["loss"] < theirs[0]["loss"] - 0.05, [m["loss"] for m in theirs]

@@ -25,7 +25,9 @@ CASES += [("gpt2", GPT2, tp, pp) for tp, pp in ((1, 1), (2, 2))]
 CASES += [("qwen2_tied", {**LLAMA, "architecture": "qwen2", "tie_word_embeddings": True}, 2, 2),
           ("qwen3", {**LLAMA, "architecture": "qwen3", "kv_channels": 24}, 2, 1),
           ("mixtral", {**LLAMA, "architecture": "mixtral", "num_moe_experts": 4}, 2, 2),
-          ("qwen3_moe", {**LLAMA, "architecture": "qwen3_moe", "num_moe_experts": 4, "moe_ffn_hidden_size": 32}, 2, 1)]
+          ("qwen3_moe", {**LLAMA, "architecture": "qwen3_moe", "num_moe_experts": 4, "moe_ffn_hidden_size": 32}, 2, 1),
+          ("qwen2_moe", {**LLAMA, "architecture": "qwen2_moe", "num_moe_experts": 4, "moe_ffn_hidden_size": 32,
+                         "moe_shared_expert_intermediate_size": 48}, 2, 2)]
 
 
 @pytest.fixture(scope="module")

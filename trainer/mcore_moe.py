@@ -55,6 +55,8 @@ def build(spec: ModelSpec, config: TransformerConfig, ep_size: int) -> nn.Module
         config, num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_pre_softmax=spec.moe_router_pre_softmax,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=bool(spec.moe_shared_expert_gate),
         expert_model_parallel_size=ep_size, gated_linear_unit=spec.gated_linear_unit,
         activation_func=F.silu if spec.activation == "swiglu" else functools.partial(F.gelu, approximate="tanh"),
         bias_activation_fusion=False, moe_grouped_gemm=False)

@@ -3,6 +3,7 @@
     mlp.router.weight                                [experts, hidden], replicated over TP
     mlp.experts.local_experts.{j}.linear_fc1.weight  expert j's SwiGLU fc1, split over TP as the dense MLP's
     mlp.experts.local_experts.{j}.linear_fc2.weight  expert j's fc2
+    mlp.shared_experts.{gate_weight, linear_fc1.weight, linear_fc2.weight}   a shared expert, where the family has one
 
 Routing is megatron-core's top-k router: either the top-k logits and a softmax over those k, or (with
 moe_router_pre_softmax) a softmax over every expert and its top-k probabilities as they are. Each token's output
@@ -48,7 +49,8 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool) -> tuple[torch.Ten
 
 
 def load_balancing_loss(index: torch.Tensor, scores: torch.Tensor, coeff: float) -> torch.Tensor:
-    """The switch loss: coeff x E x sum_e (share of token-slots routed to e) x (mean softmax of e)."""
+    """The switch loss: coeff x E x sum_e (share of token-slots routed to e) x (mean softmax of e). Without the
+    coefficient it is 1 when the experts share the tokens evenly and E when one expert takes them all."""
     experts = scores.shape[-1]
     routed = F.one_hot(index, experts).sum(dim=(0, 1)).float() / index.numel()
     return coeff * experts * (routed * scores.mean(dim=0)).sum()
@@ -171,6 +173,24 @@ class _ReduceScatter(torch.autograd.Function):
         return _Gather.apply(grad, ctx.group), None
 
 
+def shared_expert(spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module]) -> nn.Module:
+    """megatron-core's SharedExpertMLP: a dense MLP every token goes through (split over TP as the dense MLP, on every
+    EP rank), with moe_shared_expert_gate its output scaled by sigmoid(gate_weight . x) (Qwen2-MoE's
+    shared_expert_gate). gate_weight [1, hidden] is replicated over TP."""
+
+    class SharedExpert(mlp):
+        def __init__(self):
+            super().__init__(spec, config, width=spec.moe_shared_expert_intermediate_size)
+            self.gate_weight = nn.Parameter(torch.empty(1, spec.hidden_size, dtype=config.params_dtype)) \
+                if spec.moe_shared_expert_gate else None
+
+        def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
+            y = super().forward(x, selective)
+            return y if self.gate_weight is None else torch.sigmoid(F.linear(x, self.gate_weight)) * y
+
+    return SharedExpert()
+
+
 class MoE(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module],
                  ep: tuple[int, int] | None = None):
@@ -181,7 +201,10 @@ class MoE(nn.Module):
         self.experts_here = layout.local_experts(spec, *(ep or (None, 1)))  # global indices, local order
         self.ep_group = ps.get_expert_model_parallel_group() if ep is not None and ep[1] > 1 else None
         self.experts = Experts(spec, config, mlp, len(self.experts_here))
+        # registered after the experts, as megatron-core's MoELayer orders its state dict
+        self.shared_experts = shared_expert(spec, config, mlp) if spec.moe_shared_expert_intermediate_size else None
         self.aux_loss: torch.Tensor | None = None
+        self.balance: torch.Tensor | None = None  # the last training step's load_balancing_loss without its coefficient
 
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
         shape = x.shape
@@ -189,6 +212,8 @@ class MoE(nn.Module):
         probs, index, scores = route(F.linear(tokens, self.router.weight), self.topk, self.pre_softmax)
         aux = load_balancing_loss(index, scores, self.aux_loss_coeff) if self.training and self.aux_loss_coeff \
             else None
+        if self.training:
+            self.balance = load_balancing_loss(index.detach(), scores.detach(), 1.0)
         if self.ep_group is not None:  # the EP group's tokens and routing on every rank of it
             tokens, probs = _Gather.apply(tokens, self.ep_group), _Gather.apply(probs, self.ep_group)
             gathered = [torch.empty_like(index) for _ in range(dist.get_world_size(self.ep_group))]
@@ -206,6 +231,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add_(0, rows, y * probs.reshape(-1)[slots, None])
         if self.ep_group is not None:
             out = _ReduceScatter.apply(out, self.ep_group)
+        if self.shared_experts is not None:  # this rank's own tokens
+            out = out + self.shared_experts(x.reshape(-1, shape[-1]), selective)
         if aux is not None:
             self.aux_loss = aux
             out = AuxLoss.apply(out, aux)

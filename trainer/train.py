@@ -25,12 +25,11 @@ from megatron.core import parallel_state as ps
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
 from ckpt_tools.errors import CkptError, ConfigError
-from trainer import checkpoint, data
+from trainer import checkpoint, data, mcore_moe
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
 from trainer.model import GPTStage, initialize, megatron_config
-from trainer import mcore_moe
-from trainer.moe import AuxLoss
+from trainer.moe import AuxLoss, MoE
 from trainer.optim import MasterAdamW, lr_at, make_optimizer
 
 
@@ -230,8 +229,11 @@ def train(cfg: TrainConfig) -> None:
                 now = time.perf_counter()
                 rate = (iteration - clock_iteration) * global_batch * cfg.seq_length / (now - clock)
                 clock, clock_iteration = now, iteration
-                logger.log({"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm,
-                            "tokens_per_s": rate})
+                record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
+                balance = [m.balance for m in stage.modules() if isinstance(m, MoE) and m.balance is not None]
+                if balance:  # the last micro-batch's, mean over this stage's MoE layers: 1 = experts evenly loaded
+                    record["moe_balance"] = float(torch.stack(balance).mean())
+                logger.log(record)
         if cfg.save_interval and iteration % cfg.save_interval == 0:
             checkpoint.save(cfg, stage, opt, iteration, consumed, dp)
             saved_iteration = iteration

@@ -24,7 +24,8 @@ SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "ga
 
 # ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
 FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
-            "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings")
+            "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings",
+            "moe_shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class Family:
     check: Callable | None = None  # extra constraints on a ModelSpec (raises ConfigError)
     extras: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
     moe: bool = False  # a mixture-of-experts family: every layer's MLP is megatron-core's MoE layer
+    shared_experts: bool = False  # its MoE layers also have a shared expert (megatron-core's SharedExpertMLP)
 
     def default(self, feature: str):
         return self.features[feature][0]
@@ -182,9 +184,10 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import gemma, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_moe
+    from ckpt_tools.families import (gemma, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3,
+                                     qwen3_moe)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
-            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)
+            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

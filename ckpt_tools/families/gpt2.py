@@ -39,7 +39,7 @@ FAMILY = Family(
               "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
               "position_embedding_type": ("learned_absolute",),
               "rope_scaling": (None,), "tie_word_embeddings": (True,), "zero_centered_norm": (False,),
-              "scale_embeddings": (False,)},
+              "scale_embeddings": (False,), "moe_shared_expert_gate": (False,)},
     names=NAMES, check=_check,
     config=(
         Field("vocab_size", "vocab_size"),
