@@ -49,7 +49,9 @@ def same_tensors(a, b) -> None:
 
 # (HF model, form, written TP x PP, TP x PP megatron-core loads it at); "resharded": imported into ours at TP1 x PP1,
 # then `reshard --format torch` (the legacy files written by copying bytes, formats/legacy_copy.py)
-LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("gpt2", "torch_dist", (2, 2), (2, 1)),
+# (an import into torch_dist saves row-parallel tensors as row chunks: megatron-core's TP2 takes its columns from them)
+LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("llama", "torch_dist", (2, 2), (2, 1)),
+         ("gpt2", "torch_dist", (2, 2), (2, 1)),
          ("llama_tied", "torch", (2, 2), (2, 2)), ("qwen2_tied", "torch_dist", (1, 2), (2, 2)),
          ("qwen3", "torch", (2, 1), (2, 1)), ("gpt2", "resharded", (2, 2), (2, 2))]
 

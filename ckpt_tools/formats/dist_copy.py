@@ -318,16 +318,19 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
             padded: int) -> None:
     """One megatron-core tensor's chunks: the row ranges of its HF tensor(s), and zeros for the vocab padding, each
     cut at the target's TP shards and saved by the TP rank that holds it (one .distcp per target rank, as
-    megatron-core saves them)."""
+    megatron-core saves them). A row-parallel tensor (split over TP by columns) is cut by rows instead, one run of
+    rows per target TP rank: each chunk is then a byte range of the HF file, copied file to file, where a column
+    block would have to be gathered in memory. torch_dist does not tie chunks to the loading layout: Megatron-LM
+    loads each rank's columns from the row chunks they cross, at any TP, as it loads any other save."""
     spec = writer.spec
     fqn, layer = stacked_key(key)
     full = layout.full_shape(key, spec, padded, writer.pp)
-    if layout.find_rule(key, spec, writer.pp).dim == 1:  # row-parallel: a chunk per target TP rank (see below)
-        _put_columns(writer, index, fds, stage, key, names, full)
-        return
-    shards = [(r, p.start, p.stop) for r in (range(writer.tp) if TP in layout.find_rule(key, spec, writer.pp).axes
-                                               else [0])
-              for p in layout.reshard_pieces(key, spec, 1, padded, writer.tp, padded, r, writer.pp)]
+    rule = layout.find_rule(key, spec, writer.pp)
+    if rule.dim == 1:
+        shards = [(r, r * full[0] // writer.tp, (r + 1) * full[0] // writer.tp) for r in range(writer.tp)]
+    else:
+        shards = [(r, p.start, p.stop) for r in (range(writer.tp) if TP in rule.axes else [0])
+                  for p in layout.reshard_pieces(key, spec, 1, padded, writer.tp, padded, r, writer.pp)]
 
     def put(a: int, b: int, data) -> None:  # rows [a, b) of the full tensor, cut at the TP shards
         at = a
@@ -350,44 +353,6 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
         dtype = index[names[0]][1]
         row_bytes = full[1] * ELEMENT_SIZES[dtype]
         put(spec.vocab_size, padded, lambda i, j: bytes((j - i) * row_bytes))
-
-
-def _put_columns(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, names: list[str],
-                 full: tuple[int, ...]) -> None:
-    """A row-parallel tensor as one chunk per target TP rank (its columns), as megatron-core saves it: merge and
-    reshard then read each rank's shard as one chunk. Columns are not contiguous bytes, so the tensor is read
-    into memory once (numpy, no torch) and each rank's columns are written from there (not read where no rank
-    of this process's files takes them)."""
-    (name,) = names
-    path, dtype, shape, offset, nbytes = index[name]
-    fqn, layer = stacked_key(key)
-    tp, width = writer.tp, shape[1] * ELEMENT_SIZES[dtype] // writer.tp
-    rows = None
-    for r in range(tp):
-        piece = layout.Piece(0, 1, r * full[1] // tp, (r + 1) * full[1] // tp)
-        offsets, sizes, gshape = writer.placed(key, layer, full, piece)
-        if not writer.writes_rank(Rank(r, stage)):
-            writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, [(-1, 0, shape[0] * width)])
-            continue
-        if rows is None:
-            rows = _read_rows(fds, path, offset, nbytes, shape[0])
-        columns = rows[:, r * width:(r + 1) * width].copy()
-        writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, memoryview(columns).cast("B"))
-
-
-def _read_rows(fds: dict, path: Path, offset: int, nbytes: int, count: int):
-    """A tensor's bytes as a uint8 array of `count` rows (numpy, no torch)."""
-    import numpy as np
-    if path not in fds:
-        fds[path] = os.open(path, os.O_RDONLY)
-    buf = bytearray(nbytes)
-    view, done = memoryview(buf), 0
-    while done < nbytes:
-        n = os.preadv(fds[path], [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"{path}: ended at byte {offset + done}")
-        done += n
-    return np.frombuffer(buf, np.uint8).reshape(count, -1)
 
 
 def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
