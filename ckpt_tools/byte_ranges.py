@@ -164,11 +164,12 @@ def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
 
 
 # ---------------------------------------------------------------- HF rows -> full rows -> source shards
-def _full_pieces(key: str, meta: checkpoint.Meta) -> list[layout.Piece]:
-    """The full (TP 1) tensor of `key`, vocab rows trimmed to the true vocab, as pieces of the source shards."""
+def _full_pieces(key: str, meta: checkpoint.Meta, src_tp: int) -> list[layout.Piece]:
+    """The full (TP 1) tensor of `key`, vocab rows trimmed to the true vocab, as pieces of the source shards (at
+    TP `src_tp`, ByteSource.tp_of)."""
     spec = meta.spec
     vocab = layout.has_padded_rows(key, spec, meta.pp_size)
-    return layout.reshard_pieces(key, spec, meta.tp_size, meta.padded_vocab, 1,
+    return layout.reshard_pieces(key, spec, src_tp, meta.padded_vocab, 1,
                                  spec.vocab_size if vocab else meta.padded_vocab, 0, meta.pp_size)
 
 
@@ -251,7 +252,7 @@ class ByteSource:
         self.meta, self.model, self.shards, self.ours = meta, model, sources, ours
         self.megatron_optimizer = False  # a Megatron-LM source holding optimizer state (decoded by the torch path)
         self.files = _Files()
-        self._buf = bytearray()
+        self._buf, self._sink = bytearray(), bytearray()
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
         self.torch_threads: int | None = None  # torch's intra-op threads for a conversion step
 
@@ -302,6 +303,18 @@ class ByteSource:
         if self.ours:
             checkpoint.check_hashes(self.meta, team)
 
+    def tp_of(self, key: str) -> int:
+        """The TP its shards of `key` are at: the checkpoint's, or 1 where a tensor split over TP is held whole (a
+        row-parallel tensor that a torch_dist save holds as whole rows)."""
+        shards = self.shards[key]
+        return 1 if len(shards) == 1 else self.meta.tp_size
+
+    def _skip(self, nbytes: int) -> memoryview:
+        """Scratch bytes a scatter read drops (columns no output piece takes), reused."""
+        if len(self._sink) < nbytes:
+            self._sink = bytearray(nbytes)
+        return memoryview(self._sink)[:nbytes]
+
     def buffer(self, nbytes: int) -> memoryview:
         """Memory for one tensor, reused: its pages stay mapped from one tensor to the next."""
         if len(self._buf) < nbytes:
@@ -313,8 +326,10 @@ class ByteSource:
         the tensor is dim-0 pieces already in `dtype`, else its bytes in memory (joined, transposed, converted)."""
         meta, src_dtype = self.meta, self.shards[e.key][0].dtype
         itemsize = ELEMENT_SIZES[src_dtype]
-        pieces = _full_pieces(e.key, meta)
+        pieces = _full_pieces(e.key, meta, self.tp_of(e.key))
         full_rows = layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[0]
+        if len(pieces) == 1 and pieces[0].dim == 1:  # a tensor held whole: its rows, as a dim-0 piece
+            pieces = [layout.Piece(pieces[0].rank, 0, 0, full_rows)]
         for name, rows, shape in zip(e.names, hf.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
             transpose = e.kind in hf.TRANSPOSED and len(shape) == 2
             if pieces[0].dim == 0 and not transpose and src_dtype == dtype:
@@ -330,8 +345,9 @@ class ByteSource:
 
     def gather(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows, itemsize: int) -> memoryview:
         """Rows of a tensor made of `pieces` of the shards, in memory: dim-0 pieces one after another; on dim 1
-        the pieces side by side, each a shard's columns [start, stop) (all of them, read straight into their place
-        in the output rows; some of them, the shard's rows read once and their columns copied)."""
+        the pieces side by side, each a shard's columns [start, stop), read straight into their place in the output
+        rows by one scatter read (the columns of other pieces, where a piece is some of a shard's, land in a reused
+        scratch buffer and are dropped)."""
         if pieces[0].dim == 0:
             ranges = _byte_ranges(shards, pieces, rows)
             buf, pos = self.buffer(sum(n for _, _, n in ranges)), 0
@@ -344,21 +360,18 @@ class ByteSource:
         buf, col = self.buffer(nrows * width), 0
         for p, w in zip(pieces, widths):
             shard = shards[p.rank]
-            if len(shard.parts) != 1:
-                raise LayoutError(f"{shard.parts[0][0]}: a row-parallel shard in {len(shard.parts)} chunks, not one: "
-                                  f"the file is damaged or not Megatron-LM's; restore it from the source")
             src_width, at, out_row = shard.nbytes // shard.rows, p.start * itemsize, 0
+            if any(info.nbytes != info.shape[0] * src_width for _, info in shard.parts):
+                raise LayoutError(f"{shard.parts[0][0]}: a row-parallel shard in chunks of other widths than its "
+                                  f"rows: the file is damaged or not Megatron-LM's; restore it from the source")
+            before, after = self._skip(at), self._skip(src_width - at - w)
             for a, b in rows:
-                (path, offset, n), = shard.byte_ranges(a, b)
-                starts = [(out_row + i) * width + col for i in range(b - a)]
-                if w == src_width:
-                    self.files.read_into([buf[x:x + w] for x in starts], path, offset)
-                else:
-                    whole = memoryview(bytearray(n))
-                    self.files.read_into([whole], path, offset)
-                    for i, x in enumerate(starts):
-                        buf[x:x + w] = whole[i * src_width + at:i * src_width + at + w]
-                out_row += b - a
+                for path, offset, n in shard.byte_ranges(a, b):  # a run of whole rows in one chunk each
+                    views = []
+                    for x in range(out_row * width + col, (out_row + n // src_width) * width + col, width):
+                        views += [v for v in (before, buf[x:x + w], after) if len(v)]
+                    self.files.read_into(views, path, offset)
+                    out_row += n // src_width
             col += w
         return buf
 
@@ -369,7 +382,7 @@ class ByteSource:
         pairs = []
         if meta.spec.tie_word_embeddings and "output_layer.weight" in model:
             rows = [(0, meta.spec.vocab_size)]
-            emb, out = (_byte_ranges(model[k], _full_pieces(k, meta), rows)
+            emb, out = (_byte_ranges(model[k], _full_pieces(k, meta, self.tp_of(k)), rows)
                         for k in ("embedding.word_embeddings.weight", "output_layer.weight"))
             pairs += list(zip(emb, out))  # the same pieces: both are vocab tensors of one shape (checked)
         return all(self.files.same(a, b) for a, b in pairs)

@@ -203,3 +203,18 @@ def test_legacy_files_at_expert_parallelism_hold_what_the_torch_path_writes(tmp_
     model = torch.load(tmp_path / "fast" / "release" / "mp_rank_00_001_001" / "model_optim_rng.pt",
                        weights_only=False)["model"]
     assert {k.split("local_experts.")[1][0] for k in model if "local_experts" in k} == {"0", "1"}  # local indices
+
+
+@pytest.mark.parametrize("form,tp", [("torch_dist", 1), ("torch", 2), ("torch", 1)])
+def test_imported_row_chunks_reshard_on_the_byte_path(form, tp, hf_dirs, tmp_path):
+    """An import into torch_dist saves row-parallel tensors as whole rows (ByteSource holds them as one shard, TP 1):
+    resharded without torch into torch_dist and into the legacy form at TP 1 and 2 (columns cut from the rows), it
+    holds what the torch path writes."""
+    from ckpt_tools.formats import dist_copy
+    import_hf(hf_dirs["llama"], tmp_path / "mlm", tp=2, pp=2, form="torch_dist", quiet=True)
+    assert dist_copy.reshard(tmp_path / "mlm", tmp_path / "fast", tp, 1, quiet=True, form=form) is not None
+    reshard(tmp_path / "mlm", tmp_path / "slow", tp=tp, pp=1, form=form, quiet=True, copy_bytes=False)
+    if form == "torch":
+        same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp)
+    else:
+        same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "slow" / "release", tmp_path)

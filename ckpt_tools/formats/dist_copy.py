@@ -163,7 +163,8 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
                         writer.put_extra(rank.pp, key)
                 elif writer.saves(key, rank):
                     for field, shards in ((None, source.shards), *fields.items()):
-                        _put(writer, source, rank, key, field, shards[key][rank.tp], padded)
+                        if rank.tp < len(shards[key]):  # a tensor held whole (ByteSource.tp_of): TP rank 0's
+                            _put(writer, source, rank, key, field, shards[key][rank.tp], padded, len(shards[key]))
             bar.update(1)
             if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
                 writer.end_stage(rank.pp, iteration)
@@ -173,8 +174,9 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
 
 
 def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard,
-         padded: int) -> None:
-    """One source shard as the chunks of the global tensor it is part of, its bytes copied from its file."""
+         padded: int, src_tp: int) -> None:
+    """One source shard (of `src_tp`) as the chunks of the global tensor it is part of, its bytes copied from its
+    file."""
     meta, spec = source.meta, source.meta.spec
     fqn, layer = stacked_key(key)
     if field is not None:
@@ -183,7 +185,7 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
     full = layout.full_shape(key, spec, padded, meta.pp_size)  # at the target's padded vocab
     repad = layout.has_padded_rows(key, spec, meta.pp_size) and padded != src_padded
     at = 0  # rows of the shard taken so far (dim-0 pieces follow one another in the shard)
-    for p in layout.reshard_pieces(key, spec, 1, src_padded, meta.tp_size, src_padded, rank.tp, meta.pp_size):
+    for p in layout.reshard_pieces(key, spec, 1, src_padded, src_tp, src_padded, rank.tp, meta.pp_size):
         stop = min(p.stop, spec.vocab_size) if repad else p.stop
         if stop > p.start:
             ranges = shard.byte_ranges(at, at + stop - p.start) if p.dim == 0 else shard.whole

@@ -87,7 +87,8 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
     shape = layout.shard_shape(key, spec, padded, tp, pp)
     if layout.is_replicated(key, spec, pp):
         return dtype, shape, [(source.files.fd(p), o, n) for p, o, n in shards[0].whole]
-    pieces = layout.reshard_pieces(key, spec, meta.tp_size, meta.padded_vocab, tp, padded, rank, pp)
+    pieces = layout.reshard_pieces(key, spec, source.tp_of(layout.source_key(key, source.shards)), meta.padded_vocab,
+                                   tp, padded, rank, pp)
     if pieces[0].dim == 0:
         row = math.prod(shape[1:]) * itemsize
         data: list = []

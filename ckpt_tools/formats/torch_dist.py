@@ -245,7 +245,8 @@ class DistCheckpoint:
         """Every model tensor's TP shards as runs of rows of chunks in the files, [(file, TensorInfo)] per rank
         along dim 0 (the leading stacked axes dropped); None when some shard is not made so: a shard split on dim 1
         must be one whole chunk, a dim-0 shard may be rows of several chunks (as chunks copied from another layout
-        or from an HF model's tensors are)."""
+        or from an HF model's tensors are). A row-parallel tensor saved as runs of whole rows (as `ckpt import`
+        saves it) is given as one shard, the whole tensor: its TP shards' columns are no byte ranges, its rows are."""
         out = {}
         for key in self.keys():
             if not layout.holds_weights(key, self.meta.spec, self.meta.pp_size):
@@ -255,10 +256,23 @@ class DistCheckpoint:
                 entry, boxes, dim, stacked = self.rank_boxes(key, rank)
                 parts = [part for box in boxes for part in self._rows_of(entry, box, dim + stacked, stacked) or [None]]
                 if None in parts or (len(parts) > 1 and dim != 0):
-                    return None
+                    ranks = self._whole_rows(key)
+                    if ranks is None:
+                        return None
+                    break
                 ranks.append(parts)
             out[key] = ranks
         return out
+
+    def _whole_rows(self, key: str) -> list[list[tuple[Path, object]]] | None:
+        """A row-parallel tensor stored as runs of whole rows: [its rows' parts] (one shard, TP 1); else None."""
+        if self.meta.tp_size == 1 or layout.find_rule(key, self.meta.spec, self.meta.pp_size).dim != 1:
+            return None
+        entry, layer = self.entry(key)
+        lead = [] if layer is None else [(x, x + 1) for x in layer]
+        box = lead + [(0, n) for n in self.expected_shape(key, layer)[len(lead):]]
+        parts = self._rows_of(entry, box, len(lead), len(lead))
+        return None if parts is None or None in parts else [parts]
 
     def _rows_of(self, entry: dcp.Entry, box: Box, split: int, stacked: int) -> list[tuple[Path, object]] | None:
         """A box as (file, TensorInfo) runs of whole rows of the chunks it meets, in order along stored dim `split`;
