@@ -173,7 +173,9 @@ def features_of(args) -> dict:
         "position_embedding_type": _arg(args, "position_embedding_type", "learned_absolute"),
         "rope_scaling": "llama3" if _arg(args, "use_rope_scaling", False) else None,
         "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
-        "moe_shared_expert_gate": bool(_arg(args, "moe_shared_expert_gate", False)),
+        # Megatron-LM builds the gate only with a shared expert (and experts): without one the flag means nothing
+        "moe_shared_expert_gate": bool(_arg(args, "moe_shared_expert_gate", False))
+        and bool(_arg(args, "moe_shared_expert_intermediate_size", None)) and bool(_arg(args, "num_experts", None)),
     }
 
 
@@ -278,12 +280,13 @@ def _layer_counts(args, pp_size: int) -> list[int]:
 
 def _first_file(iter_dir: Path) -> Path:
     """The (tp0, pp0[, ep0]) file, named any way (args say which naming is right; checked later)."""
-    names = [model_path(iter_dir, rank, pp_size) for rank in (Rank(0, 0), Rank(0, 0, 0)) for pp_size in (1, 2)]
+    names = list(dict.fromkeys(model_path(iter_dir, rank, pp_size) for rank in (Rank(0, 0), Rank(0, 0, 0))
+                               for pp_size in (1, 2)))  # mp_rank_00_000 is both PP rank 0's and EP rank 0's
     for path in names:
         if path.is_file():
             return path
-    raise FormatError(f"{iter_dir}: none of {', '.join(p.parent.name for p in names[:3])} or {names[3].parent.name} "
-                      f"holds {FILE}: the TP rank 0 / PP rank 0 file is missing; restore it from the source")
+    raise FormatError(f"{iter_dir}: none of {', '.join(p.parent.name for p in names)} holds {FILE}: the TP rank 0 / "
+                      f"PP rank 0 file is missing; restore it from the source")
 
 
 def _check_rank_dirs(iter_dir: Path, tp_size: int, pp_size: int, ep_size: int = 1) -> None:

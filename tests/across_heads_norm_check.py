@@ -3,7 +3,6 @@ transformers' OlmoeRMSNorm over the whole width. Each rank holds its half of the
 loss is the sum over ranks of each rank's output times a fixed random cotangent. Writes to argv[1] (rank 0) the
 relative L2 errors of the output, the input gradient and the weight gradient, each rank's half against the
 reference's."""
-import json
 import sys
 import types
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
+from rank_reports import write_reports
 from trainer.model import AcrossHeadsRMSNorm
 
 WIDTH, EPS = 96, 1e-5
@@ -48,12 +48,7 @@ def main(out: str) -> None:
     errors = {"output": rel(y_part.detach(), y_full.detach()[..., half]),
               "input_grad": rel(x_part.grad, x_full.grad[..., half]),
               "weight_grad": rel(ours.weight.grad, ref.weight.grad[half])}
-    gathered = [None, None]
-    dist.all_gather_object(gathered, errors)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
+    write_reports(errors, out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ vs the trainer's GPTStage forward on the same weights. Writes a JSON report to a
 With CKPT (a PP=1 checkpoint of ours at TP = world), the weights come from it and the full
 megatron-core logits [b, s, true_vocab] (fp32) are saved to LOGITS, for comparison with transformers.
 """
-import json
 import sys
 import warnings
 from functools import partial
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from rank_reports import write_reports
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -85,12 +85,7 @@ def main(out: str, arch: str, dtype_name: str, ckpt: str | None = None, tokens_p
         dist.all_gather(parts, b.contiguous(), group=ps.get_tensor_model_parallel_group())
         if rank == 0:
             torch.save(torch.cat(parts, -1)[..., : spec.vocab_size].cpu(), logits_out)
-    reports = [None] * tp
-    dist.all_gather_object(reports, report)
-    if rank == 0:
-        json.dump(reports, open(out, "w"), indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_reports(report, out)
 
 
 if __name__ == "__main__":

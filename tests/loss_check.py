@@ -1,7 +1,6 @@
 """Run under torchrun (world = TP, gloo): the trainer's VocabParallelLoss against megatron-core's own
 vocab_parallel_cross_entropy and against torch's cross entropy of the full logits, loss and
 gradient. Writes a JSON report to argv[1] (rank 0)."""
-import json
 import sys
 import warnings
 
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from rank_reports import write_reports
 from trainer.loss import VocabParallelLoss
 
 
@@ -37,12 +37,7 @@ def main(out: str) -> None:
               "grad_vs_megatron": (local.grad - theirs_in.grad).abs().max().item(),
               "grad_vs_torch": (local.grad - ref_grad).abs().max().item(),
               "grad_max": ref_grad.abs().max().item()}
-    reports = [None] * tp
-    dist.all_gather_object(reports, report)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(reports, f)
-    dist.destroy_process_group()
+    write_reports(report, out)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,8 @@ COVERAGE = {
     "gpt2_pp2": (gpt2(), 2),
     "qwen3_pp2": (llama(architecture="qwen3"), 2),
     "mixtral_pp2": (llama(architecture="mixtral", num_moe_experts=4), 2),
+    "olmoe_pp2": (llama(architecture="olmoe", num_moe_experts=4), 2),  # q/k norms over all heads, split over TP
+    "qwen2_moe_pp2": (llama(architecture="qwen2_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48), 2),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -205,6 +207,8 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
     for family in families.all_families():
         for tie in family.features["tie_word_embeddings"]:
             moe = {"num_moe_experts": 4} if family.moe else {}
+            if family.shared_experts:
+                moe["moe_shared_expert_intermediate_size"] = 48
             spec = gpt2() if family.name == "gpt2" else llama(architecture=family.name, tie=tie, **moe)
             for pp in (1, 2):
                 reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}

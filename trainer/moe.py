@@ -50,7 +50,8 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool) -> tuple[torch.Ten
 
 def load_balancing_loss(index: torch.Tensor, scores: torch.Tensor, coeff: float) -> torch.Tensor:
     """The switch loss: coeff x E x sum_e (share of token-slots routed to e) x (mean softmax of e). Without the
-    coefficient it is 1 when the experts share the tokens evenly and E when one expert takes them all."""
+    coefficient it is 1 when the experts share the tokens evenly, and grows as the router favours a few (at most
+    about E / k with top-k routing)."""
     experts = scores.shape[-1]
     routed = F.one_hot(index, experts).sum(dim=(0, 1)).float() / index.numel()
     return coeff * experts * (routed * scores.mean(dim=0)).sum()

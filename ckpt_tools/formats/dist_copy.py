@@ -16,8 +16,9 @@ hold what the torch path writes for the same target; tests/test_megatron_write.p
 
 `import_hf` does the same for an HF model: the rows of a megatron-core tensor that one HF tensor holds (hf.hf_rows:
 q, k and v rows per query group, gate and up halves, the true vocab's rows) are one chunk each, copied from the
-safetensors file; a row-parallel tensor is one chunk per target TP rank (its columns, gathered in memory), so that
-each TP shard of the output is rows of chunks, which merge reads as byte ranges; one .distcp per target stage.
+safetensors file; a row-parallel tensor is one run of whole rows per target TP rank (byte ranges too: its columns
+would have to be gathered in memory), which Megatron-LM loads at any TP and ByteSource takes as the whole tensor;
+one .distcp per target rank.
 """
 from __future__ import annotations
 

@@ -266,7 +266,7 @@ class DistCheckpoint:
 
     def _whole_rows(self, key: str) -> list[list[tuple[Path, object]]] | None:
         """A row-parallel tensor stored as runs of whole rows: [its rows' parts] (one shard, TP 1); else None."""
-        if self.meta.tp_size == 1 or layout.find_rule(key, self.meta.spec, self.meta.pp_size).dim != 1:
+        if layout.find_rule(key, self.meta.spec, self.meta.pp_size).dim != 1:
             return None
         entry, layer = self.entry(key)
         lead = [] if layer is None else [(x, x + 1) for x in layer]
