@@ -1,19 +1,21 @@
-"""Megatron-LM's `args` for a model and layout: what a written Megatron-LM checkpoint carries.
+"""Megatron-LM's `args`, both ways: the ModelSpec and layout a checkpoint's args describe (read), and the args a
+written Megatron-LM checkpoint carries for a model and layout (written).
 
 Megatron-LM keeps its whole argparse.Namespace in every checkpoint. At load it compares a few fields with
 the run's own (`check_checkpoint_args`: num_layers, hidden_size, num_attention_heads, add_position_embedding,
 max_position_embeddings, make_vocab_size_divisible_by, padded_vocab_size, tokenizer_type, TP/PP for the legacy
 form), and `--use-checkpoint-args` copies the model's fields from it (`load_args_from_checkpoint`). This module
 writes the model's and the layout's fields under Megatron-LM's names, so that both work and the readers
-(megatron_lm.spec_from_args) get the same ModelSpec back. Fields about training (batch sizes, schedule) are left
+(spec_from_args, below) get the same ModelSpec back. Fields about training (batch sizes, schedule) are left
 to the run that loads the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ckpt_tools import torchsave
+from ckpt_tools import families, layout, torchsave
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
 
@@ -121,6 +123,198 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         no_save_optim=True, no_save_rng=True,
         # not Megatron-LM's (it ignores it): the HF family, for families that share one set of Megatron-LM
-        # arguments (Mistral and Phi-3 are Llama's); megatron_lm.spec_from_args reads it back
+        # arguments (Mistral and Phi-3 are Llama's); spec_from_args reads it back
         hf_family=spec.architecture,
     )
+
+
+# ---------------------------------------------------------------- reading: a checkpoint's args -> ModelSpec
+# Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
+_REFUSED = {
+    "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages",
+    "pipeline_model_parallel_layout": "a custom pipeline layout", "multi_latent_attention": "multi-latent attention",
+    "mtp_num_layers": "multi-token prediction layers",
+    "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
+    "apply_residual_connection_post_layernorm": "post-layernorm residuals",
+    "rotary_interleaved": "interleaved rotary embeddings",
+    "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
+    "squared_relu": "the squared-ReLU activation", "quick_geglu": "the quick-GeGLU activation",
+}
+
+
+def arg(args, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+# Each feature as the Megatron-LM argument that sets it: (argument, feature value -> argument value).
+_ARG_OF = {
+    "activation": ("swiglu", lambda v: v == "swiglu"), "normalization": ("normalization", None),
+    "position_embedding_type": ("position_embedding_type", None), "add_bias_linear": ("add_bias_linear", None),
+    "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
+    "rope_scaling": ("use_rope_scaling", lambda v: v is not None),
+    "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
+    "moe_shared_expert_gate": ("moe_shared_expert_gate", None),
+}
+
+
+def _as_args(bad: dict) -> list[str]:
+    """Misfitting features {feature: (found, allowed values)} in Megatron-LM's argument terms."""
+    out = []
+    for feature, (arg, to_arg) in _ARG_OF.items():
+        if feature in bad:
+            found, allowed = bad[feature]
+            conv = to_arg or (lambda v: v)
+            wants = sorted({repr(conv(v)) for v in allowed})
+            if conv(found) not in {conv(v) for v in allowed}:
+                out.append(f"{arg}={conv(found)!r} (needs {' or '.join(wants)})")
+    return out
+
+
+def features_of(args) -> dict:
+    """Megatron-LM's arguments -> ModelSpec feature fields (families.FEATURES)."""
+    bias = bool(arg(args, "add_bias_linear", True))
+    if arg(args, "swiglu", False):
+        activation = "swiglu"
+    else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
+        # openai_gelu (tanh as well) switches only the legacy model
+        tanh = arg(args, "bias_gelu_fusion", True) or (arg(args, "use_legacy_models", False)
+                                                       and arg(args, "openai_gelu", False))
+        activation = "gelu_tanh" if tanh else "gelu"
+    return {
+        "normalization": arg(args, "normalization", "LayerNorm"), "activation": activation,
+        "add_bias_linear": bias, "add_qkv_bias": bool(arg(args, "add_qkv_bias", False)) and not bias,
+        "qk_layernorm": bool(arg(args, "qk_layernorm", False)),
+        "position_embedding_type": arg(args, "position_embedding_type", "learned_absolute"),
+        "rope_scaling": "llama3" if arg(args, "use_rope_scaling", False) else None,
+        "tie_word_embeddings": not arg(args, "untie_embeddings_and_output_weights", False),
+        # Megatron-LM builds the gate only with a shared expert (and experts): without one the flag means nothing
+        "moe_shared_expert_gate": bool(arg(args, "moe_shared_expert_gate", False))
+        and bool(arg(args, "moe_shared_expert_intermediate_size", None)) and bool(arg(args, "num_experts", None)),
+    }
+
+
+def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
+    """Megatron-LM's arguments -> ModelSpec (of the first family their features fit); anything the
+    toolkit cannot represent is a ConfigError."""
+    refused = [f"{k}={getattr(args, k)!r} ({why})" for k, why in _REFUSED.items()
+               if getattr(args, k, None) not in (None, False, 0)]
+    if arg(args, "rotary_percent", 1.0) != 1.0:
+        refused.append(f"rotary_percent={args.rotary_percent!r} (partial rotary embeddings)")
+    supported = f"supported: {', '.join(families.names())} (docs/families.md)"
+    if refused:
+        raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
+    moe = moe_fields(args)
+    found = features_of(args)
+    family, misfits = families.for_features(found, moe=bool(moe))
+    named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
+    if family is not None and named in families.names() and named != family.name:
+        candidate = families.get(named)
+        if all(v in candidate.features[k] for k, v in found.items() if k in candidate.features):
+            family = candidate
+    if family is None:
+        grouped: dict[str, list[str]] = {}  # families that miss in the same way are named together
+        for name, bad in misfits.items():
+            grouped.setdefault(", ".join(_as_args(bad)), []).append(name)
+        raise ConfigError("Megatron-LM arguments fit no supported architecture: " + "; ".join(
+            f"for {', '.join(names)}: {text}" for text, names in grouped.items()) + f" ({supported})")
+    if vocab_size is None:
+        vocab_size = getattr(args, "vocab_size", None)
+    if vocab_size is None:
+        raise ConfigError(f"the checkpoint does not record its true vocab size (only padded_vocab_size "
+                          f"{getattr(args, 'padded_vocab_size', None)}): pass --vocab-size (the tokenizer's size) "
+                          f"so that padding rows are not kept")
+    heads = args.num_attention_heads
+    eps = getattr(args, "norm_epsilon", None)
+    scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} if found["rope_scaling"] else {}
+    return ModelSpec(
+        architecture=family.name, num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        ffn_hidden_size=arg(args, "ffn_hidden_size", 4 * args.hidden_size), vocab_size=int(vocab_size),
+        num_query_groups=args.num_query_groups if arg(args, "group_query_attention", False) else heads,
+        kv_channels=arg(args, "kv_channels"), max_position_embeddings=arg(args, "max_position_embeddings", 2048),
+        norm_epsilon=float(eps if eps is not None else arg(args, "layernorm_epsilon", 1e-5)),
+        rotary_base=float(arg(args, "rotary_base", 10000)),
+        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe)
+
+
+# Megatron-LM MoE arguments whose non-default values change the weights or the routing beyond what the MoE families
+# hold: (argument, its harmless values, what it would mean)
+_MOE_REFUSED = (
+    ("moe_router_score_function", ("softmax",), "a router score function other than softmax"),
+    ("moe_router_enable_expert_bias", (None, False), "a router expert bias"),
+    ("moe_router_num_groups", (None, 0, 1), "group-limited routing"),
+    ("moe_router_topk_scaling_factor", (None, 1, 1.0), "scaled top-k weights"),
+)
+
+
+def moe_fields(args) -> dict:
+    """Megatron-LM's MoE arguments -> ModelSpec fields ({} for a dense model); what the families cannot hold is
+    refused. Every layer must be an MoE layer (moe_layer_freq 1)."""
+    experts = arg(args, "num_experts", None)
+    if not experts:
+        return {}
+    refused = [f"{k}={arg(args, k, None)!r} ({why})" for k, ok, why in _MOE_REFUSED if arg(args, k, ok[0]) not in ok]
+    freq = arg(args, "moe_layer_freq", 1)
+    if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
+        refused.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
+    if refused:
+        raise ConfigError(f"unsupported Megatron-LM MoE arguments: {'; '.join(refused)}")
+    return {"num_moe_experts": int(experts), "moe_router_topk": int(arg(args, "moe_router_topk", 2)),
+            "moe_ffn_hidden_size": arg(args, "moe_ffn_hidden_size", None),
+            "moe_router_pre_softmax": bool(arg(args, "moe_router_pre_softmax", False)),
+            "moe_shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size", None) or None}
+
+
+def _layer_counts(args, pp_size: int) -> list[int]:
+    """megatron-core's get_num_layers_to_build, for every PP stage."""
+    n = args.num_layers
+    first, last = (arg(args, "decoder_first_pipeline_num_layers"), arg(args, "decoder_last_pipeline_num_layers"))
+    if first is None and last is None:
+        emb, loss = (int(bool(arg(args, f"account_for_{w}_in_pipeline_split", False))) for w in ("embedding", "loss"))
+        if not emb and not loss:
+            return layout.layers_per_stage(n, pp_size)
+        if (n + emb + loss) % pp_size:
+            raise ConfigError(f"num_layers {n} + {emb + loss} (embedding/loss in the pipeline split) is not "
+                              f"divisible by pipeline_model_parallel_size {pp_size}: the args are inconsistent")
+        counts = [(n + emb + loss) // pp_size] * pp_size
+        counts[0] -= emb
+        counts[-1] -= loss
+        return layout.layers_per_stage(n, pp_size, counts)
+    middle = pp_size - (first is not None) - (last is not None)
+    rest = n - (first or 0) - (last or 0)
+    if middle > 0 and rest % middle:
+        raise ConfigError(f"num_layers {n} minus decoder_first/last_pipeline_num_layers {first}/{last} leaves {rest} "
+                          f"layers that do not divide over {middle} middle stages: the args are inconsistent")
+    counts = [rest // middle if middle > 0 else 0] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return layout.layers_per_stage(n, pp_size, counts)
+
+
+def expert_parallel(args) -> int:
+    """The EP size the arguments describe (a legacy checkpoint has one file per EP rank)."""
+    return int(arg(args, "expert_model_parallel_size", 1) or 1) if arg(args, "num_experts", None) else 1
+
+
+def expert_tensor_parallel(args) -> int:
+    """The TP size of the experts (--expert-tensor-parallel-size; megatron-core's default: TP). torch_dist saves the
+    experts as global tensors whatever it is; a legacy file holds its rank's expert-TP shard."""
+    tp = int(arg(args, "tensor_model_parallel_size", 1) or 1)
+    return int(arg(args, "expert_tensor_parallel_size", tp) or tp) if arg(args, "num_experts", None) else tp
+
+
+def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int, int, list[int]]:
+    """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
+    try:
+        tp, pp = arg(args, "tensor_model_parallel_size", 1), arg(args, "pipeline_model_parallel_size", 1)
+        spec = spec_from_args(args, vocab_size)
+        spec.check_tp(tp)
+        return spec, tp, pp, _layer_counts(args, pp)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+        raise ConfigError(f"{path}: Megatron-LM's args are incomplete or malformed ({type(e).__name__}: "
+                          f"{str(e)[:120]}): the file is damaged or not written by Megatron-LM's training loop; "
+                          f"restore it from the source") from None

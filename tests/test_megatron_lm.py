@@ -18,6 +18,7 @@ import torch
 from megatron_lm_writer import megatron_args, write_megatron_lm
 
 from ckpt_tools import io, layout
+from ckpt_tools import megatron_args as margs
 from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.checkpoint import FORMAT, Meta, model_file
 from ckpt_tools.errors import ConfigError, FormatError
@@ -305,7 +306,7 @@ def test_gpt2_untied_is_refused(tmp_path):
     args = megatron_args(Meta.read(write_ours(gpt2(), tmp_path / "checkpoint-100")))
     args.untie_embeddings_and_output_weights = True
     with pytest.raises(ConfigError) as e:
-        mlm.spec_from_args(args, None)
+        margs.spec_from_args(args, None)
     msg = str(e.value)
     assert "fit no supported architecture" in msg
     assert "for gpt2: untie_embeddings_and_output_weights=True (needs False)" in msg
@@ -317,10 +318,10 @@ def test_args_of_other_megatron_versions(tmp_path):
     args = megatron_args(Meta.read(write_ours(llama(), tmp_path / "checkpoint-100")))
     del args.norm_epsilon, args.rotary_percent, args.num_experts, args.vocab_size
     args.layernorm_epsilon = 1e-6
-    spec = mlm.spec_from_args(args, 250)
+    spec = margs.spec_from_args(args, 250)
     assert spec == llama()
     args.group_query_attention, args.num_query_groups = False, 1  # MHA: num_query_groups is a dead default
-    assert mlm.spec_from_args(args, 250).num_query_groups == 4
+    assert margs.spec_from_args(args, 250).num_query_groups == 4
 
 
 @pytest.mark.parametrize("num_layers,pp,changes,expected", [
@@ -334,7 +335,7 @@ def test_args_of_other_megatron_versions(tmp_path):
 def test_layer_counts(num_layers, pp, changes, expected):
     args = argparse.Namespace(**{"num_layers": num_layers, "decoder_first_pipeline_num_layers": None,
                                  "decoder_last_pipeline_num_layers": None, **changes})
-    assert mlm._layer_counts(args, pp) == expected
+    assert margs._layer_counts(args, pp) == expected
 
 
 def test_uneven_split_read_from_args(llama_ckpt):

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import io, layout, megatron_lm, names
+from ckpt_tools import io, layout, megatron_args, megatron_lm, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
@@ -98,7 +98,7 @@ class DistCheckpoint:
                               f"read yet); restore common.pt from the source")
         common = load(common_path)
         args = megatron_lm.args_of(common_path, common)
-        spec, tp, pp, counts = megatron_lm.layout_of(common_path, args, vocab_size)
+        spec, tp, pp, counts = megatron_args.layout_of(common_path, args, vocab_size)
         index = dcp.read_metadata(iter_dir)
         emb = index.tensors.get("embedding.word_embeddings.weight")
         padded = getattr(args, "padded_vocab_size", None) or (emb.shape[0] if emb is not None else None)
