@@ -22,7 +22,11 @@ distopt (distributed optimizer), acc32 (ours: micro-batch gradients accumulated 
 default 1; 0 accumulates them in bf16), compile (torch.compile the layers and the loss; default 1 for ours),
 moe (a mixture-of-experts model of that many experts, top-2: MOE_MODEL, hf is then MixtralForCausalLM; ours
 eager, its expert loop has data-dependent shapes), ep (ours: experts split over that many of the DP ranks) and
-mcoremoe (ours: 1 trains the MoE layers with megatron-core's own MoELayer, `moe_layer: megatron_core`).
+mcoremoe (ours: 1 trains the MoE layers with megatron-core's own MoELayer, `moe_layer: megatron_core`), overlap
+(ours: 0 DP-reduces the gradients after backward instead of bucket by bucket during it), model (1b, the default, or
+7b: MODEL_7B, the Llama-2-7B shape) and layers (the model's depth).
+"vs 1-GPU trainer" is a row's MFU over the first 1-GPU trainer row's of the same model (1b, 7b or MoE), so a TP2 row
+of twice the layers compares with a TP1 row of half as many: per-GPU scaling.
 
 MoE model (Mixtral-shaped, small): hidden 1024, 8 layers, 16 heads, 4 query groups, 8 experts of ffn 2816, top-2,
 vocab 32000, seq 2048, micro-batch 2; MFU counts the active parameters (2 experts a token, and the router).
@@ -45,6 +49,10 @@ MODEL = dict(num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_
              vocab_size=32000, seq_length=2048, micro_batch_size=2)
 QUICK = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
              vocab_size=4096, seq_length=256, micro_batch_size=2)
+# the Llama-2-7B shape (hidden 4096, 32 heads, ffn 11008, seq 4096) with as many layers as a row asks for
+MODEL_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32, ffn_hidden_size=11008,
+                vocab_size=32000, seq_length=4096, micro_batch_size=1)
+QUICK_7B = dict(QUICK, num_query_groups=8)
 MOE_MODEL = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816,
                  vocab_size=32000, seq_length=2048, micro_batch_size=2, moe_router_topk=2)
 QUICK_MOE = dict(QUICK, num_layers=2, moe_router_topk=2)
@@ -54,12 +62,14 @@ DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
 def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
-           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0}
+           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
             raise SystemExit(f"row {text!r}: unknown key {k!r}; known: {', '.join(list(row)[1:])}")
-        row[k] = v if k == "recompute" else int(v)
+        row[k] = v if k in ("recompute", "model") else int(v)
+    if row["model"] not in ("1b", "7b") or (row["model"] == "7b" and row["moe"]):
+        raise SystemExit(f"row {text!r}: model is 1b or 7b (dense)")
     if name not in ("hf", "mcore", "ours") or (name != "ours" and row["tp"] * row["pp"] * row["dp"] > 1):
         raise SystemExit(f"row {text!r}: NAME is hf, mcore or ours; only ours runs on several GPUs")
     if row["moe"] and (name == "mcore" or row["compile"] and "compile=1" in rest):
@@ -75,10 +85,17 @@ def parse_row(text: str) -> dict:
 
 
 def model_of(row: dict, quick: bool) -> dict:
-    """The model a row trains: the dense one, or with moe=E the MoE one with E experts."""
-    if not row["moe"]:
-        return QUICK if quick else MODEL
-    return dict(QUICK_MOE if quick else MOE_MODEL, num_moe_experts=row["moe"])
+    """The model a row trains: the dense 1.1B one, the 7B shape (model=7b), or with moe=E the MoE one with E
+    experts; layers=N changes its depth."""
+    if row["moe"]:
+        m = dict(QUICK_MOE if quick else MOE_MODEL, num_moe_experts=row["moe"])
+    elif row["model"] == "7b":
+        m = dict(QUICK_7B if quick else MODEL_7B)
+    else:
+        m = dict(QUICK if quick else MODEL)
+    if row["layers"]:
+        m["num_layers"] = row["layers"]
+    return m
 
 
 def flops_per_token(m: dict) -> float:
@@ -105,7 +122,7 @@ def ours(row: dict, m: dict):
         tp_degree=row["tp"], pp_degree=row["pp"], num_micro_batches=row["mb"],
         sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
         use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
-        accumulate_allreduce_grads_in_fp32=bool(row["acc32"]),
+        accumulate_allreduce_grads_in_fp32=bool(row["acc32"]), overlap_grad_reduce=bool(row["overlap"]),
         lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, **{k: v for k, v in m.items() if k != "vocab_size"}))
     device, _ = setup_distributed(cfg)
     stage = build_stage(cfg, m["vocab_size"], device)
@@ -273,7 +290,8 @@ def describe(row: dict) -> str:
         return f"HF {'MixtralForCausalLM' if row['moe'] else 'LlamaForCausalLM'}, sdpa, pure bf16 AdamW" + accumulate
     if row["name"] == "mcore":
         return "megatron-core GPTModel, local spec, pure bf16 AdamW" + accumulate
-    parts = [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + ([f"EP{row['ep']}"] if row["ep"] > 1 else [])
+    parts = ([f"7B shape, {row['layers'] or MODEL_7B['num_layers']} layers"] if row["model"] == "7b" else []) + \
+        [f"TP{row['tp']} PP{row['pp']} DP{row['dp']}"] + ([f"EP{row['ep']}"] if row["ep"] > 1 else [])
     parts += [f"MoE {row['moe']} experts top-2"] if row["moe"] else []
     parts += ["megatron-core's MoELayer"] if row["mcoremoe"] else []
     parts += ["SP"] if row["sp"] else []
@@ -281,6 +299,7 @@ def describe(row: dict) -> str:
     parts += ["dist. optimizer"] if row["distopt"] else []
     parts += [f"{row['mb']} micro-batches"] if row["mb"] > 1 else []
     parts += ["grads accumulated in bf16"] if not row["acc32"] else []
+    parts += ["DP reduction after backward"] if not row["overlap"] and row["dp"] > 1 else []
     return "trainer, " + ", ".join(parts) + (", compiled" if row["compile"] else ", eager") + ", fp32 masters"
 
 
@@ -305,6 +324,10 @@ def main() -> None:
     header = (f"{torch.cuda.device_count()} x {gpu}, torch {torch.__version__}; model: {m['num_layers']} layers, hidden "
               f"{m['hidden_size']}, seq {m['seq_length']}, micro-batch {m['micro_batch_size']}; "
               f"{fpt / 1e9:.2f} GFLOP/token; {args.steps} timed steps after {args.warmup}")
+    big = next((model_of(row, args.quick) for _, row in rows if row["model"] == "7b"), None)
+    if big is not None:
+        header += (f"; 7B-shape rows: hidden {big['hidden_size']}, {big['num_attention_heads']} heads, ffn "
+                   f"{big['ffn_hidden_size']}, seq {big['seq_length']}, micro-batch {big['micro_batch_size']}")
     moe = next((model_of(row, args.quick) for _, row in rows if row["moe"]), None)
     if moe is not None:
         header += (f"; MoE rows: {moe['num_layers']} layers, hidden {moe['hidden_size']}, {moe['num_moe_experts']} experts "
@@ -314,7 +337,7 @@ def main() -> None:
     lines = ["| row | GPUs | tokens/step | tokens/s | tokens/s/GPU | MFU | vs 1-GPU trainer | step ms | peak GiB/GPU | loss |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
-    single: dict[int, float] = {}
+    single: dict[tuple, float] = {}  # per model kind: the first 1-GPU trainer row's MFU
     for text, row in rows:
         r = run_row(row, text, args, model_of(row, args.quick))
         fpt = flops_per_token(model_of(row, args.quick))
@@ -322,12 +345,14 @@ def main() -> None:
             line = f"| {describe(row)} | {row['gpus']} | failed: {r['error'][-300:]} |"
         else:
             per_gpu = r["tokens_per_s"] / row["gpus"]
+            mfu = per_gpu * fpt / PEAK_FLOPS
+            kind = (row["moe"], row["model"])
             if row["name"] == "ours" and row["gpus"] == 1 and (row["compile"] or row["moe"]):
-                single.setdefault(row["moe"], per_gpu)  # the 1-GPU trainer of the same model
-            base = single.get(row["moe"])
-            scale = f"{per_gpu / base:.2f}" if base and row["name"] == "ours" else "-"
+                single.setdefault(kind, mfu)  # the 1-GPU trainer of the same model (its depth may differ)
+            base = single.get(kind)
+            scale = f"{mfu / base:.2f}" if base and row["name"] == "ours" else "-"
             line = (f"| {describe(row)} | {row['gpus']} | {r['tokens_per_step']:,} | {r['tokens_per_s']:,.0f} | "
-                    f"{per_gpu:,.0f} | {per_gpu * fpt / PEAK_FLOPS:.1%} | {scale} | {r['step_s'] * 1e3:.0f} | "
+                    f"{per_gpu:,.0f} | {mfu:.1%} | {scale} | {r['step_s'] * 1e3:.0f} | "
                     f"{r['peak_gib']:.1f} | {r['loss']:.3f} |")
         lines.append(line)
         print(line, flush=True)

@@ -2,7 +2,7 @@
 
 A tiny bf16 Llama takes one global batch of N micro-batches three ways: the trainer with
 `accumulate_allreduce_grads_in_fp32` on (each micro-batch's bf16 gradient added into the fp32 buffer)
-and off (bf16 `.grad` summed by autograd), and, as the reference, plain autograd one micro-batch at a
+and off (each added into a bf16 buffer, as autograd sums `.grad`), and, as the reference, plain autograd one micro-batch at a
 time with each bf16 gradient summed in fp32 by hand. An fp32 copy of the same weights gives the exact
 gradient. Writes a JSON report to argv[1]: whether the fp32 buffer equals the hand sum bit for bit,
 and each accumulation's relative L2 error against the fp32 gradient."""
@@ -24,7 +24,7 @@ def flat_grad(stage, cfg, device, tokens):
     opt = make_optimizer(stage, cfg)
     opt.zero_grad()
     Stepper(cfg, stage, device)(tokens)
-    return opt._local_grad().float().clone()
+    return opt.reduced_grad().float().clone()
 
 
 def main(out: str) -> None:
@@ -49,14 +49,13 @@ def main(out: str) -> None:
 
     # the reference: one micro-batch at a time on the `off` stage, each bf16 gradient added in fp32 by hand
     stage, loss_fn = stages["off"], Stepper(off, stages["off"], device).loss_fn
-    params = make_optimizer(stage, off).params  # the optimizer's flat order
+    opt = make_optimizer(stage, off)  # its bf16 buffer, zeroed before each micro-batch, holds that one's gradient
     by_hand = torch.zeros_like(grads["on"])
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     for x, y in zip(inputs.chunk(MICRO_BATCHES), labels.chunk(MICRO_BATCHES)):
-        for p in params:
-            p.grad = None
+        opt.zero_grad()
         (loss_fn(stage(x), y) / MICRO_BATCHES).backward()
-        by_hand += torch.cat([p.grad.reshape(-1) for p in params]).float()
+        by_hand += opt.main_grad.float()
 
     def rel(a):
         return float((a - grads["fp32"]).norm() / grads["fp32"].norm())

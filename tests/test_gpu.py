@@ -112,6 +112,26 @@ def test_sequence_parallel_follows_the_plain_curve(config, tmp_path):
     assert_same_files(tmp_path / "plain" / "checkpoint-4", tmp_path / "sp" / "checkpoint-4", "model", 2, 1, 1e-4)
 
 
+@_needs_gpus(2)
+def test_gradient_buckets_reduced_during_backward_on_gpus(tmp_path):
+    """DP2 on NCCL: buckets all-reduced or reduce-scattered while backward runs hold autograd's gradients summed over
+    DP, and a short training run follows the same curve with the reduction overlapped or after backward."""
+    from conftest import assert_same_curve, train
+    for dtype in ("fp32", "bf16"):
+        out = tmp_path / f"overlap_{dtype}.json"
+        torchrun(2, ["tests/grad_overlap_check.py", str(out), dtype])
+        for rank in json.loads(out.read_text()):
+            for mode, r in rank.items():
+                print(dtype, mode, r)
+                assert r["max_rel_l2"] < 1e-6, (dtype, mode, r)
+                assert r["launched_during_backward"] == (r["overlapped_buckets"] if mode.endswith("overlap") else 0)
+    common = dict(pp_degree=1, tp_degree=1, train_iters=4, ddp_bucket_size=5000)
+    for distributed in (False, True):
+        runs = [train("tiny_llama.yaml", tmp_path / f"d{distributed}o{overlap}", 2, overlap_grad_reduce=overlap,
+                      use_distributed_optimizer=distributed, **common) for overlap in (False, True)]
+        assert_same_curve(*runs, 1e-5)
+
+
 @_needs_gpus(1)
 def test_triton_adamw_equals_the_reference_update():
     """trainer.kernels.adamw (CUDA) against trainer.optim._adamw (torch ops, tested against torch's AdamW)."""

@@ -43,7 +43,9 @@ def test_distributed_optimizer_follows_the_plain_curve_and_resumes_both_ways(tmp
     checkpoint of either resumes in the other (also at another DP size) on the same curve."""
     common = dict(pp_degree=1, train_iters=6, save_interval=3)
     plain = train("tiny_llama.yaml", tmp_path / "plain", 4, **common)
-    sharded = train("tiny_llama.yaml", tmp_path / "sharded", 4, use_distributed_optimizer=True, **common)
+    # the sharded run in buckets of 5,000 elements, each reduce-scattered during backward; the plain run in one
+    sharded = train("tiny_llama.yaml", tmp_path / "sharded", 4, use_distributed_optimizer=True, ddp_bucket_size=5000,
+                    **common)
     assert_same_curve(plain, sharded, 1e-5)  # the fp32 grad norm sums in another order: ~1e-6 apart
     a, b = tmp_path / "plain" / "checkpoint-3", tmp_path / "sharded" / "checkpoint-3"
     assert_same_files(a, b, "optimizer", 2, 1, 1e-6)
@@ -68,6 +70,21 @@ def test_fp32_gradient_accumulation_sums_each_bf16_micro_batch_gradient_in_fp32(
     r = json.loads(out.read_text())
     assert r["fp32_buffer_equals_hand_sum"], r
     assert r["rel_error_fp32_accumulation"] < r["rel_error_bf16_accumulation"], r
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gradient_buckets_reduced_during_backward_equal_autograds_sum_over_dp(dtype, tmp_path):
+    """DP2, buckets of 3,000 elements, 2 micro-batches: plain and distributed optimizer, overlap on and off. With
+    overlap every bucket but the deferred one (norms) is launched before backward returns, and only after the last
+    micro-batch's gradient is in; every parameter's reduced gradient equals autograd's, summed over DP by hand."""
+    out = tmp_path / "overlap.json"
+    torchrun(2, ["tests/grad_overlap_check.py", str(out), dtype])
+    for rank in json.loads(out.read_text()):
+        for mode, r in rank.items():
+            assert r["equal_to_reference"], (mode, r)
+            assert r["buckets"] > 10 and r["overlapped_buckets"] == r["buckets"] - 1, (mode, r)
+            expected = r["overlapped_buckets"] if mode.endswith("overlap") else 0
+            assert r["launched_during_backward"] == expected, (mode, r)
 
 
 @pytest.mark.parametrize("config", ["tiny_llama.yaml", "tiny_gpt2.yaml"])

@@ -1,22 +1,27 @@
 """AdamW over fp32 master weights, Megatron's LR schedule, and global-norm gradient clipping.
 
 One optimizer, two modes. The stage's weights are moved into one flat buffer, ordered in segments
-of equal treatment (weight decay or not; counted in the grad norm or not). Plain mode keeps the
-fp32 masters and both Adam moments of every element on every data-parallel rank and all-reduces
-the gradients; distributed mode (Megatron's distributed optimizer, ZeRO-1) gives DP rank r the
-elements [r*c, (r+1)*c) of the flat buffer (c = ceil(N / DP)): gradients are reduce-scattered,
-each rank steps its slice, the new weights are all-gathered. The state is exposed per parameter
-key, so the optimizer file on disk is the same in both modes and for any DP size.
+of equal treatment (weight decay or not; counted in the grad norm or not) and cut into buckets.
+Autograd adds each micro-batch's gradient into a flat gradient buffer of the same layout (fp32 in
+bf16 training: Megatron's accumulate_allreduce_grads_in_fp32, unless the config turns it off), and
+a bucket whose gradients are all in is reduced over DP while backward goes on (Megatron's
+overlap_grad_reduce). Plain mode all-reduces the buckets and keeps the fp32 masters and both Adam
+moments of every element on every data-parallel rank; distributed mode (Megatron's distributed
+optimizer, ZeRO-1) pads each bucket to a multiple of DP and gives DP rank r the r-th part of each:
+buckets are reduce-scattered, each rank steps its parts, the new weights are all-gathered bucket by
+bucket. The state is exposed per parameter key, so the optimizer file on disk is the same in both
+modes and for any DP size and bucket size.
 
 The segments are ordered decay first, so the update needs one boundary. On CUDA it is one Triton
-kernel (trainer/kernels.py: fp32 or bf16 gradient in; master, moments and bf16 weight out). In bf16
-training the micro-batches' gradients are summed in an fp32 buffer (`main_grad`, Megatron's
-accumulate_allreduce_grads_in_fp32) unless the config turns it off. A step takes
-no host sync: the grad norm and the clip factor stay on the device.
+kernel (trainer/kernels.py: fp32 or bf16 gradient in; master, moments and bf16 weight out); the
+1/DP of the mean and the clip factor are one scalar it applies on the way in. A step takes no host
+sync: the grad norm and the clip factor stay on the device.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -79,15 +84,33 @@ def _adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
 
 
 def _into_main_grad(p: torch.nn.Parameter) -> None:
-    if p.grad is not None and p.main_grad is not None:
+    """Autograd's hook: move this backward's gradient into the flat buffer and tell the bucket."""
+    if p.grad is not None:
         p.main_grad.add_(p.grad)
         p.grad = None
+        p.grad_arrived()
+
+
+@dataclass
+class Bucket:
+    """A run of the flat buffer reduced over DP as one collective. In distributed mode its size is padded to a
+    multiple of DP and DP rank r owns the r-th of its DP equal parts (`local`: where that part starts in the
+    rank's local buffers). `deferred` buckets hold gradients that other ranks' copies must be summed into first
+    (sequence-parallel norms, per-head q/k norms, tied embeddings); they are reduced after those syncs."""
+    start: int
+    size: int
+    local: int
+    params: list[int]
+    deferred: bool
+    arrived: int = 0
+    handle: object = None
 
 
 class MasterAdamW:
     def __init__(self, stage: GPTStage, cfg: TrainConfig, dp_group=None, distributed: bool = False):
-        self.cfg, self.dp_group, self.distributed = cfg, dp_group, distributed
+        self.cfg, self.dp_group = cfg, dp_group
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.distributed = distributed and self.dp > 1
         named = list(stage.named_parameters())
         self.keys = [name for name, _ in named]
         counted = counted_once(stage, ps.get_tensor_model_parallel_rank())
@@ -97,59 +120,96 @@ class MasterAdamW:
         self._counted = [kinds[i] for i in order]
         self.params = [p for _, p in self.named]
         self.sizes = [p.numel() for p in self.params]
-        total = sum(self.sizes)
         device, dtype = self.params[0].device, self.params[0].dtype
-        self.chunk = -(-total // self.dp) if distributed else total
-        rank = dist.get_rank(dp_group) if distributed and dp_group is not None else 0
-        self.lo, self.hi = rank * self.chunk, min(total, (rank + 1) * self.chunk)
-        # the weights become views of one flat buffer (padded to DP x chunk for the all-gather)
-        self.flat = torch.zeros(self.chunk * (self.dp if distributed else 1), dtype=dtype, device=device)
-        self.starts, start = [], 0
-        for p, n in zip(self.params, self.sizes):
-            self.flat[start:start + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat[start:start + n].view_as(p)
-            self.starts.append(start)
-            start += n
-        segments, start = [], 0
-        for i in order:
-            n = named[i][1].numel()
-            a, b = max(start, self.lo) - self.lo, min(start + n, self.hi) - self.lo
-            if a < b:
-                if segments and segments[-1][1] == a and segments[-1][2:] == kinds[i]:
-                    segments[-1] = (segments[-1][0], b, *kinds[i])
-                else:
-                    segments.append((a, b, *kinds[i]))
-            start += n
+        self.buckets = self._make_buckets(stage, cfg)
+        self.starts = [0] * len(self.params)
+        for b in self.buckets:
+            at = b.start
+            for i in b.params:
+                self.starts[i] = at
+                at += self.sizes[i]
+        # the elements this rank steps, as (flat start, flat end, local start): all of each bucket in plain mode,
+        # its own part of each bucket in distributed mode
+        part = (lambda b: b.size // self.dp) if self.distributed else (lambda b: b.size)
+        rank = dist.get_rank(dp_group) if self.distributed else 0
+        self.owned = [(b.start + rank * part(b), b.start + (rank + 1) * part(b), b.local) for b in self.buckets]
+        local_size = sum(b - a for a, b, _ in self.owned)
+        # the weights become views of one flat buffer (each bucket padded to a multiple of DP for the all-gather)
+        total = self.buckets[-1].start + self.buckets[-1].size
+        self.flat = torch.zeros(total, dtype=dtype, device=device)
+        for p, s, n in zip(self.params, self.starts, self.sizes):
+            self.flat[s:s + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat[s:s + n].view_as(p)
+        segments = []
+        for i, _, local, _ in self._pieces():
+            a, b = local.start, local.stop
+            if segments and segments[-1][1] == a and segments[-1][2:] == self._counted[i]:
+                segments[-1] = (segments[-1][0], b, *self._counted[i])
+            else:
+                segments.append((a, b, *self._counted[i]))
         self.segments = tuple(segments)
-        local = self.flat[self.lo:self.hi]
         self.mixed = dtype != torch.float32
-        self.master = local.float().clone() if self.mixed or distributed else local
-        self.weight = None if self.master is local else local  # written by the update from the masters
-        # fp32 gradient accumulation (Megatron-LM's accumulate_allreduce_grads_in_fp32, its default in bf16): each
-        # micro-batch's bf16 gradient is added into one flat fp32 buffer as soon as autograd has it (the weights'
-        # `.grad` is then cleared), and the DP reduction runs on that buffer in fp32
-        self.main_grad = None
-        if self.mixed and cfg.accumulate_allreduce_grads_in_fp32:
-            self.main_grad = torch.zeros(self.flat.numel(), dtype=torch.float32, device=device)
-            for p, s, n in zip(self.params, self.starts, self.sizes):
+        if self.distributed:  # this rank's parts, in fp32, and a buffer the update writes its new weights into
+            self.master = torch.cat([self.flat[a:b] for a, b, _ in self.owned]).float()
+            self.weight = torch.empty(local_size, dtype=dtype, device=device)
+        else:
+            self.master = self.flat.float().clone() if self.mixed else self.flat
+            self.weight = self.flat if self.mixed else None
+        # every micro-batch's gradient is added into one flat buffer as soon as autograd has it (the weight's
+        # `.grad` is then cleared). In bf16 training it is fp32 by default (Megatron-LM's
+        # accumulate_allreduce_grads_in_fp32, which its --bf16 turns on), and the DP reduction runs on it
+        grad_dtype = torch.float32 if self.mixed and cfg.accumulate_allreduce_grads_in_fp32 else dtype
+        self.main_grad = torch.zeros(total, dtype=grad_dtype, device=device)
+        self.reduced = torch.empty(local_size, dtype=grad_dtype, device=device) if self.distributed else self.main_grad
+        for b_index, b in enumerate(self.buckets):
+            for i in b.params:
+                p, s, n = self.params[i], self.starts[i], self.sizes[i]
                 if not hasattr(p, "main_grad"):  # one hook per parameter, whichever optimizer's buffer it feeds
                     p.register_post_accumulate_grad_hook(_into_main_grad)
                 p.main_grad = self.main_grad[s:s + n].view_as(p)
+                p.grad_arrived = functools.partial(self._arrived, b_index)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = 0
         self.lr = cfg.lr
-        self.decay_end = next((a for a, _, decay, _ in self.segments if not decay), self.hi - self.lo)
+        self.decay_end = next((a for a, _, decay, _ in self.segments if not decay), local_size)
         # MoE experts split over EP ranks: their gradients are summed over the ranks that hold the same experts
         # (megatron-core's expert-data-parallel group) and their squares over the EP group for the norm
         self.expert = [getattr(p, "expert", False) for p in self.params]
         self.ep_split = any(self.expert) and ps.get_expert_model_parallel_world_size() > 1
-        if self.ep_split and distributed:
+        if self.ep_split and self.distributed:
             raise ValueError("the distributed optimizer with experts split over EP ranks is not supported")
+        # buckets reduced while backward runs (Megatron-LM's --overlap-grad-reduce). Not with experts: a rank whose
+        # experts got no tokens would reach its buckets in another order than its DP peers
+        self.overlap = cfg.overlap_grad_reduce and self.dp > 1 and not any(self.expert)
+        self.backward_passes = cfg.num_micro_batches
         self._update = _adamw
         if device.type == "cuda":
             from trainer import kernels
             self._update = kernels.adamw
+
+    def _make_buckets(self, stage: GPTStage, cfg: TrainConfig) -> list[Bucket]:
+        """Runs of parameters in flat order, each closed past `ddp_bucket_size` elements (Megatron-LM's default:
+        max(40M, 1M x DP)) or where deferred and overlapped parameters meet."""
+        limit = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
+        tied = stage.spec.tie_word_embeddings and len(stage.layer_counts) > 1
+        deferred = [p.dim() < 2 or getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_tp", False)
+                    or (tied and name in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                    for name, p in self.named]
+        runs: list[list[int]] = []
+        for i in range(len(self.params)):
+            if not runs or deferred[i] != deferred[runs[-1][0]] or sum(self.sizes[j] for j in runs[-1]) >= limit:
+                runs.append([])
+            runs[-1].append(i)
+        buckets, start, local = [], 0, 0
+        for run in runs:
+            size = sum(self.sizes[i] for i in run)
+            if self.distributed:
+                size = -(-size // self.dp) * self.dp
+            buckets.append(Bucket(start, size, local if self.distributed else start, run, deferred[run[0]]))
+            start += size
+            local += size // self.dp if self.distributed else size
+        return buckets
 
     @property
     def param_groups(self) -> list[dict]:
@@ -159,57 +219,57 @@ class MasterAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
-        if self.main_grad is not None:
-            self.main_grad.zero_()
+        self.main_grad.zero_()
+        for b in self.buckets:
+            b.arrived, b.handle = 0, None
 
-    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        """The gradient accumulated so far this step: the fp32 buffer's view, else `.grad`."""
-        return p.main_grad if self.main_grad is not None else p.grad
+    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The gradient accumulated so far this step (a view of the flat buffer)."""
+        return p.main_grad
 
-    def scale_main_grad(self, factor: float) -> None:
-        """Scale the fp32-accumulated gradients (the pipeline schedule scales only `.grad`)."""
-        if self.main_grad is not None:
-            self.main_grad.mul_(factor)
+    # ------------------------------------------------------------ the DP reduction
+    def _arrived(self, index: int) -> None:
+        b = self.buckets[index]
+        b.arrived += 1
+        if self.overlap and not b.deferred and b.arrived == len(b.params) * self.backward_passes:
+            self._launch(b)  # its last gradient of this step: reduce it while backward goes on
 
-    def _local_grad(self) -> torch.Tensor:
-        """This rank's slice of the DP-averaged flat gradient."""
-        if self.main_grad is not None:
-            flat = self.main_grad  # fp32, already padded to DP x chunk in distributed mode
+    def _launch(self, b: Bucket) -> None:
+        grads = self.main_grad[b.start:b.start + b.size]
+        if self.distributed:
+            part = b.size // self.dp
+            b.handle = dist.reduce_scatter_tensor(self.reduced[b.local:b.local + part], grads, group=self.dp_group,
+                                                  async_op=True)
         else:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-        if not self.distributed:
-            if self.ep_split:
-                self._reduce_split(flat)
-            elif self.dp > 1:
-                dist.all_reduce(flat, group=self.dp_group)
-                flat /= self.dp
-            return flat
-        if self.main_grad is None:
-            flat = torch.nn.functional.pad(flat.float(), (0, self.flat.numel() - flat.numel()))
-        if self.dp == 1:
-            return flat[:self.hi - self.lo]
-        local = torch.empty(self.chunk, dtype=torch.float32, device=flat.device)
-        dist.reduce_scatter_tensor(local, flat, group=self.dp_group)
-        return (local / self.dp)[:self.hi - self.lo]
+            b.handle = dist.all_reduce(grads, group=self.dp_group, async_op=True)
+
+    def reduced_grad(self) -> torch.Tensor:
+        """This rank's part of the gradient summed over DP (the mean times DP): the buckets not reduced during
+        backward are reduced now, in bucket order."""
+        if self.ep_split:
+            self._reduce_split(self.main_grad)
+        elif self.dp > 1:
+            for b in self.buckets:
+                if b.handle is None:
+                    self._launch(b)
+            for b in self.buckets:
+                b.handle.wait()
+        return self.reduced
 
     def _parts(self, expert: bool) -> list[slice]:
         return [slice(s, s + n) for s, n, e in zip(self.starts, self.sizes, self.expert) if e == expert]
 
     def _reduce_split(self, flat: torch.Tensor) -> None:
-        """Average dense gradients over DP and expert gradients over the expert-data-parallel ranks (each expert's
-        gradient already sums the tokens of its whole EP group), both divided by DP: the mean over all tokens."""
+        """Sum dense gradients over DP and expert gradients over the expert-data-parallel ranks (each expert's
+        gradient already sums the tokens of its whole EP group); both are divided by DP after: the mean over all
+        tokens."""
         for expert, group in ((False, self.dp_group), (True, ps.get_expert_data_parallel_group())):
             parts = self._parts(expert)
+            if dist.get_world_size(group) == 1 or not parts:
+                continue
             joined = torch.cat([flat[p] for p in parts])
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(joined, group=group)
-            joined /= self.dp
-            at = 0
-            for p in parts:
-                n = p.stop - p.start
-                flat[p] = joined[at:at + n]
-                at += n
+            dist.all_reduce(joined, group=group)
+            torch._foreach_copy_([flat[p] for p in parts], list(joined.split([p.stop - p.start for p in parts])))
 
     def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
         """This model-parallel rank's share of the squared global grad norm; with experts split over EP ranks, their
@@ -224,42 +284,50 @@ class MasterAdamW:
         return sums[False] + sums[True]
 
     @torch.no_grad()
-    def step(self, lr: float, max_norm: float) -> torch.Tensor:
-        """Reduce, clip and apply this step's gradients; returns the global grad norm (on device)."""
-        grad = self._local_grad()
+    def step(self, lr: float, max_norm: float, grad_scale: float = 1.0) -> torch.Tensor:
+        """Reduce, clip and apply this step's gradients, each multiplied by `grad_scale` / DP (a factor the update
+        applies on the way in, not a pass over the buffer); returns the global grad norm (on device)."""
+        grad = self.reduced_grad()
+        scale = grad_scale / self.dp
         sq = self._sum_of_squares(grad)
-        if self.distributed and self.dp > 1:
+        if self.distributed:
             dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        norm = sq.sqrt()
-        inv_scale = torch.ones((), device=grad.device)
+        norm = sq.sqrt() * scale
+        inv_scale = torch.full((), scale, device=grad.device)
         if max_norm > 0:
-            inv_scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+            inv_scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0) * scale
         self.steps += 1
         self.lr = lr
         self._update(self.master, self.exp_avg, self.exp_avg_sq, grad, self.weight, self.decay_end, lr, self.steps,
                      inv_scale, self.cfg.adam_beta1, self.cfg.adam_beta2, self.cfg.adam_eps, self.cfg.weight_decay)
-        if self.distributed and self.dp > 1:
-            dist.all_gather_into_tensor(self.flat, self.flat[self.lo:self.lo + self.chunk].clone(), group=self.dp_group)
+        if self.distributed:
+            handles = [dist.all_gather_into_tensor(self.flat[b.start:b.start + b.size],
+                                                   self.weight[b.local:b.local + b.size // self.dp],
+                                                   group=self.dp_group, async_op=True) for b in self.buckets]
+            for h in handles:
+                h.wait()
         return norm
 
     # ------------------------------------------------------------ state per parameter key
     def _pieces(self):
-        """(parameter index, slice of the local buffers, slice of the flattened parameter)."""
+        """(parameter index, flat slice, slice of the local buffers, slice of the flattened parameter) for each
+        piece of a parameter this rank steps."""
         for i, (start, n) in enumerate(zip(self.starts, self.sizes)):
-            a, b = max(start, self.lo), min(start + n, self.hi)
-            if a < b:
-                yield i, slice(a - self.lo, b - self.lo), slice(a - start, b - start)
+            for lo, hi, local in self.owned:
+                a, b = max(start, lo), min(start + n, hi)
+                if a < b:
+                    yield i, slice(a, b), slice(local + a - lo, local + b - lo), slice(a - start, b - start)
 
     def _full(self, local: torch.Tensor) -> torch.Tensor:
-        """The flat fp32 tensor over all parameters from each DP rank's slice (a collective)."""
+        """The flat fp32 tensor over all parameters from each DP rank's parts (a collective)."""
         if not self.distributed:
             return local
-        padded = torch.nn.functional.pad(local, (0, self.chunk - local.numel()))
-        if self.dp == 1:
-            return padded
-        full = torch.empty(self.chunk * self.dp, dtype=torch.float32, device=local.device)
-        dist.all_gather_into_tensor(full, padded, group=self.dp_group)
+        full = torch.empty(self.flat.numel(), dtype=torch.float32, device=local.device)
+        for b in self.buckets:
+            part = b.size // self.dp
+            dist.all_gather_into_tensor(full[b.start:b.start + b.size], local[b.local:b.local + part],
+                                        group=self.dp_group)
         return full
 
     def state_by_key(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -276,7 +344,7 @@ class MasterAdamW:
         for (name, p) in self.named:
             p.copy_(state[name]["master"])
         self.steps = int(float(state[self.named[0][0]]["step"]))
-        for i, local, part in self._pieces():
+        for i, _, local, part in self._pieces():
             s = state[self.named[i][0]]
             self.master[local].copy_(s["master"].reshape(-1)[part])
             for f in ("exp_avg", "exp_avg_sq"):

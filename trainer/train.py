@@ -142,8 +142,6 @@ def sync_tied_embeddings(stage: GPTStage, opt: MasterAdamW) -> None:
     if not (stage.spec.tie_word_embeddings and len(stage.layer_counts) > 1 and ps.is_rank_in_embedding_group()):
         return
     weight = stage.embedding.word_embeddings.weight if stage.pre_process else stage.output_layer.weight
-    if opt.grad_of(weight) is None:
-        weight.grad = torch.zeros_like(weight)
     dist.all_reduce(opt.grad_of(weight), group=ps.get_embedding_group())
 
 
@@ -171,12 +169,12 @@ def train_step(cfg: TrainConfig, stage: GPTStage, stepper: Stepper, opt: MasterA
                lr: float) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One optimizer step on one global batch; (mean loss on the last stage, grad norm), on device."""
     opt.zero_grad()
-    loss = stepper(tokens)
-    if stepper.schedule is not None:  # the schedule divided `.grad` by the micro-batches, not the fp32 buffer
-        opt.scale_main_grad(1.0 / cfg.num_micro_batches)
-    sync_sequence_parallel_grads(stage, opt)
+    loss = stepper(tokens)  # most gradient buckets are being DP-reduced already (overlap_grad_reduce)
+    sync_sequence_parallel_grads(stage, opt)  # on gradients kept out of those buckets until now
     sync_tied_embeddings(stage, opt)
-    norm = opt.step(lr, cfg.gradient_clipping)
+    # the pipeline schedule's backward is of the sum over micro-batches (it divides `.grad`, which the flat buffer
+    # has already taken); the unpipelined one divides each micro-batch's loss
+    norm = opt.step(lr, cfg.gradient_clipping, 1.0 / cfg.num_micro_batches if stepper.schedule is not None else 1.0)
     if loss is not None and opt.dp > 1:
         loss = loss.clone()
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
