@@ -34,7 +34,7 @@ def main(out: str, dtype: str) -> None:
     device, dp = setup_distributed(cfgs[False, False])
     vocab = data.vocab_size(data.load_tokenizer(cfgs[False, False].tokenizer))
     gen = torch.Generator().manual_seed(11 + dist.get_rank())  # each DP rank its own tokens
-    tokens = torch.randint(0, vocab, (MICRO_BATCHES, cfgs[False, False].seq_length + 1), generator=gen)
+    tokens = torch.randint(0, vocab, (MICRO_BATCHES, cfgs[False, False].seq_length + 1), generator=gen).to(device)
 
     # the reference: autograd's `.grad`, each rank's summed over DP by hand
     stage = build_stage(cfgs[False, False], vocab, device)
