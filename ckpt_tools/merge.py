@@ -145,7 +145,7 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
     if job.fmt in (TORCH, HF_BIN):
         _write_archive(path, group, bar, job, source)
         return
-    from ckpt_tools.writers import copy_range, safetensors_header
+    from ckpt_tools.writers import safetensors_header
     itemsize = ELEMENT_SIZES[job.dtype]
     header = safetensors_header([(n, job.dtype, s) for n, s in job.tensors(group)], job.metadata())
     with open(path, "wb") as f:
@@ -153,24 +153,30 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         f.flush()
         dst = f.fileno()
         pos = written = len(header)
-        for e in group:
-            for name, shape, data in source.data(e, job.dtype):
-                if isinstance(data, memoryview):
-                    n = _pwrite(dst, data, pos)
-                else:
-                    n = 0
-                    for fd, offset, nbytes in data:
-                        copy_range(fd, offset, dst, pos + n, nbytes)
-                        n += nbytes
-                if n != math.prod(shape) * itemsize:
-                    raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * itemsize}")
-                pos += n
-            source.release()
-            bar.update(e.nbytes(job.dtype))
-            if pos - written >= WRITEBACK:
-                io.start_writeback(dst, written, pos - written)
-                written = pos
-        os.fsync(dst)
+        worker = io.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
+        try:
+            for e in group:
+                for name, shape, data in source.data(e, job.dtype):
+                    if isinstance(data, memoryview):
+                        n = _pwrite(dst, data, pos)
+                    else:
+                        n = 0
+                        for fd, offset, nbytes in data:
+                            worker.copy(fd, offset, dst, pos + n, nbytes)
+                            n += nbytes
+                    if n != math.prod(shape) * itemsize:
+                        raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * itemsize}")
+                    pos += n
+                source.release()
+                bar.update(e.nbytes(job.dtype))
+                if pos - written >= WRITEBACK:
+                    worker.writeback(dst, written, pos - written)
+                    written = pos
+            worker.submit(os.fsync, dst)
+        except BaseException:
+            worker.abandon()
+            raise
+        worker.finish()
 
 
 def _write_archive(path: Path, group: list[Entry], bar, job: Job, source: ByteSource | TensorSource) -> None:

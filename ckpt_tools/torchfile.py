@@ -63,11 +63,11 @@ class _Storage:
     offset: int  # of its record's data in the file
 
 
-def record_offset(fd: int, header_offset: int) -> int:
+def record_offset(fd: int, header_offset: int, pread=os.pread) -> int:
     """Where the data of the zip record whose local header is at `header_offset` starts: after the header,
     its name and its extra field (whose lengths the local header gives; they may differ from the central
-    directory's)."""
-    header = os.pread(fd, _LOCAL_HEADER, header_offset)
+    directory's). `pread`: what reads the file (os.pread's arguments)."""
+    header = pread(fd, _LOCAL_HEADER, header_offset)
     if len(header) != _LOCAL_HEADER or header[:4] != b"PK\x03\x04":
         raise Unreadable(f"no zip local header at byte {header_offset}")
     return header_offset + _LOCAL_HEADER + sum(struct.unpack("<HH", header[26:30]))
@@ -189,10 +189,41 @@ def _rebuild_tensor(storage: Any, offset: Any, shape: Any, stride: Any, requires
 
 class _Window(io.RawIOBase):
     """Bytes [base, base + length) of an open file, as a file of their own (a torch.save archive embedded in
-    a larger file: a chunk of a torch.distributed.checkpoint .distcp file)."""
+    a larger file: a chunk of a torch.distributed.checkpoint .distcp file).
 
-    def __init__(self, f, base: int, length: int):
+    Its first and last bytes (EDGE each: a tensor archive's headers, pickle and small records before its data, the
+    records and zip directory after it) are read once, up front (`edges`: whether they were), and every read that
+    falls inside them is served from them and logged in `reads` (where, how many bytes, in order); `outside` says
+    whether a read went elsewhere."""
+
+    EDGE = 4096
+
+    def __init__(self, f, base: int, length: int, size: int):
         self.f, self.base, self.length, self.pos = f, base, length, 0
+        self.outside, self.edges, self.reads = False, False, []
+        if base + length <= size:  # a window past the file's end (a truncated file) is read as it is
+            fd = f.fileno()
+            self._head = os.pread(fd, min(self.EDGE, length), base)
+            self._tail_at = max(0, length - self.EDGE)
+            self._tail = os.pread(fd, length - self._tail_at, base + self._tail_at)
+            self.edges = len(self._head) == min(self.EDGE, length) and len(self._tail) == length - self._tail_at
+
+    def at(self, rel: int, n: int) -> bytes | None:
+        """Bytes [rel, rel + n) of the window from its edges; None where they do not hold them all."""
+        if self.edges and n >= 0:
+            if 0 <= rel and rel + n <= len(self._head):
+                return self._head[rel:rel + n]
+            if self._tail_at <= rel and rel + n <= self.length:
+                return self._tail[rel - self._tail_at:rel - self._tail_at + n]
+        return None
+
+    def pread(self, fd: int, n: int, at: int) -> bytes:
+        """os.pread of the file (an absolute offset), from the edges where they hold the bytes."""
+        if fd == self.f.fileno() and (data := self.at(at - self.base, n)) is not None:
+            self.reads.append((at - self.base, n))
+            return data
+        self.outside = True
+        return os.pread(fd, n, at)
 
     def readable(self) -> bool:
         return True
@@ -209,15 +240,15 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.f.fileno(), n, self.base + self.pos)
+        data = self.pread(self.f.fileno(), n, self.base + self.pos)
         b[:len(data)] = data
         self.pos += len(data)
         return len(data)
 
 
 class _Archive:
-    def __init__(self, fd: int, z: zipfile.ZipFile, base: int = 0, end: int | None = None):
-        self.fd, self.z, self.base, self.end = fd, z, base, end
+    def __init__(self, fd: int, z: zipfile.ZipFile, base: int = 0, end: int | None = None, pread=os.pread):
+        self.fd, self.z, self.base, self.end, self.pread = fd, z, base, end, pread
         starts = sorted(info.header_offset for info in z.infolist()) + [z.start_dir]
         self._next = {info.filename: starts[starts.index(info.header_offset) + 1] for info in z.infolist()}
         pickles = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -241,7 +272,7 @@ class _Archive:
         info = self.z.getinfo(name)
         if info.compress_type != zipfile.ZIP_STORED:
             raise Unreadable(f"record {name} is compressed")
-        offset = record_offset(self.fd, self.base + info.header_offset)
+        offset = record_offset(self.fd, self.base + info.header_offset, self.pread)
         if "/data/" in name and (offset - self.base) % STORAGE_ALIGNMENT:
             raise Unreadable(f"record {name} starts at byte {offset - self.base} of the archive, not on the "
                              f"{STORAGE_ALIGNMENT}-byte boundary torch.save puts tensor data on: a damaged zip header")
@@ -257,7 +288,7 @@ class _Archive:
         """A record's bytes, its CRC not checked: torch does not check it (our writer leaves it 0; the
         integrity check is meta.json's sha256), and this reader must read what torch reads."""
         offset, nbytes = self._record(name)
-        data = os.pread(self.fd, nbytes, offset)
+        data = self.pread(self.fd, nbytes, offset)
         if len(data) != nbytes:
             raise Unreadable(f"record {name} ends beyond the file")
         return data
@@ -273,6 +304,16 @@ class _Archive:
         return self._storages[key]
 
 
+# Embedded archives parsed (tensor chunks of torch_dist files): by the archive's length, the reads the parse made
+# (where in the archive, how many bytes, in order), the bytes they read, and the tensor it found (its offset relative
+# to the archive). The parse reads nothing else, and where it reads next depends only on what it has read, so an
+# archive of that length with those bytes at those places parses the same, checks included: it is not parsed again.
+# A torch_dist checkpoint's hundreds of chunks come in a few shapes, and torch.save's offsets are relative to the
+# archive's start, so the chunks of one shape and dtype differ in their data alone, which the parse never reads.
+_PARSED: dict[int, list[tuple[tuple[tuple[int, int], ...], bytes, TensorInfo]]] = {}
+_PARSED_PER_LENGTH = 8
+
+
 def read(path: str | Path, offset: int = 0, length: int | None = None) -> Any:
     """The object a torch.save archive holds, with a TensorInfo for each tensor (offsets in the file);
     Unreadable for anything this reader does not understand (the file is then for torch to read, or to
@@ -282,9 +323,21 @@ def read(path: str | Path, offset: int = 0, length: int | None = None) -> Any:
             size = os.fstat(f.fileno()).st_size
             if length is None:
                 length = size - offset
-            window = f if (offset, length) == (0, size) else _Window(f, offset, length)
+            if (offset, length) == (0, size):
+                with zipfile.ZipFile(f) as z:
+                    return _Archive(f.fileno(), z, offset, offset + length).load()
+            window = _Window(f, offset, length, size)
+            for reads, read_bytes, known in _PARSED.get(length, ()) if window.edges else ():
+                if b"".join(window.at(rel, n) or b"" for rel, n in reads) == read_bytes:
+                    return TensorInfo(known.dtype, known.shape, offset + known.offset)
             with zipfile.ZipFile(window) as z:
-                return _Archive(f.fileno(), z, offset, offset + length).load()
+                obj = _Archive(f.fileno(), z, offset, offset + length, window.pread).load()
+            if window.edges and not window.outside and type(obj) is TensorInfo:
+                known = _PARSED.setdefault(length, [])
+                if len(known) < _PARSED_PER_LENGTH:
+                    known.append((tuple(window.reads), b"".join(window.at(rel, n) for rel, n in window.reads),
+                                  TensorInfo(obj.dtype, obj.shape, obj.offset - offset)))
+            return obj
     except (Unreadable, FileNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip or pickle fails in any way; torch will say how

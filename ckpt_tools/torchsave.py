@@ -19,6 +19,7 @@ memory or from byte ranges of other files, copied file to file in the kernel.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import pickle
@@ -215,11 +216,12 @@ class Archive:
 
     add() each record, then close(), which writes the central directory and returns the archive's end. Offsets
     inside are relative to `start`: torch.load reads the archive's bytes on their own, as DCP hands them over.
-    With fd None nothing is written: the positions are counted alone.
+    With fd None nothing is written: the positions are counted alone. `copy`: what copies a byte range of another
+    file into this one (copy_range's arguments; an io.FileWorker's copy runs it on the file's own thread).
     """
 
-    def __init__(self, fd: int | None, start: int, prefix: str = "archive"):
-        self.fd, self.start, self.pos, self.prefix = fd, start, start, prefix
+    def __init__(self, fd: int | None, start: int, prefix: str = "archive", copy=copy_range):
+        self.fd, self.start, self.pos, self.prefix, self._copy = fd, start, start, prefix, copy
         self._entries: list[tuple[bytes, int, int]] = []  # (name, local header offset, size)
         self._small, self._small_at = bytearray(), start  # headers and pickles, written together (one pwrite)
 
@@ -247,7 +249,7 @@ class Archive:
                 if isinstance(part, tuple):
                     self.flush()
                     src, offset, n = part
-                    copy_range(src, offset, self.fd, self.pos, n)
+                    self._copy(src, offset, self.fd, self.pos, n)
                     self.pos += n
                 else:
                     self._write(part)
@@ -337,9 +339,46 @@ def save_pickled(fd: int, start: int, pickled: bytes) -> int:
     return _torch_records(Archive(fd, start), pickled, [])
 
 
-def save_tensor(fd: int, start: int, dtype: str, shape: tuple[int, ...], data: Data) -> int:
-    """torch.save(tensor) of a contiguous tensor whose bytes are `data`, at `start` of fd; the position after it."""
+def save_tensor(fd: int, start: int, dtype: str, shape: tuple[int, ...], data: Data, copy=copy_range) -> int:
+    """torch.save(tensor) of a contiguous tensor whose bytes are `data`, at `start` of fd; the position after it
+    (`copy`: as Archive's)."""
+    shape = tuple(shape)
     expected = math.prod(shape) * ELEMENT_SIZES[dtype]
     if data_size(data) != expected:
-        raise ValueError(f"{data_size(data)} bytes for a {dtype} tensor of shape {tuple(shape)} ({expected} expected)")
-    return _torch_records(Archive(fd, start), dumps(TensorRef("0", dtype, tuple(shape))), [("0", data)])
+        raise ValueError(f"{data_size(data)} bytes for a {dtype} tensor of shape {shape} ({expected} expected)")
+    before, after = _tensor_archive(dtype, shape, ZIP64_LIMIT)
+    archive = Archive(fd, start, copy=copy)
+    archive._write(before)
+    archive._write(data)
+    archive._write(after)
+    archive.flush()
+    return archive.pos
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_archive(dtype: str, shape: tuple[int, ...], zip64_limit: int) -> tuple[bytes, bytes]:
+    """The bytes of torch.save(tensor)'s archive before and after the tensor's data. An archive's offsets are
+    relative to its start, so they are the same wherever it is written, for every tensor of this dtype and shape
+    (a torch_dist save has hundreds of chunks of a few shapes). `zip64_limit`: ZIP64_LIMIT when they were made."""
+    template = _Template()
+    _torch_records(template, dumps(TensorRef("0", dtype, shape)),
+                   [("0", [(-1, 0, math.prod(shape) * ELEMENT_SIZES[dtype])])])
+    return bytes(template.before), bytes(template.after)
+
+
+class _Template(Archive):
+    """An archive written to memory with its one tensor's data left out: the bytes before and after it."""
+
+    def __init__(self):
+        super().__init__(None, 0)
+        self.before, self.after = bytearray(), bytearray()
+        self._out = self.before
+
+    def _write(self, data: Data) -> None:
+        if isinstance(data, list):  # the tensor's data: a placeholder range
+            self.pos += data_size(data)
+            self._out = self.after
+            return
+        view = memoryview(data).cast("B")
+        self._out += view
+        self.pos += len(view)

@@ -42,39 +42,54 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
 
     def write_mine() -> int:
         nbytes, bar = 0, output.progress(len(mine), label, quiet, unit="file")
-        for rank in mine:
-            nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp, ep,
-                                  {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration})
-            bar.update(1)
+        files: list[tuple[io.FileWorker, int, Path]] = []  # written, their copies and fsync still running
+        try:
+            for rank in mine:
+                nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
+                                      ep, {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                                           "iteration": iteration}, files)
+                bar.update(1)
+            while files:
+                worker, fd, path = files[0]
+                try:
+                    worker.finish()
+                finally:
+                    files.pop(0)
+                    os.close(fd)
+                io.fsync_dir(path.parent)
+        finally:  # a write that failed: stop the other files' threads before their descriptors close
+            for worker, fd, _ in files:
+                worker.abandon()
+                os.close(fd)
         bar.close()
         return nbytes
     return sum(team.share(write_mine))
 
 
 def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int, ep: int,
-                header: dict) -> int:
+                header: dict, files: list) -> int:
+    """One target rank's file: its headers, pickles and gathered rows written here, its byte ranges copied and its
+    fsync run on a thread of its own (io.FileWorker), added to `files` with its descriptor (closed by the caller)."""
     spec = source.meta.spec
     path.parent.mkdir(parents=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        archive, model, nbytes, flushed = torchsave.Archive(fd, 0, path.stem), {}, 0, 0
-        for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
-            if not layout.holds_weights(key, spec, len(counts)):
-                model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
-                continue
-            dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
-            ref = str(len(model))
-            archive.add(f"data/{ref}", data)
-            model[local] = torchsave.TensorRef(ref, dtype, shape)
-            nbytes += torchsave.data_size(data)
-            archive.flush()
-            io.start_writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
-            flushed = archive.pos
-        torchsave.finish(archive, torchsave.dumps({**header, "model": model}))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    io.fsync_dir(path.parent)
+    worker = io.FileWorker()
+    files.append((worker, fd, path))
+    archive, model, nbytes, flushed = torchsave.Archive(fd, 0, path.stem, copy=worker.copy), {}, 0, 0
+    for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
+        if not layout.holds_weights(key, spec, len(counts)):
+            model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
+            continue
+        dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
+        ref = str(len(model))
+        archive.add(f"data/{ref}", data)
+        model[local] = torchsave.TensorRef(ref, dtype, shape)
+        nbytes += torchsave.data_size(data)
+        archive.flush()
+        worker.writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
+        flushed = archive.pos
+    torchsave.finish(archive, torchsave.dumps({**header, "model": model}))
+    worker.submit(os.fsync, fd)
     return nbytes
 
 

@@ -71,6 +71,8 @@ class DistWriter:
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self._opened: set[str] = set()  # the .distcp files this process writes
+        self._workers: dict[str, io.FileWorker] = {}  # each open .distcp's copies and writeback, on its own thread
+        self._ending: list[tuple[io.FileWorker, int]] = []  # ended files: fsync submitted, the fd closed at close()
         self.nbytes = 0  # of the chunks this process writes; after close(), every process's
         self.writes: set[str] | None = None  # the .distcp files this process writes (None: all it is given)
         self.team, self.dry = SOLO, False
@@ -104,13 +106,14 @@ class DistWriter:
             self._files[rank] = [name, fd, 0, 0]  # name, fd (None: counted only), end, end at the last writeback
             if fd is not None:
                 self._opened.add(name)
+                self._workers[name] = io.FileWorker()
         return self._files[rank]
 
     def _written(self, entry: list) -> None:
         """Start the writeback of what was written since the last start, every WRITEBACK bytes: the disk writes
         overlap the copying, and the stage's final fsync has little left to wait for."""
         if entry[1] is not None and entry[2] - entry[3] >= WRITEBACK:
-            io.start_writeback(entry[1], entry[3], entry[2] - entry[3])
+            self._workers[entry[0]].writeback(entry[1], entry[3], entry[2] - entry[3])
             entry[3] = entry[2]
 
     def put_chunk(self, rank: Rank, fqn: str, dtype: str, shape: tuple[int, ...], offsets: tuple[int, ...],
@@ -119,7 +122,8 @@ class DistWriter:
         (row-major) `data`, into the .distcp of the rank that saves it."""
         entry = self._file(rank)
         name, fd, start, _ = entry
-        entry[2] = torchsave.save_tensor(fd, start, dtype, sizes, data)
+        entry[2] = torchsave.save_tensor(fd, start, dtype, sizes, data,
+                                         self._workers[name].copy if fd is not None else torchsave.copy_range)
         self._written(entry)
         known = self._tensors.setdefault(fqn, (dtype, tuple(shape), []))
         if known[:2] != (dtype, tuple(shape)):
@@ -184,28 +188,51 @@ class DistWriter:
         self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{where[0]}_{where[1]}", [None])
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
+        """The stage's files are complete: each is fsynced on its thread once its copies are done (the next stage's
+        files fill meanwhile); close() waits for them."""
         for rank in [r for r in self._files if r.pp == pp_rank]:
             name, fd, end, _ = self._files.pop(rank)
             self.ends[name] = end
             if fd is not None:
-                os.fsync(fd)
-                os.close(fd)
+                worker = self._workers.pop(name)
+                worker.submit(os.fsync, fd)
+                self._ending.append((worker, fd))
+
+    def _finish_files(self) -> None:
+        """Wait for every ended file's copies and fsync; close them (the first error raised after all are closed)."""
+        error = None
+        while self._ending:
+            worker, fd = self._ending.pop(0)
+            try:
+                worker.finish()
+            except BaseException as e:  # noqa: BLE001 - raised once every file is closed
+                error = error or e
+            os.close(fd)
+        if error is not None:
+            raise error
 
     def __enter__(self) -> DistWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        """Close every .distcp still open (a write that failed: the staged output is removed)."""
-        for _, fd, _, _ in self._files.values():
+        """Close every .distcp still open (a write that failed: the staged output is removed), once its thread has
+        stopped writing."""
+        for worker in [*self._workers.values(), *(w for w, _ in self._ending)]:
+            worker.abandon()
+        for fd in [fd for _, fd, _, _ in self._files.values()] + [fd for _, fd in self._ending]:
             if fd is not None:
                 os.close(fd)
         self._files.clear()
+        self._workers.clear()
+        self._ending.clear()
 
     def close(self, iteration: int, common: dict | None = None) -> None:
         for pp_rank in sorted({r.pp for r in self._files}):
             self.end_stage(pp_rank, iteration)
         if self.dry:
             return
+        if self.team.size > 1:  # a failed copy is said before the team gathers the index
+            self._finish_files()
         tensors, objects = self._gathered_index()
         if not self.team.lead:
             return
@@ -223,6 +250,7 @@ class DistWriter:
         _save_common(self.dir / "common.pt", {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                                                "iteration": iteration, **(common or {})})
         (self.dir / "metadata.json").write_text(json.dumps(DIST_METADATA))
+        self._finish_files()  # the index was written while the last files' copies ran
 
     def _gathered_index(self) -> tuple[dict, dict]:
         """Every process's chunks and objects in the files it wrote, gathered by process 0 (whose `nbytes` becomes
