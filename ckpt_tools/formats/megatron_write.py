@@ -246,11 +246,12 @@ class DistWriter:
         metadata = torchsave.New(torchsave.Global(DCP, "Metadata"), {
             "state_dict_metadata": state, "planner_data": None, "storage_data": torchsave.Items(storage),
             "storage_meta": None, "version": None})
-        (self.dir / ".metadata").write_bytes(torchsave.dumps(metadata))
+        _write_durable(self.dir / ".metadata", torchsave.dumps(metadata))
         _save_common(self.dir / "common.pt", {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                                                "iteration": iteration, **(common or {})})
-        (self.dir / "metadata.json").write_text(json.dumps(DIST_METADATA))
+        _write_durable(self.dir / "metadata.json", json.dumps(DIST_METADATA).encode())
         self._finish_files()  # the index was written while the last files' copies ran
+        io.fsync_dir(self.dir)  # the files' names too, before the staged dir is renamed into place
 
     def _gathered_index(self) -> tuple[dict, dict]:
         """Every process's chunks and objects in the files it wrote, gathered by process 0 (whose `nbytes` becomes
@@ -298,6 +299,18 @@ def _storage(name: str, offset: int, length: int) -> torchsave.New:
                          {"relative_path": name, "offset": offset, "length": length})
 
 
+def _write_durable(path: Path, data: bytes) -> None:
+    """A small file written and fsynced: on disk before the staged output is renamed into place."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _save_common(path: Path, obj: dict) -> None:
     """common.pt: written without torch where every value has a pickle here; a value only torch pickles (carried
     from a Megatron-LM source's optimizer, say) through torch.save."""
@@ -306,6 +319,11 @@ def _save_common(path: Path, obj: dict) -> None:
     except torchsave.Unpicklable:
         import torch
         torch.save({**obj, "args": _with_torch_globals(obj["args"])}, path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
