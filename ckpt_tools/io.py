@@ -245,29 +245,36 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 _ZEROS = memoryview(bytes(1 << 22))
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | Path, chunk: int = 1 << 22, ready=None) -> str:
     """sha256 of a file's bytes; its holes (a fresh optimizer's zero moments) are hashed from a buffer of zeros, not
-    read."""
+    read. `ready`: for a file still being filled in order (writers.Filling.ready), called with the bytes hashed so far,
+    it returns once more of the file is final, how far it is final (the file's size when complete): the hash follows
+    the writing instead of waiting for its end."""
     h, buf = hashlib.sha256(), bytearray(chunk)  # one reused buffer: no fresh pages per chunk
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        for start, end, data in _extents(f.fileno()):
-            if not data:
-                for at in range(start, end, len(_ZEROS)):
-                    h.update(_ZEROS[:min(len(_ZEROS), end - at)])
-                continue
-            f.seek(start)
-            left = end - start
-            while left > 0 and (n := f.readinto(view[:min(chunk, left)])):
-                h.update(view[:n])
-                left -= n
+        size = os.fstat(f.fileno()).st_size
+        pos = 0
+        while pos < size:
+            final = size if ready is None else min(size, ready(pos))
+            for start, end, data in _extents(f.fileno(), pos, final):
+                if not data:
+                    for at in range(start, end, len(_ZEROS)):
+                        h.update(_ZEROS[:min(len(_ZEROS), end - at)])
+                    continue
+                f.seek(start)
+                left = end - start
+                while left > 0 and (n := f.readinto(view[:min(chunk, left)])):
+                    h.update(view[:n])
+                    left -= n
+            pos = final
     return h.hexdigest()
 
 
-def _extents(fd: int) -> Iterator[tuple[int, int, bool]]:
-    """(start, end, holds data) of a file's data and hole runs; one data run where the filesystem cannot tell."""
-    size = os.fstat(fd).st_size
-    pos = 0
+def _extents(fd: int, pos: int = 0, size: int | None = None) -> Iterator[tuple[int, int, bool]]:
+    """(start, end, holds data) of the data and hole runs of a file's bytes [pos, size) (size: the file's); one data
+    run where the filesystem cannot tell."""
+    size = os.fstat(fd).st_size if size is None else size
     while pos < size:
         try:
             data = os.lseek(fd, pos, os.SEEK_DATA)
@@ -277,9 +284,12 @@ def _extents(fd: int) -> Iterator[tuple[int, int, bool]]:
                 return
             yield pos, size, True  # SEEK_DATA not supported here
             return
+        if data >= size:
+            yield pos, size, False
+            return
         if data > pos:
             yield pos, data, False
-        hole = os.lseek(fd, data, os.SEEK_HOLE)
+        hole = min(size, os.lseek(fd, data, os.SEEK_HOLE))
         yield data, hole, True
         pos = hole
 

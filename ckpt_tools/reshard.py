@@ -29,7 +29,7 @@ from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
-from ckpt_tools.writers import TorchFileWriter, dtype_name
+from ckpt_tools.writers import Filling, TorchFileWriter, dtype_name
 
 
 class Target:
@@ -104,13 +104,14 @@ class Target:
                 self._close(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
 
     def _close(self, writer: TorchFileWriter, obj: dict) -> None:
-        writer.close(obj, fsync=False)
+        filling = writer.close(obj, fsync=False, background=True)  # copies into the file go on on its own thread
         self.nbytes += writer.path.stat().st_size
-        self.add_file(writer.path)
+        self.add_file(writer.path, filling)
 
-    def add_file(self, path: Path) -> None:
-        """Hash and fsync a finished file in the background; `records()` waits for all of them."""
-        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path)
+    def add_file(self, path: Path, filling: Filling | None = None) -> None:
+        """Hash and fsync a finished file in the background, once the copies still filling it (`filling`) are done;
+        `records()` waits for all of them."""
+        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path, filling)
 
     def records(self) -> dict[str, dict]:
         out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
@@ -132,8 +133,19 @@ class Target:
         return mine
 
 
-def _record_and_sync(path: Path) -> dict:
-    record = fmt.file_record(path)  # read back from the page cache before the pages are written out
+def _record_and_sync(path: Path, filling: Filling | None = None) -> dict:
+    """The file's record for meta.json, then its fsync. A file still being filled (`filling`, in file order) is hashed
+    as the copies go, read back from the page cache; one written whole has its writeback started first."""
+    if filling is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            io.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
+        finally:
+            os.close(fd)
+        record = fmt.file_record(path)
+    else:
+        record = {"size": path.stat().st_size, "sha256": io.sha256_file(path, ready=filling.ready)}
+        filling.wait()
     io.fsync_file(path)
     return record
 

@@ -198,8 +198,11 @@ class TorchFileWriter:
             return type(obj)(self._refs(v) for v in obj)
         return obj
 
-    def close(self, obj: Any, fsync: bool = True) -> None:
-        """Write the object tree and the archive's end; fsync=False leaves the fsync to the caller."""
+    def close(self, obj: Any, fsync: bool = True, background: bool = False) -> Filling | None:
+        """Write the object tree and the archive's end; fsync=False leaves the fsync to the caller. With `background`
+        the records reserved by tensor_from_files are filled on a thread of this file's own (io.FileWorker): the
+        returned Filling's wait() says when the file's bytes are complete (the caller waits for it before reading
+        the file back or fsyncing it), and the caller goes on with the next file meanwhile; None: nothing to fill."""
         import io as _io
         buf = _io.BytesIO()
         _Pickler(buf, protocol=2).dump(self._refs(obj))
@@ -210,24 +213,100 @@ class TorchFileWriter:
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self._zip.write_end_of_file()
         del self._zip
+        filling = None
         if self._holes:
-            self._fill_holes()
+            filling = self._fill_holes(background)
+            if not background:
+                filling = filling.wait()
         if fsync:
+            if filling is not None:
+                filling = filling.wait()
             fsync_file(self.path)
+        return filling
 
-    def _fill_holes(self) -> None:
+    def _fill_holes(self, background: bool) -> Filling:
+        """Copy every reserved record's byte ranges into place (in order, on a FileWorker with `background`, else
+        here); the records' places are read from the finished archive."""
+        from ckpt_tools.io import FileWorker
         with zipfile.ZipFile(self.path) as z:
             where = {info.filename: info.header_offset for info in z.infolist()}
         fd = os.open(self.path, os.O_RDWR)
         try:
-            for record, ranges in self._holes:
-                pos = record_offset(fd, where[record])
-                for src, offset, nbytes in ranges:
-                    copy_range(src, offset, fd, pos, nbytes)
-                    pos += nbytes
-        finally:
+            places = [record_offset(fd, where[record]) for record, _ in self._holes]
+        except BaseException:
             os.close(fd)
+            raise
+        # the bytes up to the first record still to fill are final now, and each filled record moves that mark to
+        # the next one (they are filled in file order): a reader of the file (its hash) follows the copies
+        ordered = all(a < b for a, b in zip(places, places[1:]))
+        filling = Filling(fd, FileWorker() if background else None, os.fstat(fd).st_size,
+                          places[0] if ordered else 0)
+        worker = filling._worker
+        try:
+            for i, ((_, ranges), pos) in enumerate(zip(self._holes, places)):
+                start = pos
+                for src, offset, nbytes in ranges:
+                    if worker is not None:
+                        worker.copy(src, offset, fd, pos, nbytes)
+                    else:
+                        copy_range(src, offset, fd, pos, nbytes)
+                    pos += nbytes
+                if worker is not None:  # the record's pages on their way to the disk while the next ones are copied
+                    worker.writeback(fd, start, pos - start)
+                    if ordered and i + 1 < len(places):
+                        worker.submit(filling._final, places[i + 1])
+            if worker is not None:  # the rest (what torch's writer wrote) likewise
+                worker.writeback(fd, 0, 0)
+                worker.submit(filling._final, filling.size)
+        except BaseException:
+            if worker is not None:
+                worker.abandon()
+            os.close(fd)
+            raise
         self._holes.clear()
+        return filling
+
+
+class Filling:
+    """The copies into one TorchFileWriter file still running on its FileWorker (or done: no worker). ready() lets a
+    reader follow them; wait() waits for them all, closes the file's descriptor and raises the first error a copy
+    raised; it returns None."""
+
+    def __init__(self, fd: int, worker, size: int, final: int):
+        import threading
+        self._fd, self._worker, self.size = fd, worker, size
+        self._upto = size if worker is None else final  # the bytes before this are final
+        self._changed = threading.Condition()
+
+    def _final(self, upto: int) -> None:
+        with self._changed:
+            self._upto = upto
+            self._changed.notify_all()
+
+    def ready(self, pos: int) -> int:
+        """How far the file's bytes are final, once that is beyond `pos` (the size: all of them). A failed copy
+        stops the worker: then this waits for it and raises its error."""
+        with self._changed:
+            while self._upto <= pos:
+                if self._worker is None or self._worker._error is not None or not self._worker._thread.is_alive():
+                    break
+                self._changed.wait(0.05)
+            upto = self._upto
+        if upto <= pos:
+            self.wait()  # raises what stopped the copies
+            return self.size
+        return upto
+
+    def wait(self) -> None:
+        if self._fd is None:
+            return None
+        try:
+            if self._worker is not None:
+                self._worker.finish()
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        return None
 
 
 def copy_range(src: int, offset: int, dst: int, pos: int, nbytes: int) -> None:
