@@ -32,6 +32,9 @@ from ckpt_tools.team import SOLO, Team
 from ckpt_tools.writers import Filling, TorchFileWriter, dtype_name
 
 
+IN_FLIGHT = 16  # output files being filled and hashed at once
+
+
 class Target:
     """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
 
@@ -110,7 +113,11 @@ class Target:
 
     def add_file(self, path: Path, filling: Filling | None = None) -> None:
         """Hash and fsync a finished file in the background, once the copies still filling it (`filling`) are done;
-        `records()` waits for all of them."""
+        `records()` waits for all of them. At most IN_FLIGHT files at a time: the writer waits for the oldest (each
+        holds a descriptor and a thread until it is hashed)."""
+        pending = [f for f in self._hashes.values() if not f.done()]
+        if len(pending) >= IN_FLIGHT:
+            pending[0].result()
         self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path, filling)
 
     def records(self) -> dict[str, dict]:
@@ -144,8 +151,10 @@ def _record_and_sync(path: Path, filling: Filling | None = None) -> dict:
             os.close(fd)
         record = fmt.file_record(path)
     else:
-        record = {"size": path.stat().st_size, "sha256": io.sha256_file(path, ready=filling.ready)}
-        filling.wait()
+        try:
+            record = {"size": path.stat().st_size, "sha256": io.sha256_file(path, ready=filling.ready)}
+        finally:
+            filling.wait()
     io.fsync_file(path)
     return record
 

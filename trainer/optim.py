@@ -217,6 +217,9 @@ class MasterAdamW:
         return [{**common, "weight_decay": self.cfg.weight_decay}, {**common, "weight_decay": 0.0}]
 
     def zero_grad(self) -> None:
+        for b in self.buckets:  # a reduction still in flight (a backward without its step) finishes first
+            if b.handle is not None:
+                b.handle.wait()
         for p in self.params:
             p.grad = None
         self.main_grad.zero_()
@@ -230,6 +233,10 @@ class MasterAdamW:
     # ------------------------------------------------------------ the DP reduction
     def _arrived(self, index: int) -> None:
         b = self.buckets[index]
+        if b.handle is not None:  # its reduction has started: this gradient would be lost or race it
+            raise RuntimeError(f"a gradient reached bucket {index} after its DP reduction began (expected "
+                               f"{len(b.params)} parameters x {self.backward_passes} backward passes a step): "
+                               f"set overlap_grad_reduce: false for this model")
         b.arrived += 1
         if self.overlap and not b.deferred and b.arrived == len(b.params) * self.backward_passes:
             self._launch(b)  # its last gradient of this step: reduce it while backward goes on

@@ -2,9 +2,9 @@
 
 TP: megatron-core's parallel layers. PP: torch.distributed.pipelining, 1F1B over micro-batches
 (under PP the micro-batches are the gradient accumulation). DP: the optimizer averages the
-gradients over the data-parallel group once per step, in one flat bucket (torch DDP's reducer does
-not accept the several in-flight forwards of 1F1B: "rebuilt parameter indices" assert), or
-reduce-scatters them with the distributed optimizer. SP: megatron-core's sequence parallelism, the
+gradients over the data-parallel group bucket by bucket while backward runs (trainer/optim.py;
+torch DDP's reducer does not accept the several in-flight forwards of 1F1B: "rebuilt parameter
+indices" assert), or reduce-scatters them with the distributed optimizer. SP: megatron-core's sequence parallelism, the
 norms' gradients all-reduced over TP. global batch = micro_batch_size x num_micro_batches x DP, as in Megatron.
 """
 from __future__ import annotations
