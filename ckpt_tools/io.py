@@ -97,6 +97,18 @@ def load_file(path: str | Path, mmap: bool = True) -> Any:
                           f"restore it from the source checkpoint") from None
 
 
+def write_bytes_durable(path: str | Path, data: bytes) -> None:
+    """A small file written and fsynced in place (inside a staged output, renamed into place later)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_file(path: str | Path) -> None:
     """fsync a file, or a dir (its entries), by path."""
     fd = os.open(path, os.O_RDONLY)

@@ -246,10 +246,10 @@ class DistWriter:
         metadata = torchsave.New(torchsave.Global(DCP, "Metadata"), {
             "state_dict_metadata": state, "planner_data": None, "storage_data": torchsave.Items(storage),
             "storage_meta": None, "version": None})
-        _write_durable(self.dir / ".metadata", torchsave.dumps(metadata))
+        io.write_bytes_durable(self.dir / ".metadata", torchsave.dumps(metadata))
         _save_common(self.dir / "common.pt", {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                                                "iteration": iteration, **(common or {})})
-        _write_durable(self.dir / "metadata.json", json.dumps(DIST_METADATA).encode())
+        io.write_bytes_durable(self.dir / "metadata.json", json.dumps(DIST_METADATA).encode())
         self._finish_files()  # the index was written while the last files' copies ran
         io.fsync_dir(self.dir)  # the files' names too, before the staged dir is renamed into place
 
@@ -299,18 +299,6 @@ def _storage(name: str, offset: int, length: int) -> torchsave.New:
                          {"relative_path": name, "offset": offset, "length": length})
 
 
-def _write_durable(path: Path, data: bytes) -> None:
-    """A small file written and fsynced: on disk before the staged output is renamed into place."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save_common(path: Path, obj: dict) -> None:
     """common.pt: written without torch where every value has a pickle here; a value only torch pickles (carried
     from a Megatron-LM source's optimizer, say) through torch.save."""
@@ -319,11 +307,7 @@ def _save_common(path: Path, obj: dict) -> None:
     except torchsave.Unpicklable:
         import torch
         torch.save({**obj, "args": _with_torch_globals(obj["args"])}, path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        io.fsync_file(path)
         return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
