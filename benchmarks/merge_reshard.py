@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io, layout
+from ckpt_tools import io, layout, shard_ops
 from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import TorchFileWriter
@@ -111,8 +111,8 @@ def generate(save_dir: Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat1
                 continue
             master = full_init(key, spec, padded, SEED)  # fp32, TP/PP-invariant
             fields = {"master": master, "exp_avg": master * 1e-2, "exp_avg_sq": master.square() * 1e-4}
-            params = layout.split(key, master.to(dtype), spec, TP, PP)
-            parts = {f: layout.split(key, v, spec, TP, PP) for f, v in fields.items()}
+            params = shard_ops.split(key, master.to(dtype), spec, TP, PP)
+            parts = {f: shard_ops.split(key, v, spec, TP, PP) for f, v in fields.items()}
             for t in range(TP):
                 model_state[t][local] = model[t].tensor(params[t])
                 optim_state[t][local] = {f: optim[t].tensor(parts[f][t]) for f in fields}

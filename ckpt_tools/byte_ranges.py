@@ -9,7 +9,7 @@ rows to reorder, strided tensors), `open` raises Declined, nothing is written ye
 torch reader (shards.open_checked), which also words what is wrong.
 
 Each output tensor is row ranges of a full tensor (hf.hf_rows), and each full tensor is pieces of the
-source shards (layout.reshard_pieces to TP 1, vocab trimmed). `data` hands merge, for each output tensor,
+source shards (shard_ops.reshard_pieces to TP 1, vocab trimmed). `data` hands merge, for each output tensor,
 either byte ranges of the shard files (dim-0 pieces in the output dtype: copied file to file in the kernel)
 or its bytes in memory: a row-parallel tensor's shards read (preadv) straight into their place in the full
 rows, GPT-2's transposed weights transposed with numpy, and a dtype conversion as the last step (torch is
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_tools import checkpoint, hf, layout, megatron_lm
+from ckpt_tools import checkpoint, hf, layout, megatron_lm, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import Entry
 from ckpt_tools.ranks import Rank
@@ -164,16 +164,16 @@ def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
 
 
 # ---------------------------------------------------------------- HF rows -> full rows -> source shards
-def _full_pieces(key: str, meta: checkpoint.Meta, src_tp: int) -> list[layout.Piece]:
+def _full_pieces(key: str, meta: checkpoint.Meta, src_tp: int) -> list[shard_ops.Piece]:
     """The full (TP 1) tensor of `key`, vocab rows trimmed to the true vocab, as pieces of the source shards (at
     TP `src_tp`, ByteSource.tp_of)."""
     spec = meta.spec
     vocab = layout.has_padded_rows(key, spec, meta.pp_size)
-    return layout.reshard_pieces(key, spec, src_tp, meta.padded_vocab, 1,
+    return shard_ops.reshard_pieces(key, spec, src_tp, meta.padded_vocab, 1,
                                  spec.vocab_size if vocab else meta.padded_vocab, 0, meta.pp_size)
 
 
-def _byte_ranges(shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows) -> list[Range]:
+def _byte_ranges(shards: list[Shard], pieces: list[shard_ops.Piece], rows: shard_ops.Rows) -> list[Range]:
     """Rows of a full tensor made of dim-0 pieces -> byte ranges (file, offset, nbytes) of the shard files."""
     out = []
     for a, b in rows:
@@ -329,7 +329,7 @@ class ByteSource:
         pieces = _full_pieces(e.key, meta, self.tp_of(e.key))
         full_rows = layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[0]
         if len(pieces) == 1 and pieces[0].dim == 1:  # a tensor held whole: its rows, as a dim-0 piece
-            pieces = [layout.Piece(pieces[0].rank, 0, 0, full_rows)]
+            pieces = [shard_ops.Piece(pieces[0].rank, 0, 0, full_rows)]
         for name, rows, shape in zip(e.names, hf.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
             transpose = e.kind in hf.TRANSPOSED and len(shape) == 2
             if pieces[0].dim == 0 and not transpose and src_dtype == dtype:
@@ -343,7 +343,7 @@ class ByteSource:
     def release(self) -> None:
         """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""
 
-    def gather(self, shards: list[Shard], pieces: list[layout.Piece], rows: layout.Rows, itemsize: int) -> memoryview:
+    def gather(self, shards: list[Shard], pieces: list[shard_ops.Piece], rows: shard_ops.Rows, itemsize: int) -> memoryview:
         """Rows of a tensor made of `pieces` of the shards, in memory: dim-0 pieces one after another; on dim 1
         the pieces side by side, each a shard's columns [start, stop), read straight into their place in the output
         rows by one scatter read (the columns of other pieces, where a piece is some of a shard's, land in a reused

@@ -274,7 +274,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     if summary is None:
         import torch
 
-        from ckpt_tools.reshard import import_hf
+        from ckpt_tools.importer import import_hf
         summary = import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
                             dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
                             optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep,

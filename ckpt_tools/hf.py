@@ -23,7 +23,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import families, layout
+from ckpt_tools import families, layout, shard_ops
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.families import C_ATTN, CONV1D, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
 from ckpt_tools.spec import ModelSpec
@@ -55,7 +55,7 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
 TRANSPOSED = (CONV1D, C_ATTN)  # HF GPT-2's Conv1D stores a weight [in, out]: these kinds' 2-D tensors are transposed
 
 
-def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[layout.Rows]:
+def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[shard_ops.Rows]:
     """For each HF tensor of a conversion kind, the row ranges of the full megatron-core tensor (of `rows`
     rows) that it is made of, in order; a TRANSPOSED kind then transposes a 2-D result."""
     if kind in (SAME, CONV1D):
@@ -63,11 +63,11 @@ def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[layout.Rows]:
     if kind == VOCAB:
         return [[(0, spec.vocab_size)]]
     if kind == QKV:
-        return list(layout.qkv_head_rows(spec))
+        return list(shard_ops.qkv_head_rows(spec))
     if kind == GATED:  # [gate; up]
         return [[(0, rows // 2)], [(rows // 2, rows)]]
     if kind in (C_ATTN, QKV_FUSED):
-        return [[r for part in layout.qkv_head_rows(spec) for r in part]]
+        return [[r for part in shard_ops.qkv_head_rows(spec) for r in part]]
     raise LayoutError(f"unknown conversion kind {kind}")
 
 
@@ -80,8 +80,8 @@ def hf_shapes(kind: str, spec: ModelSpec, full_shape: tuple[int, ...]) -> list[t
 def to_hf(kind: str, full: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
     """A full megatron-core tensor -> its HF tensor(s). Works on meta tensors (shape planning)."""
     if kind == VOCAB:  # refuses a tensor with fewer rows than the true vocab
-        return [layout.trim_vocab("embedding.word_embeddings.weight", full, spec)]
-    parts = [full if rows == [(0, full.shape[0])] else layout.take_rows(full, rows)
+        return [shard_ops.trim_vocab("embedding.word_embeddings.weight", full, spec)]
+    parts = [full if rows == [(0, full.shape[0])] else shard_ops.take_rows(full, rows)
              for rows in hf_rows(kind, spec, full.shape[0])]
     return [t.t() if kind in TRANSPOSED and t.dim() == 2 else t for t in parts]
 
@@ -91,9 +91,9 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
     if kind == SAME:
         return tensors[0]
     if kind == VOCAB:
-        return layout.pad_vocab("embedding.word_embeddings.weight", tensors[0], spec, padded_vocab)
+        return shard_ops.pad_vocab("embedding.word_embeddings.weight", tensors[0], spec, padded_vocab)
     if kind == QKV:
-        return layout.qkv_join_heads(*tensors, spec)
+        return shard_ops.qkv_join_heads(*tensors, spec)
     if kind == GATED:
         import torch
         return torch.cat(tensors, dim=0)
@@ -103,7 +103,7 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
         whole = tensors[0].t() if kind == C_ATTN and tensors[0].dim() == 2 else tensors[0]
         q_rows = spec.num_attention_heads * spec.kv_channels
         q, k, v = whole.split([q_rows, (whole.shape[0] - q_rows) // 2, (whole.shape[0] - q_rows) // 2], dim=0)
-        return layout.qkv_join_heads(q, k, v, spec)
+        return shard_ops.qkv_join_heads(q, k, v, spec)
     raise LayoutError(f"unknown conversion kind {kind}")
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import hf, io, layout, output
+from ckpt_tools import hf, io, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.team import SOLO, Team
@@ -84,7 +84,7 @@ def _tied_copy_note(shards: Reader) -> str | None:
     emb = shards.full("embedding.word_embeddings.weight")[: spec.vocab_size]
     out = shards.full("output_layer.weight")[: spec.vocab_size]
     shards.release()
-    if layout.same_bits(emb, out):
+    if shard_ops.same_bits(emb, out):
         return None
     diff = (emb.float() - out.float()).abs().max().item()
     return (f"note: the last stage's copy of the tied embedding differs from the first stage's (max abs {diff:.3g}); "

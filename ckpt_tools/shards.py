@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io, layout
+from ckpt_tools import io, layout, shard_ops
 from ckpt_tools.errors import FormatError
 from ckpt_tools.ranks import Rank
 from ckpt_tools.team import SOLO, Team
@@ -109,7 +109,7 @@ class Reader:
         return layout.source_key(key, self._where)
 
     def full(self, global_key: str, field: str | None = None):
-        return layout.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
+        return shard_ops.join(global_key, self.shards(global_key, field), self.meta.spec, self.meta.pp_size)
 
     def release(self) -> None:
         """Drop the resident pages of every shard tensor handed out since the last call."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import hf, layout
+from ckpt_tools import hf, layout, shard_ops
 from ckpt_tools.io import free_port
 from ckpt_tools.errors import CkptError
 from ckpt_tools.plan import HF, SAFETENSORS, plan
@@ -78,7 +78,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact, after casting the source to the other's dtype (a merge with --dtype casts)."""
-    return tuple(a.shape) == tuple(b.shape) and layout.same_bits(a.to(b.dtype), b)
+    return tuple(a.shape) == tuple(b.shape) and shard_ops.same_bits(a.to(b.dtype), b)
 
 
 def integrity(src: Reader, tier: Tier, team: Team = SOLO) -> None:

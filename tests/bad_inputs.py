@@ -25,7 +25,7 @@ import torch
 from click.testing import CliRunner
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import layout
+from ckpt_tools import layout, shard_ops
 from ckpt_tools.cli import main
 from ckpt_tools.ranks import Rank
 from ckpt_tools.spec import ModelSpec
@@ -88,7 +88,7 @@ def make_ckpt(save_dir: Path, spec: ModelSpec, tp: int = 2, pp: int = 2, seed: i
                 full = full + 0.01 * torch.randn(full.shape, generator=gen)
             fields = {"master": full, "exp_avg": 1e-3 * torch.randn(full.shape, generator=gen),
                       "exp_avg_sq": 1e-6 * torch.rand(full.shape, generator=gen)}
-            parts = {f: layout.split(key, v, spec, tp, pp) for f, v in fields.items()}
+            parts = {f: shard_ops.split(key, v, spec, tp, pp) for f, v in fields.items()}
             for t in range(tp):
                 model[t][local] = parts["master"][t].clone()
                 optim[t][local] = {f: parts[f][t].clone() for f in fields} | {"step": torch.tensor(float(iteration))}

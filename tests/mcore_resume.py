@@ -233,7 +233,7 @@ def run_imported(out: Path, result: dict) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ckpt_tools import hf
-    from ckpt_tools.reshard import import_hf
+    from ckpt_tools.importer import import_hf
     config = LlamaConfig(vocab_size=SPEC["vocab_size"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                          tie_word_embeddings=False)

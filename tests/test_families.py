@@ -22,7 +22,8 @@ from safetensors.torch import load_file as load_safetensors
 
 from ckpt_tools import families, hf
 from ckpt_tools.merge import merge
-from ckpt_tools.reshard import import_hf, reshard
+from ckpt_tools.importer import import_hf
+from ckpt_tools.reshard import reshard
 from ckpt_tools.spec import ModelSpec
 
 VOCAB = 1000

@@ -17,7 +17,8 @@ from test_families import CASES, TOKENS, VOCAB, hf_dirs, logits, rel  # noqa: F4
 
 from ckpt_tools import hf
 from ckpt_tools.merge import merge
-from ckpt_tools.reshard import import_hf, reshard
+from ckpt_tools.importer import import_hf
+from ckpt_tools.reshard import reshard
 
 
 @pytest.mark.slow

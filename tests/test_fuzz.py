@@ -32,7 +32,7 @@ from bad_inputs import invoke, llama, make_ckpt
 from safetensors.torch import load_file as load_safetensors
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools.layout import same_bits
+from ckpt_tools.shard_ops import same_bits
 
 SECONDS = float(os.environ.get("CKPT_FUZZ_SECONDS", "20"))
 SEED = int(os.environ.get("CKPT_FUZZ_SEED", "0"))

@@ -12,7 +12,8 @@ import torch
 from conftest import ROOT
 
 from ckpt_tools.merge import merge
-from ckpt_tools.reshard import import_hf, reshard
+from ckpt_tools.importer import import_hf
+from ckpt_tools.reshard import reshard
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

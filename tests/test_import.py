@@ -1,4 +1,4 @@
-"""`ckpt import`: ckpt_tools/reshard.py's import_hf, against transformers' own models and files.
+"""`ckpt import`: ckpt_tools/importer.py's import_hf, against transformers' own models and files.
 
 - HF -> shards -> HF gives transformers' own tensors back bit for bit (fp32 and bf16, tied and untied,
   Llama and GPT-2), with a fresh optimizer state and zero vocab padding rows;
@@ -23,7 +23,7 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io
 from ckpt_tools.merge import merge
 from ckpt_tools.ranks import Rank
-from ckpt_tools.reshard import import_hf
+from ckpt_tools.importer import import_hf
 
 # ---------------------------------------------------------------- HF import -> merge, and logits
 VOCAB = 1000

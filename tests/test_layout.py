@@ -21,7 +21,7 @@ from layout_cases import (
     random_full,
 )
 
-from ckpt_tools import layout
+from ckpt_tools import layout, shard_ops
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.spec import ModelSpec
 
@@ -39,18 +39,18 @@ def test_split_join_roundtrip_bitwise(spec: ModelSpec, pp: int, tp: int, dtype: 
         if rule.split == layout.EXTRA:
             assert shape is None, key
             for value in (None, b"\x00extra-state"):
-                shards = layout.split(key, value, spec, tp, pp)
+                shards = shard_ops.split(key, value, spec, tp, pp)
                 assert len(shards) == tp and all(s is value for s in shards), key
-                assert layout.join(key, shards, spec, pp) is value, key
+                assert shard_ops.join(key, shards, spec, pp) is value, key
             continue
         full = random_full(shape, dtype, seed=1000 * tp + n)
-        shards = layout.split(key, full, spec, tp, pp)
+        shards = shard_ops.split(key, full, spec, tp, pp)
         assert len(shards) == tp, f"{key}: {len(shards)} shards at TP {tp}"
         for r, s in enumerate(shards):
             assert s.dtype == dtype, f"{key} rank {r}: dtype {s.dtype}"
         if rule.split != layout.REPLICATED:
             assert sum(s.numel() for s in shards) == full.numel(), f"{key}: shards do not partition the tensor"
-        back = layout.join(key, shards, spec, pp)
+        back = shard_ops.join(key, shards, spec, pp)
         assert_bitwise(back, full, f"{key} tp={tp} pp={pp} {dtype}")
 
 
@@ -77,7 +77,7 @@ def test_split_matches_index_arithmetic(spec: ModelSpec, pp: int, tp: int) -> No
             continue
         key = layer0(rule)
         full = random_full(rule.shape(spec, padded), torch.float32, seed=n)
-        shards = layout.split(key, full, spec, tp, pp)
+        shards = shard_ops.split(key, full, spec, tp, pp)
         for r, s in enumerate(shards):
             if rule.split == layout.REPLICATED:
                 exp = full
@@ -104,14 +104,14 @@ def rows(t: torch.Tensor) -> list:
 
 
 def test_qkv_split_hand_rows_tp2() -> None:
-    shards = layout.split(QKV_W, QKV_FULL, QKV_SPEC, 2)
+    shards = shard_ops.split(QKV_W, QKV_FULL, QKV_SPEC, 2)
     assert rows(shards[0]) == [[10.], [11.], [20.], [30.]], "rank 0 must hold query group 0 = [q0,q1,k0,v0]"
     assert rows(shards[1]) == [[12.], [13.], [21.], [31.]], "rank 1 must hold query group 1 = [q2,q3,k1,v1]"
-    assert rows(layout.join(QKV_W, shards, QKV_SPEC)) == rows(QKV_FULL)
+    assert rows(shard_ops.join(QKV_W, shards, QKV_SPEC)) == rows(QKV_FULL)
 
 
 def test_qkv_split_hand_rows_tp1_is_whole() -> None:
-    (only,) = layout.split(QKV_W, QKV_FULL, QKV_SPEC, 1)
+    (only,) = shard_ops.split(QKV_W, QKV_FULL, QKV_SPEC, 1)
     assert rows(only) == rows(QKV_FULL)
 
 
@@ -120,16 +120,16 @@ def test_qkv_bias_hand_rows_tp2() -> None:
                      kv_channels=1, ffn_hidden_size=2, vocab_size=8, tie_word_embeddings=True)
     # MHA, 2 groups of [q_g, k_g, v_g]: q0=10 k0=20 v0=30 | q1=11 k1=21 v1=31
     full = torch.tensor([10., 20., 30., 11., 21., 31.])
-    shards = layout.split("decoder.layers.0.self_attention.linear_qkv.bias", full, spec, 2)
+    shards = shard_ops.split("decoder.layers.0.self_attention.linear_qkv.bias", full, spec, 2)
     assert rows(shards[0]) == [10., 20., 30.] and rows(shards[1]) == [11., 21., 31.]
 
 
 def test_qkv_split_heads_hand_values() -> None:
-    q, k, v = layout.qkv_split_heads(QKV_FULL, QKV_SPEC)
+    q, k, v = shard_ops.qkv_split_heads(QKV_FULL, QKV_SPEC)
     assert rows(q) == [[10.], [11.], [12.], [13.]], "q must be heads q0..q3 in order"
     assert rows(k) == [[20.], [21.]], "k must be [k0, k1]"
     assert rows(v) == [[30.], [31.]], "v must be [v0, v1]"
-    joined = layout.qkv_join_heads(q, k, v, QKV_SPEC)
+    joined = shard_ops.qkv_join_heads(q, k, v, QKV_SPEC)
     assert_bitwise(joined, QKV_FULL, "qkv_join_heads(qkv_split_heads(x))")
 
 
@@ -140,32 +140,32 @@ def test_qkv_split_heads_hand_values_multi_row_heads_and_bias() -> None:
     q00, q01, k00, k01, v00, v01 = 100., 101., 200., 201., 300., 301.
     q10, q11, k10, k11, v10, v11 = 110., 111., 210., 211., 310., 311.
     bias = torch.tensor([q00, q01, k00, k01, v00, v01, q10, q11, k10, k11, v10, v11])
-    q, k, v = layout.qkv_split_heads(bias, spec)
+    q, k, v = shard_ops.qkv_split_heads(bias, spec)
     assert rows(q) == [q00, q01, q10, q11]
     assert rows(k) == [k00, k01, k10, k11]
     assert rows(v) == [v00, v01, v10, v11]
-    assert_bitwise(layout.qkv_join_heads(q, k, v, spec), bias, "bias qkv_join_heads")
+    assert_bitwise(shard_ops.qkv_join_heads(q, k, v, spec), bias, "bias qkv_join_heads")
     weight = torch.stack([bias, bias + 0.5, bias + 0.25], dim=1)  # (12, 3): column c = bias + offset
-    q, k, v = layout.qkv_split_heads(weight, spec)
+    q, k, v = shard_ops.qkv_split_heads(weight, spec)
     assert q.shape == (4, 3) and k.shape == (4, 3) and v.shape == (4, 3)
     assert rows(q[:, 1]) == [q00 + 0.5, q01 + 0.5, q10 + 0.5, q11 + 0.5]
     assert rows(v[:, 2]) == [v00 + 0.25, v01 + 0.25, v10 + 0.25, v11 + 0.25]
-    assert_bitwise(layout.qkv_join_heads(q, k, v, spec), weight, "weight qkv_join_heads")
+    assert_bitwise(shard_ops.qkv_join_heads(q, k, v, spec), weight, "weight qkv_join_heads")
 
 
 def test_gated_fc1_hand_rows() -> None:
     g = [100., 101., 102., 103.]
     u = [200., 201., 202., 203.]
     full = torch.tensor([[x] for x in g + u])  # [g0,g1,g2,g3,u0,u1,u2,u3], hidden 1
-    shards = layout.split(FC1_W, full, QKV_SPEC, 2)
+    shards = shard_ops.split(FC1_W, full, QKV_SPEC, 2)
     assert rows(shards[0]) == [[100.], [101.], [200.], [201.]], "rank 0 must hold [g0,g1,u0,u1] in this order"
     assert rows(shards[1]) == [[102.], [103.], [202.], [203.]], "rank 1 must hold [g2,g3,u2,u3] in this order"
-    shards4 = layout.split(FC1_W, full, QKV_SPEC, 4)
+    shards4 = shard_ops.split(FC1_W, full, QKV_SPEC, 4)
     assert [rows(s) for s in shards4] == [[[100.], [200.]], [[101.], [201.]], [[102.], [202.]], [[103.], [203.]]]
-    assert rows(layout.join(FC1_W, shards, QKV_SPEC)) == rows(full)
+    assert rows(shard_ops.join(FC1_W, shards, QKV_SPEC)) == rows(full)
     # join from hand-written shards, not from split's output
     hand = [torch.tensor([[100.], [101.], [200.], [201.]]), torch.tensor([[102.], [103.], [202.], [203.]])]
-    assert rows(layout.join(FC1_W, hand, QKV_SPEC)) == [[x] for x in g + u]
+    assert rows(shard_ops.join(FC1_W, hand, QKV_SPEC)) == [[x] for x in g + u]
 
 
 GRID = torch.tensor([[0., 1., 2., 3.], [10., 11., 12., 13.], [20., 21., 22., 23.], [30., 31., 32., 33.]])
@@ -173,21 +173,21 @@ GRID = torch.tensor([[0., 1., 2., 3.], [10., 11., 12., 13.], [20., 21., 22., 23.
 
 def test_row_parallel_splits_dim1_by_hand() -> None:
     for key in ("decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc2.weight"):
-        s0, s1 = layout.split(key, GRID, SMALL_GPT2, 2)
+        s0, s1 = shard_ops.split(key, GRID, SMALL_GPT2, 2)
         assert rows(s0) == [[0., 1.], [10., 11.], [20., 21.], [30., 31.]], key
         assert rows(s1) == [[2., 3.], [12., 13.], [22., 23.], [32., 33.]], key
-        assert rows(layout.join(key, [s0, s1], SMALL_GPT2)) == rows(GRID), key
+        assert rows(shard_ops.join(key, [s0, s1], SMALL_GPT2)) == rows(GRID), key
 
 
 def test_column_and_vocab_split_dim0_by_hand() -> None:
     for key in ("decoder.layers.0.mlp.linear_fc1.weight",  # gpt2: not gated -> column
                 "embedding.word_embeddings.weight"):
-        s0, s1 = layout.split(key, GRID, SMALL_GPT2, 2)
+        s0, s1 = shard_ops.split(key, GRID, SMALL_GPT2, 2)
         assert rows(s0) == [[0., 1., 2., 3.], [10., 11., 12., 13.]], key
         assert rows(s1) == [[20., 21., 22., 23.], [30., 31., 32., 33.]], key
-    b0, b1 = layout.split("decoder.layers.0.mlp.linear_fc1.bias", torch.tensor([0., 1., 2., 3.]), SMALL_GPT2, 2)
+    b0, b1 = shard_ops.split("decoder.layers.0.mlp.linear_fc1.bias", torch.tensor([0., 1., 2., 3.]), SMALL_GPT2, 2)
     assert rows(b0) == [0., 1.] and rows(b1) == [2., 3.]
-    v = layout.split("output_layer.weight", GRID, SMALL_GPT2, 4, pp_size=2)
+    v = shard_ops.split("output_layer.weight", GRID, SMALL_GPT2, 4, pp_size=2)
     assert [rows(x) for x in v] == [[r] for r in rows(GRID)]
 
 
@@ -196,12 +196,12 @@ def test_replicated_same_values_every_rank() -> None:
     for key in ("decoder.layers.0.input_layernorm.weight", "decoder.layers.0.input_layernorm.bias",
                 "decoder.layers.0.self_attention.linear_proj.bias",  # row-parallel bias: replicated
                 "decoder.layers.0.mlp.linear_fc2.bias", "decoder.final_layernorm.bias"):
-        shards = layout.split(key, vec, SMALL_GPT2, 4)
+        shards = shard_ops.split(key, vec, SMALL_GPT2, 4)
         assert len(shards) == 4
         for r, s in enumerate(shards):
             assert rows(s) == [1.5, -2., 3., 0.25], f"{key} rank {r}"
     pos = GRID[:2]
-    for s in layout.split("embedding.position_embeddings.weight", pos, SMALL_GPT2, 2):
+    for s in shard_ops.split("embedding.position_embeddings.weight", pos, SMALL_GPT2, 2):
         assert rows(s) == [[0., 1., 2., 3.], [10., 11., 12., 13.]]
 
 
@@ -213,13 +213,13 @@ def test_replicated_join_differing_shards_names_key_and_rank() -> None:
     b[2] = 1.0000001
     shards = [a, a.clone(), b, a.clone()]
     with pytest.raises(LayoutError) as e:
-        layout.join(key, shards, SMALL_GPT2)
+        shard_ops.join(key, shards, SMALL_GPT2)
     msg = str(e.value)
     assert key in msg and "TP rank 2" in msg and "\n" not in msg, msg
     # a different shape is also a difference
     with pytest.raises(LayoutError, match="TP rank 1"):
-        layout.join(key, [a, torch.ones(5)], SMALL_GPT2)
-    out = layout.join(key, shards, SMALL_GPT2, check_replicas=False)
+        shard_ops.join(key, [a, torch.ones(5)], SMALL_GPT2)
+    out = shard_ops.join(key, shards, SMALL_GPT2, check_replicas=False)
     assert_bitwise(out, a, "check_replicas=False returns rank 0's copy")
 
 
@@ -228,8 +228,8 @@ def test_replicated_join_accepts_identical_nan_replicas() -> None:
     key = "decoder.layers.0.input_layernorm.weight"
     a = torch.tensor([1.0, float("nan"), 2.0])
     try:
-        out = layout.join(key, [a, a.clone()], SMALL_GPT2)
+        out = shard_ops.join(key, [a, a.clone()], SMALL_GPT2)
     except LayoutError as e:
-        pytest.fail("BUG in layout.join: bit-identical replicated shards containing NaN are rejected as "
+        pytest.fail("BUG in shard_ops.join: bit-identical replicated shards containing NaN are rejected as "
                     f"inconsistent (torch.equal treats NaN != NaN); it should compare bit patterns: {e}")
     assert_bitwise(out, a, "NaN replica join")

@@ -21,7 +21,7 @@ from layout_cases import (
     random_full,
 )
 
-from ckpt_tools import families, layout
+from ckpt_tools import families, layout, shard_ops
 from ckpt_tools.errors import ConfigError, LayoutError
 from ckpt_tools.spec import ModelSpec
 
@@ -44,7 +44,7 @@ def test_tp_not_dividing_groups_or_ffn(key: str, spec_kwargs: dict, expected: st
     spec = llama(**spec_kwargs)
     full = torch.zeros(layout.full_shape(key, spec, 1024))
     assert full.shape[0] % 4 == 0
-    for call in (lambda: layout.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
+    for call in (lambda: shard_ops.split(key, full, spec, 4), lambda: layout.shard_shape(key, spec, 1024, 4)):
         with pytest.raises(LayoutError) as e:
             call()
         msg = one_line(e)
@@ -54,7 +54,7 @@ def test_tp_not_dividing_groups_or_ffn(key: str, spec_kwargs: dict, expected: st
 def test_plain_dim_not_divisible() -> None:
     key = "decoder.layers.0.self_attention.linear_proj.weight"
     with pytest.raises(LayoutError) as e:
-        layout.split(key, torch.zeros(4, 6), SMALL_GPT2, 4)
+        shard_ops.split(key, torch.zeros(4, 6), SMALL_GPT2, 4)
     msg = one_line(e)
     assert key in msg and "TP 4" in msg and "dim 1" in msg, msg
 
@@ -94,7 +94,7 @@ def test_layers_per_stage() -> None:
                                  "decoder.layers.x.input_layernorm.weight", "output_layer.bias"])
 def test_unknown_key(key: str) -> None:
     for call in (lambda: layout.find_rule(key, SPECS["llama_untied"]),
-                 lambda: layout.split(key, torch.zeros(2), SPECS["llama_untied"], 1),
+                 lambda: shard_ops.split(key, torch.zeros(2), SPECS["llama_untied"], 1),
                  lambda: layout.full_shape(key, SPECS["llama_untied"], 1024)):
         with pytest.raises(LayoutError) as e:
             call()
@@ -231,13 +231,13 @@ def test_gated_bias_row_roundtrip_and_rows(tp: int) -> None:
     assert (rule.name, rule.split) == UNREACHABLE[0]
     full = random_full(layout.full_shape(key, spec, 1024), torch.bfloat16, seed=tp)
     assert full.shape == (64,)
-    shards = layout.split(key, full, spec, tp)
+    shards = shard_ops.split(key, full, spec, tp)
     c = 32 // tp
     for r, s in enumerate(shards):
         exp = torch.cat([full[r * c:(r + 1) * c], full[32 + r * c:32 + (r + 1) * c]])
         assert_bitwise(s, exp, f"gated bias rank {r}")
         assert tuple(s.shape) == layout.shard_shape(key, spec, 1024, tp)
-    assert_bitwise(layout.join(key, shards, spec), full, "gated bias roundtrip")
+    assert_bitwise(shard_ops.join(key, shards, spec), full, "gated bias roundtrip")
 
 
 def test_stage_keys_exact_order_llama_untied_one_layer() -> None:
@@ -307,36 +307,36 @@ def test_pad_and_trim_vocab() -> None:
     spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
     key = "embedding.word_embeddings.weight"
     true = random_full((10, 8), torch.bfloat16, seed=7)
-    padded = layout.pad_vocab(key, true, spec, 16)
+    padded = shard_ops.pad_vocab(key, true, spec, 16)
     assert padded.shape == (16, 8) and padded.dtype == torch.bfloat16
     assert_bitwise(padded[:10], true, "true rows kept")
     assert torch.equal(padded[10:].view(torch.int16), torch.zeros(6, 8, dtype=torch.int16)), "padding is +0.0"
     # re-padding a padded tensor with garbage padding: garbage is not carried
     garbage = torch.cat([true, torch.full((6, 8), 7.0, dtype=torch.bfloat16)])
-    repadded = layout.pad_vocab("output_layer.weight", garbage, spec, 32)
+    repadded = shard_ops.pad_vocab("output_layer.weight", garbage, spec, 32)
     assert repadded.shape == (32, 8)
     assert_bitwise(repadded[:10], true, "true rows kept (re-pad)")
     assert not repadded[10:].any()
-    trimmed = layout.trim_vocab(key, garbage, spec)
+    trimmed = shard_ops.trim_vocab(key, garbage, spec)
     assert_bitwise(trimmed, true, "trim drops padding")
-    assert_bitwise(layout.trim_vocab(key, padded, spec), true, "trim(pad(x))")
+    assert_bitwise(shard_ops.trim_vocab(key, padded, spec), true, "trim(pad(x))")
     with pytest.raises(LayoutError) as e:
-        layout.trim_vocab(key, padded, llama(vocab_size=20, hidden_size=8, num_attention_heads=2, num_query_groups=2))
+        shard_ops.trim_vocab(key, padded, llama(vocab_size=20, hidden_size=8, num_attention_heads=2, num_query_groups=2))
     msg = one_line(e)
     assert key in msg and "16" in msg and "20" in msg, msg
     with pytest.raises(LayoutError):
-        layout.pad_vocab("decoder.final_layernorm.weight", torch.zeros(8), spec, 16)
+        shard_ops.pad_vocab("decoder.final_layernorm.weight", torch.zeros(8), spec, 16)
     with pytest.raises(LayoutError):
-        layout.trim_vocab("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(8, 8), spec)
+        shard_ops.trim_vocab("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(8, 8), spec)
 
 
 def test_pad_vocab_refuses_fewer_rows_than_true_vocab() -> None:
     """trim_vocab refuses a tensor with fewer rows than the true vocab; pad_vocab does too (no zero-filled real rows)."""
     spec = llama(vocab_size=10, hidden_size=8, num_attention_heads=2, num_query_groups=2)
     with pytest.raises(LayoutError, match="cannot pad 6 rows to 16 for a true vocab of 10"):
-        layout.pad_vocab("embedding.word_embeddings.weight", torch.ones(6, 8), spec, 16)
+        shard_ops.pad_vocab("embedding.word_embeddings.weight", torch.ones(6, 8), spec, 16)
     with pytest.raises(LayoutError, match="cannot pad 12 rows to 8"):
-        layout.pad_vocab("embedding.word_embeddings.weight", torch.ones(12, 8), spec, 8)
+        shard_ops.pad_vocab("embedding.word_embeddings.weight", torch.ones(12, 8), spec, 8)
 
 
 @pytest.mark.parametrize("vocab,tp,expected", [
@@ -358,5 +358,5 @@ def test_shard_shape_matches_split(spec: ModelSpec, pp: int, tp: int) -> None:
             assert ss is None, key
             continue
         full = torch.empty(layout.full_shape(key, spec, padded, pp))
-        for r, s in enumerate(layout.split(key, full, spec, tp, pp)):
+        for r, s in enumerate(shard_ops.split(key, full, spec, tp, pp)):
             assert tuple(s.shape) == ss, f"{key} rank {r} TP {tp}: split {tuple(s.shape)} vs shard_shape {ss}"

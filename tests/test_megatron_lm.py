@@ -17,7 +17,7 @@ import pytest
 import torch
 from megatron_lm_writer import megatron_args, write_megatron_lm
 
-from ckpt_tools import io, layout
+from ckpt_tools import io, layout, shard_ops
 from ckpt_tools import megatron_args as margs
 from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.checkpoint import FORMAT, Meta, model_file
@@ -53,7 +53,7 @@ def write_ours(spec: ModelSpec, ckpt_dir: Path, tp: int = TP, pp: int = PP, dtyp
                 parts = [None] * tp
             else:
                 full = full_init(global_key, spec, padded, seed=7).to(tdtype)
-                parts = [p.clone() for p in layout.split(global_key, full, spec, tp, pp)]
+                parts = [p.clone() for p in shard_ops.split(global_key, full, spec, tp, pp)]
             for tp_rank in range(tp):
                 shards[tp_rank][local] = parts[tp_rank]
         for tp_rank in range(tp):

@@ -24,7 +24,8 @@ from ckpt_tools import hf, megatron_lm
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.megatron_args import pipeline_split
 from ckpt_tools.merge import merge
-from ckpt_tools.reshard import import_hf, reshard
+from ckpt_tools.importer import import_hf
+from ckpt_tools.reshard import reshard
 
 
 @pytest.fixture(scope="module")

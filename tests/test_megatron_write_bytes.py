@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from test_megatron_write import hf_dirs, whole_tensors  # noqa: F401 (hf_dirs: a fixture)
 
-from ckpt_tools.reshard import import_hf, reshard
+from ckpt_tools.importer import import_hf
+from ckpt_tools.reshard import reshard
 
 
 # ------------------------------------------------------------ torch_dist by copying the source's shards

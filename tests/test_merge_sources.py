@@ -24,7 +24,7 @@ import bad_inputs as bad
 import pytest
 import torch
 
-from ckpt_tools import byte_ranges, hf, io, layout, torchfile
+from ckpt_tools import byte_ranges, hf, io, layout, shard_ops, torchfile
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools.byte_ranges import ByteSource, Declined
 from ckpt_tools.cli import main
@@ -67,8 +67,8 @@ def make_checkpoint(save_dir: Path, spec: ModelSpec, tp: int, pp: int, dtype: st
                     model[t][local] = None
                 continue
             master = full_tensor(key, spec, padded)
-            params = layout.split(key, master.to(getattr(torch, dtype)), spec, tp, pp)
-            masters = layout.split(key, master, spec, tp, pp)
+            params = shard_ops.split(key, master.to(getattr(torch, dtype)), spec, tp, pp)
+            masters = shard_ops.split(key, master, spec, tp, pp)
             for t in range(tp):  # .contiguous(): a dim-0 shard stays a view (at an offset of the full storage)
                 model[t][local] = params[t].contiguous()
                 optim[t][local] = {"master": masters[t].contiguous(), "exp_avg": torch.zeros(masters[t].shape),
@@ -356,11 +356,11 @@ def test_scatter_reads_fill_every_view_or_fail(tmp_path, monkeypatch):
 def test_qkv_head_rows_by_hand():
     spec = ModelSpec("llama", num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                      ffn_hidden_size=32, vocab_size=10, kv_channels=16)  # per group: q0 q1 k v, 16 rows each
-    q, k, v = layout.qkv_head_rows(spec)
+    q, k, v = shard_ops.qkv_head_rows(spec)
     assert q == [(0, 32), (64, 96)] and k == [(32, 48), (96, 112)] and v == [(48, 64), (112, 128)]
     full = torch.arange(128 * 3).reshape(128, 3)
-    tq, tk, tv = layout.qkv_split_heads(full, spec)
+    tq, tk, tv = shard_ops.qkv_split_heads(full, spec)
     assert torch.equal(tq, torch.cat([full[0:32], full[64:96]])) and torch.equal(tk[16:], full[96:112])
-    assert torch.equal(layout.qkv_join_heads(tq, tk, tv, spec), full)
+    assert torch.equal(shard_ops.qkv_join_heads(tq, tk, tv, spec), full)
     assert hf.hf_shapes(hf.QKV, spec, (128, 3)) == [(64, 3), (32, 3), (32, 3)]
     assert hf.hf_shapes(hf.C_ATTN, spec, (128, 64)) == [(64, 128)]

@@ -23,7 +23,7 @@ from safetensors.torch import load_file as load_safetensors
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io
 from ckpt_tools.cli import main
-from ckpt_tools.layout import same_bits
+from ckpt_tools.shard_ops import same_bits
 from ckpt_tools.merge import merge
 from ckpt_tools.ranks import Rank
 from ckpt_tools.reshard import reshard

@@ -1,4 +1,4 @@
-"""The direct-slice reshard path: `layout.reshard_pieces` + `layout.gather` against split(join(...)),
+"""The direct-slice reshard path: `shard_ops.reshard_pieces` + `shard_ops.gather` against split(join(...)),
 and `ckpt reshard`'s files against files written the old way (join every full tensor, split it).
 
 Pure CPU, small random tensors (padding rows hold garbage, so dropping or keeping them shows), a few seconds.
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import layout
+from ckpt_tools import layout, shard_ops
 from ckpt_tools.layout import target_layout
 from ckpt_tools.ranks import Rank
-from ckpt_tools.reshard import Target, _finish, reshard
+from ckpt_tools.reshard import reshard
 from ckpt_tools.shards import OPTIMIZER, OPTIMIZER_FIELDS, open_checked
 from ckpt_tools.spec import ModelSpec
+from ckpt_tools.target import Target, _finish
 from ckpt_tools.writers import TorchFileWriter
 
 TPS = (1, 2, 4, 8)
@@ -49,10 +50,10 @@ def cases():
 def test_gather_of_pieces_is_split_of_join(spec: ModelSpec, key: str, src_tp: int, tp: int) -> None:
     padded = spec.padded_vocab_size(max(TPS))
     full = random_full(key, spec, padded, seed=src_tp * 10 + tp)
-    src = layout.split(key, full, spec, src_tp, 2)
-    want = layout.split(key, layout.join(key, src, spec, 2), spec, tp, 2)
+    src = shard_ops.split(key, full, spec, src_tp, 2)
+    want = shard_ops.split(key, shard_ops.join(key, src, spec, 2), spec, tp, 2)
     for r in range(tp):
-        got = layout.gather(layout.reshard_pieces(key, spec, src_tp, padded, tp, padded, r, 2), src)
+        got = shard_ops.gather(shard_ops.reshard_pieces(key, spec, src_tp, padded, tp, padded, r, 2), src)
         assert got.shape == want[r].shape and torch.equal(bits(got), bits(want[r])), (key, src_tp, tp, r)
 
 
@@ -61,30 +62,30 @@ def test_gather_of_pieces_is_split_of_join(spec: ModelSpec, key: str, src_tp: in
 @pytest.mark.parametrize("key", ["embedding.word_embeddings.weight", "output_layer.weight"])
 def test_vocab_padding_change_matches_pad_vocab(key: str, src_padded: int, src_tp: int, padded: int, tp: int) -> None:
     full = random_full(key, LLAMA, src_padded, seed=7)
-    src = layout.split(key, full, LLAMA, src_tp, 2)
-    want = layout.split(key, layout.pad_vocab(key, layout.join(key, src, LLAMA, 2), LLAMA, padded), LLAMA, tp, 2)
+    src = shard_ops.split(key, full, LLAMA, src_tp, 2)
+    want = shard_ops.split(key, shard_ops.pad_vocab(key, shard_ops.join(key, src, LLAMA, 2), LLAMA, padded), LLAMA, tp, 2)
     for r in range(tp):
-        got = layout.gather(layout.reshard_pieces(key, LLAMA, src_tp, src_padded, tp, padded, r, 2), src)
+        got = shard_ops.gather(shard_ops.reshard_pieces(key, LLAMA, src_tp, src_padded, tp, padded, r, 2), src)
         assert torch.equal(bits(got), bits(want[r])), r
 
 
 def test_pieces_by_hand_tp2_to_tp4() -> None:
     """Dim-0 splits: one contiguous piece of one source rank (written without a copy); gated fc1: its gate
     and up runs; row-parallel: a column range (strided, one copy)."""
-    P = layout.Piece
+    P = shard_ops.Piece
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"  # 16 + 2 * 8 heads of 4 rows: 128 rows
-    assert layout.reshard_pieces(qkv, LLAMA, 2, 1024, 4, 1024, 1) == [P(0, 0, 32, 64)]
-    assert layout.reshard_pieces(qkv, LLAMA, 2, 1024, 4, 1024, 2) == [P(1, 0, 0, 32)]
+    assert shard_ops.reshard_pieces(qkv, LLAMA, 2, 1024, 4, 1024, 1) == [P(0, 0, 32, 64)]
+    assert shard_ops.reshard_pieces(qkv, LLAMA, 2, 1024, 4, 1024, 2) == [P(1, 0, 0, 32)]
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"  # source rank 0 holds [gate 0:16; up 0:16]
-    assert layout.reshard_pieces(fc1, LLAMA, 2, 1024, 4, 1024, 1) == [P(0, 0, 8, 16), P(0, 0, 24, 32)]
-    assert layout.reshard_pieces(fc1, LLAMA, 4, 1024, 2, 1024, 1) == [P(2, 0, 0, 8), P(3, 0, 0, 8),
+    assert shard_ops.reshard_pieces(fc1, LLAMA, 2, 1024, 4, 1024, 1) == [P(0, 0, 8, 16), P(0, 0, 24, 32)]
+    assert shard_ops.reshard_pieces(fc1, LLAMA, 4, 1024, 2, 1024, 1) == [P(2, 0, 0, 8), P(3, 0, 0, 8),
                                                                       P(2, 0, 8, 16), P(3, 0, 8, 16)]
     fc2 = "decoder.layers.0.mlp.linear_fc2.weight"
-    assert layout.reshard_pieces(fc2, LLAMA, 2, 1024, 4, 1024, 3) == [P(1, 1, 8, 16)]
+    assert shard_ops.reshard_pieces(fc2, LLAMA, 2, 1024, 4, 1024, 3) == [P(1, 1, 8, 16)]
     emb = "embedding.word_embeddings.weight"
-    assert layout.reshard_pieces(emb, LLAMA, 2, 1002, 4, 1024, 3) == [P(1, 0, 267, 499), P(None, 0, 1000, 1024)]
-    src = layout.split(qkv, random_full(qkv, LLAMA, 1024, 0), LLAMA, 2)
-    view = layout.gather(layout.reshard_pieces(qkv, LLAMA, 2, 1024, 4, 1024, 3), src)
+    assert shard_ops.reshard_pieces(emb, LLAMA, 2, 1002, 4, 1024, 3) == [P(1, 0, 267, 499), P(None, 0, 1000, 1024)]
+    src = shard_ops.split(qkv, random_full(qkv, LLAMA, 1024, 0), LLAMA, 2)
+    view = shard_ops.gather(shard_ops.reshard_pieces(qkv, LLAMA, 2, 1024, 4, 1024, 3), src)
     assert view.untyped_storage().data_ptr() == src[1].untyped_storage().data_ptr()  # a view, not a copy
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import io, layout
+from ckpt_tools import io, layout, shard_ops
 from ckpt_tools.errors import CkptError
 from ckpt_tools.ranks import Rank
 from ckpt_tools.shards import Reader, open_checkpoint
@@ -41,8 +41,8 @@ def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], devic
         for local, key in stage.global_keys().items():
             full = shards.full(shards.source_key(key))
             if torch.is_tensor(full) and layout.has_padded_rows(key, spec, len(counts)):
-                full = layout.pad_vocab(key, full, spec, padded) if full.shape[0] != padded else full
-            state[local] = layout.split(key, full, spec, tp_size, len(counts))[tp_rank]
+                full = shard_ops.pad_vocab(key, full, spec, padded) if full.shape[0] != padded else full
+            state[local] = shard_ops.split(key, full, spec, tp_size, len(counts))[tp_rank]
     stage.load_state_dict(state, strict=True)
     return stage.to(device).eval()
 

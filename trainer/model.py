@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_tools import layout
+from ckpt_tools import layout, shard_ops
 from ckpt_tools.spec import ModelSpec
 from trainer import mcore_moe
 from trainer.moe import MoE
@@ -372,5 +372,5 @@ def initialize(stage: GPTStage, seed: int, tp_rank: int) -> None:
     for local, param in stage.named_parameters():
         g = keys[local]
         full = full_init(g, stage.spec, stage.padded_vocab, seed)
-        shard = layout.split(g, full, stage.spec, stage.tp_size, pp_size)[tp_rank]
+        shard = shard_ops.split(g, full, stage.spec, stage.tp_size, pp_size)[tp_rank]
         param.copy_(shard)

@@ -2,7 +2,7 @@
 
 torch_dist stores each global tensor as chunks that need not follow the loading run's layout: megatron-core reads
 any chunking at any TP x PP x DP (that is what the form is for). So the source's own shards become the chunks: each
-TP shard, at its place in the global tensor (the layout table's pieces of it, `layout.reshard_pieces` from TP 1),
+TP shard, at its place in the global tensor (the layout table's pieces of it, `shard_ops.reshard_pieces` from TP 1),
 is one chunk (a SwiGLU fc1 shard two: its gate and up rows) whose bytes are copied from the shard file into the
 `.distcp` of the source rank that holds it, in the kernel. Only the target's args, padded vocab and layer split
 depend on the target TP x PP. When the padded vocab changes, the vocab tensors' chunks stop at the true vocab and a
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, to_megatron
+from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, shard_ops, to_megatron
 from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, field_shards
 from ckpt_tools.errors import CkptError
 from ckpt_tools.formats import legacy_copy
@@ -186,16 +186,16 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
     full = layout.full_shape(key, spec, padded, meta.pp_size)  # at the target's padded vocab
     repad = layout.has_padded_rows(key, spec, meta.pp_size) and padded != src_padded
     at = 0  # rows of the shard taken so far (dim-0 pieces follow one another in the shard)
-    for p in layout.reshard_pieces(key, spec, 1, src_padded, src_tp, src_padded, rank.tp, meta.pp_size):
+    for p in shard_ops.reshard_pieces(key, spec, 1, src_padded, src_tp, src_padded, rank.tp, meta.pp_size):
         stop = min(p.stop, spec.vocab_size) if repad else p.stop
         if stop > p.start:
             ranges = shard.byte_ranges(at, at + stop - p.start) if p.dim == 0 else shard.whole
-            offsets, sizes, shape = writer.placed(key, layer, full, layout.Piece(p.rank, p.dim, p.start, stop))
+            offsets, sizes, shape = writer.placed(key, layer, full, shard_ops.Piece(p.rank, p.dim, p.start, stop))
             writer.put_chunk(rank, fqn, shard.dtype, shape, offsets, sizes,
                              [(source.files.fd(path), offset, n) for path, offset, n in ranges])
         at += p.stop - p.start
     if repad and rank.tp == 0:  # the new padding rows: zeros, as pad_vocab makes them
-        offsets, sizes, shape = writer.placed(key, layer, full, layout.Piece(None, 0, spec.vocab_size, padded))
+        offsets, sizes, shape = writer.placed(key, layer, full, shard_ops.Piece(None, 0, spec.vocab_size, padded))
         row = full[1] * ELEMENT_SIZES[shard.dtype]
         writer.put_chunk(rank, fqn, shard.dtype, shape, offsets, sizes, bytes((padded - spec.vocab_size) * row))
 
@@ -232,7 +232,7 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
               team: Team = SOLO, ep: int = 1) -> str | None:
-    """reshard.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
+    """importer.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
     from the safetensors file. None, having written nothing, where the torch path must do it: weights in another
@@ -333,14 +333,14 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
         shards = [(r, r * full[0] // writer.tp, (r + 1) * full[0] // writer.tp) for r in range(writer.tp)]
     else:
         shards = [(r, p.start, p.stop) for r in (range(writer.tp) if TP in rule.axes else [0])
-                  for p in layout.reshard_pieces(key, spec, 1, padded, writer.tp, padded, r, writer.pp)]
+                  for p in shard_ops.reshard_pieces(key, spec, 1, padded, writer.tp, padded, r, writer.pp)]
 
     def put(a: int, b: int, data) -> None:  # rows [a, b) of the full tensor, cut at the TP shards
         at = a
         for r, lo, hi in shards:
             lo, hi = max(a, lo), min(b, hi)
             if lo < hi:
-                offsets, sizes, gshape = writer.placed(key, layer, full, layout.Piece(0, 0, lo, hi))
+                offsets, sizes, gshape = writer.placed(key, layer, full, shard_ops.Piece(0, 0, lo, hi))
                 writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
     for name, runs in zip(names, hf.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]

@@ -2,7 +2,7 @@
 torch.save lays it out, its tensors' bytes copied from the source's files.
 
 A legacy file holds each TP rank's shard exactly, so unlike torch_dist (formats/dist_copy.py) the source's shards
-must be cut to the target's: `layout.reshard_pieces` names the pieces of the source shards that make a target
+must be cut to the target's: `shard_ops.reshard_pieces` names the pieces of the source shards that make a target
 shard. Pieces along dim 0 (column-parallel rows, QKV groups, SwiGLU halves, vocab rows) are byte ranges of the
 source files, copied file to file in the kernel; a row-parallel shard (pieces along dim 1) is gathered in memory by
 ByteSource.gather, as merge gathers one (one tensor at a time, in a reused buffer); new vocab
@@ -19,7 +19,7 @@ import math
 import os
 from pathlib import Path
 
-from ckpt_tools import io, layout, megatron_lm, output, torchsave
+from ckpt_tools import io, layout, megatron_lm, output, shard_ops, torchsave
 from ckpt_tools import hf
 from ckpt_tools.byte_ranges import ByteSource, Shard
 from ckpt_tools.checkpoint import Meta
@@ -102,7 +102,7 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
     shape = layout.shard_shape(key, spec, padded, tp, pp)
     if layout.is_replicated(key, spec, pp):
         return dtype, shape, [(source.files.fd(p), o, n) for p, o, n in shards[0].whole]
-    pieces = layout.reshard_pieces(key, spec, source.tp_of(layout.source_key(key, source.shards)), meta.padded_vocab,
+    pieces = shard_ops.reshard_pieces(key, spec, source.tp_of(layout.source_key(key, source.shards)), meta.padded_vocab,
                                    tp, padded, rank, pp)
     if pieces[0].dim == 0:
         row = math.prod(shape[1:]) * itemsize

@@ -14,7 +14,7 @@ in common.pt (formats/megatron_resume.py); no RNG state (args.no_save_rng, so Me
 torch_dist keys are megatron-core's `sharded_state_dict` keys (layers stacked on a leading axis, norms in
 Transformer Engine's names, a SwiGLU fc1 as two chunks per rank, a tied output layer saved only as the embedding,
 each linear layer's `_extra_state` as one object per layer); the legacy form has the local spec's state dict
-per rank, for `--transformer-impl local`. What goes where is the layout table's split (`layout.reshard_pieces`
+per rank, for `--transformer-impl local`. What goes where is the layout table's split (`shard_ops.reshard_pieces`
 from TP 1), the same plan the reader (formats/torch_dist.py) reads with.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import io, layout, megatron_lm, torchsave
+from ckpt_tools import io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import lead_shape, stacked_key
@@ -151,7 +151,7 @@ class DistWriter:
         if field is not None:
             fqn = megatron_resume.state_key(field, fqn)
         full = layout.full_shape(key, spec, self.padded, self.pp)
-        pieces = layout.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, rank.tp, self.pp)
+        pieces = shard_ops.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, rank.tp, self.pp)
         at = 0
         for p in pieces:
             length = p.stop - p.start
@@ -168,7 +168,7 @@ class DistWriter:
         return TP in layout.find_rule(key, self.spec, self.pp).axes or rank.tp == 0
 
     def placed(self, key: str, layer: tuple[int, ...] | None, full: tuple[int, ...],
-               p: layout.Piece) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+               p: shard_ops.Piece) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key` (layer: its
         indices on the stacked leading axes, layer and expert, None for a tensor outside the layers)."""
         lead = layer or ()

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import io, layout, megatron_args, megatron_lm, names
+from ckpt_tools import io, layout, megatron_args, megatron_lm, names, shard_ops
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
@@ -150,7 +150,7 @@ class DistCheckpoint:
                               f"the weights disagree; restore the checkpoint from the source")
         lead = [] if layer is None else [(x, x + 1) for x in layer]
         full = full[len(lead):]
-        pieces = layout.reshard_pieces(key, meta.spec, 1, meta.padded_vocab, meta.tp_size, meta.padded_vocab,
+        pieces = shard_ops.reshard_pieces(key, meta.spec, 1, meta.padded_vocab, meta.tp_size, meta.padded_vocab,
                                        rank, meta.pp_size)
         boxes = [lead + [(p.start, p.stop) if d == p.dim else (0, n) for d, n in enumerate(full)] for p in pieces]
         return entry, boxes, pieces[0].dim, len(lead)

@@ -1,0 +1,122 @@
+"""`ckpt import` (HF -> shards): all TP ranks of a stage written side by side, one full tensor in memory at a time,
+into our format (target.Target) or, through to_megatron.py, Megatron-LM's forms.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import hf, layout, output, shard_ops, to_megatron
+from ckpt_tools.errors import FormatError
+from ckpt_tools.hf import HFTensors
+from ckpt_tools.ranks import Grid
+from ckpt_tools.shards import MODEL
+from ckpt_tools.spec import ModelSpec
+from ckpt_tools.target import Target, _finish
+from ckpt_tools.team import SOLO, Team
+from ckpt_tools.writers import dtype_name
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
+              dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
+              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1, team: Team = SOLO) -> str:
+    """`copy_bytes`: for Megatron-LM's forms, copy the HF tensors' rows where formats.dist_copy takes them.
+    `ep`: expert parallelism of the output (MoE models). `team`: the processes writing the output's files between
+    them (ckpt_tools.team)."""
+    to_megatron.check_ep_form(form, ep)
+    if form != to_megatron.OURS and copy_bytes:
+        from ckpt_tools.formats import dist_copy
+        summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
+                                      form, team, ep)
+        if summary is not None:
+            return summary
+    start = time.perf_counter()
+    hf_dir, out = Path(hf_dir), output.check_target(out, force)
+    leftover = output.note_leftovers(out)  # before this run stages its own
+    tail = f"\n{leftover}" if leftover else ""
+    spec = hf.spec_from_hf(hf_dir / "config.json")
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    layout.check_ep(spec, ep)
+    source = HFTensors(hf_dir)
+    rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
+    wanted = {n for _, names in rows.values() for n in names}
+    extra = sorted(set(source.where) - wanted)
+    if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
+        extra.remove("lm_head.weight")
+    missing = sorted(wanted - set(source.where))
+    if missing or extra:
+        what = "; ".join(x for x in (f"missing {', '.join(missing[:4])}" if missing else "",
+                                     f"unexpected {', '.join(extra[:4])}" if extra else "") if x)
+        raise FormatError(f"{hf_dir}: tensors do not match a {spec.architecture} model of this config.json ({what}): "
+                          f"the weights and config.json disagree")
+    wrong = []  # shapes too, before anything is written: a mismatch would crash mid-way or import garbage
+    for key, (row, names) in rows.items():
+        for name, want in zip(names, hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
+            if source.shape(name) != tuple(want):
+                wrong.append(f"{name} {list(source.shape(name))}, expected {list(want)}")
+    if wrong:
+        raise FormatError(f"{hf_dir}: tensor shapes do not match a {spec.architecture} model of this config.json "
+                          f"({'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}): "
+                          f"the weights and config.json disagree")
+    first = source.get(rows["embedding.word_embeddings.weight"][1][0])
+    params_dtype = dtype or first.dtype
+    if form != to_megatron.OURS:
+        return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
+                                   quiet, start, team, ep) + tail
+    with output.staged(out, force, team=team) as tmp:
+        ckpt = tmp / fmt.checkpoint_name(0)
+        ckpt.mkdir(exist_ok=True)
+        target = Target(ckpt, spec, tp, counts, padded, optimizer, ep)
+        target.share(team, (MODEL,), params_dtype.itemsize * (7 if optimizer else 1))  # a rank's model + optimizer
+        stages = sorted({rank.pp for rank in target.mine})  # the others' stages are not read here
+        bar = output.progress(sum(len(layout.stage_keys(spec, counts, p)) for p in stages), "import", quiet,
+                              unit="tensor")
+        for p in stages:
+            target.begin_stage(p)
+            for _, key in layout.stage_keys(spec, counts, p):
+                if not target.holds(key):  # an expert of another process's EP ranks
+                    bar.update(1)
+                    continue
+                if not layout.holds_weights(key, spec, pp):
+                    target.put(key, None)
+                    bar.update(1)
+                    continue
+                row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
+                full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
+                target.put(key, full)
+                if optimizer:
+                    target.put_state(key, "master", full.float())
+                    target.put_zeros(key, "exp_avg")
+                    target.put_zeros(key, "exp_avg_sq")
+                    target.put_state(key, "step", torch.tensor(0.0))
+                bar.update(1)
+            target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
+        bar.close()
+        origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
+        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep)
+        nbytes = _finish(tmp, 0, target, meta, hf_dir, hf_dir=True, team=team)
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, pp, ep)} "
+            f"(layers {counts}), {dtype_name(params_dtype)}, "
+            f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
+            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{tail}")
+
+
+def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
+                        counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
+                        start: float, team: Team = SOLO, ep: int = 1) -> str:
+    pp, current = len(counts), {}
+
+    def shard_of(key: str, rank: int) -> torch.Tensor:
+        if key not in current:  # one full tensor in memory, split for every TP rank
+            row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
+            full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
+            current.clear()
+            current[key] = shard_ops.split(key, full, spec, tp, pp)
+        return current[key][rank]
+    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
+                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team, ep=ep)
+    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
+                                time.perf_counter() - start, ep)

@@ -1,0 +1,225 @@
+"""Writing a checkpoint in our format: `Target` (its files, every TP rank's of a stage open together, or one file
+at a time), `Resharder` (a target shard built from the pieces of the mmap'd source shards that
+`shard_ops.reshard_pieces` names: a contiguous piece is written straight from the mapping, no copy), and `_finish`
+(carried files, meta.json, `latest`). Finished files are hashed and fsynced in background threads while the next
+ones are written. Used by `ckpt reshard` (reshard.py) and `ckpt import` (importer.py).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import hf, io, layout, shard_ops
+from ckpt_tools.ranks import Grid, Rank
+from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
+from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
+from ckpt_tools.writers import Filling, TorchFileWriter
+
+
+IN_FLIGHT = 16  # output files being filled and hashed at once
+
+
+class Target:
+    """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
+
+    def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool,
+                 ep: int = 1):
+        self.dir, self.spec, self.tp, self.counts, self.padded, self.ep = ckpt_dir, spec, tp, counts, padded, ep
+        self.mine: set[Rank] | None = None  # the ranks whose files this process writes (a team's share; None: all)
+        self.pp = len(counts)
+        self.optimizer = optimizer
+        # hashes and fsyncs finished files while the next ones are written (sha256 runs at ~2 GB/s a core)
+        self._pool = ThreadPoolExecutor(min(8, max(2, os.cpu_count() or 2)))
+        self._hashes: dict[str, Future] = {}
+        self.nbytes = 0
+
+    def begin_stage(self, pp_rank: int) -> None:
+        self.pp_rank = pp_rank
+        self._ranks = [r for r in Grid(self.tp, self.pp, self.ep).ranks(pp_rank)  # file order
+                       if self.mine is None or r in self.mine]
+        self._model = [TorchFileWriter(self.dir / fmt.model_file(rank)) for rank in self._ranks]
+        self._model_state: list[dict] = [{} for _ in self._ranks]
+        self._optim = [TorchFileWriter(self.dir / fmt.optimizer_file(rank)) for rank in self._ranks] \
+            if self.optimizer else []
+        self._optim_state: list[dict] = [{} for _ in self._ranks]
+        self._local = {}  # global key -> [(file index, file-local key)] of this stage's files
+        for i, rank in enumerate(self._ranks):
+            for local, key in layout.stage_keys(self.spec, self.counts, pp_rank, rank.ep, self.ep):
+                self._local.setdefault(key, []).append((i, local))
+
+    def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
+        if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
+            full = shard_ops.pad_vocab(key, full, self.spec, self.padded)
+        return shard_ops.split(key, full, self.spec, self.tp, self.pp)
+
+    def holds(self, key: str) -> bool:
+        """Whether a file of this stage that this process writes holds `key`."""
+        return key in self._local
+
+    def _files(self, key: str) -> list[tuple[int, str, int]]:
+        """(file index, file-local key, TP rank) of every file of this stage that holds `key` (an expert: the files of
+        its EP rank; anything else: every EP rank's)."""
+        return [(i, local, self._ranks[i].tp) for i, local in self._local[key]]
+
+    def put(self, key: str, value: Any) -> None:
+        """One model tensor (full, TP=1; `key` global), split and written to every file that holds it."""
+        if not layout.holds_weights(key, self.spec, self.pp):
+            for i, local, _ in self._files(key):
+                self._model_state[i][local] = value
+            return
+        shards = self._split(key, value)
+        for i, local, t in self._files(key):
+            self._model_state[i][local] = self._model[i].tensor(shards[t])
+
+    def put_state(self, key: str, field: str, value: torch.Tensor) -> None:
+        """One optimizer field of a parameter: a full tensor (master, exp_avg, exp_avg_sq), or the
+        replicated step. Fields come one at a time, so one full tensor is in memory, not four."""
+        shards = [value] * self.tp if field == "step" else self._split(key, value)
+        for i, local, t in self._files(key):
+            self._optim_state[i].setdefault(local, {})[field] = self._optim[i].tensor(shards[t])
+
+    def put_zeros(self, key: str, field: str) -> None:
+        """An fp32 optimizer field of zeros (a fresh moment), never made in memory nor written (TorchFileWriter.zeros)."""
+        shape = layout.shard_shape(key, self.spec, self.padded, self.tp, self.pp)
+        for i, local, _ in self._files(key):
+            self._optim_state[i].setdefault(local, {})[field] = self._optim[i].zeros(torch.float32, shape)
+
+    def end_stage(self, optimizer_extras: dict) -> None:
+        for i in range(len(self._ranks)):
+            self._close(self._model[i], {"model": self._model_state[i]})
+            if self.optimizer:
+                self._close(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
+
+    def _close(self, writer: TorchFileWriter, obj: dict) -> None:
+        filling = writer.close(obj, fsync=False, background=True)  # copies into the file go on on its own thread
+        self.nbytes += writer.path.stat().st_size
+        self.add_file(writer.path, filling)
+
+    def add_file(self, path: Path, filling: Filling | None = None) -> None:
+        """Hash and fsync a finished file in the background, once the copies still filling it (`filling`) are done;
+        `records()` waits for all of them. At most IN_FLIGHT files at a time: the writer waits for the oldest (each
+        holds a descriptor and a thread until it is hashed)."""
+        pending = [f for f in self._hashes.values() if not f.done()]
+        if len(pending) >= IN_FLIGHT:
+            pending[0].result()
+        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path, filling)
+
+    def records(self) -> dict[str, dict]:
+        out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
+        self._pool.shutdown()
+        return out
+
+    def file_bytes(self, rank: Rank, kind: str, itemsize: int) -> int:
+        """About the bytes of one of its files (model tensors of `itemsize`, or their fp32 master and moments): what
+        a team balances."""
+        numel = layout.rank_numel(self.spec, self.counts, self.padded, self.tp, rank.pp, rank.ep, self.ep)
+        return numel * (itemsize if kind == MODEL else 4 * len(OPTIMIZER_FIELDS))
+
+    def share(self, team: Team, kinds: tuple[str, ...], itemsize: int) -> list[tuple[str, Rank]]:
+        """The (kind, rank) files this process writes, in the order one process writes them all; sets `mine`."""
+        files = [(kind, rank) for kind in kinds for rank in Grid(self.tp, self.pp, self.ep).ranks()]
+        owners = team.split([self.file_bytes(rank, kind, itemsize) for kind, rank in files])
+        mine = [f for f, owner in zip(files, owners) if owner == team.rank]
+        self.mine = {rank for _, rank in mine}
+        return mine
+
+
+def _record_and_sync(path: Path, filling: Filling | None = None) -> dict:
+    """The file's record for meta.json, then its fsync. A file still being filled (`filling`, in file order) is hashed
+    as the copies go, read back from the page cache; one written whole has its writeback started first."""
+    if filling is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            io.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
+        finally:
+            os.close(fd)
+        record = fmt.file_record(path)
+    else:
+        try:
+            record = {"size": path.stat().st_size, "sha256": io.sha256_file(path, ready=filling.ready)}
+        finally:
+            filling.wait()
+    io.fsync_file(path)
+    return record
+
+
+class Resharder:
+    """Target shards straight from the source shards: `reshard_pieces` of the layout table, gathered."""
+
+    def __init__(self, shards: Reader, target: Target):
+        self.shards, self.target = shards, target
+        self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A reused buffer for gathered shards (written at once): no fresh pages to fault in per tensor."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+    def shard(self, key: str, field: str | None, rank: int) -> torch.Tensor:
+        """Target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field), gathered."""
+        source, t = self.shards.source_key(key), self.target
+        shards = self.shards.shards(source, field)
+        if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
+            return shard_ops.join(source, shards, t.spec, self.shards.meta.pp_size)
+        pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
+        return shard_ops.gather(pieces, shards, self._scratch)
+
+    def put(self, writer: TorchFileWriter, key: str, field: str | None, rank: int):
+        """Write target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field). Pieces
+        that are byte ranges of the source files, concatenated on dim 0, are copied file to file."""
+        source, t = self.shards.source_key(key), self.target
+        if layout.find_rule(key, t.spec, t.pp).dim is None:
+            return writer.tensor(self.shard(key, field, rank))
+        shards = self.shards.shards(source, field)
+        pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
+        parts = shard_ops.gather_parts(pieces, shards)
+        where = [self.shards.locate(p) for p in parts]
+        if all(where) and (len(parts) == 1 or pieces[0].dim == 0):
+            shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+            return writer.tensor_from_files(parts[0].dtype, shape,
+                                            [(fd, offset, p.nbytes) for (fd, offset), p in zip(where, parts)])
+        return writer.tensor(shard_ops.gather(pieces, shards, self._scratch))
+
+    def write_file(self, kind: str, rank: Rank, extras: dict) -> None:
+        """One target file (a model or optimizer shard), tensor by tensor, then hashed in the background."""
+        t, tp_rank = self.target, rank.tp
+        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
+        writer, state = TorchFileWriter(t.dir / name), {}
+        for local, key in layout.stage_keys(t.spec, t.counts, rank.pp, rank.ep, t.ep):
+            extra = not layout.holds_weights(key, t.spec, t.pp)
+            if kind == MODEL:
+                state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
+                    self.put(writer, key, None, tp_rank)
+            elif not extra:
+                fields = {f: self.put(writer, key, f, tp_rank) for f in OPTIMIZER_FIELDS}
+                self.shards.release()
+                fields["step"] = writer.tensor(self.shards.shards(self.shards.source_key(key), "step")[0])
+                state[local] = fields
+            self.shards.release()
+        t._close(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
+
+
+def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
+            hf_dir: bool = False, team: Team = SOLO) -> int:
+    """Tokenizer, chat templates, generation and HF config carried along; meta.json (the records of every process's
+    files); `latest`. The bytes of the shard files, every process's."""
+    ckpt = target.dir
+    for f in hf.copy_carried(carried_from, ckpt, hf_dir) if team.lead and carried_from is not None else []:
+        target.add_file(f)
+    shared = team.share(lambda: (target.records(), target.nbytes), to_lead=True)
+    if team.lead:
+        meta["files"] = dict(sorted((name, r) for records, _ in shared for name, r in records.items()))
+        fmt.write_meta(ckpt / fmt.META, meta)
+        io.fsync_dir(ckpt)
+        io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
+        return sum(nbytes for _, nbytes in shared)
+    return 0  # process 0 says the total
