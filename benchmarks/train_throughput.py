@@ -23,10 +23,14 @@ default 1; 0 accumulates them in bf16), compile (torch.compile the layers and th
 moe (a mixture-of-experts model of that many experts, top-2: MOE_MODEL, hf is then MixtralForCausalLM; ours
 eager, its expert loop has data-dependent shapes), ep (ours: experts split over that many of the DP ranks) and
 mcoremoe (ours: 1 trains the MoE layers with megatron-core's own MoELayer, `moe_layer: megatron_core`), overlap
-(ours: 0 DP-reduces the gradients after backward instead of bucket by bucket during it), model (1b, the default, or
+(ours and ddp rows: 0 DP-reduces the gradients after backward instead of bucket by bucket during it), bucket (ours
+and ddp rows: the DP reduction's bucket size in elements; 0, the default, is Megatron's max(40M, 1M x DP)), model (1b, the default, or
 7b: MODEL_7B, the Llama-2-7B shape) and layers (the model's depth).
-"vs 1-GPU trainer" is a row's MFU over the first 1-GPU trainer row's of the same model (1b, 7b or MoE), so a TP2 row
-of twice the layers compares with a TP1 row of half as many: per-GPU scaling.
+"vs 1 GPU" is a row's MFU over the first 1-GPU row's of the same code and model (1b, 7b or MoE), so a TP2 row of
+twice the layers compares with a TP1 row of half as many: per-GPU scaling. For the trainer that is its first compiled
+1-GPU row; for megatron-core, its first `mcore:ddp=1` row: key ddp (mcore; implied by dp > 1) wraps GPTModel in
+megatron-core's own DistributedDataParallel with fp32 gradients and masters (`mcore_ddp`), the reference for what data
+parallelism costs on the machine, e.g. --rows "mcore:ddp=1 mcore:dp=2 ours ours:dp=2"
 
 MoE model (Mixtral-shaped, small): hidden 1024, 8 layers, 16 heads, 4 query groups, 8 experts of ffn 2816, top-2,
 vocab 32000, seq 2048, micro-batch 2; MFU counts the active parameters (2 experts a token, and the router).
@@ -35,6 +39,7 @@ THROUGHPUT_PROFILE=DIR writes a kernel table of 2 more steps per row, THROUGHPUT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -62,7 +67,7 @@ DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
 def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
-           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0}
+           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0, "ddp": 0, "bucket": 0}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
@@ -70,8 +75,13 @@ def parse_row(text: str) -> dict:
         row[k] = v if k in ("recompute", "model") else int(v)
     if row["model"] not in ("1b", "7b") or (row["model"] == "7b" and row["moe"]):
         raise SystemExit(f"row {text!r}: model is 1b or 7b (dense)")
-    if name not in ("hf", "mcore", "ours") or (name != "ours" and row["tp"] * row["pp"] * row["dp"] > 1):
-        raise SystemExit(f"row {text!r}: NAME is hf, mcore or ours; only ours runs on several GPUs")
+    if name not in ("hf", "mcore", "ours") or (name != "ours" and row["tp"] * row["pp"] * row["dp"] > 1
+                                                and not (name == "mcore" and row["tp"] * row["pp"] == 1)):
+        raise SystemExit(f"row {text!r}: NAME is hf, mcore or ours; ours runs on several GPUs, mcore with dp only")
+    if row["name"] == "mcore" and row["dp"] > 1:
+        row["ddp"] = 1
+    if row["ddp"] and (name != "mcore" or row["moe"]):
+        raise SystemExit(f"row {text!r}: ddp is a key of mcore's dense rows")
     if row["moe"] and (name == "mcore" or row["compile"] and "compile=1" in rest):
         raise SystemExit(f"row {text!r}: MoE rows are hf or ours, ours eager")
     if row["mcoremoe"] and not (row["moe"] and name == "ours"):
@@ -123,6 +133,7 @@ def ours(row: dict, m: dict):
         sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
         use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
         accumulate_allreduce_grads_in_fp32=bool(row["acc32"]), overlap_grad_reduce=bool(row["overlap"]),
+        **({"ddp_bucket_size": row["bucket"]} if row["bucket"] else {}),
         lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, **{k: v for k, v in m.items() if k != "vocab_size"}))
     device, _ = setup_distributed(cfg)
     stage = build_stage(cfg, m["vocab_size"], device)
@@ -171,10 +182,10 @@ def mcore(row: dict, m: dict):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
-    ps.initialize_model_parallel(1)
+    ps.initialize_model_parallel(1)  # the world's other ranks are data-parallel
     model_parallel_cuda_manual_seed(1)
     cfg = TransformerConfig(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
                             num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
@@ -184,10 +195,12 @@ def mcore(row: dict, m: dict):
     model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=m["vocab_size"],
                      max_sequence_length=m["seq_length"], position_embedding_type="rope",
                      share_embeddings_and_output_weights=False).to(device=device, dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     s = m["seq_length"]
     positions = torch.arange(s, device=device)[None].expand(m["micro_batch_size"], s)
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
+    if row["ddp"]:
+        return mcore_ddp(row, cfg, model, positions, mask), m["micro_batch_size"] * row["mb"], device
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(tokens):
         for t in tokens.chunk(row["mb"]):
@@ -197,6 +210,38 @@ def mcore(row: dict, m: dict):
         opt.zero_grad(set_to_none=True)
         return loss
     return step, m["micro_batch_size"] * row["mb"], device
+
+
+def mcore_ddp(row: dict, cfg, model, positions, mask):
+    """megatron-core's own DistributedDataParallel, as Megatron-LM's --bf16 runs it: gradients accumulated and
+    all-reduced in fp32 (`grad_reduce_in_fp32`), in its default buckets, overlapped with backward unless overlap=0;
+    micro-batches but the last under `no_sync`. The step is Megatron's mixed precision, reduced to its kernels: fused
+    AdamW on fp32 masters whose gradients are the fp32 grad buffer, copied back to the bf16 weights. It is the
+    independent reference for what data parallelism costs this model on this machine."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=bool(row["overlap"]), bucket_size=row["bucket"] or None), model)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    masters = [p.detach().float() for p in params]
+    for master, p in zip(masters, params):
+        master.grad = p.main_grad  # a view of the fp32 buffer megatron-core reduces into
+    opt = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+
+    def step(tokens):
+        ddp.zero_grad_buffer()
+        chunks = tokens.chunk(row["mb"])
+        for i, t in enumerate(chunks):
+            last = i == len(chunks) - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = ddp(t[:, :-1], positions, mask, labels=t[:, 1:]).mean()
+                (loss / row["mb"]).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
+        return loss
+    return step
 
 
 def profile_steps(step, batches: list, sync, row: dict) -> None:
@@ -288,6 +333,11 @@ def describe(row: dict) -> str:
     accumulate = f", {row['mb']} micro-batches" if row["mb"] > 1 else ""
     if row["name"] == "hf":
         return f"HF {'MixtralForCausalLM' if row['moe'] else 'LlamaForCausalLM'}, sdpa, pure bf16 AdamW" + accumulate
+    if row["name"] == "mcore" and row["ddp"]:
+        overlap = "overlapped with backward" if row["overlap"] else "after backward"
+        bucket = f", buckets of {row['bucket'] / 1e6:g}M" if row["bucket"] else ""
+        return (f"megatron-core GPTModel, local spec, DP{row['dp']} in megatron-core's DistributedDataParallel (fp32 "
+                f"grads, reduced {overlap}{bucket}), fp32 masters" + accumulate)
     if row["name"] == "mcore":
         return "megatron-core GPTModel, local spec, pure bf16 AdamW" + accumulate
     parts = ([f"7B shape, {row['layers'] or MODEL_7B['num_layers']} layers"] if row["model"] == "7b" else []) + \
@@ -300,6 +350,7 @@ def describe(row: dict) -> str:
     parts += [f"{row['mb']} micro-batches"] if row["mb"] > 1 else []
     parts += ["grads accumulated in bf16"] if not row["acc32"] else []
     parts += ["DP reduction after backward"] if not row["overlap"] and row["dp"] > 1 else []
+    parts += [f"buckets of {row['bucket'] / 1e6:g}M"] if row["bucket"] else []
     return "trainer, " + ", ".join(parts) + (", compiled" if row["compile"] else ", eager") + ", fp32 masters"
 
 
@@ -334,10 +385,10 @@ def main() -> None:
                    f"of ffn {moe['ffn_hidden_size']}, top-{moe['moe_router_topk']}, "
                    f"{flops_per_token(moe) / 1e9:.2f} GFLOP/token (active)")
     print(header, flush=True)
-    lines = ["| row | GPUs | tokens/step | tokens/s | tokens/s/GPU | MFU | vs 1-GPU trainer | step ms | peak GiB/GPU | loss |",
+    lines = ["| row | GPUs | tokens/step | tokens/s | tokens/s/GPU | MFU | vs 1 GPU | step ms | peak GiB/GPU | loss |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
-    single: dict[tuple, float] = {}  # per model kind: the first 1-GPU trainer row's MFU
+    single: dict[tuple, float] = {}  # per code and model kind: the first 1-GPU row's MFU
     for text, row in rows:
         r = run_row(row, text, args, model_of(row, args.quick))
         fpt = flops_per_token(model_of(row, args.quick))
@@ -346,11 +397,11 @@ def main() -> None:
         else:
             per_gpu = r["tokens_per_s"] / row["gpus"]
             mfu = per_gpu * fpt / PEAK_FLOPS
-            kind = (row["moe"], row["model"])
-            if row["name"] == "ours" and row["gpus"] == 1 and (row["compile"] or row["moe"]):
-                single.setdefault(kind, mfu)  # the 1-GPU trainer of the same model (its depth may differ)
+            kind = (row["name"], row["ddp"], row["moe"], row["model"])
+            if row["gpus"] == 1 and (row["name"] == "ours" and (row["compile"] or row["moe"]) or row["ddp"]):
+                single.setdefault(kind, mfu)  # the same code's 1-GPU row of the same model (its depth may differ)
             base = single.get(kind)
-            scale = f"{mfu / base:.2f}" if base and row["name"] == "ours" else "-"
+            scale = f"{mfu / base:.2f}" if base else "-"
             line = (f"| {describe(row)} | {row['gpus']} | {r['tokens_per_step']:,} | {r['tokens_per_s']:,.0f} | "
                     f"{per_gpu:,.0f} | {mfu:.1%} | {scale} | {r['step_s'] * 1e3:.0f} | "
                     f"{r['peak_gib']:.1f} | {r['loss']:.3f} |")
