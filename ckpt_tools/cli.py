@@ -180,12 +180,15 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
         click.echo(summary)
 
 
-def _one_thread() -> None:
-    """Reshard copies bytes (memory-bound); a second OpenMP thread in each copy only adds waits on a busy
-    core, while the background hash and fsync threads already use it. (merge sets the same through its
-    `torch_threads`, where it uses torch.)"""
+def _copying_process() -> None:
+    """Reshard and import through torch copy bytes (memory-bound): a second OpenMP thread in each copy only adds waits
+    on a busy core, while the background hash and fsync threads already use it (merge sets the same through its
+    `torch_threads`, where it uses torch); and the full tensors made one after another reuse freed memory."""
     import torch
+
+    from ckpt_tools import io
     torch.set_num_threads(1)
+    io.reuse_freed_memory()
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -231,7 +234,7 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
                                     no_preflight, not no_optimizer, form, team, ep)
     if summary is None:
         from ckpt_tools.reshard import reshard as reshard_checkpoint
-        _one_thread()
+        _copying_process()
         summary = reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
                                      quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
                                      optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team)
@@ -275,6 +278,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
         import torch
 
         from ckpt_tools.importer import import_hf
+        _copying_process()
         summary = import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
                             dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
                             optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep,

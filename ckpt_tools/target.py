@@ -1,12 +1,14 @@
 """Writing a checkpoint in our format: `Target` (its files, every TP rank's of a stage open together, or one file
 at a time), `Resharder` (a target shard built from the pieces of the mmap'd source shards that
 `shard_ops.reshard_pieces` names: a contiguous piece is written straight from the mapping, no copy), and `_finish`
-(carried files, meta.json, `latest`). Finished files are hashed and fsynced in background threads while the next
-ones are written. Used by `ckpt reshard` (reshard.py) and `ckpt import` (importer.py).
+(carried files, meta.json, `latest`). Each shard file is hashed on a thread of its own while it is written
+(writers.Growth), and fsynced after, so its record is ready soon after its close; files written otherwise are hashed
+on a pool. Used by `ckpt reshard` (reshard.py) and `ckpt import` (importer.py).
 """
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,34 @@ from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
-from ckpt_tools.writers import Filling, TorchFileWriter
+from ckpt_tools.writers import Growth, TorchFileWriter
 
 
 IN_FLIGHT = 16  # output files being filled and hashed at once
+
+
+class Scratch:
+    """One reused buffer for a tensor that is written as soon as it is made (a gathered shard, an fp32 master, a
+    contiguous copy): no fresh pages to fault in per tensor, each fault a page zeroed by the kernel."""
+
+    def __init__(self):
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer as a tensor of this shape and dtype, valid until the next call."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+    def contiguous(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`t` (in `dtype`) contiguous: itself where it is, else copied into the buffer."""
+        dtype = dtype or t.dtype
+        if t.dtype == dtype and t.is_contiguous():
+            return t
+        out = self.empty(tuple(t.shape), dtype)
+        out.copy_(t)
+        return out
 
 
 class Target:
@@ -36,22 +62,44 @@ class Target:
         self.optimizer = optimizer
         # hashes and fsyncs finished files while the next ones are written (sha256 runs at ~2 GB/s a core)
         self._pool = ThreadPoolExecutor(min(8, max(2, os.cpu_count() or 2)))
-        self._hashes: dict[str, Future] = {}
+        self._hashes: dict[str, Future] = {}  # file name (in the checkpoint dir) -> its meta.json record
+        self._open: set[str] = set()  # files of open_file() not closed yet
+        self._scratch = Scratch()
         self.nbytes = 0
 
     def begin_stage(self, pp_rank: int) -> None:
         self.pp_rank = pp_rank
         self._ranks = [r for r in Grid(self.tp, self.pp, self.ep).ranks(pp_rank)  # file order
                        if self.mine is None or r in self.mine]
-        self._model = [TorchFileWriter(self.dir / fmt.model_file(rank)) for rank in self._ranks]
+        self._model = [self.open_file(fmt.model_file(rank)) for rank in self._ranks]
         self._model_state: list[dict] = [{} for _ in self._ranks]
-        self._optim = [TorchFileWriter(self.dir / fmt.optimizer_file(rank)) for rank in self._ranks] \
-            if self.optimizer else []
+        self._optim = [self.open_file(fmt.optimizer_file(rank)) for rank in self._ranks] if self.optimizer else []
         self._optim_state: list[dict] = [{} for _ in self._ranks]
         self._local = {}  # global key -> [(file index, file-local key)] of this stage's files
         for i, rank in enumerate(self._ranks):
             for local, key in layout.stage_keys(self.spec, self.counts, pp_rank, rank.ep, self.ep):
                 self._local.setdefault(key, []).append((i, local))
+
+    def open_file(self, name: str) -> TorchFileWriter:
+        """A file of the checkpoint, hashed on a thread of its own as it is written (writers.Growth): its hash is done
+        soon after its close instead of starting there. At most IN_FLIGHT files written or hashed at once: a new one
+        waits for the oldest closed file's hash (each holds descriptors and a thread)."""
+        while len(self._open) + len(closed := [f for n, f in self._hashes.items()
+                                               if n not in self._open and not f.done()]) >= IN_FLIGHT and closed:
+            closed[0].result()
+        writer = TorchFileWriter(self.dir / name)
+        self._open.add(name)
+        growth = writer.follow()
+        done: Future = Future()
+
+        def follow() -> None:
+            try:
+                done.set_result(_record_and_sync(writer.path, growth=growth))
+            except BaseException as e:  # handed to whoever waits for the record
+                done.set_exception(e)
+        threading.Thread(target=follow, name=f"hash {name}", daemon=True).start()
+        self._hashes[name] = done
+        return writer
 
     def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
         if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
@@ -67,19 +115,24 @@ class Target:
         its EP rank; anything else: every EP rank's)."""
         return [(i, local, self._ranks[i].tp) for i, local in self._local[key]]
 
-    def put(self, key: str, value: Any) -> None:
-        """One model tensor (full, TP=1; `key` global), split and written to every file that holds it."""
+    def put(self, key: str, value: Any, master: bool = False) -> None:
+        """One model tensor (full, TP=1; `key` global), split and written to every file that holds it; with `master`
+        each shard's fp32 copy too, as the optimizer's master weight. A shard that is not contiguous, and the fp32
+        copy, are made in one reused buffer (each is written before the next is made): no fresh pages per tensor."""
         if not layout.holds_weights(key, self.spec, self.pp):
             for i, local, _ in self._files(key):
                 self._model_state[i][local] = value
             return
         shards = self._split(key, value)
         for i, local, t in self._files(key):
-            self._model_state[i][local] = self._model[i].tensor(shards[t])
+            self._model_state[i][local] = self._model[i].tensor(self._scratch.contiguous(shards[t]))
+            if master:
+                self._optim_state[i].setdefault(local, {})["master"] = \
+                    self._optim[i].tensor(self._scratch.contiguous(shards[t], torch.float32))
 
     def put_state(self, key: str, field: str, value: torch.Tensor) -> None:
-        """One optimizer field of a parameter: a full tensor (master, exp_avg, exp_avg_sq), or the
-        replicated step. Fields come one at a time, so one full tensor is in memory, not four."""
+        """One optimizer field of a parameter: a full tensor (exp_avg, exp_avg_sq), or the replicated step. Fields
+        come one at a time, so one full tensor is in memory, not four."""
         shards = [value] * self.tp if field == "step" else self._split(key, value)
         for i, local, t in self._files(key):
             self._optim_state[i].setdefault(local, {})[field] = self._optim[i].tensor(shards[t])
@@ -92,23 +145,21 @@ class Target:
 
     def end_stage(self, optimizer_extras: dict) -> None:
         for i in range(len(self._ranks)):
-            self._close(self._model[i], {"model": self._model_state[i]})
+            self.close_file(self._model[i], {"model": self._model_state[i]})
             if self.optimizer:
-                self._close(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
+                self.close_file(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
 
-    def _close(self, writer: TorchFileWriter, obj: dict) -> None:
-        filling = writer.close(obj, fsync=False, background=True)  # copies into the file go on on its own thread
+    def close_file(self, writer: TorchFileWriter, obj: dict) -> None:
+        """Close a file of open_file(); the copies into it go on on its own thread, its Growth telling the hash how
+        far they are."""
+        writer.close(obj, fsync=False, background=True)
+        self._open.discard(writer.path.relative_to(self.dir).as_posix())
         self.nbytes += writer.path.stat().st_size
-        self.add_file(writer.path, filling)
 
-    def add_file(self, path: Path, filling: Filling | None = None) -> None:
-        """Hash and fsync a finished file in the background, once the copies still filling it (`filling`) are done;
-        `records()` waits for all of them. At most IN_FLIGHT files at a time: the writer waits for the oldest (each
-        holds a descriptor and a thread until it is hashed)."""
-        pending = [f for f in self._hashes.values() if not f.done()]
-        if len(pending) >= IN_FLIGHT:
-            pending[0].result()
-        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path, filling)
+    def add_file(self, path: Path) -> None:
+        """Hash and fsync a finished file written otherwise (carried along, copied) in the background; `records()`
+        waits for all of them."""
+        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path)
 
     def records(self) -> dict[str, dict]:
         out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
@@ -130,10 +181,11 @@ class Target:
         return mine
 
 
-def _record_and_sync(path: Path, filling: Filling | None = None) -> dict:
-    """The file's record for meta.json, then its fsync. A file still being filled (`filling`, in file order) is hashed
-    as the copies go, read back from the page cache; one written whole has its writeback started first."""
-    if filling is None:
+def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
+    """The file's record for meta.json, then its fsync. A file still being written and filled (`growth`) is hashed as
+    the writes and copies go, read back from the page cache, its writeback started behind the hash; one written
+    whole has its writeback started first."""
+    if growth is None:
         fd = os.open(path, os.O_RDONLY)
         try:
             io.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
@@ -141,10 +193,19 @@ def _record_and_sync(path: Path, filling: Filling | None = None) -> dict:
             os.close(fd)
         record = fmt.file_record(path)
     else:
+        started = 0
+
+        def ready(pos: int) -> int:
+            nonlocal started
+            if pos > started:  # the disk busy with what is hashed while the rest is written
+                io.start_writeback(growth.fd, started, pos - started)
+                started = pos
+            return growth.ready(pos)
         try:
-            record = {"size": path.stat().st_size, "sha256": io.sha256_file(path, ready=filling.ready)}
+            record = {"size": 0, "sha256": io.sha256_file(path, ready=ready)}
+            record["size"] = path.stat().st_size
         finally:
-            filling.wait()
+            growth.finish()
     io.fsync_file(path)
     return record
 
@@ -155,14 +216,7 @@ class Resharder:
     def __init__(self, shards: Reader, target: Target):
         self.shards, self.target = shards, target
         self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-
-    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A reused buffer for gathered shards (written at once): no fresh pages to fault in per tensor."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer[:nbytes].view(dtype).view(shape)
+        self._scratch = Scratch()
 
     def shard(self, key: str, field: str | None, rank: int) -> torch.Tensor:
         """Target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field), gathered."""
@@ -171,7 +225,7 @@ class Resharder:
         if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
             return shard_ops.join(source, shards, t.spec, self.shards.meta.pp_size)
         pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
-        return shard_ops.gather(pieces, shards, self._scratch)
+        return shard_ops.gather(pieces, shards, self._scratch.empty)
 
     def put(self, writer: TorchFileWriter, key: str, field: str | None, rank: int):
         """Write target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field). Pieces
@@ -187,13 +241,13 @@ class Resharder:
             shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
             return writer.tensor_from_files(parts[0].dtype, shape,
                                             [(fd, offset, p.nbytes) for (fd, offset), p in zip(where, parts)])
-        return writer.tensor(shard_ops.gather(pieces, shards, self._scratch))
+        return writer.tensor(shard_ops.gather(pieces, shards, self._scratch.empty))
 
     def write_file(self, kind: str, rank: Rank, extras: dict) -> None:
         """One target file (a model or optimizer shard), tensor by tensor, then hashed in the background."""
         t, tp_rank = self.target, rank.tp
         name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
-        writer, state = TorchFileWriter(t.dir / name), {}
+        writer, state = t.open_file(name), {}
         for local, key in layout.stage_keys(t.spec, t.counts, rank.pp, rank.ep, t.ep):
             extra = not layout.holds_weights(key, t.spec, t.pp)
             if kind == MODEL:
@@ -205,7 +259,7 @@ class Resharder:
                 fields["step"] = writer.tensor(self.shards.shards(self.shards.source_key(key), "step")[0])
                 state[local] = fields
             self.shards.release()
-        t._close(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
+        t.close_file(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
 
 
 def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,

@@ -149,6 +149,19 @@ class TorchFileWriter:
         self._count = 0
         self.nbytes = 0
         self._holes: list[tuple[str, list[tuple[int, int, int]]]] = []  # (record, [(fd, offset, nbytes)])
+        self.growth: Growth | None = None
+
+    def follow(self) -> Growth:
+        """A Growth that says how far this file is final as it is written (a hash can start now)."""
+        import weakref
+        if self.growth is None:
+            self.growth = Growth(self.path)
+            weakref.finalize(self, self.growth.dropped)  # dropped unclosed (an error): the reader stops
+        return self.growth
+
+    def _wrote(self) -> None:
+        if self.growth is not None:
+            self.growth.wrote()
 
     def _key(self) -> str:
         self._count += 1
@@ -163,6 +176,8 @@ class TorchFileWriter:
         key, nbytes = self._key(), sum(n for _, _, n in ranges)
         if nbytes != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():
             raise LayoutError(f"{self.path}: {nbytes} bytes for a {dtype} tensor of shape {tuple(shape)}")
+        if self.growth is not None:
+            self.growth.reserving()
         self._zip.write_record_metadata(f"data/{key}", nbytes)
         self._holes.append((f"{self._zip.archive_name()}/data/{key}", ranges))
         self.nbytes += nbytes
@@ -186,6 +201,7 @@ class TorchFileWriter:
             storage = storage[begin:begin + t.nbytes]
         self._zip.write_record(f"data/{key}", storage, t.nbytes)
         self.nbytes += t.nbytes
+        self._wrote()
         return _TensorRef(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape))
 
     def _refs(self, obj: Any) -> Any:
@@ -218,6 +234,8 @@ class TorchFileWriter:
             filling = self._fill_holes(background)
             if not background:
                 filling = filling.wait()
+        if self.growth is not None:
+            self.growth.closed(filling)
         if fsync:
             if filling is not None:
                 filling = filling.wait()
@@ -267,6 +285,78 @@ class TorchFileWriter:
         return filling
 
 
+class Growth:
+    """How far a TorchFileWriter's file is final while it is still being written, for a hash that follows the writer
+    (io.sha256_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends: each
+    record in order, a reserved record skipped over forward, the end of the archive last; so the bytes before the
+    file's current end are final, up to the first record reserved for copies (tensor_from_files), and from the close
+    on the Filling of those copies says how far. The writer reports each step; a writer dropped unclosed stops the
+    reader with an error instead of leaving it waiting."""
+
+    def __init__(self, path: Path):
+        import threading
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDONLY)
+        self._changed = threading.Condition()
+        self._frozen: int | None = None  # the file's end before its first record reserved for copies
+        self._closed = self._dropped = False
+        self._size = 0
+        self._filling: Filling | None = None
+
+    @property
+    def fd(self) -> int:
+        """A read-only descriptor of the file, open until finish()."""
+        return self._fd
+
+    def _end(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def reserving(self) -> None:
+        """The writer is about to reserve a record that copies fill at the close: nothing from here on is final yet."""
+        if self._frozen is None:
+            self._frozen = self._end()
+
+    def wrote(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def closed(self, filling: Filling | None) -> None:
+        with self._changed:
+            self._closed, self._size, self._filling = True, self._end(), filling
+            self._changed.notify_all()
+
+    def dropped(self) -> None:
+        with self._changed:
+            self._dropped = True
+            self._changed.notify_all()
+
+    def ready(self, pos: int) -> int:
+        """As Filling.ready: how far the bytes are final once that is beyond `pos`; the final size once all are."""
+        with self._changed:
+            while not self._closed:
+                if self._dropped:
+                    raise OSError(f"{self.path}: its writer stopped before the file was complete")
+                end = self._end()
+                mark = end if self._frozen is None else min(end, self._frozen)
+                if mark > pos:
+                    return mark
+                self._changed.wait(0.05)
+        if self._filling is not None:
+            return self._filling.ready(pos)
+        return self._size
+
+    def finish(self) -> None:
+        """After the reader: waits for the copies still filling the file (raising their error), closes the
+        descriptor."""
+        try:
+            if self._filling is not None:
+                self._filling.wait()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
 class Filling:
     """The copies into one TorchFileWriter file still running on its FileWorker (or done: no worker). ready() lets a
     reader follow them; wait() waits for them all, closes the file's descriptor and raises the first error a copy
@@ -284,8 +374,10 @@ class Filling:
             self._changed.notify_all()
 
     def ready(self, pos: int) -> int:
-        """How far the file's bytes are final, once that is beyond `pos` (the size: all of them). A failed copy
-        stops the worker: then this waits for it and raises its error."""
+        """How far the file's bytes are final, once that is beyond `pos` (the size: all of them, and at once when `pos`
+        is there). A failed copy stops the worker: then this waits for it and raises its error."""
+        if pos >= self.size:
+            return self.size
         with self._changed:
             while self._upto <= pos:
                 if self._worker is None or self._worker._error is not None or not self._worker._thread.is_alive():

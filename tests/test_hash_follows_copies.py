@@ -1,10 +1,15 @@
 """Our format's writer fills its copied records on a thread of the file's own (writers.Filling), and the file's sha256
 follows those copies (io.sha256_file with `ready`): the same bytes and the same hashes as filling and hashing in turn,
-holes included, and a failed copy is raised where the hash waits for it."""
+holes included, and a failed copy is raised where the hash waits for it. While the file is still being written, the
+hash follows the writer (writers.Growth): up to the first record reserved for copies, then the copies."""
 from __future__ import annotations
 
+import gc
 import hashlib
+import itertools
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -57,7 +62,8 @@ def test_hash_bounded_by_ready_equals_whole_file_hash(tmp_path):
         f.seek(1 << 21)
         f.write(b"y" * 5000)
         f.truncate((1 << 22) + 123)
-    marks = iter([7, 10000, 20000, 1 << 21, (1 << 21) + 1, (1 << 22) + 123])
+    size = (1 << 22) + 123
+    marks = itertools.chain([7, 10000, 20000, 1 << 21, (1 << 21) + 1], itertools.repeat(size))  # then: all final
     assert io.sha256_file(path, chunk=4096, ready=lambda pos: next(marks)) == \
         hashlib.sha256(path.read_bytes()).hexdigest() == io.sha256_file(path)
 
@@ -66,3 +72,63 @@ def test_a_failed_copy_is_raised_where_the_hash_waits(tmp_path):
     filling = _write(tmp_path / "bad.bin", 1 << 20, background=True)  # no such descriptor: EBADF on the file's thread
     with pytest.raises(OSError):
         io.sha256_file(tmp_path / "bad.bin", ready=filling.ready)
+
+
+def _follow(growth) -> tuple[threading.Thread, dict]:
+    """A thread hashing the file as the writer goes; `seen` gets each mark ready() returned, with the time."""
+    out: dict = {"marks": []}
+
+    def ready(pos):
+        mark = growth.ready(pos)
+        out["marks"].append((time.monotonic(), mark))
+        return mark
+
+    def run():
+        try:
+            out["digest"] = io.sha256_file(growth.path, chunk=4096, ready=ready)
+        except Exception as e:  # what the test expects for a dropped writer
+            out["error"] = e
+        finally:
+            growth.finish()
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def test_hash_follows_the_writer_then_the_copies(tmp_path):
+    fd, data = _source(tmp_path)
+    try:
+        w = TorchFileWriter(tmp_path / "f.bin")
+        growth = w.follow()
+        thread, out = _follow(growth)
+        state = {"a": w.tensor(torch.ones(1 << 18)), "z": w.zeros(torch.float32, (1 << 18,))}
+        state["e"] = w.tensor(torch.full((1 << 18,), 2.0))
+        time.sleep(0.3)  # the hash catches up with what is written
+        state["b"] = w.tensor_from_files(torch.float32, (1 << 18,), [(fd, 4096, 1 << 20)])  # nothing final past here
+        state["d"] = w.tensor(torch.full((1 << 18,), 3.0))  # the file's end now past b's record, unfilled
+        time.sleep(0.3)
+        closing = time.monotonic()
+        filling = w.close(state, fsync=False, background=True)
+        thread.join(10)
+        assert not thread.is_alive() and "error" not in out
+    finally:
+        os.close(fd)
+    assert filling is not None
+    body = (tmp_path / "f.bin").read_bytes()
+    assert out["digest"] == hashlib.sha256(body).hexdigest()
+    before = [mark for when, mark in out["marks"] if when < closing]
+    assert before and max(before) >= 3 * (1 << 20)  # the three tensors written first, hashed before the close
+    assert max(before) <= body.index(data[1024:1040].numpy().tobytes())  # but nothing from b's record on
+    loaded = torch.load(tmp_path / "f.bin", weights_only=True, mmap=True)
+    assert torch.equal(loaded["b"], data[1024:1024 + (1 << 18)]) and not loaded["z"].any()
+
+
+def test_a_writer_dropped_unclosed_stops_its_hash(tmp_path):
+    w = TorchFileWriter(tmp_path / "f.bin")
+    thread, out = _follow(w.follow())
+    w.tensor(torch.ones(1000))
+    del w
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive() and isinstance(out.get("error"), OSError) and "before the file was complete" in \
+        str(out["error"])
