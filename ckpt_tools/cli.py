@@ -183,12 +183,20 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
 def _copying_process() -> None:
     """Reshard and import through torch copy bytes (memory-bound): a second OpenMP thread in each copy only adds waits
     on a busy core, while the background hash and fsync threads already use it (merge sets the same through its
-    `torch_threads`, where it uses torch); and the full tensors made one after another reuse freed memory."""
+    `torch_threads`, where it uses torch); the full tensors made one after another reuse freed memory; and the soft
+    limit of open files is raised to the hard one (a stage's files are open together, each also read by its hash)."""
+    import resource
+
     import torch
 
     from ckpt_tools import io
     torch.set_num_threads(1)
     io.reuse_freed_memory()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an unlimited hard limit the kernel does not take as a soft one
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1 << 16)), hard))
 
 
 def _layers(text: str | None) -> list[int] | None:

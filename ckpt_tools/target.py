@@ -82,19 +82,19 @@ class Target:
 
     def open_file(self, name: str) -> TorchFileWriter:
         """A file of the checkpoint, hashed on a thread of its own as it is written (writers.Growth): its hash is done
-        soon after its close instead of starting there. At most IN_FLIGHT files written or hashed at once: a new one
-        waits for the oldest closed file's hash (each holds descriptors and a thread)."""
+        soon after its close instead of starting there. Each holds two descriptors (the writer's, the hash's) and a
+        thread until it is hashed; a new file waits for the oldest closed file's hash while IN_FLIGHT are open or
+        hashing (the files of a stage are open together whatever their number)."""
         while len(self._open) + len(closed := [f for n, f in self._hashes.items()
                                                if n not in self._open and not f.done()]) >= IN_FLIGHT and closed:
             closed[0].result()
         writer = TorchFileWriter(self.dir / name)
         self._open.add(name)
-        growth = writer.follow()
-        done: Future = Future()
+        path, growth, done = writer.path, writer.follow(), Future()
 
-        def follow() -> None:
+        def follow() -> None:  # holds no reference to the writer: one dropped unclosed stops this (Growth)
             try:
-                done.set_result(_record_and_sync(writer.path, growth=growth))
+                done.set_result(_record_and_sync(path, growth=growth))
             except BaseException as e:  # handed to whoever waits for the record
                 done.set_exception(e)
         threading.Thread(target=follow, name=f"hash {name}", daemon=True).start()
@@ -192,21 +192,30 @@ def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
         finally:
             os.close(fd)
         record = fmt.file_record(path)
-    else:
-        started = 0
+        io.fsync_file(path)
+        return record
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except BaseException:
+        growth.finish()
+        raise
+    started = 0
 
-        def ready(pos: int) -> int:
-            nonlocal started
-            if pos > started:  # the disk busy with what is hashed while the rest is written
-                io.start_writeback(growth.fd, started, pos - started)
-                started = pos
-            return growth.ready(pos)
+    def ready(pos: int) -> int:
+        nonlocal started
+        if pos > started:  # the disk busy with what is hashed while the rest is written
+            io.start_writeback(fd, started, pos - started)
+            started = pos
+        return growth.ready(pos)
+    try:
         try:
-            record = {"size": 0, "sha256": io.sha256_file(path, ready=ready)}
-            record["size"] = path.stat().st_size
+            record = {"sha256": io.sha256_file(fd, ready=ready)}
         finally:
             growth.finish()
-    io.fsync_file(path)
+        record = {"size": os.fstat(fd).st_size, **record}
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return record
 
 

@@ -219,6 +219,21 @@ class TorchFileWriter:
         the records reserved by tensor_from_files are filled on a thread of this file's own (io.FileWorker): the
         returned Filling's wait() says when the file's bytes are complete (the caller waits for it before reading
         the file back or fsyncing it), and the caller goes on with the next file meanwhile; None: nothing to fill."""
+        try:
+            filling = self._close(obj, background)
+        except BaseException:
+            if self.growth is not None:  # its reader stops instead of waiting for the rest
+                self.growth.dropped()
+            raise
+        if self.growth is not None:
+            self.growth.closed(filling)
+        if fsync:
+            if filling is not None:
+                filling = filling.wait()
+            fsync_file(self.path)
+        return filling
+
+    def _close(self, obj: Any, background: bool) -> Filling | None:
         import io as _io
         buf = _io.BytesIO()
         _Pickler(buf, protocol=2).dump(self._refs(obj))
@@ -229,18 +244,10 @@ class TorchFileWriter:
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self._zip.write_end_of_file()
         del self._zip
-        filling = None
-        if self._holes:
-            filling = self._fill_holes(background)
-            if not background:
-                filling = filling.wait()
-        if self.growth is not None:
-            self.growth.closed(filling)
-        if fsync:
-            if filling is not None:
-                filling = filling.wait()
-            fsync_file(self.path)
-        return filling
+        if not self._holes:
+            return None
+        filling = self._fill_holes(background)
+        return filling if background else filling.wait()
 
     def _fill_holes(self, background: bool) -> Filling:
         """Copy every reserved record's byte ranges into place (in order, on a FileWorker with `background`, else
@@ -287,34 +294,30 @@ class TorchFileWriter:
 
 class Growth:
     """How far a TorchFileWriter's file is final while it is still being written, for a hash that follows the writer
-    (io.sha256_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends: each
-    record in order, a reserved record skipped over forward, the end of the archive last; so the bytes before the
-    file's current end are final, up to the first record reserved for copies (tensor_from_files), and from the close
-    on the Filling of those copies says how far. The writer reports each step; a writer dropped unclosed stops the
-    reader with an error instead of leaving it waiting."""
+    (io.sha256_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends (its
+    write callback refuses any write that is not at the end): each record in order, a reserved record skipped over
+    forward, the end of the archive last. So the bytes before the file's current end are final, up to the first record
+    reserved for copies (tensor_from_files); from the close on, the Filling of those copies says how far. The writer
+    reports each step, and a writer that fails or is dropped unclosed stops the reader with an error instead of
+    leaving it waiting. It holds no descriptor: the file's end is read by its path."""
 
     def __init__(self, path: Path):
         import threading
         self.path = path
-        self._fd: int | None = os.open(path, os.O_RDONLY)
         self._changed = threading.Condition()
         self._frozen: int | None = None  # the file's end before its first record reserved for copies
-        self._closed = self._dropped = False
+        self._closed = self._dropped = self._finished = False
         self._size = 0
         self._filling: Filling | None = None
 
-    @property
-    def fd(self) -> int:
-        """A read-only descriptor of the file, open until finish()."""
-        return self._fd
-
     def _end(self) -> int:
-        return os.fstat(self._fd).st_size
+        return os.stat(self.path).st_size
 
     def reserving(self) -> None:
         """The writer is about to reserve a record that copies fill at the close: nothing from here on is final yet."""
-        if self._frozen is None:
-            self._frozen = self._end()
+        with self._changed:
+            if self._frozen is None:
+                self._frozen = self._end()
 
     def wrote(self) -> None:
         with self._changed:
@@ -323,7 +326,10 @@ class Growth:
     def closed(self, filling: Filling | None) -> None:
         with self._changed:
             self._closed, self._size, self._filling = True, self._end(), filling
+            orphaned = self._finished  # the reader already gave up (it failed): nobody else waits for the copies
             self._changed.notify_all()
+        if orphaned and filling is not None:
+            filling.wait()
 
     def dropped(self) -> None:
         with self._changed:
@@ -346,15 +352,12 @@ class Growth:
         return self._size
 
     def finish(self) -> None:
-        """After the reader: waits for the copies still filling the file (raising their error), closes the
-        descriptor."""
-        try:
-            if self._filling is not None:
-                self._filling.wait()
-        finally:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        """After the reader, done or failed: waits for the copies still filling the file (raising their error)."""
+        with self._changed:
+            self._finished = True
+            filling = self._filling
+        if filling is not None:
+            filling.wait()
 
 
 class Filling:

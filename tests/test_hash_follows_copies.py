@@ -132,3 +132,23 @@ def test_a_writer_dropped_unclosed_stops_its_hash(tmp_path):
     thread.join(10)
     assert not thread.is_alive() and isinstance(out.get("error"), OSError) and "before the file was complete" in \
         str(out["error"])
+
+
+def test_a_target_file_that_fails_or_is_dropped_stops_its_hash(tmp_path):
+    """Through target.Target.open_file (the hash on a thread of its own): a close that fails, and a writer dropped
+    unclosed (an error mid-stage), end the file's hash with an error instead of leaving its thread waiting."""
+    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.target import Target
+    spec = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                     vocab_size=128)
+    target = Target(tmp_path, spec, 1, [2], 128, optimizer=False)
+    failing, dropped = target.open_file("failing.bin"), target.open_file("dropped.bin")
+    failing.tensor(torch.ones(1000))
+    dropped.tensor(torch.ones(1000))
+    with pytest.raises(Exception):
+        failing.close({"x": lambda: None})  # cannot be pickled
+    del dropped
+    gc.collect()
+    for name in ("failing.bin", "dropped.bin"):
+        with pytest.raises(OSError, match="before the file was complete"):
+            target._hashes[name].result(timeout=10)
