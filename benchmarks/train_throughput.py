@@ -24,8 +24,8 @@ moe (a mixture-of-experts model of that many experts, top-2: MOE_MODEL, hf is th
 eager, its expert loop has data-dependent shapes), ep (ours: experts split over that many of the DP ranks) and
 mcoremoe (ours: 1 trains the MoE layers with megatron-core's own MoELayer, `moe_layer: megatron_core`), overlap
 (ours and ddp rows: 0 DP-reduces the gradients after backward instead of bucket by bucket during it), bucket (ours
-and ddp rows: the DP reduction's bucket size in elements; 0, the default, is Megatron's max(40M, 1M x DP)), model (1b, the default, or
-7b: MODEL_7B, the Llama-2-7B shape) and layers (the model's depth).
+and ddp rows: the DP reduction's bucket size in elements; 0, the default, is Megatron's max(40M, 1M x DP)), model
+(1b, the default, or 7b: MODEL_7B, the Llama-2-7B shape) and layers (the model's depth).
 "vs 1 GPU" is a row's MFU over the first 1-GPU row's of the same code and model (1b, 7b or MoE), so a TP2 row of
 twice the layers compares with a TP1 row of half as many: per-GPU scaling. For the trainer that is its first compiled
 1-GPU row; for megatron-core, its first `mcore:ddp=1` row: key ddp (mcore; implied by dp > 1) wraps GPTModel in
@@ -67,7 +67,8 @@ DEFAULT_ROWS = "hf mcore ours:compile=0 ours"
 def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
-           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0, "ddp": 0, "bucket": 0}
+           "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0, "ddp": 0,
+           "bucket": 0}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":

@@ -192,11 +192,11 @@ def _copying_process() -> None:
     from ckpt_tools import io
     torch.set_num_threads(1)
     io.reuse_freed_memory()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):  # an unlimited hard limit the kernel does not take as a soft one
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1 << 16)), hard))
+    except (ValueError, OSError):  # an unlimited hard limit the kernel does not take as a soft one: left as it is
+        pass
 
 
 def _layers(text: str | None) -> list[int] | None:

@@ -277,9 +277,10 @@ _ZEROS = memoryview(bytes(1 << 22))
 
 def sha256_file(path: str | Path | int, chunk: int = 1 << 22, ready=None) -> str:
     """sha256 of a file's bytes (`path` or an open descriptor, left open); its holes (a fresh optimizer's zero
-    moments) are hashed from a buffer of zeros, not read. `ready`: for a file still being written or filled in order (writers.Growth.ready, writers.Filling.ready),
-    called with the bytes hashed so far, it returns once more of the file is final how far it is final, and the file's
-    final size once all of it is: the hash follows the writing instead of waiting for its end."""
+    moments) are hashed from a buffer of zeros, not read. `ready`: for a file still being written or filled in order
+    (writers.Growth.ready, writers.Filling.ready), called with the bytes hashed so far, it returns once more of the
+    file is final how far it is final, and the file's final size once all of it is: the hash follows the writing
+    instead of waiting for its end."""
     h, buf = hashlib.sha256(), bytearray(chunk)  # one reused buffer: no fresh pages per chunk
     view = memoryview(buf)
     with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
