@@ -6,7 +6,9 @@ and summed by hand in fp32 (the gradient buffer's dtype). Then the trainer's opt
 overlap on and off, buckets of a few thousand elements) reduces the same gradients. Writes a JSON report to
 argv[1] per rank: for each mode, the buckets launched before backward returned, the buckets in all, and
 whether every parameter's reduced gradient equals the reference bit for bit (and the largest relative
-L2 difference: on GPUs some backward kernels, as the embedding's, sum in no fixed order)."""
+L2 difference: on GPUs some backward kernels, as the embedding's, sum in no fixed order). The distributed
+optimizer then steps, and the next forward is watched: which weight all-gathers were still running after the
+step, and whether each module's buckets were waited for before that module ran (overlap_param_gather)."""
 import sys
 import warnings
 
@@ -69,7 +71,42 @@ def main(out: str, dtype: str) -> None:
             "launched_during_backward": launched, "buckets": len(opt.buckets),
             "overlapped_buckets": sum(not b.deferred for b in opt.buckets), "equal_to_reference": equal,
             "max_rel_l2": worst}
+        if distributed and overlap:
+            report["param_gather"] = _watch_param_gathers(stage, opt, inputs.chunk(MICRO_BATCHES)[0])
     write_reports(report, out)
+
+
+class _Watched:
+    """A bucket's all-gather handle that notes when it is waited for."""
+
+    def __init__(self, handle, waited: set, index: int):
+        self.handle, self.waited, self.index = handle, waited, index
+
+    def wait(self):
+        self.handle.wait()
+        self.waited.add(self.index)
+
+
+def _watch_param_gathers(stage, opt, x: torch.Tensor) -> dict:
+    """Step, then run a forward in which every module checks, as it starts, that its buckets were waited for."""
+    opt.step(1e-3, 1.0)
+    running = [i for i, b in enumerate(opt.buckets) if b.gather is not None]
+    waited: set[int] = set()
+    for i in running:
+        opt.buckets[i].gather = _Watched(opt.buckets[i].gather, waited, i)
+    early: list[str] = []
+
+    def check(module, _args):
+        mine = {id(p) for p in module.parameters()}
+        needs = {i for i, b in enumerate(opt.buckets) for j in b.params if id(opt.params[j]) in mine}
+        if needs - waited:
+            early.append(f"{type(module).__name__} ran before buckets {sorted(needs - waited)}")
+    units = [stage.embedding, *stage.decoder.layers, stage.decoder.final_layernorm, stage.output_layer]
+    hooks = [m.register_forward_pre_hook(check) for m in units]
+    stage(x)
+    for h in hooks:
+        h.remove()
+    return {"running_after_step": len(running), "buckets": len(opt.buckets), "early": early, "waited": len(waited)}
 
 
 if __name__ == "__main__":

@@ -121,6 +121,8 @@ def test_gradient_buckets_reduced_during_backward_on_gpus(tmp_path):
         out = tmp_path / f"overlap_{dtype}.json"
         torchrun(2, ["tests/grad_overlap_check.py", str(out), dtype])
         for rank in json.loads(out.read_text()):
+            gathers = rank.pop("param_gather")  # the weight all-gathers, watched in the next forward
+            assert gathers["running_after_step"] == gathers["buckets"] == gathers["waited"] and not gathers["early"]
             for mode, r in rank.items():
                 print(dtype, mode, r)
                 assert r["max_rel_l2"] < 1e-6, (dtype, mode, r)

@@ -76,10 +76,15 @@ def test_fp32_gradient_accumulation_sums_each_bf16_micro_batch_gradient_in_fp32(
 def test_gradient_buckets_reduced_during_backward_equal_autograds_sum_over_dp(dtype, tmp_path):
     """DP2, buckets of 3,000 elements, 2 micro-batches: plain and distributed optimizer, overlap on and off. With
     overlap every bucket but the deferred one (norms) is launched before backward returns, and only after the last
-    micro-batch's gradient is in; every parameter's reduced gradient equals autograd's, summed over DP by hand."""
+    micro-batch's gradient is in; every parameter's reduced gradient equals autograd's, summed over DP by hand. The
+    distributed optimizer's weight all-gathers still run after its step, and each is waited for before the next
+    forward's first module that uses its weights."""
     out = tmp_path / "overlap.json"
     torchrun(2, ["tests/grad_overlap_check.py", str(out), dtype])
     for rank in json.loads(out.read_text()):
+        gathers = rank.pop("param_gather")  # the distributed optimizer's weight all-gathers, watched in a forward
+        assert gathers["running_after_step"] == gathers["buckets"] == gathers["waited"], gathers
+        assert not gathers["early"], gathers
         for mode, r in rank.items():
             assert r["equal_to_reference"], (mode, r)
             assert r["buckets"] > 10 and r["overlapped_buckets"] == r["buckets"] - 1, (mode, r)

@@ -58,6 +58,7 @@ class TrainConfig:
     dtype: str = "fp32"  # bf16 keeps fp32 master weights in the optimizer
     accumulate_allreduce_grads_in_fp32: bool = True  # bf16: micro-batch gradients summed and DP-reduced in fp32
     overlap_grad_reduce: bool = True  # DP-reduce each bucket of gradients as soon as backward has produced it
+    overlap_param_gather: bool = True  # distributed optimizer: the new weights' all-gathers run into the next forward
     ddp_bucket_size: int | None = None  # elements per reduction bucket; None: Megatron-LM's max(40M, 1M x DP)
     # data
     corpus: str = "corpus.txt"

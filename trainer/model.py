@@ -283,6 +283,10 @@ class Decoder(nn.Module):
         self.final_layernorm = _norm(spec, config) if post_process else None
 
 
+def _ready(module: nn.Module) -> None:
+    """The weights of `module` are in place (always, unless an optimizer says otherwise)."""
+
+
 class GPTStage(nn.Module):
     """One pipeline stage: embedding on the first, layers, final norm + output layer on the last.
 
@@ -306,6 +310,9 @@ class GPTStage(nn.Module):
             self.embedding = Embedding(spec, config, padded_vocab)
         self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process, ep, moe_layer)
         self.share_weight = self.pre_process and spec.tie_word_embeddings
+        # called with each module before its forward: the distributed optimizer waits there for the new weights'
+        # all-gathers it left running (trainer/optim.py)
+        self.params_ready = _ready
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 spec.hidden_size, padded_vocab, config=config, tp_group=_tp_group(), init_method=_no_init, bias=False,
@@ -313,6 +320,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_process:
+            self.params_ready(self.embedding)
             x = self.embedding(x)
         rope = None
         if self.spec.position_embedding_type == "rope":  # over the whole sequence, also under SP
@@ -320,12 +328,15 @@ class GPTStage(nn.Module):
             rope = rope_tables(self.spec, seq, x.device)
         mode = self.recompute if self.training else None
         for layer in self.decoder.layers:
+            self.params_ready(layer)
             if mode == "full":
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope, mode == "selective")
         if not self.post_process:
             return x
+        self.params_ready(self.decoder.final_layernorm)
+        self.params_ready(self.output_layer)
         x = self.decoder.final_layernorm(x)
         weight = self.embedding.word_embeddings.weight if self.share_weight else None
         logits, _ = self.output_layer(x, weight=weight)

@@ -9,8 +9,10 @@ overlap_grad_reduce). Plain mode all-reduces the buckets and keeps the fp32 mast
 moments of every element on every data-parallel rank; distributed mode (Megatron's distributed
 optimizer, ZeRO-1) pads each bucket to a multiple of DP and gives DP rank r the r-th part of each:
 buckets are reduce-scattered, each rank steps its parts, the new weights are all-gathered bucket by
-bucket. The state is exposed per parameter key, so the optimizer file on disk is the same in both
-modes and for any DP size and bucket size.
+bucket, and the next forward waits for each bucket only where it first uses it (Megatron-LM's
+overlap_param_gather): the all-gathers run beside that forward's first layers. The state is exposed
+per parameter key, so the optimizer file on disk is the same in both modes and for any DP size and
+bucket size.
 
 The segments are ordered decay first, so the update needs one boundary. On CUDA it is one Triton
 kernel (trainer/kernels.py: fp32 or bf16 gradient in; master, moments and bf16 weight out); the
@@ -104,6 +106,7 @@ class Bucket:
     deferred: bool
     arrived: int = 0
     handle: object = None
+    gather: object = None  # the all-gather of its new weights, waited where a forward first uses them
 
 
 class MasterAdamW:
@@ -183,6 +186,13 @@ class MasterAdamW:
         # experts got no tokens would reach its buckets in another order than its DP peers
         self.overlap = cfg.overlap_grad_reduce and self.dp > 1 and not any(self.expert)
         self.backward_passes = cfg.num_micro_batches
+        # the new weights' all-gathers left running into the next forward, which waits for a bucket where it first
+        # uses one of its weights (GPTStage.params_ready)
+        self.overlap_param_gather = self.distributed and cfg.overlap_param_gather
+        self._bucket_of = {id(self.params[i]): index for index, b in enumerate(self.buckets) for i in b.params}
+        self._buckets_of_module: dict[int, list[Bucket]] = {}
+        if self.overlap_param_gather:
+            stage.params_ready = self.wait_params
         self._update = _adamw
         if device.type == "cuda":
             from trainer import kernels
@@ -306,15 +316,31 @@ class MasterAdamW:
             inv_scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0) * scale
         self.steps += 1
         self.lr = lr
+        self.wait_params()  # a gather no forward waited for still reads the weights this update writes
         self._update(self.master, self.exp_avg, self.exp_avg_sq, grad, self.weight, self.decay_end, lr, self.steps,
                      inv_scale, self.cfg.adam_beta1, self.cfg.adam_beta2, self.cfg.adam_eps, self.cfg.weight_decay)
-        if self.distributed:
-            handles = [dist.all_gather_into_tensor(self.flat[b.start:b.start + b.size],
-                                                   self.weight[b.local:b.local + b.size // self.dp],
-                                                   group=self.dp_group, async_op=True) for b in self.buckets]
-            for h in handles:
-                h.wait()
+        if self.distributed:  # the deferred buckets (norms, biases: every layer uses some) first, then in flat order,
+            # which is the forward's order of use
+            for b in sorted(self.buckets, key=lambda b: not b.deferred):
+                b.gather = dist.all_gather_into_tensor(self.flat[b.start:b.start + b.size],
+                                                       self.weight[b.local:b.local + b.size // self.dp],
+                                                       group=self.dp_group, async_op=True)
+            if not self.overlap_param_gather:
+                self.wait_params()
         return norm
+
+    def wait_params(self, module: torch.nn.Module | None = None) -> None:
+        """Make the current stream wait for the new weights of `module` (all weights: None), where their all-gathers
+        are still running; no host sync."""
+        if module is None:
+            buckets = self.buckets
+        elif (buckets := self._buckets_of_module.get(id(module))) is None:
+            indices = {self._bucket_of[id(p)] for p in module.parameters() if id(p) in self._bucket_of}
+            buckets = self._buckets_of_module[id(module)] = [self.buckets[i] for i in sorted(indices)]
+        for b in buckets:
+            if b.gather is not None:
+                b.gather.wait()
+                b.gather = None
 
     # ------------------------------------------------------------ state per parameter key
     def _pieces(self):
@@ -339,6 +365,7 @@ class MasterAdamW:
 
     def state_by_key(self) -> dict[str, dict[str, torch.Tensor]]:
         """The full state of every parameter; in distributed mode a gather over DP (every rank calls it)."""
+        self.wait_params()
         fields = {f: self._full(getattr(self, f)) for f in FIELDS}
         step = torch.tensor(float(self.steps))
         by_key = {name: {**{f: fields[f][s:s + n].view_as(p).clone() for f in FIELDS}, "step": step}
@@ -348,6 +375,7 @@ class MasterAdamW:
     @torch.no_grad()
     def load_by_key(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Set masters, weights and moments from full per-key state (`exp_avg` None: fresh moments)."""
+        self.wait_params()
         for (name, p) in self.named:
             p.copy_(state[name]["master"])
         self.steps = int(float(state[self.named[0][0]]["step"]))
