@@ -174,11 +174,11 @@ def train_step(cfg: TrainConfig, stage: GPTStage, stepper: Stepper, opt: MasterA
     sync_tied_embeddings(stage, opt)
     # the pipeline schedule's backward is of the sum over micro-batches (it divides `.grad`, which the flat buffer
     # has already taken); the unpipelined one divides each micro-batch's loss
-    norm = opt.step(lr, cfg.gradient_clipping, 1.0 / cfg.num_micro_batches if stepper.schedule is not None else 1.0)
-    if loss is not None and opt.dp > 1:
-        loss = loss.clone()
+    if loss is not None and opt.dp > 1:  # before the step: after it, this collective would queue behind the
+        loss = loss.clone()               # weights' all-gathers, which the next forward waits for layer by layer
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         loss /= opt.dp
+    norm = opt.step(lr, cfg.gradient_clipping, 1.0 / cfg.num_micro_batches if stepper.schedule is not None else 1.0)
     return loss, norm
 
 
