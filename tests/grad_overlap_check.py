@@ -8,7 +8,8 @@ argv[1] per rank: for each mode, the buckets launched before backward returned, 
 whether every parameter's reduced gradient equals the reference bit for bit (and the largest relative
 L2 difference: on GPUs some backward kernels, as the embedding's, sum in no fixed order). The distributed
 optimizer then steps, and the next forward is watched: which weight all-gathers were still running after the
-step, and whether each module's buckets were waited for before that module ran (overlap_param_gather)."""
+step, whether each module's buckets were waited for before that module ran, and how many buckets had been waited
+for as each module started (overlap_param_gather)."""
 import sys
 import warnings
 
@@ -88,25 +89,28 @@ class _Watched:
 
 
 def _watch_param_gathers(stage, opt, x: torch.Tensor) -> dict:
-    """Step, then run a forward in which every module checks, as it starts, that its buckets were waited for."""
+    """Step, then run a forward in which every module checks, as it starts, that its buckets were waited for, and
+    notes how many had been waited for by then (all of them before the first module: no overlap left)."""
     opt.step(1e-3, 1.0)
-    running = [i for i, b in enumerate(opt.buckets) if b.gather is not None]
+    unwaited = [i for i, b in enumerate(opt.buckets) if b.gather is not None]
     waited: set[int] = set()
-    for i in running:
+    for i in unwaited:
         opt.buckets[i].gather = _Watched(opt.buckets[i].gather, waited, i)
     early: list[str] = []
+    counts: list[int] = []
 
     def check(module, _args):
         mine = {id(p) for p in module.parameters()}
         needs = {i for i, b in enumerate(opt.buckets) for j in b.params if id(opt.params[j]) in mine}
         if needs - waited:
             early.append(f"{type(module).__name__} ran before buckets {sorted(needs - waited)}")
-    units = [stage.embedding, *stage.decoder.layers, stage.decoder.final_layernorm, stage.output_layer]
-    hooks = [m.register_forward_pre_hook(check) for m in units]
+        counts.append(len(waited))
+    hooks = [m.register_forward_pre_hook(check) for m in stage.units()]
     stage(x)
     for h in hooks:
         h.remove()
-    return {"running_after_step": len(running), "buckets": len(opt.buckets), "early": early, "waited": len(waited)}
+    return {"unwaited_after_step": len(unwaited), "buckets": len(opt.buckets), "early": early,
+            "waited_as_each_module_starts": counts, "waited": len(waited)}
 
 
 if __name__ == "__main__":

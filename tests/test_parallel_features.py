@@ -83,8 +83,10 @@ def test_gradient_buckets_reduced_during_backward_equal_autograds_sum_over_dp(dt
     torchrun(2, ["tests/grad_overlap_check.py", str(out), dtype])
     for rank in json.loads(out.read_text()):
         gathers = rank.pop("param_gather")  # the distributed optimizer's weight all-gathers, watched in a forward
-        assert gathers["running_after_step"] == gathers["buckets"] == gathers["waited"], gathers
-        assert not gathers["early"], gathers
+        assert gathers["unwaited_after_step"] == gathers["buckets"] == gathers["waited"], gathers
+        assert not gathers["early"], gathers  # no module ran before its weights' all-gathers were waited for
+        counts = gathers["waited_as_each_module_starts"]  # each only then: the rest still running
+        assert counts == sorted(counts) and counts[0] < counts[-1] == gathers["buckets"], gathers
         for mode, r in rank.items():
             assert r["equal_to_reference"], (mode, r)
             assert r["buckets"] > 10 and r["overlapped_buckets"] == r["buckets"] - 1, (mode, r)

@@ -156,6 +156,7 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
         raise FormatError(f"{model_path}: missing shard ({rank}) of a {meta.grid} checkpoint: restore the file")
     model_state = _read(model_path, meta, "model")["model"]
     check_shard(model_path, model_state, stage, meta)
+    stage.params_ready(stage)  # a weight all-gather still running from a step before ends first
     stage.load_state_dict(model_state, strict=True)
     optim_path = ckpt_dir / fmt.optimizer_file(rank)
     recorded = meta.raw.get("files", {})

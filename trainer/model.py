@@ -283,7 +283,7 @@ class Decoder(nn.Module):
         self.final_layernorm = _norm(spec, config) if post_process else None
 
 
-def _ready(module: nn.Module) -> None:
+def ready(module: nn.Module) -> None:
     """The weights of `module` are in place (always, unless an optimizer says otherwise)."""
 
 
@@ -312,11 +312,17 @@ class GPTStage(nn.Module):
         self.share_weight = self.pre_process and spec.tie_word_embeddings
         # called with each module before its forward: the distributed optimizer waits there for the new weights'
         # all-gathers it left running (trainer/optim.py)
-        self.params_ready = _ready
+        self.params_ready = ready
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 spec.hidden_size, padded_vocab, config=config, tp_group=_tp_group(), init_method=_no_init, bias=False,
                 gather_output=False, skip_weight_param_allocation=self.share_weight)
+
+    def units(self) -> list[nn.Module]:
+        """The modules the forward runs, in its order; `params_ready` is called with each before it runs."""
+        units = [self.embedding] if self.pre_process else []
+        units += list(self.decoder.layers)
+        return units + ([self.decoder.final_layernorm, self.output_layer] if self.post_process else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_process:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ckpt_tools import layout
+from trainer import model
 from trainer.config import TrainConfig
 from trainer.model import GPTStage
 
@@ -114,6 +115,7 @@ class MasterAdamW:
         self.cfg, self.dp_group = cfg, dp_group
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.distributed = distributed and self.dp > 1
+        stage.params_ready(stage)  # an earlier optimizer's weight all-gathers still running end before the copy
         named = list(stage.named_parameters())
         self.keys = [name for name, _ in named]
         counted = counted_once(stage, ps.get_tensor_model_parallel_rank())
@@ -187,12 +189,13 @@ class MasterAdamW:
         self.overlap = cfg.overlap_grad_reduce and self.dp > 1 and not any(self.expert)
         self.backward_passes = cfg.num_micro_batches
         # the new weights' all-gathers left running into the next forward, which waits for a bucket where it first
-        # uses one of its weights (GPTStage.params_ready)
+        # uses one of its weights (GPTStage.params_ready); they are launched in that order of first use
         self.overlap_param_gather = self.distributed and cfg.overlap_param_gather
         self._bucket_of = {id(self.params[i]): index for index, b in enumerate(self.buckets) for i in b.params}
-        self._buckets_of_module: dict[int, list[Bucket]] = {}
-        if self.overlap_param_gather:
-            stage.params_ready = self.wait_params
+        self._buckets_of_module: dict[int, list[int]] = {}
+        order = list(dict.fromkeys(i for unit in stage.units() for i in self._buckets_of(unit)))
+        self.gather_order = [self.buckets[i] for i in order + sorted(set(range(len(self.buckets))) - set(order))]
+        stage.params_ready = self.wait_params if self.overlap_param_gather else model.ready
         self._update = _adamw
         if device.type == "cuda":
             from trainer import kernels
@@ -319,9 +322,8 @@ class MasterAdamW:
         self.wait_params()  # a gather no forward waited for still reads the weights this update writes
         self._update(self.master, self.exp_avg, self.exp_avg_sq, grad, self.weight, self.decay_end, lr, self.steps,
                      inv_scale, self.cfg.adam_beta1, self.cfg.adam_beta2, self.cfg.adam_eps, self.cfg.weight_decay)
-        if self.distributed:  # the deferred buckets (norms, biases: every layer uses some) first, then in flat order,
-            # which is the forward's order of use
-            for b in sorted(self.buckets, key=lambda b: not b.deferred):
+        if self.distributed:
+            for b in self.gather_order:
                 b.gather = dist.all_gather_into_tensor(self.flat[b.start:b.start + b.size],
                                                        self.weight[b.local:b.local + b.size // self.dp],
                                                        group=self.dp_group, async_op=True)
@@ -329,15 +331,18 @@ class MasterAdamW:
                 self.wait_params()
         return norm
 
+    def _buckets_of(self, module: torch.nn.Module) -> list[int]:
+        """The indices of the buckets that hold the weights of `module`."""
+        if (indices := self._buckets_of_module.get(id(module))) is None:
+            held = {self._bucket_of[id(p)] for p in module.parameters() if id(p) in self._bucket_of}
+            indices = self._buckets_of_module[id(module)] = sorted(held)
+        return indices
+
     def wait_params(self, module: torch.nn.Module | None = None) -> None:
-        """Make the current stream wait for the new weights of `module` (all weights: None), where their all-gathers
-        are still running; no host sync."""
-        if module is None:
-            buckets = self.buckets
-        elif (buckets := self._buckets_of_module.get(id(module))) is None:
-            indices = {self._bucket_of[id(p)] for p in module.parameters() if id(p) in self._bucket_of}
-            buckets = self._buckets_of_module[id(module)] = [self.buckets[i] for i in sorted(indices)]
-        for b in buckets:
+        """Make the current stream wait for the new weights of `module` (all weights: None) where their all-gathers
+        are still running (NCCL: a stream wait, no host sync; gloo waits on the host). A bucket is waited for once:
+        the forward that uses the weights next runs on the stream that waited."""
+        for b in self.buckets if module is None else [self.buckets[i] for i in self._buckets_of(module)]:
             if b.gather is not None:
                 b.gather.wait()
                 b.gather = None

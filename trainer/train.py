@@ -172,12 +172,14 @@ def train_step(cfg: TrainConfig, stage: GPTStage, stepper: Stepper, opt: MasterA
     loss = stepper(tokens)  # most gradient buckets are being DP-reduced already (overlap_grad_reduce)
     sync_sequence_parallel_grads(stage, opt)  # on gradients kept out of those buckets until now
     sync_tied_embeddings(stage, opt)
-    # the pipeline schedule's backward is of the sum over micro-batches (it divides `.grad`, which the flat buffer
-    # has already taken); the unpipelined one divides each micro-batch's loss
-    if loss is not None and opt.dp > 1:  # before the step: after it, this collective would queue behind the
-        loss = loss.clone()               # weights' all-gathers, which the next forward waits for layer by layer
+    # the loss's mean over DP before the step: after it, this collective would queue behind the distributed
+    # optimizer's weight all-gathers, which the next forward waits for layer by layer
+    if loss is not None and opt.dp > 1:
+        loss = loss.clone()
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         loss /= opt.dp
+    # the pipeline schedule's backward is of the sum over micro-batches (it divides `.grad`, which the flat buffer
+    # has already taken); the unpipelined one divides each micro-batch's loss
     norm = opt.step(lr, cfg.gradient_clipping, 1.0 / cfg.num_micro_batches if stepper.schedule is not None else 1.0)
     return loss, norm
 
