@@ -62,6 +62,16 @@ def test_distributed_optimizer_follows_the_plain_curve_and_resumes_both_ways(tmp
     assert_same_curve(plain[3:], to_sharded, 1e-5)
 
 
+def test_distributed_optimizer_under_pipeline_recompute_and_tied_embeddings_follows_the_plain_curve(tmp_path):
+    """PP2 x DP2 (4 ranks), gpt2 (tied embeddings: the last stage's output copy), full recompute: the distributed
+    optimizer leaves its weight all-gathers running into the pipeline schedule's forwards; its curve is the plain
+    optimizer's."""
+    common = dict(tp_degree=1, pp_degree=2, train_iters=3, recompute_granularity="full", ddp_bucket_size=5000)
+    plain = train("tiny_gpt2.yaml", tmp_path / "plain", 4, **common)
+    sharded = train("tiny_gpt2.yaml", tmp_path / "sharded", 4, use_distributed_optimizer=True, **common)
+    assert_same_curve(plain, sharded, 1e-5)
+
+
 def test_fp32_gradient_accumulation_sums_each_bf16_micro_batch_gradient_in_fp32(tmp_path):
     """bf16 weights, 32 micro-batches: the fp32 buffer holds exactly the fp32 sum of autograd's per-micro-batch
     bf16 gradients, and lies closer to the fp32 model's gradient than bf16 accumulation does."""
