@@ -97,7 +97,7 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
     iter_dir = megatron_lm.resolve_iter_dir(src)
     if megatron_lm.form(iter_dir) == megatron_lm.TORCH_DIST:
         from ckpt_tools.formats.torch_dist import DistCheckpoint
-        ckpt = DistCheckpoint.read(iter_dir, vocab_size, load=read)
+        ckpt = DistCheckpoint.read(iter_dir, vocab_size, load=read, load_embedded=read)
         if ckpt.validate():
             raise Declined("the checkpoint does not match the layout table")
         parts = ckpt.byte_parts()

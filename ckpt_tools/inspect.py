@@ -100,7 +100,9 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
         f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}",
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",
         f"needs       {needs_line(meta)}",
-        f"files       {len(files)} files, {human_bytes(size)}" if files else f"source      {meta.source} checkpoint",
+        f"files       {len(files)} files, {human_bytes(size)}" if files else f"source      {meta.source} checkpoint"
+        + (f" of a HybridModel, layer pattern {raw['hybrid_layer_pattern']!r} (layer i = indices 2i, 2i+1)"
+           if raw.get("hybrid_layer_pattern") else ""),
     ]
     width = max((len(n) for n in files), default=0)
     for name, rec in files.items():

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ckpt_tools import families, layout, torchsave
+from ckpt_tools import families, hybrid, layout, torchsave
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
 
@@ -194,9 +194,9 @@ def features_of(args) -> dict:
     }
 
 
-def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
+def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None = None) -> ModelSpec:
     """Megatron-LM's arguments -> ModelSpec (of the first family their features fit); anything the
-    toolkit cannot represent is a ConfigError."""
+    toolkit cannot represent is a ConfigError. A HybridModel's `pattern` gives the layers and whether they are MoE."""
     refused = [f"{k}={getattr(args, k)!r} ({why})" for k, why in _REFUSED.items()
                if getattr(args, k, None) not in (None, False, 0)]
     if arg(args, "rotary_percent", 1.0) != 1.0:
@@ -204,7 +204,10 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
     supported = f"supported: {', '.join(families.names())} (docs/families.md)"
     if refused:
         raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
-    moe = moe_fields(args)
+    moe = moe_fields(args, by_pattern=pattern is not None) if pattern is None or pattern.moe else {}
+    if pattern is not None and pattern.moe and not moe:
+        raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} has MoE layers ('E') but the args set no num_experts: "
+                          f"the args are damaged; restore them from the source")
     found = features_of(args)
     family, misfits = families.for_features(found, moe=bool(moe))
     named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
@@ -228,7 +231,8 @@ def spec_from_args(args, vocab_size: int | None) -> ModelSpec:
     eps = getattr(args, "norm_epsilon", None)
     scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} if found["rope_scaling"] else {}
     return ModelSpec(
-        architecture=family.name, num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        architecture=family.name, num_layers=pattern.num_layers if pattern is not None else args.num_layers,
+        hidden_size=args.hidden_size, num_attention_heads=heads,
         ffn_hidden_size=arg(args, "ffn_hidden_size", 4 * args.hidden_size), vocab_size=int(vocab_size),
         num_query_groups=args.num_query_groups if arg(args, "group_query_attention", False) else heads,
         kv_channels=arg(args, "kv_channels"), max_position_embeddings=arg(args, "max_position_embeddings", 2048),
@@ -247,14 +251,14 @@ _MOE_REFUSED = (
 )
 
 
-def moe_fields(args) -> dict:
+def moe_fields(args, by_pattern: bool = False) -> dict:
     """Megatron-LM's MoE arguments -> ModelSpec fields ({} for a dense model); what the families cannot hold is
-    refused. Every layer must be an MoE layer (moe_layer_freq 1)."""
+    refused. Every layer must be an MoE layer (moe_layer_freq 1; a HybridModel's pattern says it instead)."""
     experts = arg(args, "num_experts", None)
     if not experts:
         return {}
     refused = [f"{k}={arg(args, k, None)!r} ({why})" for k, ok, why in _MOE_REFUSED if arg(args, k, ok[0]) not in ok]
-    freq = arg(args, "moe_layer_freq", 1)
+    freq = 1 if by_pattern else arg(args, "moe_layer_freq", 1)
     if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
         refused.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
     if refused:
@@ -309,9 +313,10 @@ def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int,
     """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
     try:
         tp, pp = arg(args, "tensor_model_parallel_size", 1), arg(args, "pipeline_model_parallel_size", 1)
-        spec = spec_from_args(args, vocab_size)
+        pattern = hybrid.pattern_of(args)
+        spec = spec_from_args(args, vocab_size, pattern)
         spec.check_tp(tp)
-        return spec, tp, pp, _layer_counts(args, pp)
+        return spec, tp, pp, pattern.stage_counts(pp) if pattern is not None else _layer_counts(args, pp)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:

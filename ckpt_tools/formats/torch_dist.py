@@ -1,7 +1,9 @@
 """Megatron-LM's default form, `--ckpt-format torch_dist` (megatron-core dist_checkpointing over DCP):
 
     iter_NNNNNNN/metadata.json     {"sharded_backend": "torch_dist", ...}
-    iter_NNNNNNN/common.pt         torch.save of the non-sharded state: args, iteration, checkpoint_version
+    iter_NNNNNNN/common.pt         torch.save of the non-sharded state: args, iteration, checkpoint_version (up to
+                                   megatron-core 0.18; since 0.19 it is the byte entry `common_state/shard_0_1` in
+                                   the .distcp files, a torch.save of the one-element list [state])
     iter_NNNNNNN/.metadata         every tensor once, by global key: global shape, dtype, chunks (formats/dcp.py)
     iter_NNNNNNN/__<rank>_<n>.distcp   the chunks' bytes (each a torch.save archive at an offset)
 
@@ -27,12 +29,13 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import io, layout, megatron_args, megatron_lm, names, shard_ops
+from ckpt_tools import hybrid, io, layout, megatron_args, megatron_lm, names, shard_ops
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 
 COMMON = "common.pt"
+COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.19: the common state as a ShardedObject's byte entry
 OPT_STATE, OPT_BUCKETS = "optimizer.state.", "optimizer.distributed."
 PER_PARAM, BUCKETS = "per-parameter", "dp_reshardable buckets"
 # our optimizer field -> its names in the per-parameter forms (non-distributed optimizer; fully_reshardable)
@@ -67,6 +70,38 @@ def lead_shape(spec, lead: Lead | None) -> tuple[int, ...]:
     return () if lead is None else (spec.num_layers, spec.num_moe_experts)[:len(lead)]
 
 
+Placed = tuple[tuple[int, int], ...]  # a stored tensor's (index, size) on each stacked leading axis; () for none
+
+
+def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[str, Placed]]:
+    """The names a global layout-table key may have in megatron-core's sharded state dict, each with its place on
+    the stacked leading axes. GPTModel: stacked layers (`decoder.layers.<name>` [L, ...]), or per layer in a
+    non-uniform stack; Transformer Engine's fused norm names, or an unfused norm's own. HybridModel (`by_pattern`):
+    one key per layer index (hybrid.py), an MoE layer's experts on a leading global expert axis."""
+    if by_pattern:
+        key = hybrid.to_hybrid(key)
+        j = layout.layer_index(key)
+        if j is None:
+            return [(key, ())]
+        name = key[len(f"{_LAYERS}{j}."):]
+        e = layout.expert_index(key)
+        if e is not None:
+            return [(f"{_LAYERS}{j}.mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):],
+                     ((e, spec.num_moe_experts),))]
+        fused = names.to_te(name)
+        return [(f"{_LAYERS}{j}.{fused}", ())] + ([(f"{_LAYERS}{j}.{name}", ())] if fused != name else [])
+    i = layout.layer_index(key)
+    if i is None:
+        return [(key, ())]
+    stacked, lead = stacked_key(key)
+    placed = tuple(zip(lead, lead_shape(spec, lead)))
+    candidates = [(stacked, placed)]
+    if len(lead) == 1:  # a non-uniform stack keeps each layer's own; an unfused norm its local name
+        candidates += [(f"{_LAYERS}{i}.{stacked[len(_LAYERS):]}", ()),
+                       (_LAYERS + key[len(f"{_LAYERS}{i}."):], placed)]
+    return candidates
+
+
 class DistCheckpoint:
     """A torch_dist iteration dir: its Meta (from the args in common.pt) and its .metadata index."""
 
@@ -89,17 +124,14 @@ class DistCheckpoint:
                 self._buckets.setdefault((group, bucket, name), []).append(e)
 
     @classmethod
-    def read(cls, iter_dir: Path, vocab_size: int | None = None, load: Callable = io.load_file) -> DistCheckpoint:
-        """`load` reads common.pt: torch's allow-listed loader, or the torch-free torchfile.read."""
-        common_path = iter_dir / COMMON
-        if not common_path.is_file():
-            raise FormatError(f"{common_path}: missing: a torch_dist checkpoint keeps Megatron-LM's args there "
-                              f"(saves after mid-2026 embed them in the .distcp files, which this version does not "
-                              f"read yet); restore common.pt from the source")
-        common = load(common_path)
+    def read(cls, iter_dir: Path, vocab_size: int | None = None, load: Callable = io.load_file,
+             load_embedded: Callable | None = None) -> DistCheckpoint:
+        """`load` reads common.pt, `load_embedded` (path, offset, length) the embedded common state: torch's
+        allow-listed loader (the default), or the torch-free torchfile.read for both."""
+        index = dcp.read_metadata(iter_dir)
+        common_path, common = read_common(iter_dir, index, load, load_embedded)
         args = megatron_lm.args_of(common_path, common)
         spec, tp, pp, counts = megatron_args.layout_of(common_path, args, vocab_size)
-        index = dcp.read_metadata(iter_dir)
         emb = index.tensors.get("embedding.word_embeddings.weight")
         padded = getattr(args, "padded_vocab_size", None) or (emb.shape[0] if emb is not None else None)
         if padded is None:
@@ -110,21 +142,20 @@ class DistCheckpoint:
             meta.raw["dtypes"]["params"] = emb.dtype
         return cls(meta, index, common)
 
-    def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, int | None]:
-        """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its layer
-        on the stacked axis (None: not stacked)."""
+    @property
+    def common_path(self) -> Path:
+        """Where the common state is: common.pt, or the .distcp file holding the embedded entry."""
+        path = self.meta.dir / COMMON
+        return path if path.is_file() or COMMON_STATE not in self.index.blobs else \
+            self.meta.dir / self.index.blobs[COMMON_STATE][0]
+
+    def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, Placed]:
+        """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its place
+        on the stacked leading axes."""
         tied = "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
         if key == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
-        i = layout.layer_index(key)
-        if i is None:
-            candidates = [(key, None)]
-        else:
-            stacked, lead = stacked_key(key)
-            candidates = [(stacked, lead)]
-            if len(lead) == 1:  # a non-uniform stack keeps each layer's own; an unfused norm its local name
-                candidates += [(f"{_LAYERS}{i}.{stacked[len(_LAYERS):]}", None),
-                               (_LAYERS + key[len(f"{_LAYERS}{i}."):], lead)]
+        candidates = stored_candidates(key, self.meta.spec, "hybrid_layer_pattern" in self.meta.raw)
         if field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
@@ -134,9 +165,9 @@ class DistCheckpoint:
         raise FormatError(f"{self.meta.dir / dcp.METADATA}: no tensor {' or '.join(f for f, _ in candidates)} "
                           f"(for {key}): the checkpoint is not the model its args describe; restore it from the source")
 
-    def expected_shape(self, key: str, lead: Lead | None) -> tuple[int, ...]:
+    def expected_shape(self, key: str, placed: Placed) -> tuple[int, ...]:
         full = layout.full_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.pp_size)
-        return lead_shape(self.meta.spec, lead) + full
+        return tuple(n for _, n in placed) + full
 
     def rank_boxes(self, key: str, rank: int, field: str | None = None) -> tuple[dcp.Entry, list[Box], int, int]:
         """TP rank `rank`'s shard of `key` (at the checkpoint's TP) as parts of the stored tensor: (entry, the
@@ -148,7 +179,7 @@ class DistCheckpoint:
             raise FormatError(f"{meta.dir / dcp.METADATA}: {entry.fqn} has global shape {list(entry.shape)}, the "
                               f"layout table says {list(full)} for this {meta.spec.architecture} model: the args and "
                               f"the weights disagree; restore the checkpoint from the source")
-        lead = [] if layer is None else [(x, x + 1) for x in layer]
+        lead = [(x, x + 1) for x, _ in layer]
         full = full[len(lead):]
         pieces = shard_ops.reshard_pieces(key, meta.spec, 1, meta.padded_vocab, meta.tp_size, meta.padded_vocab,
                                        rank, meta.pp_size)
@@ -269,7 +300,7 @@ class DistCheckpoint:
         if layout.find_rule(key, self.meta.spec, self.meta.pp_size).dim != 1:
             return None
         entry, layer = self.entry(key)
-        lead = [] if layer is None else [(x, x + 1) for x in layer]
+        lead = [(x, x + 1) for x, _ in layer]
         box = lead + [(0, n) for n in self.expected_shape(key, layer)[len(lead):]]
         parts = self._rows_of(entry, box, len(lead), len(lead))
         return None if parts is None or None in parts else [parts]
@@ -329,6 +360,36 @@ class DistCheckpoint:
                 return float(common_step)
             steps = [float(g["step"]) for g in inner.get("param_groups", []) if g.get("step") is not None]
         except (AttributeError, TypeError, ValueError, KeyError) as e:
-            raise FormatError(f"{self.meta.dir / COMMON}: the optimizer's param groups are malformed "
+            raise FormatError(f"{self.common_path}: the optimizer's param groups are malformed "
                               f"({type(e).__name__}): restore the checkpoint from the source") from None
         return max(steps) if steps else None
+
+
+def read_common(iter_dir: Path, index: dcp.Index, load: Callable = io.load_file,
+                load_embedded: Callable | None = None) -> tuple[Path, dict]:
+    """(where it is, the common state): common.pt where there is one (megatron-core <= 0.18; what its loader reads
+    first too), else the `common_state` byte entry (megatron-core >= 0.19), through the same allow-listed loader."""
+    common_path = iter_dir / COMMON
+    if common_path.is_file():
+        return common_path, load(common_path)
+    if COMMON_STATE not in index.blobs:
+        raise FormatError(f"{common_path}: missing, and {iter_dir / dcp.METADATA} holds no {COMMON_STATE} entry "
+                          f"(megatron-core 0.19 and later keep the common state there): the checkpoint's args are "
+                          f"gone; restore common.pt or the checkpoint from the source")
+    file, offset, length = index.blobs[COMMON_STATE]
+    path = iter_dir / file
+    if not path.is_file() or path.stat().st_size < offset + length:
+        raise FormatError(f"{path}: {'missing' if not path.is_file() else 'truncated'}, but .metadata places the "
+                          f"common state ({COMMON_STATE}, {length} bytes at byte {offset}) in it: restore the file from "
+                          f"the source")
+    if load_embedded is None:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            obj = io.load_bytes(f.read(length), f"{path}: the {COMMON_STATE} entry at byte {offset}")
+    else:
+        obj = load_embedded(path, offset, length)
+    if not (isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], dict)):
+        raise FormatError(f"{path}: the {COMMON_STATE} entry at byte {offset} holds {type(obj).__name__}"
+                          f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected megatron-core's one-element "
+                          f"list holding the common state dict: restore the checkpoint from the source")
+    return path, obj[0]

@@ -14,7 +14,7 @@ from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 from ckpt_tools.formats import megatron_optim as mo
-from ckpt_tools.formats.torch_dist import BUCKETS, COMMON, OPT_BUCKETS, Box, DistCheckpoint
+from ckpt_tools.formats.torch_dist import BUCKETS, OPT_BUCKETS, Box, DistCheckpoint
 from ckpt_tools.shards import Reader
 
 
@@ -116,10 +116,10 @@ class TorchDistShards(Reader):
         opt = self.ckpt.common.get("optimizer")
         inner = opt.get("optimizer") if isinstance(opt, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
-        where = self.meta.dir / COMMON
+        where = self.ckpt.common_path
         if groups is None and self.ckpt.optimizer_form == BUCKETS:
             where, groups = self._blob_groups()
-        return where, groups, self.meta.dir / COMMON, self.ckpt.common.get("opt_param_scheduler")
+        return where, groups, self.ckpt.common_path, self.ckpt.common.get("opt_param_scheduler")
 
     def _group(self, tp_rank: int, pp_rank: int) -> int:
         """megatron-core's dp_group_idx of a rank: its rank in the TP x PP model-parallel group, TP fastest."""

@@ -1,0 +1,145 @@
+"""megatron-core's `HybridModel` (0.19's successor to GPTModel): a stack of blocks, one per layer index, chosen by a
+pattern (Megatron-LM's `--hybrid-layer-pattern`, `hybrid_override_pattern` in older saves):
+
+    *  attention (self_attention.*, its norm input_layernorm)     -  dense MLP (mlp.*, its norm pre_mlp_layernorm)
+    E  MoE MLP (mlp.router, mlp.experts, pre_mlp_layernorm)      |  a pipeline segment ends   /  MTP depths follow
+    M  Mamba-2   G  gated DeltaNet   D  DeepSeek sparse attention   +  MLA
+
+A GPTModel layer is the pair "attention + MLP": the layout table's layer i is the pattern's pair i, its attention at
+index 2i and its MLP at 2i+1 (`*-*-...` is a Llama, `*E*E...` a mixture of experts). This module is the one place
+that knows how the pattern places the table's layer tensors: it maps the table's keys to a HybridModel's and back,
+and gives the pipeline split the pattern's segments make. Blocks the table has no rows for yet are refused in one
+line naming the symbol. The final norm is `decoder.final_norm` (GPTModel's `decoder.final_layernorm`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ckpt_tools.errors import ConfigError
+
+ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
+_UNSUPPORTED = {"M": "Mamba-2", "G": "gated DeltaNet", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
+# a layer tensor's block, by its name within the layer (the layout table's local-spec names)
+_ATTENTION_PARTS = ("input_layernorm.", "self_attention.")
+_MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")
+FINAL = ("decoder.final_layernorm.", "decoder.final_norm.")  # (GPTModel's, HybridModel's)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A parsed layer pattern of attention + MLP pairs: `text` as recorded, `moe` whether the MLPs are MoE layers,
+    `segments` the pipeline segments' lengths in layer indices (None: the pattern has no '|')."""
+    text: str
+    moe: bool
+    segments: tuple[int, ...] | None
+
+    @classmethod
+    def parse(cls, text: str, where: str = "hybrid_layer_pattern") -> Pattern:
+        if not isinstance(text, str) or not text:
+            raise ConfigError(f"{where} is {text!r:.40}, expected a layer pattern such as '*-*-'")
+        if MTP in text:
+            raise ConfigError(f"{where} {text!r}: multi-token prediction depths ('{MTP}') are not read by this "
+                              f"version: convert the checkpoint without them (a pattern of '*', '-', 'E' and '|')")
+        main = text.replace(PIPE, "")
+        known = {ATTENTION, MLP, MOE}
+        for symbol in main:
+            if symbol not in known:
+                what = _UNSUPPORTED.get(symbol)
+                raise ConfigError(f"{where} {text!r}: layer symbol {symbol!r} ("
+                                  + (f"{what} blocks, not read by this version" if what else "not a layer symbol")
+                                  + "): this version reads patterns of attention + MLP pairs ('*-', '*E')")
+        pairs = [main[i:i + 2] for i in range(0, len(main), 2)]
+        bad = [i for i, p in enumerate(pairs) if len(p) != 2 or p[0] != ATTENTION or p[1] not in (MLP, MOE)]
+        if bad:
+            i = bad[0]
+            raise ConfigError(f"{where} {text!r}: layer indices {2 * i}-{2 * i + 1} are {pairs[i]!r}, expected an "
+                              f"attention layer followed by an MLP ('*-' or '*E'): this version reads patterns of "
+                              f"attention + MLP pairs, as GPT models are")
+        kinds = {p[1] for p in pairs}
+        if len(kinds) > 1:
+            raise ConfigError(f"{where} {text!r}: dense ('-') and MoE ('E') MLPs mixed: this version reads models "
+                              f"whose MLPs are all dense or all MoE")
+        segments = None
+        if PIPE in text:
+            segments = tuple(len(s) for s in text.split(PIPE))
+            odd = [s for s in text.split(PIPE) if len(s) % 2 or not s]
+            if odd:
+                raise ConfigError(f"{where} {text!r}: pipeline segment {odd[0]!r} splits an attention + MLP pair: "
+                                  f"this version reads segments of whole pairs")
+        return cls(text, MOE in kinds, segments)
+
+    @classmethod
+    def for_layers(cls, counts: list[int], moe: bool) -> Pattern:
+        """The pattern of a GPT model of these per-stage layer counts: its pairs, a segment per pipeline stage."""
+        pair = ATTENTION + (MOE if moe else MLP)
+        text = PIPE.join(pair * n for n in counts) if len(counts) > 1 else pair * counts[0]
+        return cls.parse(text)
+
+    @property
+    def num_indices(self) -> int:
+        """Megatron-LM's num_layers: one per symbol."""
+        return len(self.text.replace(PIPE, ""))
+
+    @property
+    def num_layers(self) -> int:
+        """The layout table's layers (attention + MLP pairs)."""
+        return self.num_indices // 2
+
+    def stage_counts(self, pp_size: int) -> list[int]:
+        """Layout-table layers on each PP stage: the pattern's segments, or megatron-core's even split of its layer
+        indices when it has none (each stage's share must be whole pairs)."""
+        if self.segments is not None:
+            if len(self.segments) != pp_size:
+                raise ConfigError(f"hybrid_layer_pattern {self.text!r} has {len(self.segments)} pipeline segments "
+                                  f"but pipeline_model_parallel_size is {pp_size}: virtual pipeline stages are not "
+                                  f"read by this version")
+            return [n // 2 for n in self.segments]
+        n = self.num_indices
+        if n % pp_size or (n // pp_size) % 2:
+            raise ConfigError(f"hybrid_layer_pattern {self.text!r}: its {n} layer indices do not split into "
+                              f"{pp_size} pipeline stages of whole attention + MLP pairs")
+        return [n // pp_size // 2] * pp_size
+
+
+def to_hybrid(key: str) -> str:
+    """A layout-table key (layer i: GPTModel's numbering) -> its HybridModel key (index 2i or 2i+1)."""
+    m = _LAYER.match(key)
+    if m is None:
+        return FINAL[1] + key[len(FINAL[0]):] if key.startswith(FINAL[0]) else key
+    i, name = int(m.group(1)), m.group(2)
+    return f"decoder.layers.{2 * i + _block(key, name)}.{name}"
+
+
+def from_hybrid(key: str) -> str:
+    """A HybridModel key -> the layout table's (the inverse of to_hybrid); a tensor of one block at an index the
+    pattern gives the other (an MLP's at an attention index) is a ConfigError naming both."""
+    m = _LAYER.match(key)
+    if m is None:
+        return FINAL[0] + key[len(FINAL[1]):] if key.startswith(FINAL[1]) else key
+    j, name = int(m.group(1)), m.group(2)
+    block = _block(key, name)
+    if j % 2 != block:
+        kinds = ("an attention", "an MLP")
+        raise ConfigError(f"tensor {key} belongs to {kinds[block]} block, but the layer pattern makes index {j} "
+                          f"{kinds[j % 2]} layer: the pattern in the args and the weights disagree")
+    return f"decoder.layers.{j // 2}.{name}"
+
+
+def _block(key: str, name: str) -> int:
+    """0 for an attention block's tensor, 1 for an MLP block's."""
+    if name.startswith(_ATTENTION_PARTS):
+        return 0
+    if name.startswith(_MLP_PARTS):
+        return 1
+    raise ConfigError(f"tensor {key}: not a part of an attention or MLP block")
+
+
+def pattern_of(args) -> Pattern | None:
+    """The pattern a Megatron-LM Namespace records (None: a GPTModel run)."""
+    text = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+    if text is None:
+        return None
+    return Pattern.parse(text, "hybrid_layer_pattern" if getattr(args, "hybrid_layer_pattern", None)
+                         else "hybrid_override_pattern")

@@ -1,0 +1,258 @@
+"""megatron-core 0.19 (the newest release) on this machine's Python 3.11 and CPU torch, as the reference for what
+Megatron-LM saves today: its `GPTModel` and its `HybridModel` (the pattern-driven successor, `*-*-...`), built with
+megatron-core's own local modules, run, saved by its own `dist_checkpointing.save`, and loaded back by its own
+`dist_checkpointing.load`. Run under torchrun (gloo):
+
+    torchrun --nproc-per-node TP*PP tests/mcore_newest.py save CONFIG.json OUT
+    torchrun --nproc-per-node TP*PP tests/mcore_newest.py load CONFIG.json
+    python tests/mcore_newest.py make fixtures/megatron_019      # every case of CASES, saved (the committed fixtures)
+
+CONFIG.json: {"kind": "gpt" | "hybrid", "model": ModelSpec fields, "tp": T, "pp": P, "iteration": N,
+"pattern": the hybrid layer pattern ("*-*-", "*E*E"), "tokens"/"load"/"out" (load: the save dir, tokens.pt, and where
+the logits go)}. save writes OUT/torch_dist/ (megatron-core 0.19 embeds the common state, args included, in the
+.distcp files: no common.pt), for a HybridModel also OUT/torch/ (Megatron-LM's legacy form: each rank's
+`state_dict_for_save_checkpoint()`), and OUT/reference.pt {tokens, logits} (megatron-core's own logits, fp32).
+load builds the model at this TP x PP, loads the save dir's iter dir with `dist_checkpointing.load` of its
+`sharded_state_dict()`, `load_state_dict(strict=True)`, and writes its logits and the loaded args' pattern.
+
+The wheel says Python >= 3.12; its Python code runs here when torch (and its compiler modules) is imported first
+and a stand-in `triton` answers megatron-core's module-level GPU-kernel imports (none of them runs on CPU).
+MCORE_NEWEST names the unpacked wheel (scripts/setup_env.sh stages it into .venv/megatron-core-0.19.2).
+The layers are megatron-core's local ones (Transformer Engine is not installable here) with the key map its local
+GPT spec declares, so the torch_dist keys are the Transformer Engine names a GPU run saves; HybridStack's final norm
+(Transformer Engine's TENorm in megatron-core) is its torch norm.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / ".venv" / "megatron-core-0.19.2"
+_LLAMA = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+          "ffn_hidden_size": 96, "vocab_size": 127, "max_position_embeddings": 16}
+_GPT2 = {"architecture": "gpt2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+         "vocab_size": 127, "max_position_embeddings": 16}
+# the committed fixtures (fixtures/megatron_019): megatron-core 0.19.2's GPTModel and HybridModel, TP and PP, tied and
+# untied, dense and MoE
+CASES = {
+    "gpt_llama_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _LLAMA},
+    "gpt_gpt2_pp2": {"kind": "gpt", "tp": 1, "pp": 2, "model": _GPT2},
+    "hybrid_llama_tp2": {"kind": "hybrid", "pattern": "*-*-", "tp": 2, "pp": 1, "model": _LLAMA},
+    "hybrid_gpt2_pp2": {"kind": "hybrid", "pattern": "*-|*-", "tp": 1, "pp": 2, "model": _GPT2},
+    "hybrid_mixtral_tp2": {"kind": "hybrid", "pattern": "*E*E", "tp": 2, "pp": 1,
+                           "model": {**_LLAMA, "architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2}},
+}
+
+
+def location() -> Path | None:
+    """The unpacked megatron-core 0.19 wheel, or None when it is not staged."""
+    path = Path(os.environ.get("MCORE_NEWEST", DEFAULT))
+    return path if (path / "megatron" / "core" / "__init__.py").is_file() else None
+
+
+def activate() -> None:
+    """Make `import megatron.core` give megatron-core 0.19 in this process (see the module's docstring)."""
+    import torch  # noqa: F401 - before the stand-in, so that torch's own triton probes see no triton
+    for name in ("torch._dynamo", "functorch.compile", "torch._dynamo.debug_utils", "torch._inductor.codecache",
+                 "torch._inductor.compile_fx"):
+        with contextlib.suppress(ImportError):
+            __import__(name)
+
+    class Stand(types.ModuleType):
+        __version__ = "3.4.0"
+
+        def __getattr__(self, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: a[0] if len(a) == 1 and callable(a[0]) and not k else (lambda fn: fn)
+
+    for name in ("triton", "triton.language"):
+        module = Stand(name)
+        module.__spec__, module.__path__ = importlib.machinery.ModuleSpec(name, None), []
+        sys.modules[name] = module
+    sys.modules["triton"].language = sys.modules["triton.language"]
+    sys.path.insert(0, str(location()))
+    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+        del sys.modules[name]
+
+
+def _hybrid_spec(spec, torch):
+    """HybridStack's submodules from megatron-core's local GPT layer spec: '*' its attention half, '-' its MLP half,
+    'E' its MoE MLP; each with the key map the local spec declares (torch_dist then holds Transformer Engine's names,
+    as a GPU run's TE layers save them)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    dense = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm).submodules
+    hybrid_block.TENorm = dense.input_layernorm  # the final norm: megatron-core's torch norm, not TE's
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=dense.input_layernorm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
+        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+    moe = None
+    if spec.is_moe:
+        sub = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm,
+                                       num_experts=spec.num_moe_experts).submodules
+        moe = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=attention, mlp_layer=mlp, **({"moe_layer": moe} if moe is not None else {})))
+
+
+def build(cfg: dict, padded: int):
+    """megatron-core 0.19's GPTModel or HybridModel for this rank (local modules)."""
+    import torch
+    from megatron.core import parallel_state
+    from mcore_reference_child import _build_model
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec.from_dict(cfg["model"])
+    tp, pp = cfg["tp"], cfg["pp"]
+    gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, tp, pp)
+    if cfg["kind"] == "gpt":
+        return gpt
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    config = gpt.config
+    config.num_layers = len(cfg["pattern"].replace("|", ""))
+    return HybridModel(config=config, hybrid_stack_spec=_hybrid_spec(spec, torch), vocab_size=padded,
+                       max_sequence_length=spec.max_position_embeddings, hybrid_layer_pattern=cfg["pattern"],
+                       pre_process=parallel_state.is_pipeline_first_stage(),
+                       post_process=parallel_state.is_pipeline_last_stage(),
+                       share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                       position_embedding_type=spec.position_embedding_type, rotary_base=int(spec.rotary_base))
+
+
+def _start(cfg: dict):
+    activate()
+    import torch
+    from mcore_checkpoints import _shim_cuda
+    _shim_cuda(torch)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"])
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return torch, dist, ps
+
+
+def save(cfg: dict, out: Path) -> None:
+    torch, dist, ps = _start(cfg)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from mcore_checkpoints import _args, _forward, _perturb
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec.from_dict(cfg["model"])
+    tp, pp, iteration = cfg["tp"], cfg["pp"], cfg.get("iteration", 5)
+    padded = spec.padded_vocab_size(tp)
+    torch.manual_seed(1234)
+    model = build(cfg, padded).eval()
+    _perturb(model, torch)
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+    logits = _forward(model, tokens, torch)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if logits is not None and tp_rank == 0:
+        torch.save({"tokens": tokens, "logits": logits}, out / "reference.pt")
+    args = _args(spec, tp, pp, padded, iteration, "float32")
+    if cfg["kind"] == "hybrid":  # what Megatron-LM's parser records for --hybrid-layer-pattern
+        vars(args).update(hybrid_layer_pattern=cfg["pattern"], num_layers=len(cfg["pattern"].replace("|", "")),
+                          is_hybrid_model=True, spec=["megatron.core.models.hybrid.hybrid_layer_specs",
+                                                      "hybrid_stack_spec"])
+    rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": None, "rng_tracker_states": {}}]
+    name = f"iter_{iteration:07d}"
+    state = {"args": args, "iteration": iteration, "checkpoint_version": 3.0, "model": model.sharded_state_dict(),
+             "rng_state": ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank), replica_id=0)}
+    forms = ["torch_dist"]
+    if dist.get_rank() == 0:
+        (out / "torch_dist" / name).mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(out / "torch_dist" / name))
+    if cfg["kind"] == "hybrid":
+        rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+        path = out / "torch" / name / rank_dir / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        args.ckpt_format = "torch"
+        torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0,
+                    "model": model.state_dict_for_save_checkpoint(), "rng_state": rng}, path)
+        forms.append("torch")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for form in forms:
+            (out / form / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load(cfg: dict) -> None:
+    torch, dist, ps = _start(cfg)
+    from megatron.core import dist_checkpointing
+    from mcore_checkpoints import _forward
+
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec.from_dict(cfg["model"])
+    save_dir = Path(cfg["load"])
+    iter_dir = save_dir / f"iter_{int((save_dir / 'latest_checkpointed_iteration.txt').read_text()):07d}" \
+        if (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() != "release" else save_dir / "release"
+    common = dist_checkpointing.load_common_state_dict(str(iter_dir))
+    padded = common["args"].padded_vocab_size
+    model = build(cfg, padded).eval()
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
+    model.load_state_dict(loaded["model"], strict=True)
+    tokens = torch.load(cfg["tokens"], weights_only=True)
+    logits = _forward(model, tokens, torch)
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+        args = common["args"]
+        torch.save({"logits": logits, "pattern": getattr(args, "hybrid_layer_pattern", None),
+                    "num_layers": args.num_layers}, cfg["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make(out: str) -> None:
+    """Save every case of CASES under `out` (each with megatron-core 0.19 under torchrun), replacing what is there."""
+    import shutil
+    import subprocess
+    import tempfile
+    for name, case in CASES.items():
+        target = Path(out) / name
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump({**case, "iteration": 7}, f)
+            f.flush()
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                            str(case["tp"] * case["pp"]), __file__, "save", f.name, str(target)], check=True)
+        print(f"{target}: {', '.join(sorted(p.name for p in target.iterdir()))}")
+
+
+def main(mode: str, config_path: str, out: str | None = None) -> None:
+    import warnings
+    warnings.filterwarnings("ignore")
+    cfg = json.loads(Path(config_path).read_text())
+    save(cfg, Path(out)) if mode == "save" else load(cfg)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make":
+        make(sys.argv[2])
+    else:
+        from mcore_checkpoints import run_as_script
+        run_as_script(main, *sys.argv[1:])

@@ -1,0 +1,221 @@
+"""Megatron-LM as it saves today: checkpoints written by megatron-core 0.19.2 itself (fixtures/megatron_019, made by
+`python tests/mcore_newest.py make fixtures/megatron_019`): torch_dist with the common state embedded in the .distcp
+files (no common.pt), its GPTModel and its HybridModel (`*-*-`, `*-|*-`, `*E*E`), HybridModel also in the legacy form.
+Merged to HF, transformers' forward gives megatron-core 0.19.2's own logits; the torch-free and the torch paths give
+the same bytes; megatron-core 0.19.2's own loader takes what `ckpt reshard --format torch_dist` writes from them."""
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from bad_inputs import SystemCall
+from safetensors.torch import load_file
+from test_reshard import assert_nothing_written, one_line_error, run
+
+from ckpt_tools import hybrid
+from ckpt_tools.errors import ConfigError
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import reshard
+
+TESTS = Path(__file__).resolve().parent
+SAVES = TESTS.parent / "fixtures" / "megatron_019"
+VOCAB = 127
+CASES = [(name, form) for name in sorted(p.name for p in SAVES.iterdir()) for form in ("torch_dist", "torch")
+         if (SAVES / name / form).is_dir()]
+
+
+def same_files(a: Path, b: Path) -> None:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def hf_logits(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(tokens).logits
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name,form", CASES, ids=[f"{n}-{f}" for n, f in CASES])
+def test_megatron_core_019_saves_merge_to_their_own_logits(name, form, tmp_path, monkeypatch):
+    src = SAVES / name / form
+    if form == "torch_dist":
+        assert not list(src.glob("iter_*/common.pt"))  # megatron-core 0.19 embeds it: the case this proves
+    merge(src, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
+    assert rel_err(hf_logits(tmp_path / "hf", reference["tokens"]), reference["logits"][..., :VOCAB]) < 1e-5
+    monkeypatch.setenv("CKPT_MERGE_TORCH", "1")  # the torch path gives the torch-free path's bytes
+    merge(src, tmp_path / "torch", vocab_size=VOCAB, quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "torch")
+    monkeypatch.delenv("CKPT_MERGE_TORCH")
+    reshard(src, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)  # and via our format
+    merge(tmp_path / "ours", tmp_path / "again", quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "again")
+
+
+def test_inspect_names_the_pattern():
+    result = run("inspect", SAVES / "hybrid_gpt2_pp2" / "torch_dist", "--vocab-size", VOCAB)
+    assert result.exit_code == 0, result.output
+    assert "HybridModel" in result.output and "'*-|*-'" in result.output, result.output
+
+
+# ---------------------------------------------------------------- megatron-core 0.19.2 loads what we write
+def newest_or_skip():
+    sys.path.insert(0, str(TESTS))
+    import mcore_newest
+    if mcore_newest.location() is None:
+        pytest.skip("megatron-core 0.19.2 is not staged (scripts/setup_env.sh stages it into .venv)")
+    return mcore_newest
+
+
+def mcore_019_logits(tmp_path: Path, case: dict, load: Path, tokens: torch.Tensor, tag: str) -> dict:
+    """megatron-core 0.19.2 builds the case's model at the case's TP x PP, loads `load` with its own
+    dist_checkpointing.load (strict), and runs its forward: {logits, pattern, num_layers}."""
+    import json
+    mcore_newest = newest_or_skip()
+    torch.save(tokens, tmp_path / f"{tag}.tokens.pt")
+    cfg = {**case, "load": str(load), "tokens": str(tmp_path / f"{tag}.tokens.pt"), "out": str(tmp_path / f"{tag}.pt")}
+    (tmp_path / f"{tag}.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(case["tp"] * case["pp"]), mcore_newest.__file__, "load", str(tmp_path / f"{tag}.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(tmp_path / f"{tag}.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_megatron_core_019_loads_our_torch_dist_at_another_layout(tmp_path):
+    """A 0.19 GPTModel save (TP2, embedded common state) resharded by ckpt to TP1 x PP2 torch_dist: megatron-core
+    0.19.2 loads it strictly at TP1 x PP2 and gives the saving model's logits."""
+    mcore_newest = newest_or_skip()
+    reshard(SAVES / "gpt_llama_tp2" / "torch_dist", tmp_path / "out", tp=1, pp=2, vocab_size=VOCAB,
+            form="torch_dist", quiet=True)
+    reference = torch.load(SAVES / "gpt_llama_tp2" / "reference.pt", weights_only=True)
+    case = {**mcore_newest.CASES["gpt_llama_tp2"], "tp": 1, "pp": 2}
+    got = mcore_019_logits(tmp_path, case, tmp_path / "out", reference["tokens"], "gpt")
+    assert rel_err(got["logits"][..., :VOCAB], reference["logits"][..., :VOCAB]) < 1e-5
+
+
+# ---------------------------------------------------------------- bad input
+def _rewrite_common_state(src: Path, dst: Path, payload: bytes) -> Path:
+    """A copy whose common_state entry is `payload`, appended to its .distcp file and pointed to by .metadata."""
+    shutil.copytree(src, dst)
+    iter_dir = next(dst.glob("iter_*"))
+    with open(iter_dir / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own fixture, trusted: the test plants the entry
+    index = next(i for i in meta.storage_data if i.fqn == "common_state/shard_0_1")
+    info = meta.storage_data[index]
+    path = iter_dir / info.relative_path
+    info.offset, info.length = path.stat().st_size, len(payload)
+    with open(path, "ab") as f:
+        f.write(payload)
+    with open(iter_dir / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    return iter_dir / info.relative_path
+
+
+@pytest.mark.parametrize("verb", ["merge", "inspect"])
+def test_malicious_common_state_is_refused_and_never_runs(verb, tmp_path):
+    import io
+    marker = tmp_path / "MARKER"
+    buf = io.BytesIO()
+    torch.save([SystemCall(f"touch {marker}")], buf)
+    path = _rewrite_common_state(SAVES / "gpt_llama_tp2" / "torch_dist", tmp_path / "src", buf.getvalue())
+    out = tmp_path / "out"
+    args = ["merge", tmp_path / "src", out, "--vocab-size", VOCAB] if verb == "merge" else \
+        ["inspect", tmp_path / "src", "--vocab-size", VOCAB]
+    line = one_line_error(run(*args))
+    assert f"{path}: the common_state/shard_0_1 entry at byte" in line and "refused or unreadable" in line, line
+    assert not marker.exists()
+    assert_nothing_written(out)
+
+
+def test_common_state_not_a_list_is_one_line(tmp_path):
+    import io
+    buf = io.BytesIO()
+    torch.save({"args": None}, buf)
+    path = _rewrite_common_state(SAVES / "gpt_llama_tp2" / "torch_dist", tmp_path / "src", buf.getvalue())
+    line = one_line_error(run("merge", tmp_path / "src", tmp_path / "out", "--vocab-size", VOCAB))
+    assert line == (f"error: {path}: the common_state/shard_0_1 entry at byte {path.stat().st_size - len(buf.getvalue())} "
+                    f"holds dict, expected megatron-core's one-element list holding the common state dict: restore "
+                    f"the checkpoint from the source")
+    assert_nothing_written(tmp_path / "out")
+
+
+def _with_args(src: Path, dst: Path, **changes) -> None:
+    """A legacy-form copy whose every rank file's args are changed."""
+    shutil.copytree(src, dst)
+    for path in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        vars(state["args"]).update(changes)
+        torch.save(state, path)
+
+
+def test_pattern_disagreeing_with_the_keys_is_one_line_naming_both(tmp_path):
+    _with_args(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "src", hybrid_layer_pattern="-*-*")
+    line = one_line_error(run("merge", tmp_path / "src", tmp_path / "out", "--vocab-size", VOCAB))
+    assert "hybrid_layer_pattern '-*-*'" in line and "'-*'" in line and "expected an attention layer" in line, line
+    shutil.copytree(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "src2")  # every layer index one later
+    for path in (tmp_path / "src2").glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        state["model"] = {re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + 1}.", k): v
+                          for k, v in state["model"].items()}
+        torch.save(state, path)
+    line = one_line_error(run("merge", tmp_path / "src2", tmp_path / "out", "--vocab-size", VOCAB))
+    assert (f"{tmp_path / 'src2' / 'iter_0000007' / 'mp_rank_00' / 'model_optim_rng.pt'}: tensor "
+                           f"decoder.layers.1.input_layernorm.weight belongs to an attention block, but the layer pattern "
+                           f"makes index 1 an MLP layer") in line, line
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("pattern,symbol", [("M-M-", "'M'"), ("*-G-", "'G'"), ("*-D-", "'D'"), ("*-*-/*-", "'/'")])
+def test_blocks_not_read_yet_are_refused_naming_the_symbol(pattern, symbol, tmp_path):
+    _with_args(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "src", hybrid_layer_pattern=pattern)
+    for verb in (["merge", tmp_path / "src", tmp_path / "out"], ["reshard", tmp_path / "src", tmp_path / "out",
+                                                                  "--tp", "1", "--pp", "1"]):
+        line = one_line_error(run(*verb, "--vocab-size", VOCAB))
+        assert f"hybrid_layer_pattern {pattern!r}" in line and symbol in line, line
+        assert_nothing_written(tmp_path / "out")
+
+
+# ---------------------------------------------------------------- the pattern
+def test_pattern_places_each_table_layer_at_its_pair():
+    p = hybrid.Pattern.parse("*-*-|*-*-")
+    assert (p.num_layers, p.num_indices, p.moe, p.stage_counts(2)) == (4, 8, False, [2, 2])
+    assert hybrid.Pattern.parse("*E*E*E*E").stage_counts(2) == [2, 2]  # no '|': megatron-core's even split
+    expected = {
+        "decoder.layers.3.input_layernorm.weight": "decoder.layers.6.input_layernorm.weight",
+        "decoder.layers.3.self_attention.linear_qkv.weight": "decoder.layers.6.self_attention.linear_qkv.weight",
+        "decoder.layers.3.pre_mlp_layernorm.weight": "decoder.layers.7.pre_mlp_layernorm.weight",
+        "decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight":
+            "decoder.layers.7.mlp.experts.local_experts.2.linear_fc1.weight",
+        "decoder.final_layernorm.weight": "decoder.final_norm.weight",
+        "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    }
+    for key, stored in expected.items():
+        assert hybrid.to_hybrid(key) == stored and hybrid.from_hybrid(stored) == key
+    assert hybrid.Pattern.for_layers([1, 2], moe=True).text == "*E|*E*E"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("*-*", "layer indices 2-3 are '*'"),
+    ("*-*E", "dense ('-') and MoE ('E') MLPs mixed"),
+    ("*|-*-", "pipeline segment '*' splits an attention + MLP pair"),
+    ("*-x-", "layer symbol 'x' (not a layer symbol)"),
+    ("*-+-", "layer symbol '+' (multi-latent attention blocks"),
+])
+def test_pattern_refusals(text, message):
+    with pytest.raises(ConfigError, match=None) as e:
+        hybrid.Pattern.parse(text)
+    assert message in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="do not split into 4 pipeline stages"):
+        hybrid.Pattern.parse("*-*-").stage_counts(4)
