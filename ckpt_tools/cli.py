@@ -10,6 +10,7 @@ import click
 from ckpt_tools.errors import CkptError
 
 FORMS = ("ours", "torch_dist", "torch")  # to_megatron.CHOICES, without importing torch for --help
+MODELS = ("gpt", "hybrid")  # to_megatron.GPT, HYBRID
 
 
 def one_line(message: str) -> str:
@@ -220,17 +221,21 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
               help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch.")
 @click.option("--no-optimizer", is_flag=True, help="Write the weights only.")
+@click.option("--model", type=click.Choice(MODELS), default=None,
+              help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "
+                   "its --hybrid-layer-pattern '*-*-...'; torch_dist) Default: the source's.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_safety_opts
 @_quiet_opt
 @_team_opts
 @_handle_errors
 def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_stage: str | None,
-            vocab_size: int | None, form: str, no_optimizer: bool, force: bool, check_hashes: bool, no_preflight: bool,
-            quiet: bool, **launcher) -> None:
+            vocab_size: int | None, form: str, no_optimizer: bool, model: str | None, force: bool, check_hashes: bool,
+            no_preflight: bool, quiet: bool, **launcher) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
-    from ckpt_tools.to_megatron import check_ep_form
+    from ckpt_tools.to_megatron import check_ep_form, check_model_form
     check_ep_form(form, ep)
+    check_model_form(form, model)
     team = _team(**launcher)
     if team is None:
         return
@@ -239,13 +244,13 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
     if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
-                                    no_preflight, not no_optimizer, form, team, ep)
+                                    no_preflight, not no_optimizer, form, team, ep, model)
     if summary is None:
         from ckpt_tools.reshard import reshard as reshard_checkpoint
         _copying_process()
         summary = reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
                                      quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
-                                     optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team)
+                                     optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team, model=model)
     if team.lead:
         click.echo(summary)
 
@@ -263,16 +268,21 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
               help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch; weights only, 'release').")
 @click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
+@click.option("--model", type=click.Choice(MODELS), default=None,
+              help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "
+                   "its --hybrid-layer-pattern '*-*-...'; torch_dist) Default: gpt.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_quiet_opt
 @_team_opts
 @_handle_errors
 def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: str | None, dtype: str | None,
-            form: str, no_optimizer: bool, force: bool, quiet: bool, **launcher) -> None:
+            form: str, no_optimizer: bool, model: str | None, force: bool, quiet: bool, **launcher) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     from ckpt_tools.plan import DTYPE_OPTIONS
-    from ckpt_tools.to_megatron import check_ep_form
+    from ckpt_tools.to_megatron import check_ep_form, check_model_form
     check_ep_form(form, ep)
+    check_model_form(form, model)
+    model = model or "gpt"
     team = _team(**launcher)
     if team is None:
         return
@@ -281,7 +291,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep)
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep, model)
     if summary is None:
         import torch
 
@@ -290,7 +300,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
         summary = import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
                             dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
                             optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep,
-                            team=team)
+                            team=team, model=model)
     if team.lead:
         click.echo(summary)
 

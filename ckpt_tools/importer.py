@@ -22,15 +22,17 @@ from ckpt_tools.writers import dtype_name
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
-              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1, team: Team = SOLO) -> str:
+              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1, team: Team = SOLO,
+              model: str = to_megatron.GPT) -> str:
     """`copy_bytes`: for Megatron-LM's forms, copy the HF tensors' rows where formats.dist_copy takes them.
     `ep`: expert parallelism of the output (MoE models). `team`: the processes writing the output's files between
-    them (ckpt_tools.team)."""
+    them (ckpt_tools.team). `model`: the megatron-core model class of a Megatron-LM output, gpt or hybrid."""
     to_megatron.check_ep_form(form, ep)
+    to_megatron.check_model_form(form, None if model == to_megatron.GPT else model)
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
-                                      form, team, ep)
+                                      form, team, ep, model)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -65,7 +67,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     params_dtype = dtype or first.dtype
     if form != to_megatron.OURS:
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
-                                   quiet, start, team, ep) + tail
+                                   quiet, start, team, ep, model) + tail
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
@@ -105,7 +107,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
                         counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
-                        start: float, team: Team = SOLO, ep: int = 1) -> str:
+                        start: float, team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT) -> str:
     pp, current = len(counts), {}
 
     def shard_of(key: str, rank: int) -> torch.Tensor:
@@ -116,6 +118,7 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
             current[key] = shard_ops.split(key, full, spec, tp, pp)
         return current[key][rank]
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
-                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team, ep=ep)
+                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team, ep=ep,
+                               model=model)
     return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
                                 time.perf_counter() - start, ep)

@@ -83,9 +83,22 @@ def _torch_dtype(dtype: str):
 
 
 def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
-               iteration: int = 0, tokenizer: str | None = None, ep: int = 1) -> argparse.Namespace:
-    """The Namespace for `spec` at TP `tp` x PP len(counts) (x EP `ep`), weights of dtype name `dtype`."""
+               iteration: int = 0, tokenizer: str | None = None, ep: int = 1,
+               pattern: hybrid.Pattern | None = None) -> argparse.Namespace:
+    """The Namespace for `spec` at TP `tp` x PP len(counts) (x EP `ep`), weights of dtype name `dtype`; with a
+    `pattern`, a HybridModel's (pretrain_hybrid.py's --hybrid-layer-pattern: num_layers counts its indices, its
+    '|' segments give the pipeline split)."""
     check_expressible(spec)
+    args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
+    if pattern is not None:
+        vars(args).update(num_layers=pattern.num_indices, hybrid_layer_pattern=pattern.text, is_hybrid_model=True,
+                          spec=["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"],
+                          decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+    return args
+
+
+def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
+              iteration: int, tokenizer: str | None, ep: int) -> argparse.Namespace:
     rope = spec.position_embedding_type == "rope"
     gqa = spec.num_query_groups != spec.num_attention_heads
     pp = len(counts)

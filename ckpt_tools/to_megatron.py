@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import hf, io, layout, megatron_lm, output
+from ckpt_tools import hf, hybrid, io, layout, megatron_lm, output
 from ckpt_tools.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.formats.megatron_resume import ResumeState
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 OURS = "ours"
 CHOICES = (OURS, *FORMS)
+GPT, HYBRID = "gpt", "hybrid"  # --model: megatron-core's GPTModel or HybridModel
 
 
 def check_ep_form(form: str, ep: int | None) -> None:
@@ -36,6 +37,14 @@ def check_ep_form(form: str, ep: int | None) -> None:
     if form == TORCH_DIST and ep not in (None, 1):
         raise ConfigError(f"--ep {ep} does not apply to torch_dist: it holds each expert once and Megatron-LM loads "
                           f"it at any --expert-model-parallel-size; drop --ep")
+
+
+def check_model_form(form: str, model: str | None) -> None:
+    """--model names the megatron-core class of a Megatron-LM output; our format holds GPTModel's keys (refused
+    before anything is read or written)."""
+    if model is not None and form == OURS:
+        raise ConfigError(f"--model {model} applies to Megatron-LM's forms (--format torch_dist), not to ours, which "
+                          f"holds GPTModel's keys: drop --model or pass --format torch_dist")
 
 
 def target_ep(form: str, ep: int | None, source_ep: int = 1) -> int:
@@ -52,13 +61,29 @@ def check_optimizer_form(form: str, where: object) -> None:
                           f"a fresh optimizer)")
 
 
+def model_of(model: str | None, meta=None) -> str:
+    """The megatron-core model class a Megatron-LM output is saved for: the one asked for, else the source's (a
+    HybridModel's checkpoint stays one), else GPTModel."""
+    if model is not None:
+        return model
+    return HYBRID if meta is not None and meta.raw.get("hybrid_layer_pattern") else GPT
+
+
 def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
-          resume: ResumeState | None = None, where: object = None, ep: int = 1):
+          resume: ResumeState | None = None, where: object = None, ep: int = 1, model: str = "gpt"):
     """The args of the target (raises ConfigError for a target Megatron-LM cannot express). `ep` > 1: the legacy
-    form's dirs per EP rank (args.expert_model_parallel_size, which its writers read)."""
+    form's dirs per EP rank (args.expert_model_parallel_size, which its writers read). `model` hybrid: a
+    HybridModel's args (its pattern: the table's layers as attention + MLP pairs, a '|' segment per stage)."""
     if resume is not None:
         check_optimizer_form(form, where)
-    args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep))
+    pattern = None
+    if model == HYBRID:
+        if form != TORCH_DIST:
+            raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's torch_dist form only by "
+                              f"this version, not in {form}: pass --format torch_dist, or --model gpt to write a "
+                              f"GPTModel checkpoint of the same weights")
+        pattern = hybrid.Pattern.for_layers(counts, spec.is_moe)
+    args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern)
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
         args.no_save_optim, args.use_distributed_optimizer = False, True
@@ -68,12 +93,13 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
 def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
           shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
           carried_from: Path | None = None, hf_dir: bool = False, resume: ResumeState | None = None,
-          state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO, ep: int = 1) -> int:
+          state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO, ep: int = 1,
+          model: str = GPT) -> int:
     """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
     The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
     Megatron-LM ignores them and a later merge gives them back. In a team each process writes a run of the target
     ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only."""
-    args = check(spec, tp, counts, padded, dtype, form, resume, out, ep)
+    args = check(spec, tp, counts, padded, dtype, form, resume, out, ep, model)
     pp = len(counts)
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE

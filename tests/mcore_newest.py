@@ -12,7 +12,7 @@ CONFIG.json: {"kind": "gpt" | "hybrid", "model": ModelSpec fields, "tp": T, "pp"
 the logits go)}. save writes OUT/torch_dist/ (megatron-core 0.19 embeds the common state, args included, in the
 .distcp files: no common.pt), for a HybridModel also OUT/torch/ (Megatron-LM's legacy form: each rank's
 `state_dict_for_save_checkpoint()`), and OUT/reference.pt {tokens, logits} (megatron-core's own logits, fp32).
-load builds the model at this TP x PP, loads the save dir's iter dir with `dist_checkpointing.load` of its
+load builds the model at this TP x PP (a HybridModel with the pattern the checkpoint's args record), loads the save dir's iter dir with `dist_checkpointing.load` of its
 `sharded_state_dict()`, `load_state_dict(strict=True)`, and writes its logits and the loaded args' pattern.
 
 The wheel says Python >= 3.12; its Python code runs here when torch (and its compiler modules) is imported first
@@ -213,6 +213,8 @@ def load(cfg: dict) -> None:
         if (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() != "release" else save_dir / "release"
     common = dist_checkpointing.load_common_state_dict(str(iter_dir))
     padded = common["args"].padded_vocab_size
+    if cfg["kind"] == "hybrid":  # the pattern the checkpoint records, as --use-checkpoint-args takes it
+        cfg = {**cfg, "pattern": common["args"].hybrid_layer_pattern}
     model = build(cfg, padded).eval()
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
     model.load_state_dict(loaded["model"], strict=True)

@@ -105,6 +105,53 @@ def test_megatron_core_019_loads_our_torch_dist_at_another_layout(tmp_path):
     assert rel_err(got["logits"][..., :VOCAB], reference["logits"][..., :VOCAB]) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name,tp,pp,via", [
+    ("hybrid_llama_tp2", 1, 2, "reshard"),  # the byte path (dist_copy)
+    ("hybrid_gpt2_pp2", 2, 1, "reshard-torch"),  # the torch path; tied, LayerNorm, biases, learned positions
+    ("hybrid_mixtral_tp2", 1, 2, "import"),  # HF -> HybridModel: MoE layers' experts on their global axis
+])
+def test_megatron_core_019_hybrid_model_loads_what_we_write(name, tp, pp, via, tmp_path):
+    """A HybridModel checkpoint written by `ckpt reshard` (the source's class kept) or `ckpt import --model hybrid`,
+    at another TP x PP: megatron-core 0.19.2's HybridModel, built from the pattern the checkpoint records ('|' per
+    stage), loads it strictly and gives the saving model's logits."""
+    mcore_newest = newest_or_skip()
+    src = SAVES / name / "torch_dist"
+    out = tmp_path / "out"
+    if via == "import":
+        merge(src, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+        result = run("import", tmp_path / "hf", out, "--tp", tp, "--pp", pp, "--format", "torch_dist",
+                     "--model", "hybrid", "--quiet")
+    else:
+        result = run("reshard", src, out, "--tp", tp, "--pp", pp, "--format", "torch_dist", "--vocab-size", VOCAB,
+                     "--quiet", *(["--no-optimizer"] if via == "reshard" else []))
+        if via == "reshard-torch":
+            from ckpt_tools.reshard import reshard as reshard_torch
+            shutil.rmtree(out)
+            reshard_torch(src, out, tp=tp, pp=pp, vocab_size=VOCAB, form="torch_dist", copy_bytes=False, quiet=True)
+    assert result.exit_code == 0, result.output
+    reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
+    case = {**mcore_newest.CASES[name], "tp": tp, "pp": pp}
+    got = mcore_019_logits(tmp_path, case, out, reference["tokens"], name)
+    assert got["pattern"] == hybrid.Pattern.for_layers([2 // pp] * pp, "mixtral" in name).text
+    assert rel_err(got["logits"][..., :VOCAB], reference["logits"][..., :VOCAB]) < 1e-5
+
+
+def test_model_hybrid_refused_where_it_cannot_be_written(tmp_path):
+    src = SAVES / "hybrid_llama_tp2" / "torch_dist"
+    line = one_line_error(run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--format", "torch",
+                              "--vocab-size", VOCAB))
+    assert "a HybridModel checkpoint is written in Megatron-LM's torch_dist form only" in line and "--model gpt" in line
+    assert_nothing_written(tmp_path / "out")
+    result = run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--format", "torch", "--model", "gpt",
+                 "--vocab-size", VOCAB, "--quiet")
+    assert result.exit_code == 0, result.output
+    line = one_line_error(run("reshard", src, tmp_path / "ours", "--tp", "1", "--pp", "1", "--model", "hybrid",
+                              "--vocab-size", VOCAB))
+    assert line == ("error: --model hybrid applies to Megatron-LM's forms (--format torch_dist), not to ours, which holds "
+                    "GPTModel's keys: drop --model or pass --format torch_dist")
+
+
 # ---------------------------------------------------------------- bad input
 def _rewrite_common_state(src: Path, dst: Path, payload: bytes) -> Path:
     """A copy whose common_state entry is `payload`, appended to its .distcp file and pointed to by .metadata."""

@@ -36,7 +36,6 @@ from ckpt_tools.errors import CkptError
 from ckpt_tools.formats import legacy_copy
 from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
-from ckpt_tools.formats.torch_dist import stacked_key
 from ckpt_tools.ranks import TP, Rank
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
@@ -48,7 +47,7 @@ STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST,
-            team: Team = SOLO, ep: int | None = None) -> str | None:
+            team: Team = SOLO, ep: int | None = None, model: str | None = None) -> str | None:
     """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
     apply. The legacy torch form is written by formats/legacy_copy.py, weights only, at EP `ep` (None: the source's).
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
@@ -61,7 +60,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         # a Megatron-LM optimizer is decoded with torch
         go = None if source is None or (optimizer and source.megatron_optimizer) else \
             _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
-                     team, ep)
+                     team, ep, model)
         if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
             return None
         return go()
@@ -72,7 +71,8 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
              quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
-             form: str = TORCH_DIST, team: Team = SOLO, ep: int | None = None) -> Callable[[], str] | None:
+             form: str = TORCH_DIST, team: Team = SOLO, ep: int | None = None,
+             model: str | None = None) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta, spec = source.meta, source.meta.spec
     with_opt = optimizer and _has_optimizer(meta)
@@ -87,12 +87,13 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
     except (Declined, Unreadable, CkptError, OSError):
         return None
     return lambda: _reshard_copy(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, start, form,
-                                 team, fields, step, fresh, to_megatron.target_ep(form, ep, meta.ep_size))
+                                 team, fields, step, fresh, to_megatron.target_ep(form, ep, meta.ep_size),
+                                 to_megatron.model_of(model, meta))
 
 
 def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
                   quiet: bool, check_hashes: bool, no_preflight: bool, start: float, form: str, team: Team,
-                  fields: dict, step: float | None, fresh: bool, ep: int = 1) -> str:
+                  fields: dict, step: float | None, fresh: bool, ep: int = 1, model: str = to_megatron.GPT) -> str:
     # what is refused here is refused as the torch path refuses it, in its words
     meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
@@ -106,7 +107,7 @@ def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers:
         consumed = int(meta.raw.get("consumed_samples") or 0)
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
-    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep)
+    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model)
     nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form, team)
     summary = to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, None, nbytes,
                                     time.perf_counter() - start, ep)
@@ -179,7 +180,7 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
     """One source shard (of `src_tp`) as the chunks of the global tensor it is part of, its bytes copied from its
     file."""
     meta, spec = source.meta, source.meta.spec
-    fqn, layer = stacked_key(key)
+    fqn, layer = writer.stored(key)
     if field is not None:
         fqn = state_key(field, fqn)
     src_padded = meta.padded_vocab
@@ -231,7 +232,7 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
-              team: Team = SOLO, ep: int = 1) -> str | None:
+              team: Team = SOLO, ep: int = 1, model: str = "gpt") -> str | None:
     """importer.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
@@ -247,7 +248,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
-    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out, ep)
+    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out, ep, model)
     nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
     summary = to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
                                    time.perf_counter() - start, ep)
@@ -326,7 +327,7 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
     block would have to be gathered in memory. torch_dist does not tie chunks to the loading layout: Megatron-LM
     loads each rank's columns from the row chunks they cross, at any TP, as it loads any other save."""
     spec = writer.spec
-    fqn, layer = stacked_key(key)
+    fqn, layer = writer.stored(key)
     full = layout.full_shape(key, spec, padded, writer.pp)
     rule = layout.find_rule(key, spec, writer.pp)
     if rule.dim == 1:

@@ -26,10 +26,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import io, layout, megatron_lm, shard_ops, torchsave
+from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
-from ckpt_tools.formats.torch_dist import lead_shape, stacked_key
+from ckpt_tools.formats.torch_dist import Placed, stored_candidates
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -66,6 +66,7 @@ class DistWriter:
         files."""
         self.dir, self.spec, self.tp, self.counts, self.padded, self.args = iter_dir, spec, tp, counts, padded, args
         self.pp = len(counts)
+        self.by_pattern = hybrid.pattern_of(args) is not None  # a HybridModel's keys: one per layer index
         self._saving_tp, self._saving_ep = saving_tp or tp, saving_ep
         self._files: dict[Rank, list] = {}  # rank -> [file name, fd, end, end at the last writeback start]
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
@@ -147,7 +148,7 @@ class DistWriter:
         spec = self.spec
         if not self.saves(key, rank):
             return
-        fqn, layer = stacked_key(key)
+        fqn, layer = self.stored(key)
         if field is not None:
             fqn = megatron_resume.state_key(field, fqn)
         full = layout.full_shape(key, spec, self.padded, self.pp)
@@ -167,24 +168,30 @@ class DistWriter:
             return False
         return TP in layout.find_rule(key, self.spec, self.pp).axes or rank.tp == 0
 
-    def placed(self, key: str, layer: tuple[int, ...] | None, full: tuple[int, ...],
+    def stored(self, key: str) -> tuple[str, Placed]:
+        """The key of a layout-table key in megatron-core's sharded state dict, and its place on the stacked leading
+        axes (GPTModel: layer, expert; HybridModel: an MoE layer's expert)."""
+        return stored_candidates(key, self.spec, self.by_pattern)[0]
+
+    def placed(self, key: str, layer: Placed, full: tuple[int, ...],
                p: shard_ops.Piece) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key` (layer: its
-        indices on the stacked leading axes, layer and expert, None for a tensor outside the layers)."""
-        lead = layer or ()
-        shape = lead_shape(self.spec, layer) + full
+        (index, size) on the stacked leading axes, as `stored` gives it)."""
+        lead = tuple(i for i, _ in layer)
+        shape = tuple(n for _, n in layer) + full
         offsets = lead + tuple(p.start if d == p.dim else 0 for d in range(len(full)))
         sizes = (1,) * len(lead) + tuple(p.stop - p.start if d == p.dim else n for d, n in enumerate(full))
         return offsets, sizes, shape
 
     def put_extra(self, pp_rank: int, key: str) -> None:
         """A layer's `_extra_state` (None for megatron-core's own layers): one object per layer, TP rank 0's."""
-        fqn, layer = stacked_key(key)
-        if layer is None:
-            return  # the output layer's extra state is not part of megatron-core's sharded state dict
+        if layout.layer_index(key) is None and not self.by_pattern:
+            return  # GPTModel's sharded state dict holds no output layer's extra state (HybridModel's does)
+        fqn, layer = self.stored(key)
         # megatron-core stores an object as the list of its (one) local values, named by its place on the stacked
-        # axes: shard_<layer>_<layers>, an expert's shard_<layer>.<expert>_<layers>.<experts>
-        where = ".".join(map(str, layer)), ".".join(map(str, lead_shape(self.spec, layer)))
+        # axes: shard_<layer>_<layers>, an expert's shard_<layer>.<expert>_<layers>.<experts>; a HybridModel's layer
+        # (one key per index) shard_0_1, its expert's shard_<expert>_<experts>
+        where = ".".join(str(i) for i, _ in layer) or "0", ".".join(str(n) for _, n in layer) or "1"
         self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{where[0]}_{where[1]}", [None])
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:

@@ -89,6 +89,8 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
             return [(f"{_LAYERS}{j}.mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):],
                      ((e, spec.num_moe_experts),))]
         fused = names.to_te(name)
+        if spec.is_moe and name.startswith("pre_mlp_layernorm."):
+            fused = name  # an MoE layer's norm is a module of its own (TENorm), not fused into a linear
         return [(f"{_LAYERS}{j}.{fused}", ())] + ([(f"{_LAYERS}{j}.{name}", ())] if fused != name else [])
     i = layout.layer_index(key)
     if i is None:
