@@ -266,3 +266,30 @@ def test_pattern_refusals(text, message):
     assert message in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="do not split into 4 pipeline stages"):
         hybrid.Pattern.parse("*-*-").stage_counts(4)
+
+
+# ---------------------------------------------------------------- no megatron-core in the verbs
+def test_the_verbs_import_no_megatron_core(tmp_path):
+    """inspect, merge (both paths), reshard (into ours and into torch_dist), import and verify's own process read and
+    write HybridModel and GPTModel checkpoints without importing megatron-core: it is the trainer's dependency only
+    (verify's forward passes run the trainer in processes of their own)."""
+    import os
+    src = SAVES / "hybrid_mixtral_tp2" / "torch_dist"
+    env = {**os.environ, "CKPT_MERGE_TORCH": "1"}
+    commands = [
+        ["inspect", src, "--vocab-size", VOCAB, "--tensors"],
+        ["merge", src, tmp_path / "hf", "--vocab-size", VOCAB, "--quiet"],
+        ["reshard", src, tmp_path / "ours", "--tp", "1", "--pp", "2", "--vocab-size", VOCAB, "--quiet"],
+        ["reshard", SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "dist", "--tp", "1", "--pp", "2", "--format",
+         "torch_dist", "--vocab-size", VOCAB, "--quiet"],
+        ["import", tmp_path / "hf", tmp_path / "imported", "--tp", "2", "--format", "torch_dist", "--model", "hybrid",
+         "--quiet"],
+        ["verify", tmp_path / "ours", tmp_path / "hf", "--device", "cpu", "--batch", "1", "--seq-len", "8"],
+    ]
+    for args in commands:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckpt_tools.cli", *map(str, args)],
+                              capture_output=True, text=True, env=env, cwd=TESTS.parent, timeout=300)
+        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+        imported = [line for line in proc.stderr.splitlines() if "| " in line and " megatron" in line]
+        assert not imported, (args[0], imported[:3])
+        env.pop("CKPT_MERGE_TORCH", None)
