@@ -299,7 +299,7 @@ class ByteSource:
                 for s in ts[1:] for a, b in zip(s.whole, ts[0].whole)]
 
     def check_hashes(self, team: Team = SOLO) -> None:
-        """--check-hashes: the sha256 of every file meta.json records (Megatron-LM records none)."""
+        """--check-hashes: the content hash of every file meta.json records (Megatron-LM records none)."""
         if self.ours:
             checkpoint.check_hashes(self.meta, team)
 

@@ -155,8 +155,9 @@ def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
     if raw.get("config") is not None and not isinstance(raw["config"], dict):
         refuse("config", raw["config"], "an object")
     for name, record in files.items():
-        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and isinstance(record.get("sha256"), str)):
-            refuse(f"files.{name}", record, 'a record {"size": bytes, "sha256": hex digest}')
+        hashes = [k for k in io.HASHES if isinstance(record, dict) and isinstance(record.get(k), str)]
+        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and len(hashes) == 1):
+            refuse(f"files.{name}", record, f'a record {{"size": bytes, "{io.HASH}" (or "sha256"): hex digest}}')
 
 
 def resolve(src: str | Path) -> Path:
@@ -218,7 +219,7 @@ def size_problem(meta: Meta, path: Path) -> str | None:
 
 
 def check_files(meta: Meta, names: Container[str] | None = None) -> list[str]:
-    """Every file meta.json records (or those of them in `names`): present, the recorded size, the recorded sha256."""
+    """Every file meta.json records (or those of them in `names`): present, the recorded size, the recorded hash."""
     problems = []
     for name, rec in meta.raw.get("files", {}).items():
         if names is not None and name not in names:
@@ -228,8 +229,8 @@ def check_files(meta: Meta, names: Container[str] | None = None) -> list[str]:
             problems.append(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
         elif size_problem(meta, path):
             problems.append(size_problem(meta, path))
-        elif io.sha256_file(path) != rec.get("sha256"):
-            problems.append(f"{path}: sha256 differs from meta.json: the file changed after it was saved; "
+        elif io.hash_file(path, algorithm := next(k for k in io.HASHES if k in rec)) != rec[algorithm]:
+            problems.append(f"{path}: {algorithm} differs from meta.json: the file changed after it was saved; "
                             f"restore it from the source checkpoint")
     return problems
 
@@ -281,7 +282,7 @@ def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: C
 
 
 def file_record(path: Path) -> dict:
-    return {"size": path.stat().st_size, "sha256": io.sha256_file(path)}
+    return {"size": path.stat().st_size, io.HASH: io.hash_file(path)}
 
 
 def meta_checksum(meta: dict) -> str:

@@ -140,7 +140,7 @@ def _quiet_opt(fn):
 def _safety_opts(fn):
     fn = click.option("--no-preflight", is_flag=True, help="Skip the free-disk check before writing.")(fn)
     return click.option("--check-hashes", is_flag=True,
-                        help="Check every file's sha256 against meta.json before writing.")(fn)
+                        help="Check every file's size and content hash against meta.json before writing.")(fn)
 
 
 @main.command()

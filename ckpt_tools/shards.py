@@ -76,7 +76,7 @@ class Reader:
         return None
 
     def check_hashes(self, team: Team = SOLO) -> None:
-        """sha256 of every file the checkpoint records (merge/reshard --check-hashes, verify tier 1)."""
+        """The content hash of every file the checkpoint records (merge/reshard --check-hashes, verify tier 1)."""
 
     def file_problems(self, team: Team = SOLO) -> tuple[int, list[str]]:
         """(files the checkpoint records sizes and hashes of, the problems found checking them; in a team, this
@@ -199,7 +199,7 @@ class ShardSet(Reader):
         return io.load_file(path, mmap=False)
 
     def check_hashes(self, team: Team = SOLO) -> None:
-        """sha256 of every file meta.json records (merge/reshard --check-hashes, verify tier 1)."""
+        """The content hash of every file meta.json records (merge/reshard --check-hashes, verify tier 1)."""
         fmt.check_hashes(self.meta, team)
 
     def _state(self, kind: str, rank: Rank) -> dict:

@@ -60,7 +60,7 @@ class Target:
         self.mine: set[Rank] | None = None  # the ranks whose files this process writes (a team's share; None: all)
         self.pp = len(counts)
         self.optimizer = optimizer
-        # hashes and fsyncs finished files while the next ones are written (sha256 runs at ~2 GB/s a core)
+        # hashes and fsyncs finished files while the next ones are written
         self._pool = ThreadPoolExecutor(min(8, max(2, os.cpu_count() or 2)))
         self._hashes: dict[str, Future] = {}  # file name (in the checkpoint dir) -> its meta.json record
         self._open: set[str] = set()  # files of open_file() not closed yet
@@ -209,7 +209,7 @@ def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
         return growth.ready(pos)
     try:
         try:
-            record = {"sha256": io.sha256_file(fd, ready=ready)}
+            record = {io.HASH: io.hash_file(fd, ready=ready)}
         finally:
             growth.finish()
         record = {"size": os.fstat(fd).st_size, **record}

@@ -286,7 +286,7 @@ class _Archive:
 
     def _read(self, name: str) -> bytes:
         """A record's bytes, its CRC not checked: torch does not check it (our writer leaves it 0; the
-        integrity check is meta.json's sha256), and this reader must read what torch reads."""
+        integrity check is meta.json's content hash), and this reader must read what torch reads."""
         offset, nbytes = self._record(name)
         data = self.pread(self.fd, nbytes, offset)
         if len(data) != nbytes:

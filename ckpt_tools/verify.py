@@ -2,7 +2,7 @@
 
 Tier 1 (weights): every tensor of OTHER equals the join of SRC's shards after the documented
   transforms (QKV / gate-up split, vocab trim, GPT-2 transpose), bit for bit when dtypes match;
-  every source tensor used once, none missing, none extra. Without OTHER: sizes and sha256 against
+  every source tensor used once, none missing, none extra. Without OTHER: sizes and content hashes against
   meta.json, and every shard's keys and shapes against the layout table.
 Tier 2 (hidden states): SRC's sharded model at its native TP x PP (torchrun) and OTHER's model
   (transformers for an HF dir, the trainer's model for shards) on the same tokens; the FIRST layer
@@ -82,7 +82,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def integrity(src: Reader, tier: Tier, team: Team = SOLO) -> None:
-    """Sizes and sha256 of every recorded file (in a team, each process its run of the files); every shard's keys and
+    """Sizes and content hashes of every recorded file (in a team, each process its run of the files); every shard's keys and
     shapes as the layout table says."""
     meta = src.meta
     recorded, file_problems = src.file_problems(team)
@@ -90,11 +90,11 @@ def integrity(src: Reader, tier: Tier, team: Team = SOLO) -> None:
     for problem in file_problems:
         tier.fail(problem)
     if recorded:
-        tier.lines.append(f"{recorded} files: sizes and sha256 checked against meta.json")
+        tier.lines.append(f"{recorded} files: sizes and content hashes checked against meta.json")
     problems = src.validate()
     for p in problems:
         tier.fail(p)
-    tier.src_loads = not problems  # a file that only differs from its sha256 record still runs, to name the layer
+    tier.src_loads = not problems  # a file that only differs from its hash record still runs, to name the layer
     tier.lines.append(f"{meta.tp_size * meta.pp_size} model shards: keys and shapes checked against the layout table"
                       + (f" ({len(problems)} problem(s))" if problems else ""))
 

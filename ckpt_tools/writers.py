@@ -145,7 +145,7 @@ class TorchFileWriter:
     def __init__(self, path: str | Path):
         import torch
         self.path = Path(path)
-        self._zip = torch._C.PyTorchFileWriter(str(self.path), False, 64)  # integrity: sha256 in meta.json
+        self._zip = torch._C.PyTorchFileWriter(str(self.path), False, 64)  # integrity: the content hash in meta.json
         self._count = 0
         self.nbytes = 0
         self._holes: list[tuple[str, list[tuple[int, int, int]]]] = []  # (record, [(fd, offset, nbytes)])
@@ -294,7 +294,7 @@ class TorchFileWriter:
 
 class Growth:
     """How far a TorchFileWriter's file is final while it is still being written, for a hash that follows the writer
-    (io.sha256_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends (its
+    (io.hash_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends (its
     write callback refuses any write that is not at the end): each record in order, a reserved record skipped over
     forward, the end of the archive last. So the bytes before the file's current end are final, up to the first record
     reserved for copies (tensor_from_files); from the close on, the Filling of those copies says how far. The writer

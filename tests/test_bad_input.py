@@ -80,7 +80,7 @@ def _(b, tmp):
 def _(b, tmp):
     ck = _copy(b, tmp)
     shutil.copy(ckpt_of(b.other) / M(1, 0), ck / M(1, 0))
-    return (["merge", ck, tmp / OUT, "--check-hashes"], [f"{M(1, 0)}: sha256 differs from meta.json"], tmp / OUT)
+    return (["merge", ck, tmp / OUT, "--check-hashes"], [f"{M(1, 0)}: xxh3_128 differs from meta.json"], tmp / OUT)
 
 
 @case("shard of another checkpoint (same size), no hashes: TP replicas differ", "reshard")
@@ -124,7 +124,7 @@ def _(b, tmp):
     ck = _copy(b, tmp)
     flip_tensor_bytes(ck / M(0, 1))
     return (["merge", ck, tmp / OUT, "--format", "safetensors", "--check-hashes"],
-            [f"{M(0, 1)}: sha256 differs from meta.json"], tmp / OUT)
+            [f"{M(0, 1)}: xxh3_128 differs from meta.json"], tmp / OUT)
 
 
 @case("flipped bytes in optimizer tensor data, --check-hashes", "reshard")
@@ -132,7 +132,7 @@ def _(b, tmp):
     ck = _copy(b, tmp)
     flip_tensor_bytes(ck / O(1, 0))
     return (["reshard", ck, tmp / OUT, "--tp", "1", "--pp", "1", "--check-hashes"],
-            [f"{O(1, 0)}: sha256 differs from meta.json"], tmp / OUT)
+            [f"{O(1, 0)}: xxh3_128 differs from meta.json"], tmp / OUT)
 
 
 @case("flipped bytes in tensor data", "verify", table=True)
@@ -140,7 +140,7 @@ def _(b, tmp):
     ck = _copy(b, tmp, "single")  # TP1 x PP1: its forward passes (which still run) are one process each
     flip_tensor_bytes(ck / M(0, 0))
     return (["verify", ck, "--device", "cpu", "--batch", "1", "--seq-len", "16"],
-            ["verify failed: tier 1", f"{M(0, 0)}: sha256 differs"], None)
+            ["verify failed: tier 1", f"{M(0, 0)}: xxh3_128 differs"], None)
 
 
 @case("missing model shard", "verify", table=True)

@@ -110,7 +110,7 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     weights."""
     from ckpt_tools import verify
     from ckpt_tools.checkpoint import Meta
-    from ckpt_tools.io import sha256_file
+    from ckpt_tools.io import hash_file
     src = hf_dirs["mixtral"]
     import_hf(src, tmp_path / "ep2", tp=2, pp=2, ep=2, quiet=True)
     ep2 = tmp_path / "ep2" / "checkpoint-0"
@@ -125,7 +125,7 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     back, direct = tmp_path / "back" / "checkpoint-0", tmp_path / "direct" / "checkpoint-0"
     names = sorted(p.name for p in direct.glob("*.bin"))
     assert names == sorted(p.name for p in back.glob("*.bin")) and len(names) == 8
-    assert all(sha256_file(back / n) == sha256_file(direct / n) for n in names)
+    assert all(hash_file(back / n) == hash_file(direct / n) for n in names)
     merge(tmp_path / "ep4", tmp_path / "merged", quiet=True)
     original = load_safetensors(src / "model.safetensors")
     merged = load_safetensors(tmp_path / "merged" / "model.safetensors")

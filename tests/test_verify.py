@@ -65,7 +65,7 @@ def test_one_changed_element_is_named_in_tier1_and_its_layer_in_tier2(llama_run,
     assert code == 1
     assert "differs: decoder.layers.2.mlp.linear_fc2.weight -> model.layers.2.mlp.down_proj.weight: 1 element(s)" in out
     assert "layer 2 is the first layer whose hidden states differ" in out
-    assert "pytorch_model_tp_1_pp_1.bin: sha256 differs from meta.json" in out  # same size, other bytes
+    assert "pytorch_model_tp_1_pp_1.bin: xxh3_128 differs from meta.json" in out  # same size, other bytes
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: verify failed: tier 1 weights: tensor decoder.layers.2.mlp.linear_fc2.weight")
 
@@ -198,3 +198,28 @@ def test_values_that_are_not_finite_never_pass():
                                      v.TOLERANCES["bf16"])
     assert not v.tier2({"layer 0": good}, {"layer 0": bad}, ["layer 0"], hidden).ok
     assert not v.tier3(good, bad * float("inf"), tokens, logits).ok
+
+
+def test_a_checkpoint_with_sha256_records_still_verifies_and_its_damage_is_named(llama_run, tmp_path):
+    """Manifests written before XXH3-128 hold sha256 records: tier 1 checks them by sha256 (hashlib's own digest),
+    passes when the bytes match and names the file whose bytes changed."""
+    import hashlib
+    import json
+
+    from ckpt_tools import checkpoint as fmt
+    old = tmp_path / "old"
+    shutil.copytree(llama_run[0] / "checkpoint-8", old)
+    meta = json.loads((old / fmt.META).read_text())
+    meta.pop("checksum")
+    meta["files"] = {n: {"size": r["size"], "sha256": hashlib.sha256((old / n).read_bytes()).hexdigest()}
+                     for n, r in meta["files"].items()}
+    fmt.write_meta(old / fmt.META, meta)
+    code, out = verify(old)
+    assert code == 0, out
+    assert "files: sizes and content hashes checked against meta.json" in out
+    shard = old / "pytorch_model_tp_0_pp_0.bin"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 1  # one flipped bit: the size is unchanged, only the hash can tell
+    shard.write_bytes(bytes(data))
+    code, out = verify(old)
+    assert code == 1 and "pytorch_model_tp_0_pp_0.bin: sha256 differs from meta.json" in out, out

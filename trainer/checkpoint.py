@@ -1,7 +1,7 @@
 """Save and resume the trainer's state in our checkpoint format (DESIGN.md Contract 2).
 
 Every (tp, pp) rank of data-parallel rank 0 writes its own three files into a temp dir; global
-rank 0 then writes meta.json (with the size and sha256 of every file), renames the dir and
+rank 0 then writes meta.json (with the size and content hash of every file), renames the dir and
 updates `latest` last. A crash at any point leaves the previous checkpoint and `latest` intact.
 """
 from __future__ import annotations
