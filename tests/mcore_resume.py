@@ -61,7 +61,10 @@ def keep_torch_adam_step() -> None:
     mdo.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
-def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: str = "bfloat16"):
+def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: str = "bfloat16", lr: float = LR,
+          min_lr: float = MIN_LR):
+    """megatron-core's GPTModel, DDP, distributed optimizer and schedule. `lr`, `min_lr`: the run's --lr and --min-lr
+    (a resumed run passes the checkpoint's: megatron-core 0.19 pairs saved and current param groups by them too)."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
@@ -76,10 +79,10 @@ def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: 
     gpt.config.bf16, gpt.config.params_dtype = bf16, getattr(torch, dtype)
     ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), gpt)
-    config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, bf16=bf16,
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=WD, bf16=bf16,
                              params_dtype=getattr(torch, dtype), use_distributed_optimizer=True, clip_grad=1.0)
     opt = get_megatron_optimizer(config, [ddp], config_overrides=get_standard_config_overrides(config))
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=2 * GBS,
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=2 * GBS,
                                     lr_decay_steps=10 * GBS, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
                                     wd_incr_steps=10 * GBS, wd_incr_style="constant",
                                     use_checkpoint_opt_param_scheduler=False,
@@ -214,7 +217,9 @@ def run_ours(ours: Path, out: Path, result: dict) -> None:
     result["ours_line"] = reshard(ours, out / "ours_dst", tp=2, pp=2, quiet=True, form="torch_dist")
     reshard(ours, out / "ours_tp1", tp=1, pp=1, quiet=True)  # its optimizer state whole, as a plain file
     name = f"iter_{iteration:07d}"
-    gpt, ddp, opt, sched = build(spec, padded, 999, override_schedule=True, dtype=reader.meta.params_dtype)
+    config = reader.meta.raw.get("config") or {}  # the trainer's run: Megatron-LM resumes it with its --lr, --min-lr
+    gpt, ddp, opt, sched = build(spec, padded, 999, override_schedule=True, dtype=reader.meta.params_dtype,
+                                 lr=float(config.get("lr", LR)), min_lr=float(config.get("min_lr", MIN_LR)))
     result["ours_iteration"] = load(gpt, opt, sched, out / "ours_dst" / name)
     from megatron.core import dist_checkpointing
     (out / "ref_ours" / name).mkdir(parents=True)

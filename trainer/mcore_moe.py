@@ -61,8 +61,11 @@ def build(spec: ModelSpec, config: TransformerConfig, ep_size: int) -> nn.Module
         activation_func=F.silu if spec.activation == "swiglu" else functools.partial(F.gelu, approximate="tanh"),
         bias_activation_fusion=False, moe_grouped_gemm=False)
     mlp = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
-    assert mlp.module is MoELayer, mlp.module
-    layer = Layer(config=moe_config, submodules=mlp.submodules)
+    # a ModuleSpec up to megatron-core 0.18, functools.partial(MoELayer, submodules=...) since 0.19
+    module, submodules = (mlp.func, mlp.keywords["submodules"]) if isinstance(mlp, functools.partial) else \
+        (mlp.module, mlp.submodules)
+    assert module is MoELayer, module
+    layer = Layer(config=moe_config, submodules=submodules)
     for p in layer.experts.parameters():
         p.expert = True  # reduced over the expert-data-parallel ranks, not all data-parallel ones
     return layer
