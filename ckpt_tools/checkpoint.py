@@ -155,8 +155,7 @@ def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
     if raw.get("config") is not None and not isinstance(raw["config"], dict):
         refuse("config", raw["config"], "an object")
     for name, record in files.items():
-        hashes = [k for k in io.HASHES if isinstance(record, dict) and isinstance(record.get(k), str)]
-        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and len(hashes) == 1):
+        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and io.record_hash(record)):
             refuse(f"files.{name}", record, f'a record {{"size": bytes, "{io.HASH}" (or "sha256"): hex digest}}')
 
 
@@ -229,8 +228,11 @@ def check_files(meta: Meta, names: Container[str] | None = None) -> list[str]:
             problems.append(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
         elif size_problem(meta, path):
             problems.append(size_problem(meta, path))
-        elif io.hash_file(path, algorithm := next(k for k in io.HASHES if k in rec)) != rec[algorithm]:
-            problems.append(f"{path}: {algorithm} differs from meta.json: the file changed after it was saved; "
+        elif (recorded := io.record_hash(rec)) is None:
+            problems.append(f"{path}: meta.json's record {rec!r:.80} names no content hash ({' or '.join(io.HASHES)})"
+                            f": restore meta.json from the source checkpoint")
+        elif io.hash_file(path, recorded[0]) != recorded[1]:
+            problems.append(f"{path}: {recorded[0]} differs from meta.json: the file changed after it was saved; "
                             f"restore it from the source checkpoint")
     return problems
 

@@ -10,7 +10,7 @@ import click
 from ckpt_tools.errors import CkptError
 
 FORMS = ("ours", "torch_dist", "torch")  # to_megatron.CHOICES, without importing torch for --help
-MODELS = ("gpt", "hybrid")  # to_megatron.GPT, HYBRID
+MODELS = ("gpt", "hybrid")  # to_megatron.GPT, HYBRID, without importing torch for --help
 
 
 def one_line(message: str) -> str:

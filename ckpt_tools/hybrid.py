@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ckpt_tools.errors import ConfigError
 
 ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
+PATTERN = "hybrid_layer_pattern"  # Megatron-LM's argument; a Megatron-LM source's Meta.raw keeps it under this key
 _UNSUPPORTED = {"M": "Mamba-2", "G": "gated DeltaNet", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
 # a layer tensor's block, by its name within the layer (the layout table's local-spec names)
 _ATTENTION_PARTS = ("input_layernorm.", "self_attention.")
@@ -64,10 +65,13 @@ class Pattern:
         segments = None
         if PIPE in text:
             segments = tuple(len(s) for s in text.split(PIPE))
-            odd = [s for s in text.split(PIPE) if len(s) % 2 or not s]
-            if odd:
-                raise ConfigError(f"{where} {text!r}: pipeline segment {odd[0]!r} splits an attention + MLP pair: "
-                                  f"this version reads segments of whole pairs")
+            for i, segment in enumerate(text.split(PIPE)):
+                if not segment:
+                    raise ConfigError(f"{where} {text!r}: pipeline segment {i} is empty (a stage without layers), "
+                                      f"which this version does not read: every stage holds attention + MLP pairs")
+                if len(segment) % 2:
+                    raise ConfigError(f"{where} {text!r}: pipeline segment {segment!r} splits an attention + MLP "
+                                      f"pair: this version reads segments of whole pairs")
         return cls(text, MOE in kinds, segments)
 
     @classmethod
@@ -87,20 +91,36 @@ class Pattern:
         """The layout table's layers (attention + MLP pairs)."""
         return self.num_indices // 2
 
-    def stage_counts(self, pp_size: int) -> list[int]:
-        """Layout-table layers on each PP stage: the pattern's segments, or megatron-core's even split of its layer
-        indices when it has none (each stage's share must be whole pairs)."""
+    def stage_counts(self, pp_size: int, first: int | None = None, last: int | None = None) -> list[int]:
+        """Layout-table layers on each PP stage: the pattern's segments, or, when it has none, megatron-core's split
+        of its layer indices (select_pipeline_segment: even, or `first` / `last` indices on the first / last stage
+        and the rest even); each stage's share must be whole pairs."""
         if self.segments is not None:
             if len(self.segments) != pp_size:
                 raise ConfigError(f"hybrid_layer_pattern {self.text!r} has {len(self.segments)} pipeline segments "
                                   f"but pipeline_model_parallel_size is {pp_size}: virtual pipeline stages are not "
                                   f"read by this version")
+            if first is not None or last is not None:
+                raise ConfigError(f"hybrid_layer_pattern {self.text!r} has '|' segments and the args set "
+                                  f"decoder_first/last_pipeline_num_layers too: megatron-core refuses both at once")
             return [n // 2 for n in self.segments]
         n = self.num_indices
-        if n % pp_size or (n // pp_size) % 2:
+        ends = [x for x in (first, last) if x is not None]
+        middle = pp_size - len(ends)
+        rest = n - sum(ends)
+        if (middle and rest % middle) or (not middle and rest) or rest < 0:
             raise ConfigError(f"hybrid_layer_pattern {self.text!r}: its {n} layer indices do not split into "
-                              f"{pp_size} pipeline stages of whole attention + MLP pairs")
-        return [n // pp_size // 2] * pp_size
+                              f"{pp_size} pipeline stages (first {first}, last {last}): the args are inconsistent")
+        counts = [rest // middle if middle else 0] * pp_size
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        if any(c % 2 or c == 0 for c in counts):
+            raise ConfigError(f"hybrid_layer_pattern {self.text!r}: its {n} layer indices split into stages of "
+                              f"{counts} indices, not whole attention + MLP pairs on every stage, which this version "
+                              f"reads")
+        return [c // 2 for c in counts]
 
 
 def to_hybrid(key: str) -> str:
@@ -137,9 +157,20 @@ def _block(key: str, name: str) -> int:
 
 
 def pattern_of(args) -> Pattern | None:
-    """The pattern a Megatron-LM Namespace records (None: a GPTModel run)."""
-    text = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+    """The pattern a Megatron-LM Namespace records (None: a GPTModel run). A HybridModel's args without one (the
+    deprecated attention / MLP ratios) are refused."""
+    text = getattr(args, PATTERN, None) or getattr(args, "hybrid_override_pattern", None)
     if text is None:
+        ratios = [k for k in ("hybrid_attention_ratio", "hybrid_mlp_ratio") if getattr(args, k, None)]
+        if ratios or getattr(args, "is_hybrid_model", False):
+            raise ConfigError(f"a HybridModel's args without a layer pattern ({', '.join(ratios) or 'is_hybrid_model'}"
+                              f" set, no hybrid_layer_pattern): this version reads the pattern only; save the run "
+                              f"with --hybrid-layer-pattern")
         return None
-    return Pattern.parse(text, "hybrid_layer_pattern" if getattr(args, "hybrid_layer_pattern", None)
-                         else "hybrid_override_pattern")
+    return Pattern.parse(text, PATTERN if getattr(args, PATTERN, None) else "hybrid_override_pattern")
+
+
+def of_meta(meta) -> Pattern | None:
+    """The pattern of a Megatron-LM source's Meta (None: a GPTModel's, or our format, which holds GPTModel's keys)."""
+    text = meta.raw.get(PATTERN)
+    return Pattern.parse(text) if text else None

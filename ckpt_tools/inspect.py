@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import layout
+from ckpt_tools import hybrid, layout
 
 
 def human_bytes(n: float) -> str:
@@ -101,8 +101,7 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",
         f"needs       {needs_line(meta)}",
         f"files       {len(files)} files, {human_bytes(size)}" if files else f"source      {meta.source} checkpoint"
-        + (f" of a HybridModel, layer pattern {raw['hybrid_layer_pattern']!r} (layer i = indices 2i, 2i+1)"
-           if raw.get("hybrid_layer_pattern") else ""),
+        + (f" of a HybridModel, layer pattern {pattern.text!r}" if (pattern := hybrid.of_meta(meta)) else ""),
     ]
     width = max((len(n) for n in files), default=0)
     for name, rec in files.items():

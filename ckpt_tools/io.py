@@ -284,6 +284,12 @@ HASH = "xxh3_128"
 HASHES = ("xxh3_128", "sha256")
 
 
+def record_hash(record) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of a meta.json file record: exactly one known hash key holding a string, else None."""
+    found = [(k, record[k]) for k in HASHES if isinstance(record, dict) and k in record]
+    return found[0] if len(found) == 1 and isinstance(found[0][1], str) else None
+
+
 def _hasher(algorithm: str):
     if algorithm == "sha256":
         return hashlib.sha256()

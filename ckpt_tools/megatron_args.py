@@ -91,9 +91,8 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     check_expressible(spec)
     args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
     if pattern is not None:
-        vars(args).update(num_layers=pattern.num_indices, hybrid_layer_pattern=pattern.text, is_hybrid_model=True,
-                          spec=["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"],
-                          decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+        vars(args).update(num_layers=pattern.num_indices, is_hybrid_model=True, decoder_first_pipeline_num_layers=None,
+                          decoder_last_pipeline_num_layers=None, **{hybrid.PATTERN: pattern.text})
     return args
 
 
@@ -329,7 +328,10 @@ def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int,
         pattern = hybrid.pattern_of(args)
         spec = spec_from_args(args, vocab_size, pattern)
         spec.check_tp(tp)
-        return spec, tp, pp, pattern.stage_counts(pp) if pattern is not None else _layer_counts(args, pp)
+        if pattern is not None:
+            first, last = arg(args, "decoder_first_pipeline_num_layers"), arg(args, "decoder_last_pipeline_num_layers")
+            return spec, tp, pp, pattern.stage_counts(pp, first, last)
+        return spec, tp, pp, _layer_counts(args, pp)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:

@@ -217,7 +217,7 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
     }
     pattern = hybrid.pattern_of(args)
     if pattern is not None:  # a HybridModel's: written again where the output is Megatron-LM's
-        raw["hybrid_layer_pattern"] = pattern.text
+        raw[hybrid.PATTERN] = pattern.text
     return Meta(path=path, raw=raw, spec=spec, tp_size=tp, pp_size=pp, layer_counts=counts, padded_vocab=padded,
                 iteration=iteration, source=source, root=iter_dir, ep_size=ep)
 
@@ -232,11 +232,11 @@ def model_state(obj, where: object = None, split: bool = True) -> dict | None:
         return {names.from_legacy(k): v for k, v in names.flatten(model).items()}
     state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items()}
     state.pop(None, None)
-    if hybrid.pattern_of(obj.get("args")) is not None:  # a HybridModel's: per layer index, each stage's from 0
-        try:
+    try:
+        if hybrid.pattern_of(obj.get("args")) is not None:  # a HybridModel's: per layer index, each stage's from 0
             state = {hybrid.from_hybrid(k): v for k, v in state.items()}
-        except ConfigError as e:
-            raise FormatError(f"{where}: {e}; restore the checkpoint from the source") from None
+    except ConfigError as e:
+        raise FormatError(f"{where}: {e}; restore the checkpoint from the source") from None
     if split and grouped_experts(model):
         _split_grouped(where, state, _arg(obj.get("args"), "num_experts", 0) // _arg(obj.get("args"),
                                                                                     "expert_model_parallel_size", 1))

@@ -66,11 +66,11 @@ def model_of(model: str | None, meta=None) -> str:
     HybridModel's checkpoint stays one), else GPTModel."""
     if model is not None:
         return model
-    return HYBRID if meta is not None and meta.raw.get("hybrid_layer_pattern") else GPT
+    return HYBRID if meta is not None and hybrid.of_meta(meta) is not None else GPT
 
 
 def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
-          resume: ResumeState | None = None, where: object = None, ep: int = 1, model: str = "gpt"):
+          resume: ResumeState | None = None, where: object = None, ep: int = 1, model: str = GPT):
     """The args of the target (raises ConfigError for a target Megatron-LM cannot express). `ep` > 1: the legacy
     form's dirs per EP rank (args.expert_model_parallel_size, which its writers read). `model` hybrid: a
     HybridModel's args (its pattern: the table's layers as attention + MLP pairs, a '|' segment per stage)."""

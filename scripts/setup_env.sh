@@ -18,6 +18,7 @@ log=$(mktemp)
 # Python code runs here on CPU: tests/mcore_newest.py): the tests' reference for what Megatron-LM saves and loads today
 newest="$venv/megatron-core-0.19.2"
 if [ ! -f "$newest/megatron/core/__init__.py" ]; then
+  rm -rf "$newest" "$newest.tmp"  # an unpacking that died part-way
   wheels=$(mktemp -d)
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$wheels" megatron-core==0.19.2 \
     >"$log" 2>&1 || { cat "$log"; rm -rf "$log" "$wheels"; exit 1; }

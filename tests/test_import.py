@@ -245,3 +245,15 @@ def test_an_hf_tensor_over_2_gib_is_read_whole(tmp_path):
         f.write(torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
     t = HFTensors(tmp_path).get("x")
     assert t.shape == (n,) and float(t[-1]) == 1.5 and float(t[0]) == 0.0
+
+
+@pytest.mark.parametrize("record,ok", [
+    ({"size": 3, "xxh3_128": "ab"}, True), ({"size": 3, "sha256": "ab"}, True),
+    ({"size": 3, "xxh3_128": "ab", "sha256": "cd"}, False), ({"size": 3, "xxh3_128": None, "sha256": "cd"}, False),
+    ({"size": 3}, False), ({"size": 3, "md5": "ab"}, False),
+])
+def test_a_file_record_names_exactly_one_known_hash(record, ok):
+    """io.record_hash: the one (algorithm, digest) of a meta.json record; two, none, a null or an unknown one: None
+    (meta.json is then refused naming the record)."""
+    from ckpt_tools.io import record_hash
+    assert (record_hash(record) is not None) == ok

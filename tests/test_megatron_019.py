@@ -109,6 +109,7 @@ def test_megatron_core_019_loads_our_torch_dist_at_another_layout(tmp_path):
 @pytest.mark.parametrize("name,tp,pp,via", [
     ("hybrid_llama_tp2", 1, 2, "reshard"),  # the byte path (dist_copy)
     ("hybrid_gpt2_pp2", 2, 1, "reshard-torch"),  # the torch path; tied, LayerNorm, biases, learned positions
+    ("hybrid_gpt2_pp2", 1, 2, "reshard"),  # tied at PP2: the last stage's output layer (its extra state) kept
     ("hybrid_mixtral_tp2", 1, 2, "import"),  # HF -> HybridModel: MoE layers' experts on their global axis
 ])
 def test_megatron_core_019_hybrid_model_loads_what_we_write(name, tp, pp, via, tmp_path):
@@ -133,7 +134,7 @@ def test_megatron_core_019_hybrid_model_loads_what_we_write(name, tp, pp, via, t
     reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
     case = {**mcore_newest.CASES[name], "tp": tp, "pp": pp}
     got = mcore_019_logits(tmp_path, case, out, reference["tokens"], name)
-    assert got["pattern"] == hybrid.Pattern.for_layers([2 // pp] * pp, "mixtral" in name).text
+    assert got["pattern"] == ("*E|*E" if "mixtral" in name else "*-|*-" if pp == 2 else "*-*-")  # as loaded
     assert rel_err(got["logits"][..., :VOCAB], reference["logits"][..., :VOCAB]) < 1e-5
 
 
@@ -253,8 +254,32 @@ def test_pattern_places_each_table_layer_at_its_pair():
     assert hybrid.Pattern.for_layers([1, 2], moe=True).text == "*E|*E*E"
 
 
+def test_uneven_pipeline_split_of_a_pattern_without_segments_is_megatron_cores():
+    """decoder_first/last_pipeline_num_layers count layer indices (megatron-core's select_pipeline_segment)."""
+    p = hybrid.Pattern.parse("*-" * 7)
+    assert p.stage_counts(3, first=2) == [1, 3, 3] and p.stage_counts(2, first=2, last=None) == [1, 6]
+    assert p.stage_counts(3, first=2, last=4) == [1, 4, 2] and p.stage_counts(7) == [1] * 7
+    with pytest.raises(ConfigError, match="not whole attention \\+ MLP pairs"):
+        p.stage_counts(2, first=3)
+    with pytest.raises(ConfigError, match="megatron-core refuses both at once"):
+        hybrid.Pattern.parse("*-|*-").stage_counts(2, first=2)
+
+
+def test_hybrid_args_without_a_pattern_are_refused(tmp_path):
+    _with_args(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "src", hybrid_layer_pattern=None,
+               hybrid_attention_ratio=0.5)
+    line = one_line_error(run("merge", tmp_path / "src", tmp_path / "out", "--vocab-size", VOCAB))
+    assert "a HybridModel's args without a layer pattern (hybrid_attention_ratio set" in line, line
+    _with_args(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "old", hybrid_layer_pattern=None,
+               hybrid_override_pattern="*-*-")  # older saves: the deprecated name, read alike
+    merge(tmp_path / "old", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    merge(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "hf2", vocab_size=VOCAB, quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "hf2")
+
+
 @pytest.mark.parametrize("text,message", [
     ("*-*", "layer indices 2-3 are '*'"),
+    ("|*-*-", "pipeline segment 0 is empty"),
     ("*-*E", "dense ('-') and MoE ('E') MLPs mixed"),
     ("*|-*-", "pipeline segment '*' splits an attention + MLP pair"),
     ("*-x-", "layer symbol 'x' (not a layer symbol)"),
@@ -264,7 +289,7 @@ def test_pattern_refusals(text, message):
     with pytest.raises(ConfigError, match=None) as e:
         hybrid.Pattern.parse(text)
     assert message in str(e.value), str(e.value)
-    with pytest.raises(ConfigError, match="do not split into 4 pipeline stages"):
+    with pytest.raises(ConfigError, match="split into stages of \\[1, 1, 1, 1\\] indices, not whole"):
         hybrid.Pattern.parse("*-*-").stage_counts(4)
 
 

@@ -217,9 +217,12 @@ def test_a_checkpoint_with_sha256_records_still_verifies_and_its_damage_is_named
     code, out = verify(old)
     assert code == 0, out
     assert "files: sizes and content hashes checked against meta.json" in out
+    from bad_inputs import tensor_record_span
     shard = old / "pytorch_model_tp_0_pp_0.bin"
+    start, length = tensor_record_span(shard)
     data = bytearray(shard.read_bytes())
-    data[-100] ^= 1  # one flipped bit: the size is unchanged, only the hash can tell
+    data[start + length // 2] ^= 1  # one flipped bit inside a tensor's bytes: the file still loads, sizes agree
     shard.write_bytes(bytes(data))
     code, out = verify(old)
     assert code == 1 and "pytorch_model_tp_0_pp_0.bin: sha256 differs from meta.json" in out, out
+    assert "4 model shards: keys and shapes checked" in out  # it still loads: only the hash tells

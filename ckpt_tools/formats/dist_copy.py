@@ -232,7 +232,7 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
-              team: Team = SOLO, ep: int = 1, model: str = "gpt") -> str | None:
+              team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT) -> str | None:
     """importer.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied

@@ -89,8 +89,8 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
             return [(f"{_LAYERS}{j}.mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):],
                      ((e, spec.num_moe_experts),))]
         fused = names.to_te(name)
-        if spec.is_moe and name.startswith("pre_mlp_layernorm."):
-            fused = name  # an MoE layer's norm is a module of its own (TENorm), not fused into a linear
+        if spec.is_moe and name.startswith("pre_mlp_layernorm."):  # an MoE layer's norm: a module of its own (TENorm)
+            return [(f"{_LAYERS}{j}.{name}", ()), (f"{_LAYERS}{j}.{fused}", ())]
         return [(f"{_LAYERS}{j}.{fused}", ())] + ([(f"{_LAYERS}{j}.{name}", ())] if fused != name else [])
     i = layout.layer_index(key)
     if i is None:
@@ -107,8 +107,9 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
 class DistCheckpoint:
     """A torch_dist iteration dir: its Meta (from the args in common.pt) and its .metadata index."""
 
-    def __init__(self, meta: Meta, index: dcp.Index, common: dict | None = None):
+    def __init__(self, meta: Meta, index: dcp.Index, common: dict | None = None, common_path: Path | None = None):
         self.meta, self.index, self.common = meta, index, common or {}
+        self.common_path = common_path or meta.dir / COMMON  # common.pt, or the .distcp holding the embedded entry
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
         self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
         # the optimizer entries, sorted once: which form, and the dp_reshardable buckets by (group, bucket, field)
@@ -142,14 +143,7 @@ class DistCheckpoint:
         meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, "torch_dist")
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
-        return cls(meta, index, common)
-
-    @property
-    def common_path(self) -> Path:
-        """Where the common state is: common.pt, or the .distcp file holding the embedded entry."""
-        path = self.meta.dir / COMMON
-        return path if path.is_file() or COMMON_STATE not in self.index.blobs else \
-            self.meta.dir / self.index.blobs[COMMON_STATE][0]
+        return cls(meta, index, common, common_path)
 
     def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, Placed]:
         """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its place
@@ -157,7 +151,7 @@ class DistCheckpoint:
         tied = "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
         if key == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
-        candidates = stored_candidates(key, self.meta.spec, "hybrid_layer_pattern" in self.meta.raw)
+        candidates = stored_candidates(key, self.meta.spec, hybrid.of_meta(self.meta) is not None)
         if field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
