@@ -1,8 +1,9 @@
 """Megatron-LM as it saves today: checkpoints written by megatron-core 0.19.2 itself (fixtures/megatron_019, made by
 `python tests/mcore_newest.py make fixtures/megatron_019`): torch_dist with the common state embedded in the .distcp
 files (no common.pt), its GPTModel and its HybridModel (`*-*-`, `*-|*-`, `*E*E`), HybridModel also in the legacy form.
-Merged to HF, transformers' forward gives megatron-core 0.19.2's own logits; the torch-free and the torch paths give
-the same bytes; megatron-core 0.19.2's own loader takes what `ckpt reshard --format torch_dist` writes from them."""
+Merged to HF they give megatron-core 0.19.2's own logits, by both paths (tests/test_megatron_lm_saves.py, with the other
+Megatron-LM saves); here megatron-core 0.19.2's own loader takes what `ckpt reshard/import --format torch_dist` writes
+from them, and the pattern's refusals."""
 from __future__ import annotations
 
 import pickle
@@ -26,8 +27,6 @@ from ckpt_tools.reshard import reshard
 TESTS = Path(__file__).resolve().parent
 SAVES = TESTS.parent / "fixtures" / "megatron_019"
 VOCAB = 127
-CASES = [(name, form) for name in sorted(p.name for p in SAVES.iterdir()) for form in ("torch_dist", "torch")
-         if (SAVES / name / form).is_dir()]
 
 
 def same_files(a: Path, b: Path) -> None:
@@ -43,23 +42,6 @@ def hf_logits(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.mark.parametrize("name,form", CASES, ids=[f"{n}-{f}" for n, f in CASES])
-def test_megatron_core_019_saves_merge_to_their_own_logits(name, form, tmp_path, monkeypatch):
-    src = SAVES / name / form
-    if form == "torch_dist":
-        assert not list(src.glob("iter_*/common.pt"))  # megatron-core 0.19 embeds it: the case this proves
-    merge(src, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
-    reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
-    assert rel_err(hf_logits(tmp_path / "hf", reference["tokens"]), reference["logits"][..., :VOCAB]) < 1e-5
-    monkeypatch.setenv("CKPT_MERGE_TORCH", "1")  # the torch path gives the torch-free path's bytes
-    merge(src, tmp_path / "torch", vocab_size=VOCAB, quiet=True)
-    same_files(tmp_path / "hf", tmp_path / "torch")
-    monkeypatch.delenv("CKPT_MERGE_TORCH")
-    reshard(src, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)  # and via our format
-    merge(tmp_path / "ours", tmp_path / "again", quiet=True)
-    same_files(tmp_path / "hf", tmp_path / "again")
 
 
 def test_inspect_names_the_pattern():

@@ -24,8 +24,11 @@ from ckpt_tools.reshard import reshard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_legacy"
 SAVES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_save"
-# Llama-style (RMSNorm, rope, SwiGLU, GQA, untied) at TP2; GPT-2-style (tied) at PP2; save_checkpoint's two forms
-CASES = [FIXTURES / "llama_tp2", FIXTURES / "gpt_pp2", SAVES / "torch_dist", SAVES / "torch"]
+NEWEST = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_019"
+# Llama-style (RMSNorm, rope, SwiGLU, GQA, untied) at TP2; GPT-2-style (tied) at PP2; save_checkpoint's two forms;
+# megatron-core 0.19.2's own saves (tests/mcore_newest.py: GPTModel and HybridModel, the common state embedded)
+CASES = [FIXTURES / "llama_tp2", FIXTURES / "gpt_pp2", SAVES / "torch_dist", SAVES / "torch"] + sorted(
+    form for model in NEWEST.iterdir() for form in (model / "torch_dist", model / "torch") if form.is_dir())
 VOCAB = 127
 
 
@@ -37,8 +40,11 @@ def same_files(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}-{c.name}" for c in CASES])
 def test_megatron_lm_saves_merge_to_their_own_logits(case, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
+    if case.parent.parent == NEWEST and case.name == "torch_dist":
+        assert not list(case.glob("iter_*/common.pt"))  # megatron-core 0.19 embeds the common state
     merge(case, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
-    reference = torch.load(case / "reference.pt", weights_only=True)
+    reference = torch.load(case / "reference.pt" if (case / "reference.pt").is_file() else case.parent / "reference.pt",
+                           weights_only=True)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(
             reference["tokens"]).logits
