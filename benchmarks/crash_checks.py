@@ -37,10 +37,10 @@ def checkpoint_problems(ckpt_dir: Path) -> list[str]:
 
 
 def tree_digest(path: Path) -> dict[str, str]:
-    """relative name -> sha256 of every file under path (or of path itself when it is a file)."""
+    """relative name -> content hash of every file under path (or of path itself when it is a file)."""
     if path.is_file():
-        return {"<file>": io.sha256_file(path)}
-    return {str(f.relative_to(path)): io.sha256_file(f) for f in sorted(path.rglob("*")) if f.is_file()}
+        return {"<file>": io.hash_file(path)}
+    return {str(f.relative_to(path)): io.hash_file(f) for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 def diff_trees(got: dict[str, str], want: dict[str, str], label: str) -> list[str]:

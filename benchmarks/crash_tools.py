@@ -179,7 +179,7 @@ class ToolTrials:
         return problems + diff_trees(tree_digest(out), self.refs[form], f"{out.name} {when}")
 
     def check_source(self) -> list[str]:
-        """The source is untouched: the same files, each with the size and sha256 meta.json records."""
+        """The source is untouched: the same files, each with the size and content hash meta.json records."""
         now = {f.name: f"{f.stat().st_size}" for f in self.src.iterdir()}
         return (diff_trees(now, self.src_digest, f"source {self.src}")
                 + [f"source: {p}" for p in checkpoint_problems(self.src)])

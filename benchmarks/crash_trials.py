@@ -1,7 +1,7 @@
 """Kill -9 trials: a trainer save, `ckpt merge` and `ckpt reshard` killed at seeded random points.
 
 After every kill the disk is checked against DESIGN.md Contract 2 and Contract 4:
-- train: `latest` names a checkpoint whose meta.json records every file with its size and sha256
+- train: `latest` names a checkpoint whose meta.json records every file with its size and content hash
   (`check_files` == []); every `checkpoint-*` dir (no dot prefix) is complete in that sense; the next
   run resumes from `latest`, trains on and names every leftover `.checkpoint-N.tmp` in a note.
 - merge / reshard: OUT does not exist, or it is byte-identical to a reference output made once (so
