@@ -2,6 +2,11 @@
 optimizer state. Needs CUDA (megatron-core's DistributedOptimizer allocates on "cuda"); one GPU:
 
     torchrun --nproc-per-node 1 tests/mcore_resume.py OUT [OURS]
+    MCORE_RESUME_MODEL=hybrid torchrun --nproc-per-node 1 tests/mcore_resume.py OUT     # megatron-core >= 0.19
+
+With MCORE_RESUME_MODEL=hybrid, A is run with megatron-core 0.19's HybridModel (pattern `*-*-`, its local modules as
+tests/mcore_newest.py builds them) instead of GPTModel: its dp_reshardable and fully_reshardable saves, resharded by
+`ckpt` (the class kept), resume on the same curve; B and C are GPTModel's and are skipped.
 
 A. megatron-core's own run: a tiny Llama (bf16 weights, fp32 masters, grads reduced in fp32) in megatron-core's
    DistributedDataParallel with its DistributedOptimizer and OptimizerParamScheduler trains 3 steps and is saved as
@@ -26,6 +31,7 @@ torch's own DCP reader (`dcp_to_torch_save`), never ours.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -37,6 +43,8 @@ SAVED_AT, MORE = 3, 3
 FULL = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True}
 DP_RESHARDABLE = {**FULL, "distrib_optim_sharding_type": "dp_reshardable"}
+KIND = os.environ.get("MCORE_RESUME_MODEL", "gpt")  # gpt | hybrid
+PATTERN = "*-*-"
 
 
 def keep_torch_adam_step() -> None:
@@ -72,7 +80,11 @@ def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: 
     from mcore_checkpoints import _perturb
     from mcore_reference_child import _build_model
     torch.manual_seed(seed)
-    gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, 1)
+    if KIND == "hybrid":
+        from mcore_newest import build as build_newest
+        gpt = build_newest({"kind": "hybrid", "pattern": PATTERN, "model": spec.to_dict(), "tp": 1, "pp": 1}, padded)
+    else:
+        gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, 1)
     _perturb(gpt, torch)
     bf16 = dtype == "bfloat16"
     gpt = gpt.cuda().to(getattr(torch, dtype))
@@ -154,6 +166,8 @@ def run_megatron_source(out: Path, result: dict) -> None:
     losses = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT)]
     args = _args(spec, 1, 1, padded, SAVED_AT, "bfloat16")
     args.use_distributed_optimizer, args.accumulate_allreduce_grads_in_fp32 = True, True
+    if KIND == "hybrid":  # what pretrain_hybrid.py's args record
+        vars(args).update(hybrid_layer_pattern=PATTERN, num_layers=len(PATTERN), is_hybrid_model=True)
     common = {"args": args, "iteration": SAVED_AT, "checkpoint_version": 3.0,
               "opt_param_scheduler": sched.state_dict()}
     name = f"iter_{SAVED_AT:07d}"
@@ -168,6 +182,8 @@ def run_megatron_source(out: Path, result: dict) -> None:
     dst = out / "dst" / name
     gpt, ddp, opt, sched = build(spec, padded, 999)
     result["iteration"] = load(gpt, opt, sched, dst)
+    if KIND == "hybrid":  # the class kept: the pattern megatron-core reads back from what ckpt wrote
+        result["dst_pattern"] = dist_checkpointing.load_common_state_dict(str(dst))["args"].hybrid_layer_pattern
     (out / "ref_dst" / name).mkdir(parents=True)
     dist_checkpointing.save(sharded(gpt, opt, FULL, False), str(out / "ref_dst" / name), content_metadata=FULL)
     resumed = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
@@ -284,9 +300,10 @@ def main(out: str, ours: str | None = None) -> None:
     keep_torch_adam_step()
     result: dict = {}
     run_megatron_source(Path(out), result)
-    if ours:
+    if ours and KIND == "gpt":
         run_ours(Path(ours), Path(out), result)
-    run_imported(Path(out), result)
+    if KIND == "gpt":
+        run_imported(Path(out), result)
     (Path(out) / "resume.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()

@@ -178,6 +178,30 @@ def test_megatron_core_resumes_from_our_torch_dist_optimizer_state(tmp_path):
     assert r["imported_training"][-1] < r["imported_training"][0], r
 
 
+@_needs_gpus(1)
+def test_megatron_core_hybrid_model_resumes_from_our_torch_dist_optimizer_state(tmp_path):
+    """megatron-core 0.19's HybridModel (`*-*-`) with its DistributedOptimizer: its dp_reshardable save resharded by
+    `ckpt reshard --format torch_dist` to TP2 x PP2 (a HybridModel's checkpoint still) loads into a fresh HybridModel
+    with the optimizer state bit-identical to its own fully_reshardable save, and training goes on exactly as the run
+    that was never stopped (tests/mcore_resume.py, MCORE_RESUME_MODEL=hybrid)."""
+    import os
+
+    import megatron.core
+    if tuple(int(x) for x in megatron.core.__version__.split(".")[:2]) < (0, 19):
+        pytest.skip(f"HybridModel is megatron-core 0.19's; this is {megatron.core.__version__}")
+    os.environ["MCORE_RESUME_MODEL"] = "hybrid"
+    try:
+        torchrun(1, [str(Path(__file__).with_name("mcore_resume.py")), str(tmp_path / "out")])
+    finally:
+        del os.environ["MCORE_RESUME_MODEL"]
+    r = json.loads((tmp_path / "out" / "resume.json").read_text())
+    assert r["dst_pattern"] == "*-|*-", r  # TP2 x PP2: a segment per stage
+    assert r["optimizer"]["compared"] > 0 and not r["optimizer"]["missing"] and not r["optimizer"]["differ"], r
+    assert not r["model"]["all"]["missing"] and not r["model"]["all"]["differ"], r
+    assert r["resumed"] == r["reference"] == r["resumed_from_megatron_cores_own"], r
+    assert abs(r["fresh_optimizer"][1] - r["reference"][1]) > 1e-2, r  # the control: the state matters
+
+
 @_needs_gpus(2)
 def test_moe_expert_parallel_training_on_gpus(tmp_path):
     """Mixtral-shaped MoE on 2 GPUs (NCCL): EP2 over DP2 (experts split, tokens gathered and outputs
