@@ -106,6 +106,8 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         held = ckpt.optimizer_form is not None or bool(ckpt.common.get("optimizer"))
         return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}, held
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
+    if meta.raw.get(megatron_lm.VIRTUAL, 1) > 1:
+        raise Declined("an interleaved pipeline's model chunks")
     shards: Shards = {}
     held = False
     for rank in meta.grid.ranks():

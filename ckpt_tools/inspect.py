@@ -95,7 +95,10 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
         f"iteration   {meta.iteration} ({raw.get('consumed_samples') or 0:,} samples, {raw.get('tokens_seen') or 0:,} tokens seen)",
         f"model       {arch}",
         f"vocab       {s.vocab_size:,} true, {meta.padded_vocab:,} padded ({meta.padded_vocab - s.vocab_size} padding rows)",
-        f"layout      TP {meta.tp_size} x PP {meta.pp_size}{f' x EP {meta.ep_size}' if meta.ep_size > 1 else ''} (saved with DP {raw['parallel'].get('dp_size') or '?'}); "
+        f"layout      TP {meta.tp_size} x PP {meta.pp_size}{f' x EP {meta.ep_size}' if meta.ep_size > 1 else ''} (saved with DP {raw['parallel'].get('dp_size') or '?'}"
+        + (f"; an interleaved pipeline, PP {meta.pp_size // raw['virtual_pipeline_model_parallel_size']} x VPP "
+           f"{raw['virtual_pipeline_model_parallel_size']}, read as its virtual stages in layer order"
+           if raw.get("virtual_pipeline_model_parallel_size") else "") + "); "
         f"layers per stage {','.join(map(str, meta.layer_counts))}",
         f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}",
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",

@@ -143,7 +143,6 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
 # ---------------------------------------------------------------- reading: a checkpoint's args -> ModelSpec
 # Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
 _REFUSED = {
-    "virtual_pipeline_model_parallel_size": "virtual (interleaved) pipeline stages",
     "pipeline_model_parallel_layout": "a custom pipeline layout", "multi_latent_attention": "multi-latent attention",
     "mtp_num_layers": "multi-token prediction layers",
     "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
@@ -307,6 +306,20 @@ def _layer_counts(args, pp_size: int) -> list[int]:
     if last is not None:
         counts[-1] = last
     return layout.layers_per_stage(n, pp_size, counts)
+
+
+def virtual_stages(path: Path, args, counts: list[int]) -> tuple[int, list[int]]:
+    """(VPP, layers of each virtual stage in layer order) of an interleaved pipeline (Megatron-LM's
+    --num-layers-per-virtual-pipeline-stage): virtual stage s = v * PP + p is model chunk v of PP rank p, holding the
+    layers megatron-core's get_transformer_layer_offset gives it. (1, counts) without one. Even splits only."""
+    vpp = arg(args, "virtual_pipeline_model_parallel_size", 1) or 1
+    if vpp == 1:
+        return 1, counts
+    n, pp = sum(counts), len(counts)
+    if not isinstance(vpp, int) or vpp < 1 or len(set(counts)) != 1 or n % (pp * vpp):
+        raise ConfigError(f"{path}: virtual_pipeline_model_parallel_size {vpp!r} with layers per stage {counts}: this "
+                          f"version reads interleaved pipelines that split the {n} layers evenly over PP x VPP chunks")
+    return vpp, [n // (pp * vpp)] * (pp * vpp)
 
 
 def expert_parallel(args) -> int:

@@ -27,7 +27,7 @@ from ckpt_tools import hybrid, io, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.megatron_args import arg as _arg
-from ckpt_tools.megatron_args import expert_parallel, expert_tensor_parallel, layout_of
+from ckpt_tools.megatron_args import expert_parallel, expert_tensor_parallel, layout_of, virtual_stages
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
 
@@ -283,8 +283,36 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
                           f"dense layers' from torch_dist only (Megatron-LM's legacy form saves such a run from "
                           f"expert-data-parallel rank 0 alone); save the run with --ckpt-format torch_dist")
     _check_rank_dirs(iter_dir, tp, pp, ep)
-    _check_model_keys(first, state)
+    vpp, counts = virtual_stages(first, args, counts)
+    _check_model_keys(first, chunk(state, 0, vpp, first))
     padded = _arg(args, "padded_vocab_size")
     if padded is None:
-        padded = model_state(state, first, split=False)["embedding.word_embeddings.weight"].shape[0] * tp
-    return meta_of(first, iter_dir, args, state, spec, tp, pp, counts, padded, "megatron-lm", ep)
+        padded = model_state(chunk(state, 0, vpp, first), first,
+                             split=False)["embedding.word_embeddings.weight"].shape[0] * tp
+    meta = meta_of(first, iter_dir, args, state, spec, tp, pp * vpp, counts, padded, "megatron-lm", ep)
+    if vpp > 1:  # an interleaved pipeline, read as PP x VPP stages in layer order (virtual_file gives each one's file)
+        meta.raw[VIRTUAL] = vpp
+    return meta
+
+
+VIRTUAL = "virtual_pipeline_model_parallel_size"  # in an interleaved pipeline's Meta.raw: its VPP
+
+
+def virtual_file(meta: Meta, rank: Rank) -> tuple[Rank, int, int]:
+    """(the rank whose file holds it, its model chunk, that file's PP size) of a rank of a Megatron-LM checkpoint as
+    read: virtual stage s of an interleaved pipeline is chunk s // PP of PP rank s % PP; else (rank, 0, PP)."""
+    vpp = meta.raw.get(VIRTUAL, 1)
+    pp = meta.pp_size // vpp
+    return Rank(rank.tp, rank.pp % pp, rank.ep), rank.pp // pp, pp
+
+
+def chunk(obj, v: int, vpp: int, where: object):
+    """A legacy file's object with its model chunk `v` as its `model` (Megatron-LM saves chunk v as `model<v>` when
+    there are virtual pipeline stages)."""
+    if vpp == 1 or not isinstance(obj, dict):
+        return obj
+    if not isinstance(obj.get(f"model{v}"), dict):
+        found = ", ".join(sorted(k for k in map(str, obj) if k.startswith("model"))) or "none"
+        raise FormatError(f"{where}: no model chunk 'model{v}' (found {found}), but the args say {vpp} virtual pipeline "
+                          f"stages: the file is damaged or not this checkpoint's; restore it from the source")
+    return {**obj, "model": obj[f"model{v}"]}

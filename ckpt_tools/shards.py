@@ -153,6 +153,10 @@ class ShardSet(Reader):
         name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
         return self.meta.dir / name
 
+    def _object(self, path: Path, rank: Rank):
+        """A shard file's object as loaded (a form whose files hold several ranks' parts gives the rank's)."""
+        return io.load_file(path)
+
     def _loaded(self, path: Path, kind: str, obj, rank: Rank) -> dict:
         """The object of a freshly loaded file, as the rest of the reader reads it (a form may rename keys or
         decode its optimizer state into ours)."""
@@ -170,7 +174,7 @@ class ShardSet(Reader):
             if not path.is_file():
                 raise FormatError(f"{path}: missing shard ({rank}) of a {self.meta.grid} checkpoint: restore the file")
             self.check_size(path)
-            obj = io.load_file(path)
+            obj = self._object(path, rank)
             if not isinstance(obj, dict) or not isinstance(obj.get(kind), dict):
                 raise FormatError(f"{path}: holds no {kind!r} state dict: not a {kind} shard of this checkpoint; "
                                   f"restore it from the source checkpoint")

@@ -277,7 +277,7 @@ def test_torch_dcp_checkpoint_is_named(tmp_path):
 
 @pytest.mark.parametrize("changes,expected", [
     ({"squared_relu": True}, "squared_relu=True"),
-    ({"virtual_pipeline_model_parallel_size": 2}, "virtual_pipeline_model_parallel_size=2"),
+    ({"pipeline_model_parallel_layout": "Et|tL"}, "pipeline_model_parallel_layout='Et|tL' (a custom pipeline layout)"),
     ({"rotary_percent": 0.5}, "rotary_percent=0.5"),
     ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered norm weights)"),
     ({"add_qkv_bias": True, "qk_layernorm": True}, "add_qkv_bias=True (needs False)"),  # neither qwen2 nor qwen3

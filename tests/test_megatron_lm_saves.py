@@ -26,9 +26,11 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_legac
 SAVES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_save"
 NEWEST = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_019"
 # Llama-style (RMSNorm, rope, SwiGLU, GQA, untied) at TP2; GPT-2-style (tied) at PP2; save_checkpoint's two forms;
-# megatron-core 0.19.2's own saves (tests/mcore_newest.py: GPTModel and HybridModel, the common state embedded)
+# megatron-core 0.19.2's own saves (tests/mcore_newest.py: GPTModel and HybridModel, the common state embedded);
+# an interleaved pipeline's (megatron-core 0.16.1's model chunks, `model0`/`model1` per legacy file)
+VPP = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_vpp"  # tests/mcore_vpp.py: PP2 x VPP2
 CASES = [FIXTURES / "llama_tp2", FIXTURES / "gpt_pp2", SAVES / "torch_dist", SAVES / "torch"] + sorted(
-    form for model in NEWEST.iterdir() for form in (model / "torch_dist", model / "torch") if form.is_dir())
+    form for model in [*NEWEST.iterdir(), VPP] for form in (model / "torch_dist", model / "torch") if form.is_dir())
 VOCAB = 127
 
 
@@ -131,3 +133,25 @@ def test_real_args_objects_are_read_inertly(torch_path, tmp_path, monkeypatch):
     merge(src, tmp_path / "hf", vocab_size=120, quiet=True)
     merge(OPTIMIZER_FIXTURES / "dist" / "torch_dist_full", tmp_path / "plain", vocab_size=120, quiet=True)
     same_files(tmp_path / "hf", tmp_path / "plain")
+
+
+def test_interleaved_pipeline_reads_as_its_virtual_stages_and_its_optimizer_is_named_not_carried(tmp_path):
+    """A legacy PP2 x VPP2 save is read as 4 stages in layer order (chunk v of PP rank p is stage v * 2 + p, as
+    megatron-core places the layers); its optimizer state is not decoded, and says so; a missing chunk is one line."""
+    src = tmp_path / "src"
+    shutil.copytree(VPP / "torch", src)
+    for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):  # every rank saves its optimizer state
+        state = torch.load(path, weights_only=False)
+        torch.save({**state, "optimizer": {"optimizer": {"state": {0: {}}, "param_groups": []}}}, path)
+    result = run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "2", "--vocab-size", VOCAB)
+    assert result.exit_code == 0, result.output
+    assert "NOT carried: its optimizer state of an interleaved pipeline" in result.output, result.output
+    merge(VPP / "torch", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    merge(tmp_path / "out", tmp_path / "again", quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "again")
+    del state["model1"]
+    torch.save(state, path)
+    line = one_line_error(run("merge", src, tmp_path / "bad", "--vocab-size", VOCAB))
+    assert line == (f"error: {path}: no model chunk 'model1' (found model0), but the args say 2 virtual pipeline "
+                    f"stages: the file is damaged or not this checkpoint's; restore it from the source"), line
+    assert_nothing_written(tmp_path / "bad")

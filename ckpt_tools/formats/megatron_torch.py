@@ -18,8 +18,16 @@ DISTRIB_OPTIM = megatron_lm.DISTRIB_OPTIM
 
 
 class LegacyShards(ShardSet):
+    """An interleaved pipeline's ranks are its virtual stages (megatron_lm.virtual_file): each reads its model chunk
+    of its PP rank's file."""
+
     def path(self, kind: str, rank: Rank) -> Path:
-        return megatron_lm.model_path(self.meta.dir, rank, self.meta.pp_size)
+        physical, _, pp = megatron_lm.virtual_file(self.meta, rank)
+        return megatron_lm.model_path(self.meta.dir, physical, pp)
+
+    def _object(self, path: Path, rank: Rank):
+        _, v, _ = megatron_lm.virtual_file(self.meta, rank)
+        return megatron_lm.chunk(io.load_file(path), v, self.meta.raw.get(megatron_lm.VIRTUAL, 1), path)
 
     def _loaded(self, path: Path, kind: str, obj, rank: Rank) -> dict:
         model = megatron_lm.model_state(obj, path)
@@ -69,6 +77,9 @@ class LegacyShards(ShardSet):
 
     def _form(self) -> str | None:
         first = self.file(MODEL, self.meta.grid.first)
+        if self.meta.raw.get(megatron_lm.VIRTUAL, 1) > 1 and (first.get("optimizer") or (
+                self.path(MODEL, self.meta.grid.first).parent / DISTRIB_OPTIM).is_file()):
+            return "virtual"  # its parameters run over the chunks: not decoded by this version
         if (self.path(MODEL, self.meta.grid.first).parent / DISTRIB_OPTIM).is_file():
             return "flat"
         opt = first.get("optimizer")
@@ -88,4 +99,7 @@ class LegacyShards(ShardSet):
         return self._form() in ("plain", "flat")
 
     def unread_optimizer(self) -> str | None:
-        return "optimizer state (model_optim_rng.pt['optimizer'], a form not read)" if self._form() == "other" else None
+        form = self._form()
+        if form == "virtual":
+            return "optimizer state of an interleaved pipeline (its model chunks' parameters), not read by this version"
+        return "optimizer state (model_optim_rng.pt['optimizer'], a form not read)" if form == "other" else None

@@ -143,7 +143,10 @@ class DistCheckpoint:
         meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, "torch_dist")
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
-        return cls(meta, index, common, common_path)
+        ckpt = cls(meta, index, common, common_path)
+        if ckpt.optimizer_form == BUCKETS and megatron_args.virtual_stages(common_path, args, counts)[0] > 1:
+            ckpt.optimizer_form = None  # an interleaved pipeline's grad buffers are per model chunk: not decoded
+        return ckpt
 
     def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, Placed]:
         """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its place
