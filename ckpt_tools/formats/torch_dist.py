@@ -61,8 +61,14 @@ def stacked_key(key: str) -> tuple[str, Lead | None]:
     name = key[len(f"{_LAYERS}{i}."):]
     e = layout.expert_index(key)
     if e is not None:  # SequentialMLP: local_experts.<e>.<rest> -> experts.<rest> on a second (global expert) axis
-        return _LAYERS + "mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):], (i, e)
+        return _LAYERS + _experts(name, e), (i, e)
     return _LAYERS + names.to_te(name), (i,)
+
+
+def _experts(name: str, e: int) -> str:
+    """A layer's expert tensor name (`mlp.experts.local_experts.<e>.<rest>`) as megatron-core's sharded state dict
+    names it, the expert on a leading global axis: `mlp.experts.experts.<rest>`."""
+    return "mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):]
 
 
 def lead_shape(spec, lead: Lead | None) -> tuple[int, ...]:
@@ -86,8 +92,7 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
         name = key[len(f"{_LAYERS}{j}."):]
         e = layout.expert_index(key)
         if e is not None:
-            return [(f"{_LAYERS}{j}.mlp.experts.experts." + name[len(f"{_EXPERTS}{e}."):],
-                     ((e, spec.num_moe_experts),))]
+            return [(f"{_LAYERS}{j}.{_experts(name, e)}", ((e, spec.num_moe_experts),))]
         fused = names.to_te(name)
         if spec.is_moe and name.startswith("pre_mlp_layernorm."):  # an MoE layer's norm: a module of its own (TENorm)
             return [(f"{_LAYERS}{j}.{name}", ()), (f"{_LAYERS}{j}.{fused}", ())]
@@ -110,6 +115,7 @@ class DistCheckpoint:
     def __init__(self, meta: Meta, index: dcp.Index, common: dict | None = None, common_path: Path | None = None):
         self.meta, self.index, self.common = meta, index, common or {}
         self.common_path = common_path or meta.dir / COMMON  # common.pt, or the .distcp holding the embedded entry
+        self._by_pattern = hybrid.of_meta(meta) is not None  # a HybridModel's keys: one per layer index
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
         self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
         # the optimizer entries, sorted once: which form, and the dp_reshardable buckets by (group, bucket, field)
@@ -154,7 +160,7 @@ class DistCheckpoint:
         tied = "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
         if key == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
-        candidates = stored_candidates(key, self.meta.spec, hybrid.of_meta(self.meta) is not None)
+        candidates = stored_candidates(key, self.meta.spec, self._by_pattern)
         if field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
