@@ -40,14 +40,21 @@ Shape = Callable[[ModelSpec, int], tuple[int, ...]]  # (spec, padded_vocab) -> f
 When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
 
 
+# Blocks: the parts a layer is made of (ModelSpec.pattern says which each layer has). A row of no block is in
+# every layer (its norms).
+ATTENTION, MLA, DENSE, MOE, SHARED = "attention", "mla", "dense", "moe", "shared"
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One row of the table. `name` uses `{i}` for the stage-local layer index."""
+    """One row of the table. `name` uses `{i}` for the stage-local layer index; `block` the layer part it belongs
+    to (None: every layer's, or not a layer's); `when` the features it needs."""
     name: str
     split: str
     stage: str
     shape: Shape | None
     when: When
+    block: str | None = None
 
     @property
     def dim(self) -> int | None:
@@ -65,6 +72,25 @@ class Rule:
     def expert(self) -> bool:
         """One row per expert (`{e}` in the name): an expert-parallel rank holds its own experts only."""
         return "{e}" in self.name
+
+
+def layer_blocks(spec: ModelSpec, i: int) -> frozenset[str]:
+    """The blocks global layer i holds: its attention's kind and its MLP's (a dense MLP, or an MoE layer and, where
+    the family has one, its shared expert)."""
+    attention = MLA if spec.multi_latent_attention else ATTENTION
+    if not spec.moe_layer(i):
+        return frozenset((attention, DENSE))
+    return frozenset((attention, MOE) + ((SHARED,) if spec.moe_shared_expert_intermediate_size is not None else ()))
+
+
+def model_blocks(spec: ModelSpec) -> frozenset[str]:
+    """The blocks any layer of the model holds."""
+    kinds = set(spec.pattern[1::2])  # the MLPs' symbols: one layer of each kind stands for all
+    return frozenset().union(*(layer_blocks(spec, spec.pattern.index(k, 1) // 2) for k in kinds))
+
+
+def _present(rule: Rule, spec: ModelSpec, pp: int, blocks: Container[str]) -> bool:
+    return (rule.block is None or rule.block in blocks) and rule.when(spec, pp)
 
 
 def _always(s: ModelSpec, pp: int) -> bool:
@@ -87,20 +113,20 @@ def _qk_norm_across(s: ModelSpec, pp: int) -> bool:
     return s.qk_layernorm and s.qk_norm_across_heads
 
 
-def _moe(s: ModelSpec, pp: int) -> bool:
-    return s.is_moe
-
-
-def _dense(s: ModelSpec, pp: int) -> bool:
-    return not s.is_moe
-
-
-def _shared(s: ModelSpec, pp: int) -> bool:
-    return s.moe_shared_expert_intermediate_size is not None
-
-
 def _shared_gate(s: ModelSpec, pp: int) -> bool:
     return s.moe_shared_expert_gate
+
+
+def _expert_bias(s: ModelSpec, pp: int) -> bool:
+    return s.moe_router_enable_expert_bias
+
+
+def _q_lora(s: ModelSpec, pp: int) -> bool:
+    return s.q_lora_rank is not None
+
+
+def _q_plain(s: ModelSpec, pp: int) -> bool:
+    return s.q_lora_rank is None
 
 
 def _h(s: ModelSpec, v: int) -> tuple[int, ...]:
@@ -111,7 +137,12 @@ def _d(s: ModelSpec, v: int) -> tuple[int, ...]:
     return (s.kv_channels,)
 
 
+def _q_head(s: ModelSpec) -> int:
+    return s.qk_head_dim + s.qk_pos_emb_head_dim
+
+
 _L = "decoder.layers.{i}."
+_A = _L + "self_attention."
 _E = _L + "mlp.experts.local_experts.{e}."  # megatron-core's SequentialMLP; `{e}` the expert (local in a file)
 _S = _L + "mlp.shared_experts."
 TABLE: tuple[Rule, ...] = (
@@ -121,52 +152,80 @@ TABLE: tuple[Rule, ...] = (
          lambda s, pp: s.position_embedding_type == "learned_absolute"),
     Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, _h, _always),
     Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
-    Rule(_L + "self_attention.linear_proj.weight", ROW, LAYER,
-         lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), _always),
-    Rule(_L + "self_attention.linear_proj.bias", REPLICATED, LAYER, _h, _bias),
-    Rule(_L + "self_attention.linear_proj._extra_state", EXTRA, LAYER, None, _always),
-    Rule(_L + "self_attention.linear_qkv.weight", QKV, LAYER,
+    # grouped-query attention (megatron-core's SelfAttention)
+    Rule(_A + "linear_proj.weight", ROW, LAYER,
+         lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), _always, ATTENTION),
+    Rule(_A + "linear_proj.bias", REPLICATED, LAYER, _h, _bias, ATTENTION),
+    Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, _always, ATTENTION),
+    Rule(_A + "linear_qkv.weight", QKV, LAYER,
          lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels, s.hidden_size),
-         _always),
-    Rule(_L + "self_attention.linear_qkv.bias", QKV, LAYER,
+         _always, ATTENTION),
+    Rule(_A + "linear_qkv.bias", QKV, LAYER,
          lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels,),
-         lambda s, pp: s.qkv_bias),
-    Rule(_L + "self_attention.linear_qkv._extra_state", EXTRA, LAYER, None, _always),
-    Rule(_L + "self_attention.q_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm),
-    Rule(_L + "self_attention.k_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm),
+         lambda s, pp: s.qkv_bias, ATTENTION),
+    Rule(_A + "linear_qkv._extra_state", EXTRA, LAYER, None, _always, ATTENTION),
+    Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm, ATTENTION),
+    Rule(_A + "k_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm, ATTENTION),
     # OLMoE's norms over all heads: each TP rank holds its own heads' (query groups') slice
-    Rule(_L + "self_attention.q_layernorm.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_attention_heads * s.kv_channels,), _qk_norm_across),
-    Rule(_L + "self_attention.k_layernorm.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_query_groups * s.kv_channels,), _qk_norm_across),
+    Rule(_A + "q_layernorm.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_attention_heads * s.kv_channels,), _qk_norm_across, ATTENTION),
+    Rule(_A + "k_layernorm.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_query_groups * s.kv_channels,), _qk_norm_across, ATTENTION),
+    # multi-latent attention (megatron-core's MLASelfAttention, local spec, in its state-dict order)
+    # multi-latent attention (megatron-core's MLASelfAttention, local spec, in its state-dict order): each head's
+    # query [no-position part; rotary part], the latent's rows [kv_lora_rank; the keys' shared rotary part], each
+    # head's kv_up rows [key's no-position part; value]. The local spec splits the down projections over TP as column
+    # layers (and gathers their output); Transformer Engine's spec keeps them whole on every rank.
+    Rule(_A + "linear_proj.weight", ROW, LAYER,
+         lambda s, v: (s.hidden_size, s.num_attention_heads * s.v_head_dim), _always, MLA),
+    Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
+    Rule(_A + "linear_q_proj.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_attention_heads * _q_head(s), s.hidden_size), _q_plain, MLA),
+    Rule(_A + "linear_q_proj._extra_state", EXTRA, LAYER, None, _q_plain, MLA),
+    Rule(_A + "linear_q_down_proj.weight", COLUMN, LAYER, lambda s, v: (s.q_lora_rank, s.hidden_size), _q_lora, MLA),
+    Rule(_A + "linear_q_down_proj._extra_state", EXTRA, LAYER, None, _q_lora, MLA),
+    Rule(_A + "linear_q_up_proj.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_attention_heads * _q_head(s), s.q_lora_rank), _q_lora, MLA),
+    Rule(_A + "linear_q_up_proj._extra_state", EXTRA, LAYER, None, _q_lora, MLA),
+    Rule(_A + "linear_kv_down_proj.weight", COLUMN, LAYER,
+         lambda s, v: (s.kv_lora_rank + s.qk_pos_emb_head_dim, s.hidden_size), _always, MLA),
+    Rule(_A + "linear_kv_down_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
+    Rule(_A + "linear_kv_up_proj.weight", COLUMN, LAYER,
+         lambda s, v: (s.num_attention_heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank), _always, MLA),
+    Rule(_A + "linear_kv_up_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
+    Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.q_lora_rank,), _q_lora, MLA),
+    Rule(_A + "kv_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.kv_lora_rank,), _always, MLA),
     Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always),
     Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
+    # a dense MLP
     Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,
-         lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.is_moe and s.gated_linear_unit),
+         lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: s.gated_linear_unit, DENSE),
     Rule(_L + "mlp.linear_fc1.weight", COLUMN, LAYER,
-         lambda s, v: (s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.is_moe and not s.gated_linear_unit),
+         lambda s, v: (s.ffn_hidden_size, s.hidden_size), lambda s, pp: not s.gated_linear_unit, DENSE),
     Rule(_L + "mlp.linear_fc1.bias", GATED, LAYER, lambda s, v: (2 * s.ffn_hidden_size,),
-         lambda s, pp: not s.is_moe and s.add_bias_linear and s.gated_linear_unit),
+         lambda s, pp: s.add_bias_linear and s.gated_linear_unit, DENSE),
     Rule(_L + "mlp.linear_fc1.bias", COLUMN, LAYER, lambda s, v: (s.ffn_hidden_size,),
-         lambda s, pp: not s.is_moe and s.add_bias_linear and not s.gated_linear_unit),
-    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, _dense),
-    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), _dense),
-    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, _h, lambda s, pp: not s.is_moe and s.add_bias_linear),
-    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _dense),
+         lambda s, pp: s.add_bias_linear and not s.gated_linear_unit, DENSE),
+    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, _always, DENSE),
+    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), _always, DENSE),
+    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, _h, _bias, DENSE),
+    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _always, DENSE),
     # MoE: a router (replicated) and experts, each a gated MLP split over TP as the dense one is (expert TP = TP)
-    Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _moe),
-    Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _moe),
-    Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _moe),
-    Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), _moe),
-    Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, _moe),
+    Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _always, MOE),
+    Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _expert_bias, MOE),
+    Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _always,
+         MOE),
+    Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, MOE),
+    Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), _always, MOE),
+    Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, MOE),
     # a shared expert (megatron-core's SharedExpertMLP, after the experts): a dense gated MLP and its sigmoid gate
-    Rule(_S + "gate_weight", REPLICATED, LAYER, lambda s, v: (1, s.hidden_size), _shared_gate),
+    Rule(_S + "gate_weight", REPLICATED, LAYER, lambda s, v: (1, s.hidden_size), _shared_gate, SHARED),
     Rule(_S + "linear_fc1.weight", GATED, LAYER,
-         lambda s, v: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size), _shared),
-    Rule(_S + "linear_fc1._extra_state", EXTRA, LAYER, None, _shared),
+         lambda s, v: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size), _always, SHARED),
+    Rule(_S + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, SHARED),
     Rule(_S + "linear_fc2.weight", ROW, LAYER,
-         lambda s, v: (s.hidden_size, s.moe_shared_expert_intermediate_size), _shared),
-    Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, _shared),
+         lambda s, v: (s.hidden_size, s.moe_shared_expert_intermediate_size), _always, SHARED),
+    Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, SHARED),
     Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
     Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
     # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
@@ -207,8 +266,10 @@ def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
     the key's row in any pipeline layout (a tied output layer exists only at PP > 1)."""
     name = pattern_of(key)
     candidates = [r for r in TABLE if r.name == name]
+    blocks = model_blocks(spec)
     for r in candidates:
-        if r.when(spec, pp_size) if pp_size is not None else (r.when(spec, 1) or r.when(spec, 2)):
+        if _present(r, spec, pp_size, blocks) if pp_size is not None else (
+                _present(r, spec, 1, blocks) or _present(r, spec, 2, blocks)):
             return r
     if candidates:
         raise LayoutError(
@@ -233,7 +294,9 @@ def is_replicated(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:
 
 
 def rules_for(spec: ModelSpec, pp_size: int = 1) -> list[Rule]:
-    return [r for r in TABLE if r.when(spec, pp_size)]
+    """The rows the model holds (in any of its layers)."""
+    blocks = model_blocks(spec)
+    return [r for r in TABLE if _present(r, spec, pp_size, blocks)]
 
 
 # ---------------------------------------------------------------- pipeline stages
@@ -309,13 +372,16 @@ def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: in
     rules = rules_for(spec, pp_size)
     if pp_rank == 0:
         out += [(r.name, r.name) for r in rules if r.stage == FIRST]
-    layer = [r for r in rules if r.stage == LAYER and not r.expert and not r.name.startswith(_S)]
+    layer = [r for r in rules if r.stage == LAYER and not r.expert and r.block != SHARED]
     expert = [r for r in rules if r.stage == LAYER and r.expert]  # the MLP's rows, expert by expert
-    shared = [r for r in rules if r.stage == LAYER and r.name.startswith(_S)]  # then a shared expert's
+    shared = [r for r in rules if r.stage == LAYER and r.block == SHARED]  # then a shared expert's
     for i in range(counts[pp_rank]):
-        out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in layer]
-        out += [(r.name.format(i=i, e=j), r.name.format(i=offset + i, e=e)) for j, e in experts for r in expert]
-        out += [(r.name.format(i=i), r.name.format(i=offset + i)) for r in shared]
+        g = offset + i
+        blocks = layer_blocks(spec, g)
+        out += [(r.name.format(i=i), r.name.format(i=g)) for r in layer if r.block is None or r.block in blocks]
+        if MOE in blocks:
+            out += [(r.name.format(i=i, e=j), r.name.format(i=g, e=e)) for j, e in experts for r in expert]
+            out += [(r.name.format(i=i), r.name.format(i=g)) for r in shared]
     if pp_rank == pp_size - 1:
         out += [(r.name, r.name) for r in rules if r.stage == LAST]
     return out

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from ckpt_tools.errors import ConfigError
 
 
+def _families():
+    from ckpt_tools import families
+    return families
+
+
 def build_dataclass(cls, d: dict, what: str, hint: str):
     """cls(**d), refusing unknown keys and bad values with one ConfigError naming them."""
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
@@ -60,6 +65,26 @@ class ModelSpec:
     # norm_topk_prob false); else top-k of the logits, then softmax over those k (= Mixtral's renormalised top-k)
     moe_shared_expert_intermediate_size: int | None = None  # a shared expert every token goes through (Qwen2-MoE)
     moe_shared_expert_gate: bool | None = None  # its output scaled by sigmoid(gate_weight . x) (a feature: Qwen2-MoE)
+    # DeepSeek-style routing (megatron-core's names): sigmoid scores, a bias that steers the choice only, the experts
+    # in groups of which the best `moe_router_group_topk` are searched, the chosen weights scaled
+    moe_router_score_function: str | None = None  # softmax | sigmoid (a feature)
+    moe_router_enable_expert_bias: bool | None = None  # router.expert_bias (DeepSeek-V3's e_score_correction_bias)
+    moe_router_num_groups: int | None = None  # None: no group-limited routing
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # None: 1 (DeepSeek-V3's routed_scaling_factor)
+    # The blocks of each layer, in megatron-core HybridModel's symbols, a pair per layer: attention ('*', or '+' for
+    # multi-latent attention) then its MLP ('-' dense, 'E' MoE). None: every layer alike (the features say which);
+    # DeepSeek-V3's first dense layers are "*-" pairs before "*E" ones (megatron-core's moe_layer_freq).
+    layer_pattern: str | None = None
+    # Multi-latent attention (DeepSeek-V2/V3; megatron-core's MLATransformerConfig): queries through a low-rank
+    # projection (q_lora_rank; None: one projection), keys and values through a shared latent of kv_lora_rank; each
+    # head's query and key a part without positions (qk_head_dim) and a rotary part (qk_pos_emb_head_dim)
+    multi_latent_attention: bool | None = None  # a feature
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -104,8 +129,52 @@ class ModelSpec:
                                       else "its MoE layers have no shared expert"))
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise ConfigError("moe_shared_expert_gate needs a shared expert (moe_shared_expert_intermediate_size)")
+        self._check_blocks(family)
         if family.check is not None:
             family.check(self)
+
+    def _check_blocks(self, family) -> None:
+        """Multi-latent attention's sizes, grouped routing and the layer pattern: given where they mean something,
+        absent where they do not, the pattern one pair per layer in the features' symbols."""
+        mla = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        if self.multi_latent_attention:
+            missing = [k for k in mla if getattr(self, k) is None]
+            if missing:
+                raise ConfigError(f"multi-latent attention needs {', '.join(missing)}: give them (DeepSeek's "
+                                  f"kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
+        else:
+            given = [k for k in ("q_lora_rank",) + mla if getattr(self, k) is not None]
+            if given:
+                raise ConfigError(f"{', '.join(given)} given, but {self.architecture} has no multi-latent attention")
+        if self.moe_router_topk_scaling_factor == 1:
+            object.__setattr__(self, "moe_router_topk_scaling_factor", None)
+        grouped = [k for k in ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
+                   if getattr(self, k) is not None]
+        if grouped and not family.grouped_routing:
+            raise ConfigError(f"{', '.join(grouped)} given, but {self.architecture}'s router has no grouped or "
+                              f"scaled top-k (the families with one: " + ", ".join(
+                                  f.name for f in _families().all_families() if f.grouped_routing) + ")")
+        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
+            raise ConfigError("moe_router_num_groups and moe_router_group_topk go together: give both or neither")
+        if self.moe_router_num_groups is not None and self.num_moe_experts % self.moe_router_num_groups:
+            raise ConfigError(f"num_moe_experts {self.num_moe_experts} is not divisible by moe_router_num_groups "
+                              f"{self.moe_router_num_groups}: every group holds as many experts")
+        if self.layer_pattern is not None:
+            self._check_pattern()
+
+    def _check_pattern(self) -> None:
+        text, n = self.layer_pattern, self.num_layers
+        attention = "+" if self.multi_latent_attention else "*"
+        mlps = ("-", "E") if self.is_moe else ("-",)
+        pairs = [text[i:i + 2] for i in range(0, len(text), 2)] if isinstance(text, str) else []
+        bad = [i for i, p in enumerate(pairs) if len(p) != 2 or p[0] != attention or p[1] not in mlps]
+        if len(pairs) != n or bad:
+            raise ConfigError(f"layer_pattern {text!r:.80} is not {n} pairs of {attention!r} and "
+                              f"{' or '.join(map(repr, mlps))} (one per layer: attention, then its MLP)")
+        if self.is_moe and "E" not in text:
+            raise ConfigError(f"layer_pattern {text!r:.80} has no MoE layer ('E') but the model has experts")
+        if text == self.uniform_pattern:
+            object.__setattr__(self, "layer_pattern", None)  # one spelling of a uniform model
 
     def _check_types(self) -> None:
         """Each field of its type (a size a positive integer): a value read from a file may be anything."""
@@ -136,6 +205,19 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
+
+    @property
+    def uniform_pattern(self) -> str:
+        return (("+" if self.multi_latent_attention else "*") + ("E" if self.is_moe else "-")) * self.num_layers
+
+    @property
+    def pattern(self) -> str:
+        """The layer pattern, a pair of symbols per layer (see `layer_pattern`), derived where not given."""
+        return self.layer_pattern or self.uniform_pattern
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether global layer i's MLP is the MoE layer (else a dense MLP of ffn_hidden_size)."""
+        return self.pattern[2 * i + 1] == "E"
 
     @property
     def heads_per_group(self) -> int:

@@ -31,6 +31,17 @@ def gpt2(**kw) -> ModelSpec:
     return ModelSpec(**d)
 
 
+def deepseek(**kw) -> ModelSpec:
+    """Multi-latent attention (16 heads, latents 32 and 16 + 8 rotary), a dense first layer, MoE layers after it
+    (8 experts of 16, a shared expert of 32, an expert bias)."""
+    d = dict(architecture="deepseek_v3", num_query_groups=16, norm_epsilon=1e-6, q_lora_rank=32, kv_lora_rank=16,
+             qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, num_moe_experts=8, moe_router_topk=4,
+             moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=32, moe_router_num_groups=4,
+             moe_router_group_topk=2, layer_pattern="+-+E+E+E")
+    d.update(kw)
+    return llama(**d)
+
+
 SPECS = {
     "llama_untied": llama(tie=False),
     "llama_tied": llama(tie=True),
@@ -38,6 +49,7 @@ SPECS = {
     "qwen2": llama(architecture="qwen2", tie=True),  # QKV biases
     "qwen3": llama(architecture="qwen3", kv_channels=8),  # per-head q/k norms, head_dim x heads != hidden
     "mixtral": llama(architecture="mixtral", num_moe_experts=4, moe_router_topk=2),  # router and experts
+    "deepseek_v3": deepseek(),  # MLA, dense then MoE layers, a shared expert, an expert bias
 }
 
 

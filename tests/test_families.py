@@ -50,6 +50,14 @@ CASES = {
     # QKV biases, and a shared expert scaled by its sigmoid gate beside the routed top-2 of 4
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48, "norm_topk_prob": False}, "qwen2_moe"),
+    # multi-latent attention (q and kv latents, a rotary part per head), the first layer dense, then MoE layers: a
+    # shared expert and sigmoid routing of top-4 of 8 with an expert bias, the best 2 of 4 groups, weights scaled
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "rms_norm_eps": 1e-6, "q_lora_rank": 24,
+                                         "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+                                         "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 4,
+                                         "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4,
+                                         "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                                         "num_nextn_predict_layers": 0}, "deepseek_v3"),
 }
 
 
@@ -61,6 +69,9 @@ def hf_model(case: str):
     with torch.no_grad():  # every tensor distinct from its neighbours: norms 1 and biases 0 hide mis-orderings
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's expert bias (zeros at init) steers the routing
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model.float().eval()
 
 
@@ -123,16 +134,23 @@ def test_sharded_forward_equals_transformers(case, hf_dirs, tmp_path):
     assert tiers[2].data["rel_l2"] < 1e-5, tiers[2].data["rel_l2"]
 
 
+OWN_FIELDS = {  # the sizes a family's blocks need beyond the common ones
+    "deepseek_v3": {"norm_epsilon": 1e-6, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 12,
+                    "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "moe_ffn_hidden_size": 24, "layer_pattern": "+-+E",
+                    "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5}}
+
+
 def test_family_records_map_their_config_both_ways():
     """Each family writes a config.json that it reads back as the same spec, and declares a default for
     every feature field."""
     for family in families.all_families():
         assert set(family.features) == set(families.FEATURES), family.name
         spec = ModelSpec(architecture=family.name, num_layers=2, hidden_size=64, num_attention_heads=4,
-                         num_query_groups=4 if family.name == "gpt2" else 2, ffn_hidden_size=96, vocab_size=VOCAB,
-                         kv_channels=16, max_position_embeddings=128,
+                         num_query_groups=4 if family.name in ("gpt2", "deepseek_v3") else 2, ffn_hidden_size=96,
+                         vocab_size=VOCAB, kv_channels=16, max_position_embeddings=128,
                          **({"num_moe_experts": 4, "moe_router_topk": 2} if family.moe else {}),
-                         **({"moe_shared_expert_intermediate_size": 48} if family.shared_experts else {}))
+                         **({"moe_shared_expert_intermediate_size": 48} if family.shared_experts else {}),
+                         **OWN_FIELDS.get(family.name, {}))
         config = hf.hf_config(spec, "float32", 1, 2)
         assert config["model_type"] == family.model_type
         back = ModelSpec.from_dict(family.spec_fields(config, pytest.fail))
@@ -149,11 +167,20 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "qwen3_moe", "mlp_only_layers": [0]}, "mlp_only_layers [0] is not supported (layers with a dense"),
     ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "decoder_sparse_step 2 is not supported"),
     ({"model_type": "mixtral", "num_experts_per_tok": 5}, "moe_router_topk 5 exceeds num_moe_experts 4"),
+    ({"model_type": "deepseek_v3", "rope_interleave": False}, "rope_interleave=false is not supported"),
+    ({"model_type": "deepseek_v3", "norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
+    ({"model_type": "deepseek_v3", "rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05 is not 1e-6"),
+    ({"model_type": "deepseek_v3", "n_group": 2, "topk_group": 2}, "topk_group 2: transformers scores a group"),
+    ({"model_type": "deepseek_v3", "first_k_dense_replace": 2}, "first_k_dense_replace 2 with 2 layers"),
+    ({"model_type": "deepseek_v3", "num_nextn_predict_layers": 1, "rope_parameters": {"rope_type": "yarn"}},
+     "rope scaling yarn"),
 ])
 def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
     moe = {"num_moe_experts": 4} if families.get(changes["model_type"]).moe else {}
+    if families.get(changes["model_type"]).shared_experts:
+        moe["moe_shared_expert_intermediate_size"] = 48
     spec = ModelSpec(architecture=changes["model_type"], num_layers=2, hidden_size=64, num_attention_heads=4,
-                     ffn_hidden_size=96, vocab_size=VOCAB, **moe)
+                     ffn_hidden_size=96, vocab_size=VOCAB, **moe, **OWN_FIELDS.get(changes["model_type"], {}))
     config = {**hf.hf_config(spec, "float32", None, None), **changes}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

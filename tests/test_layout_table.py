@@ -12,6 +12,7 @@ import torch
 from layout_cases import (
     SMALL_GPT2,
     SPECS,
+    deepseek,
     TPS,
     all_cases,
     assert_bitwise,
@@ -139,6 +140,8 @@ COVERAGE = {
     "mixtral_pp2": (llama(architecture="mixtral", num_moe_experts=4), 2),
     "olmoe_pp2": (llama(architecture="olmoe", num_moe_experts=4), 2),  # q/k norms over all heads, split over TP
     "qwen2_moe_pp2": (llama(architecture="qwen2_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48), 2),
+    "deepseek_v3_pp2": (deepseek(), 2),  # MLA; layer 0 dense, layers 1-3 MoE
+    "deepseek_v3_plain_q_pp1": (deepseek(q_lora_rank=None), 1),  # one query projection
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -146,7 +149,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 def present_matches(key: str, spec: ModelSpec, pp: int) -> list[layout.Rule]:
     m = _LAYER_RE.match(key)
     pattern = re.sub(r"\.local_experts\.\d+\.", ".local_experts.{e}.", f"decoder.layers.{{i}}.{m.group(2)}") if m else key
-    return [r for r in layout.TABLE if r.name == pattern and r.when(spec, pp)]
+    return [r for r in layout.rules_for(spec, pp) if r.name == pattern]
 
 
 def test_table_coverage() -> None:
@@ -154,6 +157,7 @@ def test_table_coverage() -> None:
     for name, (spec, pp) in COVERAGE.items():
         counts = layout.layers_per_stage(spec.num_layers, pp)
         global_layers: Counter = Counter()
+        blocks: dict[str, str | None] = {}  # a layer key's suffix -> its row's block
         for stage in range(pp):
             pairs = layout.stage_keys(spec, counts, stage)
             locals_ = [k for k, _ in pairs]
@@ -169,6 +173,7 @@ def test_table_coverage() -> None:
                     local_idx.add(int(m.group(1)))
                     assert g and g.group(2) == m.group(2), (local, glob)
                     global_layers[(int(g.group(1)), m.group(2))] += 1
+                    blocks[m.group(2)] = matches[0].block
                 else:
                     assert local == glob, (local, glob)
                 if local.startswith("embedding."):
@@ -190,7 +195,8 @@ def test_table_coverage() -> None:
         suffixes = {s for _, s in global_layers}
         for s in suffixes:
             idx = sorted(i for i, t in global_layers if t == s)
-            assert idx == list(range(spec.num_layers)), f"{name}: {s} global layers {idx}"
+            want = [i for i in range(spec.num_layers) if blocks[s] in layout.layer_blocks(spec, i) | {None}]
+            assert idx == want, f"{name}: {s} global layers {idx}, expected {want}"
         assert all(c == 1 for c in global_layers.values()), f"{name}: a global layer key repeats"
     unused = [(r.name, r.split) for r in layout.TABLE if id(r) not in used]
     assert unused == UNREACHABLE, f"rules never used by any spec: {unused} (known unreachable: {UNREACHABLE})"
@@ -209,9 +215,11 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
             moe = {"num_moe_experts": 4} if family.moe else {}
             if family.shared_experts:
                 moe["moe_shared_expert_intermediate_size"] = 48
-            spec = gpt2() if family.name == "gpt2" else llama(architecture=family.name, tie=tie, **moe)
-            for pp in (1, 2):
-                reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
+            specs = [gpt2()] if family.name == "gpt2" else [deepseek(tie_word_embeddings=tie, q_lora_rank=q) for q in (
+                32, None)] if family.name == "deepseek_v3" else [llama(architecture=family.name, tie=tie, **moe)]
+            for spec in specs:
+                for pp in (1, 2):
+                    reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
     assert [(r.name, r.split) for r in layout.TABLE if (r.name, r.split) not in reachable] == UNREACHABLE
 
 

@@ -25,7 +25,8 @@ SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "ga
 # ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
 FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
             "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings",
-            "moe_shared_expert_gate")
+            "moe_shared_expert_gate", "multi_latent_attention", "moe_router_score_function",
+            "moe_router_enable_expert_bias")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,23 @@ class Const:
             out[self.theirs] = self.value
 
 
+@dataclass(frozen=True)
+class Derived:
+    """A config.json key computed both ways by functions: `read(c, out, refuse)` sets ModelSpec fields from the
+    config dict, `write(spec)` gives the key's value (OMIT: not written)."""
+    theirs: str
+    reader: Callable[[dict, dict, Callable[[str], None]], None]
+    writer: Callable[[Any], Any]
+
+    def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
+        self.reader(c, out, refuse)
+
+    def write(self, spec, out: dict) -> None:
+        v = self.writer(spec)
+        if v is not OMIT:
+            out[self.theirs] = v
+
+
 def anything(v) -> bool:
     return True
 
@@ -146,6 +164,7 @@ class Family:
     extras: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
     moe: bool = False  # a mixture-of-experts family: every layer's MLP is megatron-core's MoE layer
     shared_experts: bool = False  # its MoE layers also have a shared expert (megatron-core's SharedExpertMLP)
+    grouped_routing: bool = False  # its router may limit the choice to the best groups and scale the chosen weights
 
     def default(self, feature: str):
         return self.features[feature][0]
@@ -154,7 +173,7 @@ class Family:
         """The config.json keys that follow from the weights (a merge writes ours, never a carried original's)."""
         keys = {"architectures", "model_type", "dtype"}
         for f in self.config:
-            if isinstance(f, Field):
+            if isinstance(f, (Field, Derived)):
                 keys.add(f.theirs)
             elif isinstance(f, Rope):
                 keys |= {"rope_parameters", "rope_theta"}
@@ -184,10 +203,10 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import (gemma, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3,
-                                     qwen3_moe)
+    from ckpt_tools.families import (deepseek_v3, gemma, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe,
+                                     qwen3, qwen3_moe)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
-            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY)
+            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, deepseek_v3.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

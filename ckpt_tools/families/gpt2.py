@@ -39,7 +39,8 @@ FAMILY = Family(
               "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
               "position_embedding_type": ("learned_absolute",),
               "rope_scaling": (None,), "tie_word_embeddings": (True,), "zero_centered_norm": (False,),
-              "scale_embeddings": (False,), "moe_shared_expert_gate": (False,)},
+              "scale_embeddings": (False,), "moe_shared_expert_gate": (False,), "multi_latent_attention": (False,),
+              "moe_router_score_function": ("softmax",), "moe_router_enable_expert_bias": (False,)},
     names=NAMES, check=_check,
     config=(
         Field("vocab_size", "vocab_size"),

@@ -25,7 +25,8 @@ FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_
             "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
             "position_embedding_type": ("rope",),
             "rope_scaling": (None,), "tie_word_embeddings": (False, True), "zero_centered_norm": (False,),
-            "scale_embeddings": (False,), "moe_shared_expert_gate": (False,)}
+            "scale_embeddings": (False,), "moe_shared_expert_gate": (False,), "multi_latent_attention": (False,),
+            "moe_router_score_function": ("softmax",), "moe_router_enable_expert_bias": (False,)}
 
 
 def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,
