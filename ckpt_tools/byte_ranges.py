@@ -155,7 +155,7 @@ def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
         path, state = _state(meta, checkpoint.optimizer_file(rank), "optimizer")
         for local, key in meta.rank_keys(rank, owned=True):
             shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
-            if shape is None:
+            if shape is None or not layout.has_optimizer_state(key, meta.spec, meta.pp_size):
                 continue
             entry = state.get(local)
             master = entry.get(field) if isinstance(entry, dict) else None

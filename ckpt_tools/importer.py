@@ -88,8 +88,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
                 full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
-                target.put(key, full, master=optimizer)
-                if optimizer:
+                trained = optimizer and layout.has_optimizer_state(key, spec, pp)
+                target.put(key, full, master=trained)
+                if trained:
                     target.put_zeros(key, "exp_avg")
                     target.put_zeros(key, "exp_avg_sq")
                     target.put_state(key, "step", torch.tensor(0.0))

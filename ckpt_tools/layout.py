@@ -55,6 +55,7 @@ class Rule:
     shape: Shape | None
     when: When
     block: str | None = None
+    buffer: bool = False  # a tensor no optimizer trains (megatron-core's persistent buffer): no optimizer state
 
     @property
     def dim(self) -> int | None:
@@ -212,7 +213,9 @@ TABLE: tuple[Rule, ...] = (
     Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _always, DENSE),
     # MoE: a router (replicated) and experts, each a gated MLP split over TP as the dense one is (expert TP = TP)
     Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _always, MOE),
-    Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _expert_bias, MOE),
+    # DeepSeek's expert bias: a persistent fp32 buffer megatron-core moves by the experts' load, not by gradients
+    Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _expert_bias, MOE,
+         buffer=True),
     Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _always,
          MOE),
     Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, MOE),
@@ -234,6 +237,7 @@ TABLE: tuple[Rule, ...] = (
     Rule("output_layer._extra_state", EXTRA, LAST, None, _always),
 )
 
+_BUFFERS = frozenset(r.name for r in TABLE if r.buffer)
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
@@ -281,6 +285,17 @@ def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
 def holds_weights(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:
     """A tensor, not an `_extra_state` object (carried as it is, never split, no optimizer state)."""
     return find_rule(key, spec, pp_size).split != EXTRA
+
+
+def has_optimizer_state(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:
+    """A trained tensor: the optimizer holds a master copy and moments of it (not of a buffer or `_extra_state`)."""
+    rule = find_rule(key, spec, pp_size)
+    return rule.split != EXTRA and not rule.buffer
+
+
+def is_buffer(key: str) -> bool:
+    """A buffer's key (any spec): megatron-core's model state holds it, its optimizer does not."""
+    return pattern_of(key) in _BUFFERS
 
 
 def has_padded_rows(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:

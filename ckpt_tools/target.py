@@ -262,7 +262,7 @@ class Resharder:
             if kind == MODEL:
                 state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
                     self.put(writer, key, None, tp_rank)
-            elif not extra:
+            elif layout.has_optimizer_state(key, t.spec, t.pp):
                 fields = {f: self.put(writer, key, f, tp_rank) for f in OPTIMIZER_FIELDS}
                 self.shards.release()
                 fields["step"] = writer.tensor(self.shards.shards(self.shards.source_key(key), "step")[0])

@@ -122,7 +122,8 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
                         held = [rank for rank in ranks if key in holds[rank]]  # an expert: its EP rank's files
                         for rank in held:
                             writer.put(rank, key, shard_of(key, rank.tp))
-                        for field in OPTIMIZER_FIELDS if resume is not None else ():
+                        for field in OPTIMIZER_FIELDS if resume is not None and \
+                                layout.has_optimizer_state(key, spec, pp) else ():
                             for rank in held:  # one field at a time: one full tensor in memory, not four
                                 writer.put(rank, key, state_of(key, field, rank.tp), field)
                     bar.update(len(ranks))

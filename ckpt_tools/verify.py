@@ -120,7 +120,7 @@ def tier1(src: Reader, other: Path | None, team: Team = SOLO) -> Tier:
         owners = team.split([math.prod(layout.full_shape(k, spec, padded, src.meta.pp_size)) for k in both])
         compared = exact = 0
         for key in (k for k, owner in zip(both, owners) if owner == team.rank):
-            for f in fields:
+            for f in fields if layout.has_optimizer_state(key, spec, src.meta.pp_size) else fields[:1]:
                 a, b = src.full(key, f), theirs.full(key, f)
                 if layout.has_padded_rows(key, spec, None):  # compare the true rows
                     a, b = a[: spec.vocab_size], b[: spec.vocab_size]

@@ -121,7 +121,8 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("gemma", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+FORWARD = ("deepseek_v3", "gemma", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3",
+           "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
 @pytest.mark.slow
@@ -214,7 +215,7 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), OLMoE's norms over all heads
     sum their squares over TP and keep each rank's weight slice, Gemma's zero-centred norms start at zero; a
@@ -230,6 +231,12 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
         extra.update(moe_router_pre_softmax=True)
     if arch == "qwen2_moe":  # a gated shared expert beside the routed ones, split over TP as the dense MLP
         extra.update(moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48)
+    if arch == "deepseek_v3":  # MLA at TP2 (its latent norms' gradients whole on each rank), a dense first layer,
+        # sigmoid routing of top-2 of 4 experts in 2 groups with an expert bias and a shared expert
+        extra.update(num_query_groups=4, norm_epsilon=1e-6, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=12,
+                     qk_pos_emb_head_dim=8, v_head_dim=12, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                     moe_shared_expert_intermediate_size=32, moe_router_num_groups=2, moe_router_group_topk=1,
+                     moe_router_topk_scaling_factor=2.5, layer_pattern="+-+E+E+E", moe_aux_loss_coeff=0.01)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}

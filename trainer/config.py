@@ -82,6 +82,10 @@ class TrainConfig:
         if self.moe_layer not in ("ours", "megatron_core"):
             raise ConfigError(f"moe_layer {self.moe_layer!r} is not supported: use ours or megatron_core")
         moe = bool(self.model.get("num_moe_experts"))
+        if self.sequence_parallelism and (self.model.get("multi_latent_attention")
+                                          or self.model.get("architecture") == "deepseek_v3"):
+            raise ConfigError("sequence_parallelism with multi-latent attention is not supported by this trainer: set "
+                              "it to false")
         if self.sequence_parallelism and moe and self.moe_layer == "ours":
             raise ConfigError("sequence_parallelism with the trainer's own MoE layer is not supported: set it to false, "
                               "or set moe_layer: megatron_core")

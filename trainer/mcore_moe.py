@@ -57,6 +57,10 @@ def build(spec: ModelSpec, config: TransformerConfig, ep_size: int) -> nn.Module
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=bool(spec.moe_shared_expert_gate),
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_enable_expert_bias=bool(spec.moe_router_enable_expert_bias),
+        moe_router_num_groups=spec.moe_router_num_groups, moe_router_group_topk=spec.moe_router_group_topk,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
         expert_model_parallel_size=ep_size, gated_linear_unit=spec.gated_linear_unit,
         activation_func=F.silu if spec.activation == "swiglu" else functools.partial(F.gelu, approximate="tanh"),
         bias_activation_fusion=False, moe_grouped_gemm=False)

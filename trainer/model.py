@@ -43,10 +43,12 @@ def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dt
     )
 
 
-def _norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None) -> nn.Module:
+def _norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None, partial: bool | None = None) -> nn.Module:
     """A norm in the weights' dtype (over `size`, default hidden); under sequence parallelism it sees 1/TP of
     the sequence, so its parameters are marked as megatron-core marks them, for the TP all-reduce of their
-    gradients. A per-head q/k norm sees its own heads whole: its gradients are per rank, not reduced."""
+    gradients. A per-head q/k norm sees its own heads whole: its gradients are per rank, not reduced. `partial`
+    False: a norm every TP rank applies to the same whole input before a column-parallel layer (whose input
+    gradient is summed over TP), so each rank's gradient is already the whole one."""
     if spec.zero_centered_norm:
         norm = ZeroCenteredRMSNorm(size or spec.hidden_size, spec.norm_epsilon).to(config.params_dtype)
     else:
@@ -54,7 +56,8 @@ def _norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None) -
         norm = cls(size or spec.hidden_size, eps=spec.norm_epsilon).to(config.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel and size is None
-        p.partial_over_tp = size is not None  # megatron-core sums q/k norm gradients over TP as well
+        p.partial_over_tp = size is not None if partial is None else partial  # megatron-core sums q/k norm
+        # gradients over TP as well
     return norm
 
 
@@ -139,8 +142,9 @@ class Embedding(nn.Module):
 
 def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [s, 1, 1, 1, d/2] for rotate-half RoPE, computed in fp32 as megatron-core does (its
-    tables repeat these values for the second half of each head)."""
-    d = spec.kv_channels
+    tables repeat these values for the second half of each head); d the head's rotary part (all of it, or
+    multi-latent attention's qk_pos_emb_head_dim)."""
+    d = spec.qk_pos_emb_head_dim if spec.multi_latent_attention else spec.kv_channels
     inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     if spec.rope_scaling == "llama3":
         inv_freq = llama3_scaling(inv_freq, spec)
@@ -222,6 +226,90 @@ class SelfAttention(nn.Module):
         return out
 
 
+class _GatherLastDim(torch.autograd.Function):
+    """megatron-core's gather_output of a column-parallel layer (every TP rank the whole output; backward each rank's
+    own columns of the gradient, which the next column-parallel layer has already summed over TP), on any device."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n, r = torch.distributed.get_world_size(ctx.group), torch.distributed.get_rank(ctx.group)
+        return grad.chunk(n, dim=-1)[r].contiguous(), None
+
+
+class MLASelfAttention(nn.Module):
+    """Multi-latent attention as megatron-core's MLASelfAttention with its local spec holds and computes it: the
+    down projections are column-parallel layers whose output is gathered (every TP rank the whole latent), their norms
+    replicated; the up projections column-parallel over heads; the rotary part of each head's query and the keys'
+    shared rotary part rotated in megatron-core's MLA layout (even lanes, then odd, then rotate-half: transformers'
+    rope_interleave); softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
+        super().__init__()
+        self.spec, self.heads = spec, spec.num_attention_heads // tp_size
+        n, h, q_head = spec.num_attention_heads, spec.hidden_size, spec.qk_head_dim + spec.qk_pos_emb_head_dim
+
+        def column(rows_in: int, rows_out: int) -> nn.Module:
+            return tensor_parallel.ColumnParallelLinear(rows_in, rows_out, config=config, tp_group=_tp_group(),
+                                                        init_method=_no_init, bias=False, gather_output=False)
+        self.tp_size = tp_size
+        # Registration order = megatron-core's state-dict order.
+        self.linear_proj = RowParallelLinear(n * spec.v_head_dim, h, config=config, tp_group=_tp_group(),
+                                             init_method=_no_init, bias=False, input_is_parallel=True,
+                                             skip_bias_add=False)
+        if spec.q_lora_rank is None:
+            self.linear_q_proj = column(h, n * q_head)
+        else:
+            self.linear_q_down_proj = column(h, spec.q_lora_rank)
+            self.linear_q_up_proj = column(spec.q_lora_rank, n * q_head)
+        self.linear_kv_down_proj = column(h, spec.kv_lora_rank + spec.qk_pos_emb_head_dim)
+        self.linear_kv_up_proj = column(spec.kv_lora_rank, n * (spec.qk_head_dim + spec.v_head_dim))
+        if spec.q_lora_rank is not None:
+            self.q_layernorm = _norm(spec, config, spec.q_lora_rank, partial=False)
+        self.kv_layernorm = _norm(spec, config, spec.kv_lora_rank, partial=False)
+
+    def _gathered(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y, _ = layer(x)
+        return y if self.tp_size == 1 else _GatherLastDim.apply(y, layer.tp_group)
+
+    def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        s, b = q.shape[:2]
+        sp = self.spec
+        q_nope, q_pe = q.view(s, b, self.heads, -1).split([sp.qk_head_dim, sp.qk_pos_emb_head_dim], dim=-1)
+        k_nope, v = kv.view(s, b, self.heads, -1).split([sp.qk_head_dim, sp.v_head_dim], dim=-1)
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:  # [s, b, heads, d]: even lanes, odd lanes, then rotate-half
+            return apply_rope(torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)[:, :, None], *rope)[:, :, 0]
+        q = torch.cat([q_nope, rotate(q_pe)], dim=-1)
+        k = torch.cat([k_nope, rotate(k_pe.view(s, b, 1, -1)).expand(s, b, self.heads, -1)], dim=-1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        with sdpa_kernel(ATTENTION_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                selective: bool = False) -> torch.Tensor:
+        sp = self.spec
+        if sp.q_lora_rank is None:
+            q, _ = self.linear_q_proj(x)
+        else:
+            q, _ = self.linear_q_up_proj(self.q_layernorm(self._gathered(self.linear_q_down_proj, x)))
+        latent, k_pe = self._gathered(self.linear_kv_down_proj, x).split([sp.kv_lora_rank, sp.qk_pos_emb_head_dim],
+                                                                         dim=-1)
+        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
+        out = checkpoint(self.core, q, kv, k_pe, rope, use_reentrant=False) if selective else \
+            self.core(q, kv, k_pe, rope)
+        out, _ = self.linear_proj(out)
+        return out
+
+
 class MLP(nn.Module):
     """The dense MLP, or one expert of an MoE layer (`width` its ffn size)."""
 
@@ -257,12 +345,14 @@ class TransformerLayer(nn.Module):
     the MLP activation in backward: the big, cheap activations; full recompute wraps the layer."""
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, ep: tuple[int, int] | None = None,
-                 moe_layer: str = "ours"):
+                 moe_layer: str = "ours", index: int = 0):
+        """`index`: the layer's global number (the layer pattern says whether its MLP is an MoE layer)."""
         super().__init__()
         self.input_layernorm = _norm(spec, config)
-        self.self_attention = SelfAttention(spec, config, tp_size)
+        attention = MLASelfAttention if spec.multi_latent_attention else SelfAttention
+        self.self_attention = attention(spec, config, tp_size)
         self.pre_mlp_layernorm = _norm(spec, config)
-        if not spec.is_moe:
+        if not spec.moe_layer(index):
             self.mlp = MLP(spec, config)
         elif moe_layer == "megatron_core":  # megatron-core's MoELayer itself (trainer/mcore_moe.py)
             self.mlp = mcore_moe.build(spec, config, ep[1] if ep is not None else 1)
@@ -277,9 +367,10 @@ class TransformerLayer(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool,
-                 ep: tuple[int, int] | None = None, moe_layer: str = "ours"):
+                 ep: tuple[int, int] | None = None, moe_layer: str = "ours", first: int = 0):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size, ep, moe_layer) for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size, ep, moe_layer, first + i)
+                                    for i in range(num_layers))
         self.final_layernorm = _norm(spec, config) if post_process else None
 
 
@@ -308,7 +399,8 @@ class GPTStage(nn.Module):
         self.post_process = pp_rank == len(layer_counts) - 1
         if self.pre_process:
             self.embedding = Embedding(spec, config, padded_vocab)
-        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process, ep, moe_layer)
+        self.decoder = Decoder(spec, config, tp_size, layer_counts[pp_rank], self.post_process, ep, moe_layer,
+                               sum(layer_counts[:pp_rank]))
         self.share_weight = self.pre_process and spec.tie_word_embeddings
         # called with each module before its forward: the distributed optimizer waits there for the new weights'
         # all-gathers it left running (trainer/optim.py)
@@ -356,7 +448,7 @@ class GPTStage(nn.Module):
 
 def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
     """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L), norms 1, biases 0."""
-    if key.endswith(".bias"):
+    if key.endswith((".bias", ".expert_bias")):
         return None
     if "layernorm" in key:
         return None if spec.zero_centered_norm else -1.0  # a scale of one: ones, or zeros when zero-centred
@@ -383,10 +475,10 @@ def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: floa
 
 @torch.no_grad()
 def initialize(stage: GPTStage, seed: int, tp_rank: int) -> None:
-    """Fill every parameter from its full init tensor split by the layout table."""
+    """Fill every parameter (and persistent buffer) from its full init tensor split by the layout table."""
     keys = stage.global_keys()
     pp_size = len(stage.layer_counts)
-    for local, param in stage.named_parameters():
+    for local, param in (*stage.named_parameters(), *((k, b) for k, b in stage.named_buffers() if k in keys)):
         g = keys[local]
         full = full_init(g, stage.spec, stage.padded_vocab, seed)
         shard = shard_ops.split(g, full, stage.spec, stage.tp_size, pp_size)[tp_rank]

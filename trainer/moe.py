@@ -37,8 +37,27 @@ from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
 
 
-def route(logits: torch.Tensor, topk: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router logits [n, E] -> (probabilities [n, k], expert indices [n, k], every expert's softmax [n, E] fp32)."""
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool, spec: ModelSpec | None = None,
+          expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [n, E] -> (probabilities [n, k], expert indices [n, k], every expert's scores [n, E] fp32).
+    With the spec's sigmoid scoring (DeepSeek-V3), megatron-core's topk_routing_with_score_function: sigmoid scores,
+    the expert bias added for the choice only, the choice limited to the best groups (a group scored by the sum of its
+    best topk / group_topk), the chosen unbiased scores renormalised and scaled."""
+    if spec is not None and spec.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        choice = scores if expert_bias is None else scores + expert_bias
+        if spec.moe_router_num_groups is not None:
+            n, groups = choice.shape[0], spec.moe_router_num_groups
+            per_group = choice.view(n, groups, -1).topk(topk // spec.moe_router_group_topk, dim=-1)[0].sum(-1)
+            chosen = per_group.topk(spec.moe_router_group_topk, dim=-1)[1]
+            keep = torch.zeros_like(per_group).scatter_(1, chosen, 1.0).bool()
+            choice = choice.masked_fill(~keep.repeat_interleave(choice.shape[1] // groups, dim=1), float("-inf"))
+        index = torch.topk(choice, topk, dim=-1)[1]
+        probs = scores.gather(1, index)
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        if spec.moe_router_topk_scaling_factor is not None:
+            probs = probs * spec.moe_router_topk_scaling_factor
+        return probs.type_as(logits), index, scores / scores.sum(dim=-1, keepdim=True)
     scores = torch.softmax(logits.float(), dim=-1)
     if pre_softmax:
         probs, index = torch.topk(scores.type_as(logits), topk, dim=-1)
@@ -77,6 +96,10 @@ class Router(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.num_moe_experts, spec.hidden_size, dtype=config.params_dtype))
+        # DeepSeek-V3's expert bias: a persistent fp32 buffer, as megatron-core's; it steers the choice only. This
+        # trainer keeps it as loaded (megatron-core moves it by the experts' load with moe_router_bias_update_rate).
+        self.register_buffer("expert_bias", torch.zeros(spec.num_moe_experts, dtype=torch.float32)
+                             if spec.moe_router_enable_expert_bias else None)
 
 
 class Experts(nn.Module):
@@ -196,7 +219,7 @@ class MoE(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, mlp: type[nn.Module],
                  ep: tuple[int, int] | None = None):
         super().__init__()
-        self.topk, self.pre_softmax = spec.moe_router_topk, spec.moe_router_pre_softmax
+        self.spec, self.topk, self.pre_softmax = spec, spec.moe_router_topk, spec.moe_router_pre_softmax
         self.num_experts, self.aux_loss_coeff = spec.num_moe_experts, config.moe_aux_loss_coeff
         self.router = Router(spec, config)
         self.experts_here = layout.local_experts(spec, *(ep or (None, 1)))  # global indices, local order
@@ -210,7 +233,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs, index, scores = route(F.linear(tokens, self.router.weight), self.topk, self.pre_softmax)
+        probs, index, scores = route(F.linear(tokens, self.router.weight), self.topk, self.pre_softmax, self.spec,
+                                     self.router.expert_bias)
         aux = load_balancing_loss(index, scores, self.aux_loss_coeff) if self.training and self.aux_loss_coeff \
             else None
         if self.training:

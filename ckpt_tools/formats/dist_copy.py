@@ -164,7 +164,8 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
                     if rank.tp == 0:
                         writer.put_extra(rank.pp, key)
                 elif writer.saves(key, rank):
-                    for field, shards in ((None, source.shards), *fields.items()):
+                    trained = fields.items() if layout.has_optimizer_state(key, spec, meta.pp_size) else ()
+                    for field, shards in ((None, source.shards), *trained):
                         if rank.tp < len(shards[key]):  # a tensor held whole (ByteSource.tp_of): TP rank 0's
                             _put(writer, source, rank, key, field, shards[key][rank.tp], padded, len(shards[key]))
             bar.update(1)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools.errors import FormatError
+from ckpt_tools.layout import is_buffer
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
 FLAT_FIELDS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -140,9 +141,9 @@ def dp_size_of(args) -> int:
 
 
 def params_of(model: dict, shared: set[str]) -> list[Param]:
-    """The parameters of one rank's model state dict, in named_parameters() order."""
+    """The parameters of one rank's model state dict, in named_parameters() order (its buffers are not)."""
     return [Param(k, tuple(v.shape), k in shared) for k, v in model.items()
-            if torch.is_tensor(v) and not k.endswith("_extra_state")]
+            if torch.is_tensor(v) and not k.endswith("_extra_state") and not is_buffer(k)]
 
 
 def _refuse(path: Path, what: str) -> FormatError:
