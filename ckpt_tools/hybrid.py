@@ -59,9 +59,6 @@ class Pattern:
                               f"attention layer followed by an MLP ('*-' or '*E'): this version reads patterns of "
                               f"attention + MLP pairs, as GPT models are")
         kinds = {p[1] for p in pairs}
-        if len(kinds) > 1:
-            raise ConfigError(f"{where} {text!r}: dense ('-') and MoE ('E') MLPs mixed: this version reads models "
-                              f"whose MLPs are all dense or all MoE")
         segments = None
         if PIPE in text:
             segments = tuple(len(s) for s in text.split(PIPE))
@@ -75,11 +72,12 @@ class Pattern:
         return cls(text, MOE in kinds, segments)
 
     @classmethod
-    def for_layers(cls, counts: list[int], moe: bool) -> Pattern:
-        """The pattern of a GPT model of these per-stage layer counts: its pairs, a segment per pipeline stage."""
-        pair = ATTENTION + (MOE if moe else MLP)
-        text = PIPE.join(pair * n for n in counts) if len(counts) > 1 else pair * counts[0]
-        return cls.parse(text)
+    def for_layers(cls, counts: list[int], layers: str) -> Pattern:
+        """The pattern of a GPT model of these per-stage layer counts and layer pattern (ModelSpec.pattern): its pairs,
+        a segment per pipeline stage."""
+        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        starts = [sum(counts[:p]) for p in range(len(counts) + 1)]
+        return cls.parse(PIPE.join("".join(pairs[starts[p]:starts[p + 1]]) for p in range(len(counts))))
 
     @property
     def num_indices(self) -> int:

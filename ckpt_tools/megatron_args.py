@@ -65,11 +65,14 @@ def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
         return {"num_experts": None, "expert_model_parallel_size": 1}
     return {"num_experts": spec.num_moe_experts, "moe_router_topk": spec.moe_router_topk,
             "moe_ffn_hidden_size": spec.moe_ffn_hidden_size, "moe_router_pre_softmax": spec.moe_router_pre_softmax,
-            "moe_grouped_gemm": False, "moe_layer_freq": 1,
+            "moe_grouped_gemm": False,
+            "moe_layer_freq": 1 if spec.layer_pattern is None else [int(spec.moe_layer(i)) for i in range(spec.num_layers)],
             "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
             "moe_shared_expert_gate": bool(spec.moe_shared_expert_gate), "moe_shared_expert_overlap": False,
-            "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-            "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
+            "moe_router_score_function": spec.moe_router_score_function,
+            "moe_router_enable_expert_bias": bool(spec.moe_router_enable_expert_bias),
+            "moe_router_num_groups": spec.moe_router_num_groups, "moe_router_group_topk": spec.moe_router_group_topk,
+            "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor, "moe_router_dtype": "fp32",
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
             "moe_token_dispatcher_type": "allgather", "expert_tensor_parallel_size": None,
             "expert_model_parallel_size": ep}
@@ -121,7 +124,11 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
-        vocab_size=spec.vocab_size, multi_latent_attention=False, mtp_num_layers=None, **moe_args(spec, ep),
+        vocab_size=spec.vocab_size, multi_latent_attention=bool(spec.multi_latent_attention), mtp_num_layers=None,
+        **{k: getattr(spec, k) for k in MLA_FIELDS}, **moe_args(spec, ep),
+        # multi-latent attention's rotary embedding: plain RoPE (megatron-core's MLA would default to YaRN)
+        rope_type="rope" if spec.multi_latent_attention else None, rotary_scaling_factor=1.0, mscale=1.0,
+        mscale_all_dim=0.0,
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
         transformer_impl="local", use_legacy_models=False, spec=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
@@ -143,8 +150,7 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
 # ---------------------------------------------------------------- reading: a checkpoint's args -> ModelSpec
 # Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
 _REFUSED = {
-    "pipeline_model_parallel_layout": "a custom pipeline layout", "multi_latent_attention": "multi-latent attention",
-    "mtp_num_layers": "multi-token prediction layers",
+    "pipeline_model_parallel_layout": "a custom pipeline layout", "mtp_num_layers": "multi-token prediction layers",
     "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
     "rotary_interleaved": "interleaved rotary embeddings",
@@ -166,6 +172,9 @@ _ARG_OF = {
     "rope_scaling": ("use_rope_scaling", lambda v: v is not None),
     "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
     "moe_shared_expert_gate": ("moe_shared_expert_gate", None),
+    "multi_latent_attention": ("multi_latent_attention", None),
+    "moe_router_score_function": ("moe_router_score_function", None),
+    "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", None),
 }
 
 
@@ -202,7 +211,28 @@ def features_of(args) -> dict:
         # Megatron-LM builds the gate only with a shared expert (and experts): without one the flag means nothing
         "moe_shared_expert_gate": bool(arg(args, "moe_shared_expert_gate", False))
         and bool(arg(args, "moe_shared_expert_intermediate_size", None)) and bool(arg(args, "num_experts", None)),
+        "multi_latent_attention": bool(arg(args, "multi_latent_attention", False)),
+        "moe_router_score_function": arg(args, "moe_router_score_function", "softmax")
+        if arg(args, "num_experts", None) else "softmax",
+        "moe_router_enable_expert_bias": bool(arg(args, "moe_router_enable_expert_bias", False))
+        and bool(arg(args, "num_experts", None)),
     }
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # both sides' names
+
+
+def mla_fields(args) -> dict:
+    """Multi-latent attention's sizes ({} without it). Its rotary embedding must be plain RoPE: megatron-core's MLA
+    defaults to YaRN (rope_type None or yarn), which is plain RoPE where rotary_scaling_factor <= 1."""
+    if not arg(args, "multi_latent_attention", False):
+        return {}
+    kind, factor = arg(args, "rope_type", "yarn"), float(arg(args, "rotary_scaling_factor", 1.0))
+    if kind not in ("rope", "yarn") or (kind == "yarn" and factor > 1):
+        raise ConfigError(f"multi-latent attention with rope_type={kind!r}, rotary_scaling_factor={factor} (YaRN "
+                          f"scaling), which this version does not read: plain RoPE only (rope_type rope, or a "
+                          f"rotary_scaling_factor of 1)")
+    return {k: getattr(args, k, None) for k in MLA_FIELDS}
 
 
 def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None = None) -> ModelSpec:
@@ -241,6 +271,9 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
     heads = args.num_attention_heads
     eps = getattr(args, "norm_epsilon", None)
     scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} if found["rope_scaling"] else {}
+    mla = mla_fields(args)
+    if moe or mla:
+        moe["layer_pattern"] = _moe_pattern(args, pattern, bool(mla), bool(moe))
     return ModelSpec(
         architecture=family.name, num_layers=pattern.num_layers if pattern is not None else args.num_layers,
         hidden_size=args.hidden_size, num_attention_heads=heads,
@@ -249,16 +282,30 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         kv_channels=arg(args, "kv_channels"), max_position_embeddings=arg(args, "max_position_embeddings", 2048),
         norm_epsilon=float(eps if eps is not None else arg(args, "layernorm_epsilon", 1e-5)),
         rotary_base=float(arg(args, "rotary_base", 10000)),
-        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe)
+        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla)
+
+
+def _moe_pattern(args, pattern: hybrid.Pattern | None, mla: bool, moe: bool) -> str:
+    """The layer pattern (ModelSpec.layer_pattern) of a GPTModel's moe_layer_freq (an int N: every N-th layer from
+    the first is MoE; a list: 1 for MoE) or of a HybridModel's pattern."""
+    attention = "+" if mla else "*"
+    if pattern is not None:
+        return "".join(attention + mlp for mlp in pattern.text.replace(hybrid.PIPE, "")[1::2])
+    n = args.num_layers
+    if not moe:
+        return (attention + "-") * n
+    freq = arg(args, "moe_layer_freq", 1)
+    flags = [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) and freq >= 1 else freq
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"moe_layer_freq {freq!r} does not give {n} layers 0 (dense) or 1 (MoE): the args are "
+                          f"damaged; restore them from the source")
+    return "".join(attention + ("E" if f else "-") for f in flags)
 
 
 # Megatron-LM MoE arguments whose non-default values change the weights or the routing beyond what the MoE families
 # hold: (argument, its harmless values, what it would mean)
 _MOE_REFUSED = (
-    ("moe_router_score_function", ("softmax",), "a router score function other than softmax"),
-    ("moe_router_enable_expert_bias", (None, False), "a router expert bias"),
-    ("moe_router_num_groups", (None, 0, 1), "group-limited routing"),
-    ("moe_router_topk_scaling_factor", (None, 1, 1.0), "scaled top-k weights"),
+    ("moe_router_score_function", ("softmax", "sigmoid"), "a router score function other than softmax or sigmoid"),
 )
 
 
@@ -269,15 +316,17 @@ def moe_fields(args, by_pattern: bool = False) -> dict:
     if not experts:
         return {}
     refused = [f"{k}={arg(args, k, None)!r} ({why})" for k, ok, why in _MOE_REFUSED if arg(args, k, ok[0]) not in ok]
-    freq = 1 if by_pattern else arg(args, "moe_layer_freq", 1)
-    if not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
-        refused.append(f"moe_layer_freq={freq!r} (dense layers between MoE layers)")
     if refused:
         raise ConfigError(f"unsupported Megatron-LM MoE arguments: {'; '.join(refused)}")
+    groups = arg(args, "moe_router_num_groups", None)
+    grouped = {"moe_router_num_groups": groups, "moe_router_group_topk": arg(args, "moe_router_group_topk", None)} \
+        if groups not in (None, 0, 1) else {}
+    scaling = arg(args, "moe_router_topk_scaling_factor", None)
     return {"num_moe_experts": int(experts), "moe_router_topk": int(arg(args, "moe_router_topk", 2)),
             "moe_ffn_hidden_size": arg(args, "moe_ffn_hidden_size", None),
             "moe_router_pre_softmax": bool(arg(args, "moe_router_pre_softmax", False)),
-            "moe_shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size", None) or None}
+            "moe_shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size", None) or None,
+            **grouped, **({"moe_router_topk_scaling_factor": float(scaling)} if scaling is not None else {})}
 
 
 def _layer_counts(args, pp_size: int) -> list[int]:

@@ -23,6 +23,23 @@ TE_NAMES = {  # local spec name (within a layer) -> Transformer Engine name
 }
 
 
+# Multi-latent attention under Transformer Engine's spec: the latent norms fused into the up projections (its
+# input_layernorm stays a module of its own); megatron-core's local MLA spec declares no map, so it saves local names.
+MLA_TE_NAMES = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def to_mla_te(name: str) -> str:
+    """A layer's key of an MLA model (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
+    for local, te in MLA_TE_NAMES.items():
+        if name.startswith(local) or f".{local}" in name:
+            return name.replace(local, te, 1)
+    return name
+
+
 def to_te(name: str) -> str:
     """A layer's key (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
     for local, te in TE_NAMES.items():

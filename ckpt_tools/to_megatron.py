@@ -82,7 +82,7 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
             raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's torch_dist form only by "
                               f"this version, not in {form}: pass --format torch_dist, or --model gpt to write a "
                               f"GPTModel checkpoint of the same weights")
-        pattern = hybrid.Pattern.for_layers(counts, spec.is_moe)
+        pattern = hybrid.Pattern.for_layers(counts, spec.pattern)
     args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern)
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples

@@ -63,6 +63,11 @@ def _perturb(model, torch) -> None:
         full = torch.randn(p.shape, generator=g) * 0.2
         with torch.no_grad():
             p.copy_(full + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+    for name, b in model.named_buffers():  # DeepSeek's expert bias (zeros at init) steers the routing
+        if name.endswith("expert_bias"):
+            g = torch.Generator().manual_seed(_stable(name))
+            with torch.no_grad():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
 
 
 def _stable(text: str) -> int:

@@ -37,6 +37,17 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features
     activation = {"swiglu": F.silu, "gelu": F.gelu,
                   "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
+    mla = {}
+    if s.multi_latent_attention:  # DeepSeek-V3: MLATransformerConfig, plain RoPE (its default is YaRN), routing
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
+        mla = dict(multi_latent_attention=True, q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
+                   qk_head_dim=s.qk_head_dim, qk_pos_emb_head_dim=s.qk_pos_emb_head_dim, v_head_dim=s.v_head_dim,
+                   rope_type="rope", rotary_base=s.rotary_base, apply_rope_fusion=False)
+    if s.is_moe and s.moe_router_score_function == "sigmoid":
+        mla.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=s.moe_router_enable_expert_bias,
+                   moe_router_num_groups=s.moe_router_num_groups, moe_router_group_topk=s.moe_router_group_topk,
+                   moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor, moe_router_dtype="fp32",
+                   moe_layer_freq=[int(s.moe_layer(i)) for i in range(s.num_layers)])
     config = TransformerConfig(
         num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
         num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size, kv_channels=s.kv_channels,
@@ -53,6 +64,7 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
             "moe_shared_expert_intermediate_size": s.moe_shared_expert_intermediate_size,
             "moe_shared_expert_gate": bool(s.moe_shared_expert_gate),
             "expert_tensor_parallel_size": int(model.get("etp") or tp)} if s.is_moe else {}),
+        **mla,
     )
     tied = s.tie_word_embeddings
     if s.position_embedding_type == "rope":
@@ -61,8 +73,11 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     else:
         pos_kw = dict(position_embedding_type="learned_absolute")
 
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm,
-                                    num_experts=s.num_moe_experts, moe_grouped_gemm=grouped)
+    if s.multi_latent_attention:
+        spec = _mla_block_spec(config)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm,
+                                        num_experts=s.num_moe_experts, moe_grouped_gemm=grouped)
     if grouped:
         from megatron.core.transformer.moe import grouped_gemm_util
         grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
@@ -76,6 +91,33 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
         share_embeddings_and_output_weights=tied,
         **pos_kw,
     )
+
+
+def _mla_block_spec(config):
+    """megatron-core's own local decoder block spec of an MLA model (dense or MoE per layer by moe_layer_freq), its
+    core attention replaced: the local DotProductAttention does not take the key / value widths MLA passes it (and
+    Transformer Engine's needs CUDA). The replacement is plain causal softmax attention at MLA's softmax scale; every
+    projection, norm, rotary embedding and the routing are megatron-core's own."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import multi_latent_attention
+    multi_latent_attention.HAVE_TE = False  # no Transformer Engine here (its stand-ins fail isinstance checks)
+
+    class CoreAttention(torch.nn.Module):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **kw):
+            super().__init__()
+            self.scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kw):
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
+    for layer in block.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = CoreAttention
+    return block
 
 
 def _child_main(rank: int, cfg_path: str, out_path: str) -> int:

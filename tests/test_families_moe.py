@@ -255,3 +255,32 @@ def test_megatron_core_moe_checkpoint_with_another_expert_tensor_parallel_size_m
     with pytest.raises(ConfigError, match="expert_tensor_parallel_size 1 differs from tensor_model_parallel_size 2"):
         merge(tmp_path / "torch", tmp_path / "legacy", vocab_size=VOCAB, quiet=True)
     assert not (tmp_path / "legacy").exists()
+
+
+DEEPSEEK = {"architecture": "deepseek_v3", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+            "ffn_hidden_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-6,
+            "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 12, "qk_pos_emb_head_dim": 8, "v_head_dim": 12,
+            "num_moe_experts": 8, "moe_router_topk": 4, "moe_ffn_hidden_size": 32,
+            "moe_shared_expert_intermediate_size": 32, "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+            "moe_router_topk_scaling_factor": 2.5, "layer_pattern": "+-+E+E+E"}
+
+
+@pytest.mark.slow
+def test_megatron_core_deepseek_v3_checkpoints_merge_to_the_same_transformers_model(tmp_path):
+    """megatron-core's own MLA GPTModel (MLATransformerConfig, its local layer spec: column-parallel down projections,
+    q/kv latent norms, the MLA rotary layout; a dense first layer by moe_layer_freq, then MoE layers with sigmoid
+    routing, an expert bias, group-limited top-k and scaled weights, and a shared expert) at TP2 x PP2, saved in
+    torch_dist and the legacy form: each merges to transformers' DeepseekV3ForCausalLM whose logits are
+    megatron-core's own, the same tensors from both forms."""
+    from conftest import torchrun
+    (tmp_path / "config.json").write_text(json.dumps({"model": DEEPSEEK, "tp": 2, "pp": 2, "iteration": 5}))
+    torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
+    tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    merged = {}
+    for form in ("torch_dist", "torch"):
+        merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
+        cls, ours = logits(tmp_path / f"merged_{form}", tokens)
+        assert cls == "DeepseekV3ForCausalLM" and rel(ours, expected) < 1e-5, (form, rel(ours, expected))
+        merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")
+    a, b = merged["torch_dist"], merged["torch"]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

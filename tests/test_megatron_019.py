@@ -233,7 +233,8 @@ def test_pattern_places_each_table_layer_at_its_pair():
     }
     for key, stored in expected.items():
         assert hybrid.to_hybrid(key) == stored and hybrid.from_hybrid(stored) == key
-    assert hybrid.Pattern.for_layers([1, 2], moe=True).text == "*E|*E*E"
+    assert hybrid.Pattern.for_layers([1, 2], "*E*E*E").text == "*E|*E*E"
+    assert hybrid.Pattern.for_layers([2, 1], "*-*E*E").text == "*-*E|*E"
 
 
 def test_uneven_pipeline_split_of_a_pattern_without_segments_is_megatron_cores():
@@ -262,7 +263,7 @@ def test_hybrid_args_without_a_pattern_are_refused(tmp_path):
 @pytest.mark.parametrize("text,message", [
     ("*-*", "layer indices 2-3 are '*'"),
     ("|*-*-", "pipeline segment 0 is empty"),
-    ("*-*E", "dense ('-') and MoE ('E') MLPs mixed"),
+    ("*E-*", "layer indices 2-3 are '-*'"),
     ("*|-*-", "pipeline segment '*' splits an attention + MLP pair"),
     ("*-x-", "layer symbol 'x' (not a layer symbol)"),
     ("*-+-", "layer symbol '+' (multi-latent attention blocks"),

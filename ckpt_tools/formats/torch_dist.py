@@ -102,10 +102,20 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
         return [(key, ())]
     stacked, lead = stacked_key(key)
     placed = tuple(zip(lead, lead_shape(spec, lead)))
-    candidates = [(stacked, placed)]
-    if len(lead) == 1:  # a non-uniform stack keeps each layer's own; an unfused norm its local name
-        candidates += [(f"{_LAYERS}{i}.{stacked[len(_LAYERS):]}", ()),
-                       (_LAYERS + key[len(f"{_LAYERS}{i}."):], placed)]
+    name, e = key[len(f"{_LAYERS}{i}."):], layout.expert_index(key)
+    local = _experts(name, e) if e is not None else name
+    fused = stacked[len(_LAYERS):]
+    # megatron-core's own choice first (what the writer writes): the local MLA spec declares no Transformer Engine
+    # map, so it saves local names; a non-uniform stack (moe_layer_freq a list) one key per layer, its experts on a
+    # leading expert axis
+    mine = local if spec.multi_latent_attention else fused
+    candidates = [(f"{_LAYERS}{i}.{mine}", placed[1:])] if spec.layer_pattern is not None else []
+    candidates.append((_LAYERS + mine, placed))
+    others = (fused, local) + ((names.to_mla_te(local),) if spec.multi_latent_attention else ())
+    for n in dict.fromkeys(others):  # the other spec's names, in either stacking
+        for c in ((_LAYERS + n, placed), (f"{_LAYERS}{i}.{n}", placed[1:])):
+            if c not in candidates:
+                candidates.append(c)
     return candidates
 
 
