@@ -75,7 +75,9 @@ def test_olmoe_norm_over_all_heads_split_over_tp_equals_transformers(tmp_path):
 @pytest.mark.parametrize("case,form,written,loaded", [("mixtral", "torch_dist", (2, 2, 1), (2, 1, 2)),
                                                       ("qwen3_moe", "torch", (2, 1, 1), (2, 1, 1)),
                                                       ("qwen2_moe", "torch_dist", (1, 2, 1), (2, 1, 2)),
-                                                      ("mixtral", "torch", (1, 2, 2), (1, 2, 2))])
+                                                      ("mixtral", "torch", (1, 2, 2), (1, 2, 2)),
+                                                      ("deepseek_v3", "torch_dist", (2, 2, 1), (2, 1, 2)),
+                                                      ("deepseek_v3", "torch", (2, 2, 1), (2, 2, 1))])
 def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, loaded, hf_dirs, tmp_path):
     """`ckpt import --format torch_dist|torch` of an MoE model: megatron-core's own MoE GPTModel loads it the way
     Megatron-LM does (torch_dist at another TP x PP and with EP2; torch per rank, strict, with EP2 from the
@@ -92,6 +94,8 @@ def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, l
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     torchrun(tp * pp * ep, ["tests/mcore_load.py", str(tmp_path / "config.json")], timeout=600)
     result = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    if case == "deepseek_v3" and form == "torch_dist":  # the norms also under Transformer Engine's MLA names
+        _te_aliases_share_bytes(next((tmp_path / "megatron").glob("*/.metadata")).parent)
     _, want = logits(hf_dirs[case], TOKENS)
     assert rel(result["logits"][..., :VOCAB], want) < 1e-5
     assert result["args"]["num_experts"] == spec.num_moe_experts
@@ -99,6 +103,22 @@ def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, l
     original = load_safetensors(hf_dirs[case] / "model.safetensors")
     back = load_safetensors(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
+
+
+def _te_aliases_share_bytes(iter_dir) -> None:
+    """An MLA model's latent norms (and a dense layer's pre-MLP norm) are indexed under the local spec's names and
+    Transformer Engine's, over the same bytes; an MoE layer's pre-MLP norm (its own module under both) once."""
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(str(iter_dir)).read_metadata()
+    where = {(i.fqn, tuple(i.offset or ())): (s.relative_path, s.offset, s.length) for i, s in md.storage_data.items()}
+    pairs = {"decoder.layers.0.self_attention.q_layernorm.weight":
+             "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight",
+             "decoder.layers.3.self_attention.kv_layernorm.weight":
+             "decoder.layers.3.self_attention.linear_kv_up_proj.layer_norm_weight",
+             "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}
+    for local, te in pairs.items():
+        assert where[(local, (0,))] == where[(te, (0,))], (local, te)
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" not in md.state_dict_metadata
 
 
 def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_path):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
-from ckpt_tools.formats.torch_dist import Placed, stored_candidates
+from ckpt_tools.formats.torch_dist import Placed, stored_candidates, te_alias
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -280,6 +280,8 @@ class DistWriter:
                 if known[:2] != (dtype, shape):
                     raise LayoutError(f"{fqn}: chunks of a {dtype} {shape} tensor and of a {known[0]} {known[1]} one")
                 known[2].extend(chunks)
+        aliases = {te_alias(fqn, self.spec): t for fqn, t in merged.items()}  # either MLA spec loads its norms
+        merged.update({fqn: t for fqn, t in aliases.items() if fqn is not None})
         tensors = {fqn: (d, s, sorted(c)) for fqn, (d, s, c) in sorted(merged.items())}
         return tensors, dict(sorted(kv for _, part, _ in shared for kv in part.items()))
 

@@ -119,6 +119,23 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
     return candidates
 
 
+_MLA_NORM = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(self_attention\.(?:q|kv)_layernorm\.|pre_mlp_layernorm\.)")
+
+
+def te_alias(fqn: str, spec) -> str | None:
+    """The name megatron-core's Transformer Engine MLA spec loads a norm by, where the writer stores it under the local
+    MLA spec's (which declares no map): the latent norms fused into the up projections, a dense layer's pre-MLP norm
+    into its fc1 (an MoE layer keeps its own). Written as a second index entry over the same bytes, so that either
+    spec loads the checkpoint. None for any other tensor."""
+    m = _MLA_NORM.search(fqn) if spec.multi_latent_attention else None
+    if m is None:
+        return None
+    part, i = m.group(2), m.group(1)
+    if part == "pre_mlp_layernorm." and (spec.moe_layer(int(i)) if i is not None else spec.is_moe):
+        return None
+    return fqn[:m.start(2)] + names.MLA_TE_NAMES[part] + fqn[m.end(2):]
+
+
 class DistCheckpoint:
     """A torch_dist iteration dir: its Meta (from the args in common.pt) and its .metadata index."""
 
@@ -251,6 +268,9 @@ class DistCheckpoint:
             if entry.fqn in used:
                 continue
             used.add(entry.fqn)
+            alias = te_alias(entry.fqn, meta.spec)  # the same tensor under the other spec's name, where written
+            if alias in self.index.tensors:
+                used.add(alias)
             want = self.expected_shape(key, layer)
             if entry.shape != want:
                 problems.append(f"{where}: {entry.fqn} has global shape {list(entry.shape)}, the layout table says "
