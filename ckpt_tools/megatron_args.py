@@ -114,7 +114,7 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         # position_embedding_type; check_checkpoint_args compares this flag with the run's
         position_embedding_type=spec.position_embedding_type, add_position_embedding=True,
         use_rotary_position_embeddings=rope, rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer()
-        else spec.rotary_base, rotary_percent=1.0, rotary_interleaved=False,
+        else spec.rotary_base, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None, use_rope_scaling=spec.rope_scaling == "llama3",
         rope_scaling_factor=spec.rope_scaling_factor,
         normalization=spec.normalization, norm_epsilon=spec.norm_epsilon, apply_layernorm_1p=False,
@@ -240,8 +240,6 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
     toolkit cannot represent is a ConfigError. A HybridModel's `pattern` gives the layers and whether they are MoE."""
     refused = [f"{k}={getattr(args, k)!r} ({why})" for k, why in _REFUSED.items()
                if getattr(args, k, None) not in (None, False, 0)]
-    if arg(args, "rotary_percent", 1.0) != 1.0:
-        refused.append(f"rotary_percent={args.rotary_percent!r} (partial rotary embeddings)")
     supported = f"supported: {', '.join(families.names())} (docs/families.md)"
     if refused:
         raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
@@ -281,7 +279,7 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         num_query_groups=args.num_query_groups if arg(args, "group_query_attention", False) else heads,
         kv_channels=arg(args, "kv_channels"), max_position_embeddings=arg(args, "max_position_embeddings", 2048),
         norm_epsilon=float(eps if eps is not None else arg(args, "layernorm_epsilon", 1e-5)),
-        rotary_base=float(arg(args, "rotary_base", 10000)),
+        rotary_base=float(arg(args, "rotary_base", 10000)), rotary_percent=float(arg(args, "rotary_percent", 1.0)),
         make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla)
 
 

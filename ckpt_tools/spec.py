@@ -39,6 +39,7 @@ class ModelSpec:
     max_position_embeddings: int = 2048
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's dims the rotary embedding turns, the first ones (GLM-4.5)
     tie_word_embeddings: bool | None = None  # None: the family's default (gpt2 tied, the others not)
     make_vocab_size_divisible_by: int = 128
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
@@ -146,6 +147,14 @@ class ModelSpec:
             given = [k for k in ("q_lora_rank",) + mla if getattr(self, k) is not None]
             if given:
                 raise ConfigError(f"{', '.join(given)} given, but {self.architecture} has no multi-latent attention")
+        rotated = self.kv_channels * self.rotary_percent
+        if self.rotary_percent != 1.0 and not family.partial_rotary:
+            raise ConfigError(f"rotary_percent {self.rotary_percent} (partial rotary embeddings) is not available for "
+                              f"{self.architecture}: the families with it are " + ", ".join(
+                                  f.name for f in _families().all_families() if f.partial_rotary))
+        if not 0 < self.rotary_percent <= 1 or rotated != int(rotated) or int(rotated) % 2:
+            raise ConfigError(f"rotary_percent {self.rotary_percent} of head dim {self.kv_channels} is not an even "
+                              f"number of dims: choose a share that turns whole pairs")
         if self.moe_router_topk_scaling_factor == 1:
             object.__setattr__(self, "moe_router_topk_scaling_factor", None)
         grouped = [k for k in ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")

@@ -43,8 +43,9 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
         mla = dict(multi_latent_attention=True, q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
                    qk_head_dim=s.qk_head_dim, qk_pos_emb_head_dim=s.qk_pos_emb_head_dim, v_head_dim=s.v_head_dim,
                    rope_type="rope", rotary_base=s.rotary_base, apply_rope_fusion=False)
-    if s.is_moe and s.moe_router_score_function == "sigmoid":
-        mla.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=s.moe_router_enable_expert_bias,
+    if s.is_moe and (s.moe_router_score_function == "sigmoid" or s.layer_pattern is not None):
+        mla.update(moe_router_score_function=s.moe_router_score_function,
+                   moe_router_enable_expert_bias=s.moe_router_enable_expert_bias,
                    moe_router_num_groups=s.moe_router_num_groups, moe_router_group_topk=s.moe_router_group_topk,
                    moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor, moe_router_dtype="fp32",
                    moe_layer_freq=[int(s.moe_layer(i)) for i in range(s.num_layers)])
@@ -68,13 +69,13 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     )
     tied = s.tie_word_embeddings
     if s.position_embedding_type == "rope":
-        pos_kw = dict(position_embedding_type="rope", rotary_base=s.rotary_base,
+        pos_kw = dict(position_embedding_type="rope", rotary_base=s.rotary_base, rotary_percent=s.rotary_percent,
                       rope_scaling=s.rope_scaling == "llama3", rope_scaling_factor=s.rope_scaling_factor)
     else:
         pos_kw = dict(position_embedding_type="learned_absolute")
 
-    if s.multi_latent_attention:
-        spec = _mla_block_spec(config)
+    if s.multi_latent_attention or s.layer_pattern is not None:  # per-layer specs (moe_layer_freq a list)
+        spec = _block_spec(config, s.multi_latent_attention)
     else:
         spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm,
                                         num_experts=s.num_moe_experts, moe_grouped_gemm=grouped)
@@ -93,9 +94,9 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     )
 
 
-def _mla_block_spec(config):
-    """megatron-core's own local decoder block spec of an MLA model (dense or MoE per layer by moe_layer_freq), its
-    core attention replaced: the local DotProductAttention does not take the key / value widths MLA passes it (and
+def _block_spec(config, mla: bool):
+    """megatron-core's own local decoder block spec (dense or MoE per layer by moe_layer_freq); an MLA model's core
+    attention replaced: the local DotProductAttention does not take the key / value widths MLA passes it (and
     Transformer Engine's needs CUDA). The replacement is plain causal softmax attention at MLA's softmax scale; every
     projection, norm, rotary embedding and the routing are megatron-core's own."""
     import torch
@@ -115,7 +116,7 @@ def _mla_block_spec(config):
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
-    for layer in block.layer_specs:
+    for layer in block.layer_specs if mla else ():
         layer.submodules.self_attention.submodules.core_attention = CoreAttention
     return block
 

@@ -58,6 +58,13 @@ CASES = {
                                          "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4,
                                          "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
                                          "num_nextn_predict_layers": 0}, "deepseek_v3"),
+    # GLM-4.5: QKV biases, per-head q/k norms, RoPE on half of each head, a dense first layer, then DeepSeek's MoE
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 24, "attention_bias": True, "use_qk_norm": True,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5},
+                                   "n_routed_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                                   "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
+                                   "first_k_dense_replace": 1, "num_nextn_predict_layers": 0}, "glm4_moe"),
 }
 
 
@@ -121,7 +128,7 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("deepseek_v3", "gemma", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3",
+FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3",
            "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
@@ -138,7 +145,9 @@ def test_sharded_forward_equals_transformers(case, hf_dirs, tmp_path):
 OWN_FIELDS = {  # the sizes a family's blocks need beyond the common ones
     "deepseek_v3": {"norm_epsilon": 1e-6, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 12,
                     "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "moe_ffn_hidden_size": 24, "layer_pattern": "+-+E",
-                    "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5}}
+                    "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
+    "glm4_moe": {"moe_ffn_hidden_size": 24, "layer_pattern": "*-*E", "rotary_percent": 0.5, "add_qkv_bias": True,
+                 "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5}}
 
 
 def test_family_records_map_their_config_both_ways():
@@ -175,6 +184,8 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "deepseek_v3", "first_k_dense_replace": 2}, "first_k_dense_replace 2 with 2 layers"),
     ({"model_type": "deepseek_v3", "num_nextn_predict_layers": 1, "rope_parameters": {"rope_type": "yarn"}},
      "rope scaling yarn"),
+    ({"model_type": "glm4_moe", "norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
+    ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
 ])
 def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
     moe = {"num_moe_experts": 4} if families.get(changes["model_type"]).moe else {}
@@ -192,6 +203,11 @@ def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
 
 # ---------------------------------------------------------------- megatron-core's own model of each family
 MCORE = {  # ModelSpec fields of megatron-core GPTModels whose features the Llama-like families add
+    # GLM-4.5: QKV biases, q/k norms, half-rotary heads, a dense layer, then sigmoid / grouped / scaled routing
+    "glm4_moe": {"architecture": "glm4_moe", "kv_channels": 24, "add_qkv_bias": True, "qk_layernorm": True,
+                 "rotary_percent": 0.5, "num_moe_experts": 8, "moe_router_topk": 4, "moe_ffn_hidden_size": 32,
+                 "moe_shared_expert_intermediate_size": 32, "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+                 "moe_router_topk_scaling_factor": 1.5, "layer_pattern": "*-*E*E*E"},
     "qwen2_tied": {"architecture": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"architecture": "qwen3", "kv_channels": 24},
     "llama3": {"architecture": "llama", "rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rotary_base": 500000.0},

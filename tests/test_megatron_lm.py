@@ -278,7 +278,7 @@ def test_torch_dcp_checkpoint_is_named(tmp_path):
 @pytest.mark.parametrize("changes,expected", [
     ({"squared_relu": True}, "squared_relu=True"),
     ({"pipeline_model_parallel_layout": "Et|tL"}, "pipeline_model_parallel_layout='Et|tL' (a custom pipeline layout)"),
-    ({"rotary_percent": 0.5}, "rotary_percent=0.5"),
+    ({"rotary_percent": 0.5}, "rotary_percent 0.5 (partial rotary embeddings) is not available for llama"),
     ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered norm weights)"),
     ({"add_qkv_bias": True, "qk_layernorm": True}, "add_qkv_bias=True (needs False)"),  # neither qwen2 nor qwen3
     ({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),

@@ -144,7 +144,7 @@ def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[to
     """cos/sin [s, 1, 1, 1, d/2] for rotate-half RoPE, computed in fp32 as megatron-core does (its
     tables repeat these values for the second half of each head); d the head's rotary part (all of it, or
     multi-latent attention's qk_pos_emb_head_dim)."""
-    d = spec.qk_pos_emb_head_dim if spec.multi_latent_attention else spec.kv_channels
+    d = spec.qk_pos_emb_head_dim if spec.multi_latent_attention else int(spec.kv_channels * spec.rotary_percent)
     inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     if spec.rope_scaling == "llama3":
         inv_freq = llama3_scaling(inv_freq, spec)
@@ -200,6 +200,14 @@ class SelfAttention(nn.Module):
             self.q_layernorm = _norm(spec, config, spec.kv_channels)
             self.k_layernorm = _norm(spec, config, spec.kv_channels)
 
+    def rotate(self, t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on each head's first dims (all of them, or rotary_percent's share: megatron-core's and transformers'
+        partial rotary), the rest as they are."""
+        d = 2 * rope[0].shape[-1]
+        if d == t.shape[-1]:
+            return apply_rope(t, *rope)
+        return torch.cat([apply_rope(t[..., :d], *rope), t[..., d:]], dim=-1)
+
     def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """[s, b, this rank's (q, k, v) per group] -> attention output [s, b, this rank's heads x d]."""
         s, b = qkv.shape[:2]
@@ -211,7 +219,7 @@ class SelfAttention(nn.Module):
         elif self.spec.qk_layernorm:  # per head, before the rotation (megatron-core and transformers alike)
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self.rotate(q, rope), self.rotate(k, rope)
         q, k, v = (t.reshape(s, b, -1, d) for t in (q, k, v))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         with sdpa_kernel(ATTENTION_BACKENDS, set_priority=True):

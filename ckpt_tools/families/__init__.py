@@ -121,9 +121,10 @@ ROPE_FIELDS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_fre
 @dataclass(frozen=True)
 class Rope:
     """RoPE base and scaling: transformers 5's `rope_parameters` {rope_type, rope_theta, ...}, or the older
-    top-level `rope_theta` + `rope_scaling`. Types other than default and llama3, and partial rotary
-    factors, are refused (megatron-core's GPTModel has neither)."""
+    top-level `rope_theta` + `rope_scaling`. Types other than default and llama3 are refused, and a partial
+    rotary factor unless `partial` (megatron-core's rotary_percent: the first dims of each head)."""
     default_theta: float = 10000.0
+    partial: bool = False
 
     def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
         params = c.get("rope_parameters") or {}
@@ -135,8 +136,10 @@ class Rope:
         if kind not in ("default", "llama3"):
             refuse(f"rope scaling {kind} is not supported (only default and llama3)")
         partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
+        if partial not in (None, 1, 1.0) and not self.partial:
             refuse(f"partial_rotary_factor {partial!r} is not supported (rotary embeddings on the whole head only)")
+        if self.partial:
+            out["rotary_percent"] = float(partial if partial is not None else 1.0)
         theta = merged.get("rope_theta", c.get("rope_theta", self.default_theta))
         out["rotary_base"] = float(theta)
         if kind == "llama3":
@@ -148,6 +151,8 @@ class Rope:
         params = {"rope_type": spec.rope_scaling or "default", "rope_theta": float(spec.rotary_base)}
         if spec.rope_scaling == "llama3":
             params.update({theirs: getattr(spec, ours) for theirs, ours in ROPE_FIELDS.items()})
+        if self.partial:
+            params["partial_rotary_factor"] = spec.rotary_percent
         out["rope_parameters"] = params
         out["rope_theta"] = float(spec.rotary_base)
 
@@ -165,6 +170,7 @@ class Family:
     moe: bool = False  # a mixture-of-experts family: every layer's MLP is megatron-core's MoE layer
     shared_experts: bool = False  # its MoE layers also have a shared expert (megatron-core's SharedExpertMLP)
     grouped_routing: bool = False  # its router may limit the choice to the best groups and scale the chosen weights
+    partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
 
     def default(self, feature: str):
         return self.features[feature][0]
@@ -203,10 +209,11 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import (deepseek_v3, gemma, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe,
-                                     qwen3, qwen3_moe)
+    from ckpt_tools.families import (deepseek_v3, gemma, glm4_moe, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2,
+                                     qwen2_moe, qwen3, qwen3_moe)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
-            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, deepseek_v3.FAMILY)
+            mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY,
+            deepseek_v3.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

@@ -62,22 +62,26 @@ def _read_dense(c: dict, out: dict, refuse) -> None:
     out["layer_pattern"] = "+-" * k + "+E" * (n - k)
 
 
+def check_dense_first(spec, attention: str, k: int) -> None:
+    if spec.pattern != (attention + "-") * k + (attention + "E") * (spec.num_layers - k):
+        raise ConfigError(f"layer_pattern {spec.pattern!r}: the config.json of {spec.architecture} says only how many "
+                          f"first layers are dense (first_k_dense_replace): the dense layers must come first")
+
+
 def _write_dense(spec) -> int:
     k = spec.pattern.count("-")
-    if spec.pattern != "+-" * k + "+E" * (spec.num_layers - k):
-        raise ConfigError(f"layer_pattern {spec.pattern!r}: DeepSeek-V3's config.json says only how many first "
-                          f"layers are dense (first_k_dense_replace): the dense layers must come first")
+    check_dense_first(spec, "+", k)
     return k
 
 
-def _read_shared(c: dict, out: dict, refuse) -> None:
+def read_shared(c: dict, out: dict, refuse) -> None:
     shared = c.get("n_shared_experts", 1)
     if not isinstance(shared, int) or shared < 1:
         refuse(f"n_shared_experts {shared!r} (its MoE layers without a shared expert)")
     out["moe_shared_expert_intermediate_size"] = shared * c.get("moe_intermediate_size", 2048)
 
 
-def _write_shared(spec) -> int:
+def write_shared(spec) -> int:
     shared, width = spec.moe_shared_expert_intermediate_size, spec.moe_ffn_hidden_size
     if shared % width:
         raise ConfigError(f"moe_shared_expert_intermediate_size {shared} is not a multiple of moe_ffn_hidden_size "
@@ -85,14 +89,14 @@ def _write_shared(spec) -> int:
     return shared // width
 
 
-def _read_groups(c: dict, out: dict, refuse) -> None:
+def read_groups(c: dict, out: dict, refuse) -> None:
     groups, top = c.get("n_group", 8), c.get("topk_group", 4)
     if groups not in (None, 1):
         out.update(moe_router_num_groups=groups, moe_router_group_topk=top)
 
 
-def _read_scaling(c: dict, out: dict, refuse) -> None:
-    out["moe_router_topk_scaling_factor"] = float(c.get("routed_scaling_factor", 2.5))
+def read_scaling(c: dict, out: dict, refuse, default: float = 2.5) -> None:
+    out["moe_router_topk_scaling_factor"] = float(c.get("routed_scaling_factor", default))
 
 
 def check(spec) -> None:
@@ -102,6 +106,11 @@ def check(spec) -> None:
     if spec.norm_epsilon != 1e-6:
         raise ConfigError(f"rms_norm_eps {spec.norm_epsilon} is not 1e-6: transformers' DeepSeek-V3 fixes its latent "
                           f"norms' epsilon at 1e-6 and megatron-core has one epsilon for every norm")
+    check_routing(spec)
+
+
+def check_routing(spec) -> None:
+    """What megatron-core's sigmoid router computes as transformers' DeepSeek-V3 / GLM-4.5 router does."""
     if spec.moe_router_topk < 2:
         raise ConfigError(f"num_experts_per_tok {spec.moe_router_topk}: megatron-core renormalises the sigmoid "
                           f"weights of a top-k only for k > 1, transformers always: choose k >= 2")
@@ -137,11 +146,11 @@ FAMILY = Family(
         Field("n_routed_experts", "num_moe_experts", 256),
         Field("num_experts_per_tok", "moe_router_topk", 8),
         Field("moe_intermediate_size", "moe_ffn_hidden_size", 2048),
-        Derived("n_shared_experts", _read_shared, _write_shared),
+        Derived("n_shared_experts", read_shared, write_shared),
         Derived("first_k_dense_replace", _read_dense, _write_dense),
-        Derived("n_group", _read_groups, lambda s: s.moe_router_num_groups or 1),
+        Derived("n_group", read_groups, lambda s: s.moe_router_num_groups or 1),
         Derived("topk_group", lambda c, out, refuse: None, lambda s: s.moe_router_group_topk or 1),
-        Derived("routed_scaling_factor", _read_scaling, lambda s: s.moe_router_topk_scaling_factor or 1.0),
+        Derived("routed_scaling_factor", read_scaling, lambda s: s.moe_router_topk_scaling_factor or 1.0),
         Const("norm_topk_prob", True, "the top-k weights as they are: megatron-core renormalises a sigmoid top-k"),
         Const("rope_interleave", True, "the rotary rows in transformers' non-interleaved order"),
         Rope(10000.0),

@@ -1,0 +1,75 @@
+"""GLM-4.5 / GLM-4.6 (`glm4_moe`): grouped-query attention with biases on Q, K and V (`attention_bias`; o_proj has
+none), optional per-head q/k norms (`use_qk_norm`), rotary embeddings on the first `partial_rotary_factor` of each
+head (megatron-core's rotary_percent), and DeepSeek-V3's MoE: the first `first_k_dense_replace` layers dense, then
+routed experts of `moe_intermediate_size` plus a shared expert, sigmoid routing steered by `e_score_correction_bias`
+(megatron-core's expert bias), optionally group-limited, renormalised and scaled by `routed_scaling_factor`.
+Refused as DeepSeek-V3's are: `norm_topk_prob` false, top-1 routing, groups whose score is not their best two's sum;
+multi-token prediction layers are not read."""
+from ckpt_tools.families import Const, Derived, Family, Field, Rope, anything, heads_dim, kv_heads
+from ckpt_tools.families import deepseek_v3 as ds
+from ckpt_tools.families import llama
+from ckpt_tools.families.mixtral import TRAINING_ONLY
+
+_A = ("self_attention.linear_proj.", "self_attention.linear_q", "self_attention.linear_kv", "self_attention.q_",
+      "self_attention.kv_")
+NAMES = tuple(n for n in ds.NAMES if not n.key.startswith(tuple("decoder.layers.{i}." + a for a in _A))) + tuple(
+    n for n in llama.NAMES if ".self_attention." in n.key)
+# the attention rows are Llama's (qkv, its biases, q/k norms, o_proj), the MLP rows DeepSeek-V3's
+
+
+def _read_dense(c: dict, out: dict, refuse) -> None:
+    n, k = c["num_hidden_layers"], c.get("first_k_dense_replace", 1)
+    if not isinstance(k, int) or k < 0 or k >= n:
+        refuse(f"first_k_dense_replace {k!r} with {n} layers (the layers after the first k are MoE layers: "
+               f"0 <= k < num_hidden_layers)")
+    out["layer_pattern"] = "*-" * k + "*E" * (n - k)
+
+
+def _write_dense(spec) -> int:
+    k = spec.pattern.count("-")
+    ds.check_dense_first(spec, "*", k)
+    return k
+
+
+def check(spec) -> None:
+    ds.check_routing(spec)
+
+
+FAMILY = Family(
+    name="glm4_moe", model_type="glm4_moe", hf_class="Glm4MoeForCausalLM", moe=True, shared_experts=True,
+    grouped_routing=True, partial_rotary=True,
+    features={**llama.FEATURES, "add_qkv_bias": (False, True), "qk_layernorm": (False, True),
+              "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
+    names=NAMES, check=check,
+    config=(
+        Field("vocab_size", "vocab_size"),
+        Field("hidden_size", "hidden_size"),
+        Field("intermediate_size", "ffn_hidden_size"),
+        Field("num_hidden_layers", "num_layers"),
+        Field("num_attention_heads", "num_attention_heads"),
+        Field("num_key_value_heads", "num_query_groups", kv_heads),
+        Field("head_dim", "kv_channels", heads_dim),
+        Field("max_position_embeddings", "max_position_embeddings", 131072),
+        Field("rms_norm_eps", "norm_epsilon", 1e-5),
+        Field("tie_word_embeddings", "tie_word_embeddings", False),
+        Field("attention_bias", "add_qkv_bias", False),
+        Field("use_qk_norm", "qk_layernorm", False),
+        Field("n_routed_experts", "num_moe_experts", 128),
+        Field("num_experts_per_tok", "moe_router_topk", 8),
+        Field("moe_intermediate_size", "moe_ffn_hidden_size", 1408),
+        Derived("n_shared_experts", ds.read_shared, ds.write_shared),
+        Derived("first_k_dense_replace", _read_dense, _write_dense),
+        Derived("n_group", ds.read_groups, lambda s: s.moe_router_num_groups or 1),
+        Derived("topk_group", lambda c, out, refuse: None, lambda s: s.moe_router_group_topk or 1),
+        Derived("routed_scaling_factor", lambda c, out, refuse: ds.read_scaling(c, out, refuse, 1.0),
+                lambda s: s.moe_router_topk_scaling_factor or 1.0),
+        Const("norm_topk_prob", True, "the top-k weights as they are: megatron-core renormalises a sigmoid top-k"),
+        Rope(10000.0, partial=True),
+        Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"),
+        Const("num_nextn_predict_layers", 0, "multi-token prediction layers, not read by this version",
+              accept=lambda v: True),
+        Const("attention_dropout", 0.0, accept=anything),
+        Const("initializer_range", 0.02, accept=anything),
+        *TRAINING_ONLY,
+    ),
+)
