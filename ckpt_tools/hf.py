@@ -180,9 +180,39 @@ def data_offsets(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]
             for name, e in header.items()}
 
 
+SCALE = "_scale_inv"  # a block-scaled FP8 weight's companion: `<name>_scale_inv`, one fp32 scale per block
+QUANTIZATION = "quantization_config"
+
+
+def fp8_blocks(config: dict, where: Path) -> tuple[int, int] | None:
+    """The weight block of a block-scaled FP8 checkpoint's config.json (DeepSeek-V3's and Kimi K2's published form:
+    quant_method fp8, e4m3 weights, `weight_block_size` [128, 128], dynamic activation scales); None for an
+    unquantized one. Any other quantization is refused in one line."""
+    q = config.get(QUANTIZATION)
+    if q is None:
+        return None
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    fmt, act = (q.get("fmt", "e4m3"), q.get("activation_scheme", "dynamic")) if isinstance(q, dict) else (None, None)
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or fmt != "e4m3" or act != "dynamic" or not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise FormatError(f"{where}: quantization_config {json.dumps(q)[:120]} is not read: this version reads "
+                          f"block-scaled FP8 weights (quant_method fp8, fmt e4m3, activation_scheme dynamic, "
+                          f"weight_block_size [rows, cols]); dequantize the model with transformers first")
+    return block[0], block[1]
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An FP8 weight [rows, cols] times its per-block scales [ceil(rows / b0), ceil(cols / b1)], in fp32 (the last
+    blocks may be partial): the values the weights stand for, as transformers dequantizes them in fp32."""
+    rows, cols = q.shape
+    full = scale.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return q.float() * full
+
+
 class HFTensors:
     """The tensors of an HF model dir (model.safetensors or an index of several) or of one
-    safetensors file, read lazily."""
+    safetensors file, read lazily. Block-scaled FP8 weights (config.json's quantization_config) are given
+    dequantized, in fp32; their scales are not listed."""
 
     def __init__(self, hf_dir: Path):
         from safetensors import safe_open
@@ -213,12 +243,36 @@ class HFTensors:
             self._paths[name] = path
             for key in handle.keys():
                 self.where[key] = name
+        self._file_of = dict(self.where)  # every tensor, the scales too
+        config = hf_dir / "config.json"
+        self.block = fp8_blocks(json.loads(config.read_text()), config) if config.is_file() else None
+        self.scales: dict[str, str] = {}  # an FP8 weight -> its scales
+        if self.block is not None:
+            self.scales = {key[:-len(SCALE)]: key for key in self.where if key.endswith(SCALE)}
+            lost = sorted(k for k in self.scales if k not in self.where)
+            if lost:
+                raise FormatError(f"{hf_dir}: scales {self.scales[lost[0]]} without their weight {lost[0]}: the "
+                                  f"checkpoint is incomplete; download it again")
+            for key in self.scales.values():
+                del self.where[key]
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor (an FP8 weight dequantized by its block scales, fp32)."""
+        if name not in self.scales:
+            return self._get(name)
+        q, scale = self._get(name), self._get(self.scales[name])
+        grid = tuple(-(-n // b) for n, b in zip(q.shape, self.block))
+        if q.dim() != 2 or tuple(scale.shape) != grid:
+            raise FormatError(f"{self._paths[self._file_of[name]]}: {self.scales[name]} has shape {list(scale.shape)}, "
+                              f"expected {list(grid)} (one scale per {self.block[0]} x {self.block[1]} block of "
+                              f"{name} {list(q.shape)}): the checkpoint is damaged; download it again")
+        return dequantize_blocks(q, scale, self.block)
+
+    def _get(self, name: str) -> torch.Tensor:
         """The tensor, read into memory of its own (pread, not the file's mapping: the pages of every tensor read so
         far would otherwise stay resident until the end)."""
         import torch
-        file = self.where[name]
+        file = self._file_of[name]
         if file not in self._offsets:
             self._offsets[file] = data_offsets(self._paths[file])
         dtype, shape, start, end = self._offsets[file][name]
@@ -295,4 +349,6 @@ def merged_config(ours: dict, spec: ModelSpec, carried: Path | None) -> dict:
         out["torch_dtype"] = ours["dtype"]
     if "rope_parameters" in ours:
         out.pop("rope_scaling", None)  # the older spelling of what rope_parameters now says
+    if QUANTIZATION not in ours:
+        out.pop(QUANTIZATION, None)  # how the source stored its weights (FP8 blocks), not how the merge does
     return out

@@ -78,15 +78,27 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
     meta = reader.meta
     ckpt = meta.dir
     s, raw = meta.spec, meta.raw
+    heads = (f"multi-latent attention (q latent {s.q_lora_rank}, kv latent {s.kv_lora_rank}, head dims "
+             f"{s.qk_head_dim} + {s.qk_pos_emb_head_dim} rotary, v {s.v_head_dim})" if s.multi_latent_attention
+             else f"query groups {s.num_query_groups}, head dim {s.kv_channels}"
+             + (f", rotary on {s.rotary_percent:g} of it" if s.rotary_percent != 1 else ""))
+    dense = s.pattern[1::2].count("-")
     arch = (f"{s.architecture}: {s.num_layers} layers, hidden {s.hidden_size}, heads {s.num_attention_heads} "
-            f"(query groups {s.num_query_groups}, head dim {s.kv_channels}), ffn {s.ffn_hidden_size}, "
+            f"({heads}), ffn {s.ffn_hidden_size}, "
             f"{s.normalization} (eps {s.norm_epsilon:g}), {'SwiGLU' if s.gated_linear_unit else 'GELU'}, "
             + (f"RoPE (base {s.rotary_base:g})" if s.position_embedding_type == "rope"
                else f"learned positions ({s.max_position_embeddings})")
             + f", {'tied' if s.tie_word_embeddings else 'untied'} embeddings"
             + (", biases" if s.add_bias_linear else "")
-            + (f", {s.num_moe_experts} experts (top-{s.moe_router_topk}, {s.moe_ffn_hidden_size} wide)" if s.is_moe
-               else ""))
+            + (f", {s.num_moe_experts} experts (top-{s.moe_router_topk}, {s.moe_ffn_hidden_size} wide"
+               + (f", {s.moe_router_score_function} scores" if s.moe_router_score_function != "softmax" else "")
+               + (", expert bias" if s.moe_router_enable_expert_bias else "")
+               + (f", best {s.moe_router_group_topk} of {s.moe_router_num_groups} groups" if s.moe_router_num_groups
+                  else "")
+               + (f", weights x {s.moe_router_topk_scaling_factor:g}" if s.moe_router_topk_scaling_factor else "")
+               + (f", shared expert {s.moe_shared_expert_intermediate_size} wide"
+                  if s.moe_shared_expert_intermediate_size else "") + ")"
+               + (f" in {s.num_layers - dense} layers, {dense} dense" if dense else "") if s.is_moe else ""))
     total, padding = parameter_count(meta)
     files = raw.get("files", {})
     size = sum(f["size"] for f in files.values())

@@ -1,0 +1,111 @@
+"""Block-scaled FP8 HF checkpoints (DeepSeek-V3's and Kimi K2's published form: e4m3 weights, one fp32
+`weight_scale_inv` per block) import as the values they stand for, as transformers' own FP8 loader dequantizes
+them: the reference is transformers loading the FP8 checkpoint (dequantize=True on a machine without a GPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save_file
+from test_families import TOKENS, hf_model, rel
+
+from ckpt_tools import hf
+from ckpt_tools.errors import FormatError
+from ckpt_tools.importer import import_hf
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import reshard
+
+E4M3_MAX = 448.0
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's rule: per block, scale = amax / 448, the weight divided by it in e4m3 (partial last blocks)."""
+    rows, cols = w.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = torch.empty(grid)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = part.abs().max().clamp(min=1e-12) / E4M3_MAX
+    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def fp8_dir(tmp_path, block: tuple[int, int]):
+    """transformers' DeepSeek-V3 (tests/test_families.py's) saved with its projection weights in FP8 blocks (the
+    router, norms, embeddings and head as they are, as DeepSeek ships them)."""
+    src = tmp_path / "bf"
+    hf_model("deepseek_v3").save_pretrained(src)
+    tensors = load_safetensors(src / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and t.dim() == 2 and "norm" not in name and ".mlp.gate." not in name:
+            out[name], out[name + "_scale_inv"] = quantize(t, block)
+        else:
+            out[name] = t
+    dest = tmp_path / "fp8"
+    dest.mkdir()
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_fp8_blocks_import_as_transformers_dequantizes_them(tmp_path):
+    """Import at TP2 x PP2 x EP2, reshard, merge (fp32): every tensor is transformers' own dequantized one, bit for
+    bit, the logits the same, and the merge's config.json carries no quantization_config."""
+    from transformers import AutoModelForCausalLM
+    src = fp8_dir(tmp_path, (8, 8))
+    import_hf(src, tmp_path / "ours", tp=2, pp=2, ep=2, quiet=True)
+    reshard(tmp_path / "ours", tmp_path / "re", tp=1, pp=2, quiet=True)
+    merge(tmp_path / "re", tmp_path / "merged", quiet=True)
+    theirs = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    reference = {k: v for k, v in theirs.state_dict().items() if "rotary" not in k}
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    fused = {k for k in reference if ".experts." in k}  # transformers holds the experts fused [E, ...]
+    for name, want in reference.items():
+        if name in fused:
+            continue
+        assert torch.equal(merged[name], want.float()), name
+    experts = theirs.model.layers[1].mlp.experts
+    gate, up = experts.gate_up_proj[3].chunk(2)
+    assert torch.equal(merged["model.layers.1.mlp.experts.3.gate_proj.weight"], gate)
+    assert torch.equal(merged["model.layers.1.mlp.experts.3.up_proj.weight"], up)
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    with torch.no_grad():
+        want = theirs(TOKENS).logits
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel(ours(TOKENS).logits, want) < 1e-6
+
+
+def test_partial_fp8_blocks_dequantize_as_transformers_does(tmp_path):
+    """Weights whose sizes the block does not divide (DeepSeek-V3's 576-row kv_a_proj_with_mqa at 128): the last
+    blocks partial, against transformers' block dequantization (its FP8 backward's)."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    src = fp8_dir(tmp_path, (16, 16))
+    tensors = load_safetensors(src / "model.safetensors")
+    source = hf.HFTensors(src)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [24, 64]: rows 16 + 8
+    assert tensors[name + "_scale_inv"].shape == (2, 4) and name + "_scale_inv" not in source.where
+    want = _dequantize_fp8_weight(tensors[name], tensors[name + "_scale_inv"], [16, 16], torch.float32)
+    assert torch.equal(source.get(name), want)
+
+
+@pytest.mark.parametrize("quantization,expected", [
+    ({"quant_method": "mxfp4"}, "quantization_config {\"quant_method\": \"mxfp4\"} is not read"),
+    ({"quant_method": "fp8", "weight_block_size": [8, 8], "activation_scheme": "static"}, "activation_scheme dynamic"),
+])
+def test_other_quantizations_are_refused(quantization, expected, tmp_path):
+    src = fp8_dir(tmp_path, (8, 8))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError) as e:
+        import_hf(src, tmp_path / "out", tp=1, pp=1, quiet=True)
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
