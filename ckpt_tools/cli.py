@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ckpt_tools.errors import CkptError
+from ckpt_tools.errors import CkptError, ConfigError
 
 FORMS = ("ours", "torch_dist", "torch")  # to_megatron.CHOICES, without importing torch for --help
 MODELS = ("gpt", "hybrid")  # to_megatron.GPT, HYBRID, without importing torch for --help
@@ -154,6 +154,9 @@ def _safety_opts(fn):
               help="Output dtype (default: the checkpoint's; fp32 with --from-master-weights).")
 @click.option("--from-master-weights", is_flag=True, help="Take the fp32 master weights from the optimizer shards.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Split HF weights into files of this size.")
+@click.option("--fp8-blocks", default=None, metavar="ROWSxCOLS",
+              help="Write the decoder layers' linear weights as block-scaled FP8 (e4m3 + weight_scale_inv per block, "
+                   "DeepSeek-V3's published layout), e.g. 128x128; the other tensors in --dtype.")
 @click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
               help="Tokenizer dir to include (default: the checkpoint's own tokenizer files).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
@@ -163,8 +166,8 @@ def _safety_opts(fn):
 @_team_opts
 @_handle_errors
 def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: bool, max_shard_size: str,
-          tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool, no_preflight: bool,
-          quiet: bool, **launcher) -> None:
+          fp8_blocks: str | None, tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool,
+          no_preflight: bool, quiet: bool, **launcher) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
     # no torch imported here: a merge that needs none never imports it (a team of processes does, for its rendezvous)
     from ckpt_tools import merge as m
@@ -176,9 +179,23 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
     summary = m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
                       max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
-                      torch_threads=1, team=team)
+                      torch_threads=1, team=team, fp8_blocks=_blocks(fp8_blocks))
     if team.lead:
         click.echo(summary)
+
+
+def _blocks(text: str | None) -> tuple[int, int] | None:
+    """--fp8-blocks: '128x128', '128,128' or '128' (square)."""
+    if text is None:
+        return None
+    parts = text.lower().replace(",", "x").split("x")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise ConfigError(f"--fp8-blocks {text!r}: give the block as ROWSxCOLS (e.g. 128x128) or one size")
+    return (sizes[0], sizes[-1])
 
 
 def _copying_process() -> None:

@@ -209,6 +209,41 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return q.float() * full
 
 
+E4M3_MAX = 448.0
+FP8 = "float8_e4m3fn"
+
+
+def fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an HF tensor is one DeepSeek-V3's FP8 checkpoints hold in FP8 blocks: the decoder layers' linear
+    weights (attention projections, MLPs, experts, shared experts), not norms, the router, embeddings or the head."""
+    return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2 and "norm" not in name
+            and not name.endswith(".mlp.gate.weight"))
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def fp8_config(block: tuple[int, int]) -> dict:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 weight [rows, cols] -> (e4m3 weight, weight_scale_inv [ceil(rows / b0), ceil(cols / b1)] fp32) by
+    transformers' FP8 quantizer's rule: per block scale = 448 / amax (1 for an all-zero block), the weight times it
+    clamped to +-448 in e4m3, the stored inverse 1 / scale; the last blocks may be partial (DeepSeek's layout)."""
+    import torch
+    rows, cols = w.shape
+    grid = scale_grid(w.shape, block)
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = w
+    amax = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, E4M3_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    inv = (1.0 / scale).to(torch.float32)
+    full = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return torch.clamp(w.float() * full, min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn), inv
+
+
 class HFTensors:
     """The tensors of an HF model dir (model.safetensors or an index of several) or of one
     safetensors file, read lazily. Block-scaled FP8 weights (config.json's quantization_config) are given
@@ -349,6 +384,8 @@ def merged_config(ours: dict, spec: ModelSpec, carried: Path | None) -> dict:
         out["torch_dtype"] = ours["dtype"]
     if "rope_parameters" in ours:
         out.pop("rope_scaling", None)  # the older spelling of what rope_parameters now says
-    if QUANTIZATION not in ours:
+    if QUANTIZATION in ours:
+        out[QUANTIZATION] = ours[QUANTIZATION]
+    else:
         out.pop(QUANTIZATION, None)  # how the source stored its weights (FP8 blocks), not how the merge does
     return out

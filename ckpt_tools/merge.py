@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ckpt_tools import hf, io, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
-from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
+from ckpt_tools.plan import DIRS, HF, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
@@ -121,16 +121,21 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
 def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | None = None,
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-          no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None, team: Team = SOLO) -> str:
+          no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None, team: Team = SOLO,
+          fp8_blocks: tuple[int, int] | None = None) -> str:
     """Write the merged model; returns the one-line summary. `via` picks the source (AUTO: the byte source when
     it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used; `team`: the processes that
-    write the output files between them (ckpt_tools.team)."""
+    write the output files between them (ckpt_tools.team); `fp8_blocks`: the decoder layers' linear weights in
+    block-scaled FP8 (DeepSeek-V3's published layout, hf.quantize_blocks), read through torch."""
     start = time.perf_counter()
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    source = open_source(src, vocab_size, from_master, check_hashes, via, torch_threads, team)
+    if fp8_blocks is not None and fmt != HF:
+        raise CkptError(f"--fp8-blocks writes a HuggingFace model dir (--format hf), not {fmt}: drop one of them")
+    source = open_source(src, vocab_size, from_master, check_hashes, TENSORS if fp8_blocks else via, torch_threads,
+                         team)
     try:
-        job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size)
+        job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size, fp8_blocks)
         tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None
         output.preflight(out, job.total, no_preflight)
         job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source),
@@ -146,8 +151,7 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         _write_archive(path, group, bar, job, source)
         return
     from ckpt_tools.writers import safetensors_header
-    itemsize = ELEMENT_SIZES[job.dtype]
-    header = safetensors_header([(n, job.dtype, s) for n, s in job.tensors(group)], job.metadata())
+    header = safetensors_header(job.tensors(group), job.metadata())
     with open(path, "wb") as f:
         f.write(header)
         f.flush()
@@ -156,7 +160,10 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         worker = io.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
         try:
             for e in group:
-                for name, shape, data in source.data(e, job.dtype):
+                for name, shape, data in _fp8(source.data(e, "float32"), job) if job.fp8 else source.data(e, job.dtype):
+                    itemsize = ELEMENT_SIZES[job.dtype]
+                    if isinstance(data, _Bytes):  # the FP8 path's tensors, each of its own dtype
+                        data, itemsize = data.view, ELEMENT_SIZES[data.dtype_name]
                     if isinstance(data, memoryview):
                         n = _pwrite(dst, data, pos)
                     else:
@@ -168,7 +175,7 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
                         raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * itemsize}")
                     pos += n
                 source.release()
-                bar.update(e.nbytes(job.dtype))
+                bar.update(job.entry_bytes(e))
                 if pos - written >= WRITEBACK:
                     worker.writeback(dst, written, pos - written)
                     written = pos
@@ -177,6 +184,28 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
             worker.abandon()
             raise
         worker.finish()
+
+
+def _fp8(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job) -> Iterator[tuple[str, tuple[int, ...], Data]]:
+    """The entry's fp32 output tensors, the FP8-block ones as their e4m3 weight and fp32 scales (others in job.dtype)."""
+    import torch
+
+    from ckpt_tools.writers import contiguous_bytes
+    for name, shape, data in tensors:
+        t = torch.frombuffer(data, dtype=torch.float32).view(shape) if len(data) else torch.empty(shape)
+        if hf.fp8_quantized(name, shape):
+            q, inv = hf.quantize_blocks(t, job.fp8)
+            yield name, shape, _Bytes(contiguous_bytes(q), hf.FP8)
+            yield name + hf.SCALE, tuple(inv.shape), _Bytes(contiguous_bytes(inv), "float32")
+        else:
+            yield name, shape, _Bytes(contiguous_bytes(t.to(getattr(torch, job.dtype))), job.dtype)
+
+
+class _Bytes:
+    """Bytes in memory with their dtype name: written as a memoryview is."""
+
+    def __init__(self, view: memoryview, dtype_name: str):
+        self.view, self.dtype_name = view, dtype_name
 
 
 def _write_archive(path: Path, group: list[Entry], bar, job: Job, source: ByteSource | TensorSource) -> None:

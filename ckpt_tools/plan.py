@@ -56,12 +56,13 @@ def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
             for key, kind, names in rows]
 
 
-def split_files(entries: list[Entry], dtype: str | torch.dtype, max_bytes: int) -> list[list[Entry]]:
+def split_files(entries: list[Entry], dtype: str | torch.dtype, max_bytes: int,
+                nbytes: Callable[[Entry], int] | None = None) -> list[list[Entry]]:
     """Entries in order, packed into files of at most max_bytes (a tensor bigger than that gets its own)."""
     files: list[list[Entry]] = [[]]
     size = 0
     for e in entries:
-        n = e.nbytes(dtype)
+        n = e.nbytes(dtype) if nbytes is None else nbytes(e)
         if files[-1] and size + n > max_bytes:
             files.append([])
             size = 0
@@ -79,17 +80,35 @@ class Job:
     from_master: bool
     entries: list[Entry]
     files: list[list[Entry]]  # the entries of each output file
+    fp8: tuple[int, int] | None = None  # the decoder layers' linear weights in FP8 blocks of this size (hf.fp8_quantized)
 
     @classmethod
-    def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int) -> Job:
+    def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int,
+             fp8: tuple[int, int] | None = None) -> Job:
         target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
+        if fp8 is not None and fmt != HF:
+            raise ConfigError(f"--fp8-blocks writes a HuggingFace model dir (--format hf), not {fmt}: drop one of them")
         entries = plan(meta.spec, meta.padded_vocab, fmt)
-        files = split_files(entries, target, max_shard_size) if fmt in DIRS else [entries]
-        return cls(meta, fmt, target, from_master, entries, files)
+        job = cls(meta, fmt, target, from_master, entries, [], fp8)
+        job.files = split_files(entries, target, max_shard_size, job.entry_bytes) if fmt in DIRS else [entries]
+        return job
+
+    def outputs(self, e: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of each tensor an entry writes: an FP8 weight and its block scales where `fp8`."""
+        out = []
+        for n, s in zip(e.names, e.shapes):
+            if self.fp8 is not None and hf.fp8_quantized(n, s):
+                out += [(n, hf.FP8, s), (n + hf.SCALE, "float32", hf.scale_grid(s, self.fp8))]
+            else:
+                out.append((n, self.dtype, s))
+        return out
+
+    def entry_bytes(self, e: Entry) -> int:
+        return sum(math.prod(s) * ELEMENT_SIZES[d] for _, d, s in self.outputs(e))
 
     @property
     def total(self) -> int:
-        return sum(e.nbytes(self.dtype) for e in self.entries)
+        return sum(self.entry_bytes(e) for e in self.entries)
 
     @property
     def names(self) -> list[str]:
@@ -97,9 +116,9 @@ class Job:
         stem, ext = ("pytorch_model", "bin") if self.fmt == HF_BIN else ("model", "safetensors")
         return [f"{stem}.{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
 
-    def tensors(self, group: list[Entry]) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of each tensor of one output file, in order."""
-        return [(n, s) for e in group for n, s in zip(e.names, e.shapes)]
+    def tensors(self, group: list[Entry]) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of each tensor of one output file, in order."""
+        return [t for e in group for t in self.outputs(e)]
 
     def metadata(self) -> dict[str, str]:
         """The safetensors header's __metadata__."""
@@ -115,16 +134,17 @@ class Job:
         """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
         file (updating the progress bar per entry), then config, index and tokenizer files for HF. In a team each
         process writes its run of the files (team.split by bytes), process 0 the files beside them."""
-        extras = _hf_json(self.meta.spec, self.dtype, tok_dir) if self.fmt in DIRS else None
-        owners = team.split([sum(e.nbytes(self.dtype) for e in group) for group in self.files])
+        extras = _hf_json(self.meta.spec, self.dtype, tok_dir, self.fp8) if self.fmt in DIRS else None
+        owners = team.split([sum(self.entry_bytes(e) for e in group) for group in self.files])
         with output.staged(out, force, directory=self.fmt in DIRS, team=team) as tmp:
             mine = [i for i, owner in enumerate(owners) if owner == team.rank]
-            bar = output.progress(sum(e.nbytes(self.dtype) for i in mine for e in self.files[i]), "merge", quiet)
+            bar = output.progress(sum(self.entry_bytes(e) for i in mine for e in self.files[i]), "merge", quiet)
             for i in mine:
                 write_file(tmp / self.names[i] if self.fmt in DIRS else tmp, self.files[i], bar)
             bar.close()
             if extras is not None and team.lead:
-                _write_hf_extras(tmp, *extras, tok_dir, self.files, self.names, self.total)
+                _write_hf_extras(tmp, *extras, tok_dir, [[n for e in group for n, _, _ in self.outputs(e)]
+                                                         for group in self.files], self.names, self.total)
 
     def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
         meta, spec = self.meta, self.meta.spec
@@ -156,10 +176,14 @@ def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | Non
     return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes, team)
 
 
-def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, dict | None]:
+def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None,
+             fp8: tuple[int, int] | None = None) -> tuple[dict, dict | None]:
     """(config.json, generation_config.json) contents; None: the carried generation_config.json is copied."""
     bos, eos = hf.special_ids(tok_dir)
-    config = hf.merged_config(hf.hf_config(spec, dtype, bos, eos), spec, tok_dir)
+    ours = hf.hf_config(spec, dtype, bos, eos)
+    if fp8 is not None:
+        ours[hf.QUANTIZATION] = hf.fp8_config(fp8)
+    config = hf.merged_config(ours, spec, tok_dir)
     if tok_dir is not None and (tok_dir / hf.GENERATION_CONFIG).is_file():
         return config, None
     gen = {"_from_model_config": True, "do_sample": False}
@@ -167,13 +191,13 @@ def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None) -> tuple[dict, d
     return config, gen
 
 
-def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[Entry]],
+def _write_hf_extras(tmp: Path, config: dict, gen: dict, tok_dir: Path | None, files: list[list[str]],
                      names: list[str], total: int) -> None:
     io.write_json_atomic(tmp / "config.json", config)
     if gen is not None:
         io.write_json_atomic(tmp / hf.GENERATION_CONFIG, gen)
     if len(files) > 1:
-        weight_map = {n: fname for fname, group in zip(names, files) for e in group for n in e.names}
+        weight_map = {n: fname for fname, group in zip(names, files) for n in group}
         index = "pytorch_model.bin.index.json" if names[0].endswith(".bin") else "model.safetensors.index.json"
         io.write_json_atomic(tmp / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
     if tok_dir is not None:  # tokenizer, chat templates, generation config; our copy of config.json stays behind

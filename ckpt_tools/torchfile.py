@@ -26,7 +26,7 @@ from typing import Any
 
 # dtype name -> bytes per element; torch's storage classes -> dtype name
 ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
-                 "int8": 1, "uint8": 1, "bool": 1}
+                 "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1}
 STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
                   "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}

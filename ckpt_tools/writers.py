@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     import torch
 
 SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                     "float8_e4m3fn": "F8_E4M3"}
 SAFETENSORS_DTYPES = {code: name for name, code in SAFETENSORS_NAMES.items()}  # "BF16" -> "bfloat16"
 
 

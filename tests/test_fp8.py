@@ -109,3 +109,60 @@ def test_other_quantizations_are_refused(quantization, expected, tmp_path):
         import_hf(src, tmp_path / "out", tp=1, pp=1, quiet=True)
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_writes_fp8_blocks_as_transformers_quantizes_them(tmp_path):
+    """`ckpt merge --fp8-blocks 8x8` of an fp32 DeepSeek-V3: each decoder linear weight and its scales are bit for
+    bit transformers' own FP8 quantizer's (Fp8Quantize), the rest fp32, config.json declares the blocks, transformers
+    loads the result (dequantizing); and merging an FP8 import back to FP8 gives the source's weights and scales."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    from ckpt_tools.cli import main
+    src = tmp_path / "hf"
+    hf_model("deepseek_v3").save_pretrained(src)
+    import_hf(src, tmp_path / "ours", tp=2, pp=1, quiet=True)
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "ours"), str(tmp_path / "merged8"), "--fp8-blocks", "8x8",
+                                       "--quiet"])
+    assert result.exit_code == 0, result.output
+    out, original = load_safetensors(tmp_path / "merged8" / "model.safetensors"), \
+        load_safetensors(src / "model.safetensors")
+    quantizer = Fp8Quantize(type("Q", (), {"quantization_config": FineGrainedFP8Config(weight_block_size=[8, 8])})())
+    quantized = 0
+    for name, t in original.items():
+        if hf.fp8_quantized(name, tuple(t.shape)):
+            want = quantizer.convert({name: t})
+            assert out[name].dtype == torch.float8_e4m3fn and torch.equal(out[name].view(torch.uint8),
+                                                                           want[name].view(torch.uint8)), name
+            assert torch.equal(out[name + "_scale_inv"], want[name + "_scale_inv"]), name
+            quantized += 1
+        else:
+            assert torch.equal(out[name], t), name
+    assert quantized == 4 * 5 + 3 + 3 * (8 + 1) * 3  # attention (5 a layer), 1 dense MLP, 3 MoE layers
+    config = json.loads((tmp_path / "merged8" / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [8, 8]}
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged8", dtype=torch.float32).eval()  # dequantizing
+    expected = {n: _dequantize_fp8_weight(t, out[n + "_scale_inv"], [8, 8], torch.float32)
+                if n + "_scale_inv" in out else t for n, t in out.items() if not n.endswith("_scale_inv")}
+    (tmp_path / "dq").mkdir()
+    save_file(expected, tmp_path / "dq" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "dq" / "config.json").write_text((src / "config.json").read_text())
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "dq", dtype=torch.float32).eval()(TOKENS).logits
+        assert rel(model(TOKENS).logits, want) < 1e-6
+    # FP8 in, FP8 out: the source's own e4m3 weights and scales
+    fp8 = fp8_dir(tmp_path, (8, 8))
+    import_hf(fp8, tmp_path / "ours8", tp=2, pp=1, quiet=True)
+    merge(tmp_path / "ours8", tmp_path / "back", quiet=True, fp8_blocks=(8, 8))
+    back, source = load_safetensors(tmp_path / "back" / "model.safetensors"), load_safetensors(fp8 / "model.safetensors")
+    assert sorted(back) == sorted(source)
+    for k, t in source.items():  # the e4m3 weights byte for byte; a scale recomputed from its block within float32
+        if k.endswith("_scale_inv"):  # rounding (amax / 448 against 1 / (448 / amax) of the dequantized block)
+            assert torch.allclose(back[k], t, rtol=3e-7, atol=0), (k, (back[k] / t - 1).abs().max())
+        else:
+            assert torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn \
+                else torch.equal(back[k], t), k
