@@ -278,8 +278,9 @@ def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: C
         elif tuple(t.shape) != shape:
             problems.append(f"{path}: {local} has shape {tuple(t.shape)}, the layout table says {shape} "
                             f"({meta.grid}): {fix}")
-        elif meta.params_dtype in PARAMS_DTYPES and str(t.dtype).removeprefix("torch.") != meta.params_dtype:
-            problems.append(f"{path}: {local} is {t.dtype}, meta.json says {meta.params_dtype}: {fix}")
+        elif meta.params_dtype in PARAMS_DTYPES and str(t.dtype).removeprefix("torch.") != (
+                kept := layout.dtype_of(key, meta.spec, meta.params_dtype, meta.pp_size)):
+            problems.append(f"{path}: {local} is {t.dtype}, meta.json says {kept}: {fix}")
     return problems
 
 

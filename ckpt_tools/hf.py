@@ -19,6 +19,7 @@ the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -209,6 +210,15 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return q.float() * full
 
 
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_number(name: str) -> int | None:
+    """The decoder layer an HF tensor name belongs to (model.layers.<i>.), or None."""
+    m = _HF_LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
 E4M3_MAX = 448.0
 FP8 = "float8_e4m3fn"
 
@@ -290,6 +300,16 @@ class HFTensors:
                                   f"checkpoint is incomplete; download it again")
             for key in self.scales.values():
                 del self.where[key]
+        for file in set(self.where.values()):  # an FP8 tensor is read only with its block scales
+            self._offsets.setdefault(file, data_offsets(self._paths[file]))
+            bare = sorted(k for k, (dtype, *_) in self._offsets[file].items()
+                          if dtype.startswith("F8") and k in self.where and k not in self.scales)
+            if bare:
+                raise FormatError(f"{self._paths[file]}: {bare[0]} is {self._offsets[file][bare[0]][0]} without "
+                                  f"block scales ({bare[0]}{SCALE}"
+                                  + (")" if self.block else " and a quantization_config)") +
+                                  ": this version reads FP8 weights with their block scales only; dequantize the "
+                                  "model with transformers first")
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor (an FP8 weight dequantized by its block scales, fp32)."""

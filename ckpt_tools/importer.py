@@ -49,6 +49,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
         extra.remove("lm_head.weight")
     missing = sorted(wanted - set(source.where))
+    beyond = [n for n in extra if (i := hf.layer_number(n)) is not None and i >= spec.num_layers]
+    if beyond:  # DeepSeek-V3's and GLM-4.5's multi-token prediction layers follow the decoder layers
+        raise FormatError(f"{hf_dir}: {beyond[0]} ({len(beyond)} tensors of layers numbered from {spec.num_layers}, "
+                          f"beyond num_hidden_layers {spec.num_layers}): multi-token prediction layers, which this "
+                          f"version does not convert and would not drop: remove them from the weights to convert the "
+                          f"model without them")
     if missing or extra:
         what = "; ".join(x for x in (f"missing {', '.join(missing[:4])}" if missing else "",
                                      f"unexpected {', '.join(extra[:4])}" if extra else "") if x)
@@ -87,7 +93,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                     bar.update(1)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
-                full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
+                full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(_dtype(key, spec, params_dtype))
                 trained = optimizer and layout.has_optimizer_state(key, spec, pp)
                 target.put(key, full, master=trained)
                 if trained:
@@ -114,7 +120,7 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
     def shard_of(key: str, rank: int) -> torch.Tensor:
         if key not in current:  # one full tensor in memory, split for every TP rank
             row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
-            full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(params_dtype)
+            full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(_dtype(key, spec, params_dtype))
             current.clear()
             current[key] = shard_ops.split(key, full, spec, tp, pp)
         return current[key][rank]
@@ -123,3 +129,8 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
                                model=model)
     return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
                                 time.perf_counter() - start, ep)
+
+
+def _dtype(key: str, spec, params_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is imported in: the weights' (params_dtype), or its layout row's own."""
+    return getattr(torch, layout.dtype_of(key, spec, str(params_dtype).removeprefix("torch.")))

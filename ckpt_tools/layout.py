@@ -56,6 +56,7 @@ class Rule:
     when: When
     block: str | None = None
     buffer: bool = False  # a tensor no optimizer trains (megatron-core's persistent buffer): no optimizer state
+    dtype: str | None = None  # kept in this dtype whatever the weights' (None: the weights' dtype)
 
     @property
     def dim(self) -> int | None:
@@ -215,7 +216,7 @@ TABLE: tuple[Rule, ...] = (
     Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _always, MOE),
     # DeepSeek's expert bias: a persistent fp32 buffer megatron-core moves by the experts' load, not by gradients
     Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _expert_bias, MOE,
-         buffer=True),
+         buffer=True, dtype="float32"),
     Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _always,
          MOE),
     Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, MOE),
@@ -291,6 +292,12 @@ def has_optimizer_state(key: str, spec: ModelSpec, pp_size: int | None = 1) -> b
     """A trained tensor: the optimizer holds a master copy and moments of it (not of a buffer or `_extra_state`)."""
     rule = find_rule(key, spec, pp_size)
     return rule.split != EXTRA and not rule.buffer
+
+
+def dtype_of(key: str, spec: ModelSpec, weights: str, pp_size: int | None = 1) -> str:
+    """The dtype a tensor is kept in: its row's own (DeepSeek's expert bias: float32, as megatron-core and
+    transformers keep it), else the weights' (`weights`, a dtype name)."""
+    return find_rule(key, spec, pp_size).dtype or weights
 
 
 def is_buffer(key: str) -> bool:

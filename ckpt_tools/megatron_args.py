@@ -72,7 +72,10 @@ def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
             "moe_router_score_function": spec.moe_router_score_function,
             "moe_router_enable_expert_bias": bool(spec.moe_router_enable_expert_bias),
             "moe_router_num_groups": spec.moe_router_num_groups, "moe_router_group_topk": spec.moe_router_group_topk,
-            "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor, "moe_router_dtype": "fp32",
+            "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor,
+            # the sigmoid router's logits in fp32, as transformers computes DeepSeek's (megatron-core's default: the
+            # input's dtype)
+            "moe_router_dtype": "fp32" if spec.moe_router_score_function == "sigmoid" else None,
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
             "moe_token_dispatcher_type": "allgather", "expert_tensor_parallel_size": None,
             "expert_model_parallel_size": ep}

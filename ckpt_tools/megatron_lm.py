@@ -230,6 +230,12 @@ def model_state(obj, where: object = None, split: bool = True) -> dict | None:
         return None
     if names.is_legacy(model):
         return {names.from_legacy(k): v for k, v in names.flatten(model).items()}
+    fused = next((k for k in model if names.is_mla_te(k)), None)
+    if fused is not None:
+        raise FormatError(f"{where}: {fused}: a multi-latent attention model under Transformer Engine's spec, whose "
+                          f"legacy files keep the down projections whole on every TP rank, which this version does "
+                          f"not read in the legacy form: save the run with --ckpt-format torch_dist (read at any "
+                          f"layout)")
     state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items()}
     state.pop(None, None)
     try:

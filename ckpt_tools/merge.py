@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ckpt_tools import hf, io, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
-from ckpt_tools.plan import DIRS, HF, HF_BIN, TORCH, Entry, Job, tokenizer_dir
+from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
@@ -130,8 +130,6 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
     start = time.perf_counter()
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    if fp8_blocks is not None and fmt != HF:
-        raise CkptError(f"--fp8-blocks writes a HuggingFace model dir (--format hf), not {fmt}: drop one of them")
     source = open_source(src, vocab_size, from_master, check_hashes, TENSORS if fp8_blocks else via, torch_threads,
                          team)
     try:
@@ -160,8 +158,9 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         worker = io.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
         try:
             for e in group:
-                for name, shape, data in _fp8(source.data(e, "float32"), job) if job.fp8 else source.data(e, job.dtype):
-                    itemsize = ELEMENT_SIZES[job.dtype]
+                dtype = job.entry_dtype(e)
+                for name, shape, data in _fp8(source.data(e, "float32"), job, e) if job.fp8 else source.data(e, dtype):
+                    itemsize = ELEMENT_SIZES[dtype]
                     if isinstance(data, _Bytes):  # the FP8 path's tensors, each of its own dtype
                         data, itemsize = data.view, ELEMENT_SIZES[data.dtype_name]
                     if isinstance(data, memoryview):
@@ -186,7 +185,7 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         worker.finish()
 
 
-def _fp8(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job) -> Iterator[tuple[str, tuple[int, ...], Data]]:
+def _fp8(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job, e: Entry) -> Iterator[tuple[str, tuple[int, ...], Data]]:
     """The entry's fp32 output tensors, the FP8-block ones as their e4m3 weight and fp32 scales (others in job.dtype)."""
     import torch
 
@@ -198,7 +197,8 @@ def _fp8(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job) -> Iter
             yield name, shape, _Bytes(contiguous_bytes(q), hf.FP8)
             yield name + hf.SCALE, tuple(inv.shape), _Bytes(contiguous_bytes(inv), "float32")
         else:
-            yield name, shape, _Bytes(contiguous_bytes(t.to(getattr(torch, job.dtype))), job.dtype)
+            dtype = job.entry_dtype(e)
+            yield name, shape, _Bytes(contiguous_bytes(t.to(getattr(torch, dtype))), dtype)
 
 
 class _Bytes:
@@ -213,17 +213,17 @@ def _write_archive(path: Path, group: list[Entry], bar, job: Job, source: ByteSo
     import torch
 
     from ckpt_tools.writers import TorchFileWriter
-    target = getattr(torch, job.dtype)
     writer, state = TorchFileWriter(path), {}
     for e in group:
-        for name, shape, data in source.data(e, job.dtype):
+        target = getattr(torch, job.entry_dtype(e))
+        for name, shape, data in source.data(e, job.entry_dtype(e)):
             if isinstance(data, memoryview):
                 t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
                 state[name] = writer.tensor(t.view(target).view(shape))
             else:
                 state[name] = writer.tensor_from_files(target, shape, data)
         source.release()
-        bar.update(e.nbytes(job.dtype))
+        bar.update(job.entry_bytes(e))
     writer.close(state)
 
 

@@ -40,6 +40,11 @@ def to_mla_te(name: str) -> str:
     return name
 
 
+def is_mla_te(name: str) -> bool:
+    """A key only Transformer Engine's MLA spec has (a latent norm fused into an up projection)."""
+    return any(te in name for local, te in MLA_TE_NAMES.items() if "_layernorm" in local and "pre_mlp" not in local)
+
+
 def to_te(name: str) -> str:
     """A layer's key (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
     for local, te in TE_NAMES.items():

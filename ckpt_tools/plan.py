@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import hf, io, layout, output
+from ckpt_tools import families, hf, io, layout, output
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
@@ -88,10 +88,19 @@ class Job:
         target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
         if fp8 is not None and fmt != HF:
             raise ConfigError(f"--fp8-blocks writes a HuggingFace model dir (--format hf), not {fmt}: drop one of them")
+        family = families.get(meta.spec.architecture)
+        if fp8 is not None and not family.fp8_blocks:
+            raise ConfigError(f"--fp8-blocks: {family.name}'s HF weights have no block-scaled FP8 form (the families "
+                              f"with one: {', '.join(f.name for f in families.all_families() if f.fp8_blocks)}): drop "
+                              f"--fp8-blocks")
         entries = plan(meta.spec, meta.padded_vocab, fmt)
         job = cls(meta, fmt, target, from_master, entries, [], fp8)
         job.files = split_files(entries, target, max_shard_size, job.entry_bytes) if fmt in DIRS else [entries]
         return job
+
+    def entry_dtype(self, e: Entry) -> str:
+        """The dtype an entry is written in: the job's, or its layout row's own (the expert bias: float32)."""
+        return layout.dtype_of(e.key, self.meta.spec, self.dtype)
 
     def outputs(self, e: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor an entry writes: an FP8 weight and its block scales where `fp8`."""
@@ -100,7 +109,7 @@ class Job:
             if self.fp8 is not None and hf.fp8_quantized(n, s):
                 out += [(n, hf.FP8, s), (n + hf.SCALE, "float32", hf.scale_grid(s, self.fp8))]
             else:
-                out.append((n, self.dtype, s))
+                out.append((n, self.entry_dtype(e), s))
         return out
 
     def entry_bytes(self, e: Entry) -> int:
@@ -149,9 +158,10 @@ class Job:
     def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
         meta, spec = self.meta, self.meta.spec
         line = (f"merged {meta.dir} ({spec.architecture}, {meta.grid}, iteration "
-                f"{meta.iteration}) -> {out}: {sum(len(e.names) for e in self.entries)} tensors, "
+                f"{meta.iteration}) -> {out}: {sum(len(self.outputs(e)) for e in self.entries)} tensors, "
                 f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
-                f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "
+                + (f" (decoder linear weights in {self.fp8[0]}x{self.fp8[1]} FP8 blocks)" if self.fp8 else "")
+                + f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "
                 f"{spec.vocab_size} rows, {seconds:.1f}s")
         return "\n".join(x for x in (line, *notes) if x)
 

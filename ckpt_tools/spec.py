@@ -152,7 +152,8 @@ class ModelSpec:
             raise ConfigError(f"rotary_percent {self.rotary_percent} (partial rotary embeddings) is not available for "
                               f"{self.architecture}: the families with it are " + ", ".join(
                                   f.name for f in _families().all_families() if f.partial_rotary))
-        if not 0 < self.rotary_percent <= 1 or rotated != int(rotated) or int(rotated) % 2:
+        partial = self.rotary_percent != 1.0
+        if partial and (not 0 < self.rotary_percent < 1 or rotated != int(rotated) or int(rotated) % 2):
             raise ConfigError(f"rotary_percent {self.rotary_percent} of head dim {self.kv_channels} is not an even "
                               f"number of dims: choose a share that turns whole pairs")
         if self.moe_router_topk_scaling_factor == 1:
@@ -169,9 +170,9 @@ class ModelSpec:
             raise ConfigError(f"num_moe_experts {self.num_moe_experts} is not divisible by moe_router_num_groups "
                               f"{self.moe_router_num_groups}: every group holds as many experts")
         if self.layer_pattern is not None:
-            self._check_pattern()
+            self._check_pattern(family)
 
-    def _check_pattern(self) -> None:
+    def _check_pattern(self, family) -> None:
         text, n = self.layer_pattern, self.num_layers
         attention = "+" if self.multi_latent_attention else "*"
         mlps = ("-", "E") if self.is_moe else ("-",)
@@ -182,6 +183,13 @@ class ModelSpec:
                               f"{' or '.join(map(repr, mlps))} (one per layer: attention, then its MLP)")
         if self.is_moe and "E" not in text:
             raise ConfigError(f"layer_pattern {text!r:.80} has no MoE layer ('E') but the model has experts")
+        mlps = text[1::2]
+        if self.is_moe and "-" in mlps and not (family.dense_first and mlps == mlps.count("-") * "-" + mlps.count(
+                "E") * "E"):
+            raise ConfigError(f"layer_pattern {text!r:.80}: dense MLPs ('-') among the MoE layers, which "
+                              f"{self.architecture}'s config.json cannot say" + (
+                                  " (only its first layers may be dense: first_k_dense_replace)" if family.dense_first
+                                  else " (every layer of it is an MoE layer)"))
         if text == self.uniform_pattern:
             object.__setattr__(self, "layer_pattern", None)  # one spelling of a uniform model
 

@@ -304,3 +304,26 @@ def test_megatron_core_deepseek_v3_checkpoints_merge_to_the_same_transformers_mo
         merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")
     a, b = merged["torch_dist"], merged["torch"]
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
+    """DeepSeek-V3 in bf16: transformers keeps e_score_correction_bias in float32, as megatron-core keeps its
+    router.expert_bias; import (bf16 weights), reshard and merge keep it float32 and bit for bit, and the imported
+    shards pass the checkpoint's own shape and dtype checks."""
+    from test_families import hf_model
+
+    from ckpt_tools.shards import open_checked
+    from transformers import AutoModelForCausalLM
+    hf_model("deepseek_v3").save_pretrained(tmp_path / "fp32")
+    src = tmp_path / "hf"  # loaded in bf16 by transformers (which keeps the bias float32) and saved
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(src)
+    original = load_safetensors(src / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert original[bias].dtype == torch.float32 and original["model.norm.weight"].dtype == torch.bfloat16
+    import_hf(src, tmp_path / "ours", tp=2, pp=2, ep=2, quiet=True)
+    open_checked(tmp_path / "ours")  # the layout table's dtypes: bf16 weights, the float32 bias
+    reshard(tmp_path / "ours", tmp_path / "re", tp=1, pp=1, quiet=True)
+    merge(tmp_path / "re", tmp_path / "merged", quiet=True)
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    assert merged[bias].dtype == torch.float32 and torch.equal(merged[bias], original[bias])
+    assert merged["model.norm.weight"].dtype == torch.bfloat16

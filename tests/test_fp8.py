@@ -18,6 +18,10 @@ from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard
 
 E4M3_MAX = 448.0
+# the weights DeepSeek-V3's published checkpoint holds in FP8 blocks (its model.safetensors.index.json): every linear
+# projection of attention, MLPs, experts and shared experts; not norms, the router, embeddings or the head
+PUBLISHED_FP8 = tuple(f"{p}.weight" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                              "gate_proj", "up_proj", "down_proj"))
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +45,7 @@ def fp8_dir(tmp_path, block: tuple[int, int]):
     tensors = load_safetensors(src / "model.safetensors")
     out = {}
     for name, t in tensors.items():
-        if name.startswith("model.layers.") and t.dim() == 2 and "norm" not in name and ".mlp.gate." not in name:
+        if name.endswith(PUBLISHED_FP8):
             out[name], out[name + "_scale_inv"] = quantize(t, block)
         else:
             out[name] = t
@@ -132,7 +136,7 @@ def test_merge_writes_fp8_blocks_as_transformers_quantizes_them(tmp_path):
     quantizer = Fp8Quantize(type("Q", (), {"quantization_config": FineGrainedFP8Config(weight_block_size=[8, 8])})())
     quantized = 0
     for name, t in original.items():
-        if hf.fp8_quantized(name, tuple(t.shape)):
+        if name.endswith(PUBLISHED_FP8):
             want = quantizer.convert({name: t})
             assert out[name].dtype == torch.float8_e4m3fn and torch.equal(out[name].view(torch.uint8),
                                                                            want[name].view(torch.uint8)), name
@@ -166,3 +170,35 @@ def test_merge_writes_fp8_blocks_as_transformers_quantizes_them(tmp_path):
         else:
             assert torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn \
                 else torch.equal(back[k], t), k
+
+
+def test_fp8_problems_are_refused_in_one_line(tmp_path):
+    """An e4m3 tensor without its scales; --fp8-blocks for a family whose HF weights have no FP8 form; multi-token
+    prediction layers in the weights (published DeepSeek-V3 holds them as model.layers.61): refused, nothing written.
+    `ckpt verify` of a bf16 import against its FP8 source finds every tensor the same (cast once, as imported)."""
+    from ckpt_tools import verify
+    from ckpt_tools.errors import ConfigError
+    from ckpt_tools.shards import open_checkpoint
+    src = fp8_dir(tmp_path, (8, 8))
+    tensors = load_safetensors(src / "model.safetensors")
+    import_hf(src, tmp_path / "bf16", tp=2, pp=1, dtype=torch.bfloat16, quiet=True)
+    tier = verify.tier1(open_checkpoint(tmp_path / "bf16"), src)
+    assert tier.ok and tier.data["exact"] == tier.data["compared"] > 100, tier.lines
+    bare = dict(tensors)
+    del bare["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    (tmp_path / "bare").mkdir()
+    save_file(bare, tmp_path / "bare" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "bare" / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(FormatError, match="o_proj.weight is F8_E4M3 without block scales"):
+        import_hf(tmp_path / "bare", tmp_path / "out", tp=1, pp=1, quiet=True)
+    mtp = dict(tensors, **{"model.layers.4.eh_proj.weight": torch.zeros(64, 128)})
+    (tmp_path / "mtp").mkdir()
+    save_file(mtp, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "mtp" / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(FormatError, match="multi-token prediction layers, which this version does not convert"):
+        import_hf(tmp_path / "mtp", tmp_path / "out", tp=1, pp=1, quiet=True)
+    hf_model("llama3_tied").save_pretrained(tmp_path / "llama")
+    import_hf(tmp_path / "llama", tmp_path / "ours", tp=1, pp=1, quiet=True)
+    with pytest.raises(ConfigError, match="--fp8-blocks: llama's HF weights have no block-scaled FP8 form"):
+        merge(tmp_path / "ours", tmp_path / "out", quiet=True, fp8_blocks=(8, 8))
+    assert not (tmp_path / "out").exists()

@@ -71,6 +71,17 @@ class TrainConfig:
     log_interval: int = 1
     extra: dict = field(default_factory=dict)
 
+    def _multi_latent_attention(self) -> bool:
+        """Whether the model's attention is multi-latent (given, or the family's default)."""
+        from ckpt_tools import families
+        given = self.model.get("multi_latent_attention")
+        if given is not None:
+            return bool(given)
+        try:
+            return bool(families.get(self.model.get("architecture", "llama")).default("multi_latent_attention"))
+        except ConfigError:  # an unknown family: ModelSpec refuses it in its words
+            return False
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
@@ -82,8 +93,7 @@ class TrainConfig:
         if self.moe_layer not in ("ours", "megatron_core"):
             raise ConfigError(f"moe_layer {self.moe_layer!r} is not supported: use ours or megatron_core")
         moe = bool(self.model.get("num_moe_experts"))
-        if self.sequence_parallelism and (self.model.get("multi_latent_attention")
-                                          or self.model.get("architecture") == "deepseek_v3"):
+        if self.sequence_parallelism and self._multi_latent_attention():
             raise ConfigError("sequence_parallelism with multi-latent attention is not supported by this trainer: set "
                               "it to false")
         if self.sequence_parallelism and moe and self.moe_layer == "ours":

@@ -125,6 +125,7 @@ class Rope:
     rotary factor unless `partial` (megatron-core's rotary_percent: the first dims of each head)."""
     default_theta: float = 10000.0
     partial: bool = False
+    partial_default: float = 1.0  # transformers' partial_rotary_factor where config.json gives none (GLM-4.5: 0.5)
 
     def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
         params = c.get("rope_parameters") or {}
@@ -135,7 +136,7 @@ class Rope:
         kind = merged.get("rope_type", merged.get("type", "default"))
         if kind not in ("default", "llama3"):
             refuse(f"rope scaling {kind} is not supported (only default and llama3)")
-        partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+        partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", self.partial_default))
         if partial not in (None, 1, 1.0) and not self.partial:
             refuse(f"partial_rotary_factor {partial!r} is not supported (rotary embeddings on the whole head only)")
         if self.partial:
@@ -171,6 +172,8 @@ class Family:
     shared_experts: bool = False  # its MoE layers also have a shared expert (megatron-core's SharedExpertMLP)
     grouped_routing: bool = False  # its router may limit the choice to the best groups and scale the chosen weights
     partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
+    dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
+    fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
 
     def default(self, feature: str):
         return self.features[feature][0]

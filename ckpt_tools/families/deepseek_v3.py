@@ -53,50 +53,59 @@ NAMES = (
 )
 
 
-def _read_dense(c: dict, out: dict, refuse) -> None:
-    n = c["num_hidden_layers"]
-    k = c.get("first_k_dense_replace", 3)
-    if not isinstance(k, int) or k < 0 or k >= n:
-        refuse(f"first_k_dense_replace {k!r} with {n} layers (the layers after the first k are MoE layers: "
-               f"0 <= k < num_hidden_layers)")
-    out["layer_pattern"] = "+-" * k + "+E" * (n - k)
+def dense_reader(attention: str, default: int):
+    """first_k_dense_replace (transformers' `default` where absent) -> the layer pattern: k dense layers, then MoE
+    layers, each pair's attention symbol `attention`."""
+    def read(c: dict, out: dict, refuse) -> None:
+        n, k = c["num_hidden_layers"], c.get("first_k_dense_replace", default)
+        if not isinstance(k, int) or k < 0 or k >= n:
+            refuse(f"first_k_dense_replace {k!r} with {n} layers (the layers after the first k are MoE layers: "
+                   f"0 <= k < num_hidden_layers)")
+        out["layer_pattern"] = (attention + "-") * k + (attention + "E") * (n - k)
+    return read
 
 
-def check_dense_first(spec, attention: str, k: int) -> None:
-    if spec.pattern != (attention + "-") * k + (attention + "E") * (spec.num_layers - k):
-        raise ConfigError(f"layer_pattern {spec.pattern!r}: the config.json of {spec.architecture} says only how many "
-                          f"first layers are dense (first_k_dense_replace): the dense layers must come first")
+def write_dense(spec) -> int:
+    """first_k_dense_replace: the dense layers (ModelSpec refuses them anywhere but first)."""
+    return spec.pattern.count("-")
 
 
-def _write_dense(spec) -> int:
-    k = spec.pattern.count("-")
-    check_dense_first(spec, "+", k)
-    return k
+def routing(width: int, groups: int, topk_group: int, scaling: float) -> tuple:
+    """The config.json entries of DeepSeek-V3's MoE that transformers derives (its defaults given: the experts'
+    width, n_group, topk_group, routed_scaling_factor): the shared expert as n_shared_experts experts, the groups
+    (none where n_group is 1), the scaling."""
+    def read_shared(c: dict, out: dict, refuse) -> None:
+        shared = c.get("n_shared_experts", 1)
+        if not isinstance(shared, int) or shared < 1:
+            refuse(f"n_shared_experts {shared!r} (its MoE layers without a shared expert)")
+        out["moe_shared_expert_intermediate_size"] = shared * c.get("moe_intermediate_size", width)
+
+    def read_groups(c: dict, out: dict, refuse) -> None:
+        n, top = c.get("n_group", groups), c.get("topk_group", topk_group)
+        if n not in (None, 1):
+            out.update(moe_router_num_groups=n, moe_router_group_topk=top)
+
+    def read_scaling(c: dict, out: dict, refuse) -> None:
+        out["moe_router_topk_scaling_factor"] = float(c.get("routed_scaling_factor", scaling))
+
+    return (Field("moe_intermediate_size", "moe_ffn_hidden_size", width),
+            Derived("n_shared_experts", read_shared, _write_shared),
+            Derived("n_group", read_groups, lambda s: s.moe_router_num_groups or 1),
+            Derived("topk_group", lambda c, out, refuse: None, lambda s: s.moe_router_group_topk or 1),
+            Derived("routed_scaling_factor", read_scaling, lambda s: s.moe_router_topk_scaling_factor or 1.0),
+            Const("norm_topk_prob", True, "the top-k weights as they are: megatron-core renormalises a sigmoid "
+                                          "top-k"),
+            # the merged model holds no multi-token prediction layers (an HF dir whose weights hold some is refused
+            # by import, naming them): 0, whatever the source said (transformers writes 1 without weights)
+            Derived("num_nextn_predict_layers", lambda c, out, refuse: None, lambda s: 0))
 
 
-def read_shared(c: dict, out: dict, refuse) -> None:
-    shared = c.get("n_shared_experts", 1)
-    if not isinstance(shared, int) or shared < 1:
-        refuse(f"n_shared_experts {shared!r} (its MoE layers without a shared expert)")
-    out["moe_shared_expert_intermediate_size"] = shared * c.get("moe_intermediate_size", 2048)
-
-
-def write_shared(spec) -> int:
+def _write_shared(spec) -> int:
     shared, width = spec.moe_shared_expert_intermediate_size, spec.moe_ffn_hidden_size
     if shared % width:
         raise ConfigError(f"moe_shared_expert_intermediate_size {shared} is not a multiple of moe_ffn_hidden_size "
                           f"{width}: DeepSeek-V3's config.json gives the shared expert as n_shared_experts experts")
     return shared // width
-
-
-def read_groups(c: dict, out: dict, refuse) -> None:
-    groups, top = c.get("n_group", 8), c.get("topk_group", 4)
-    if groups not in (None, 1):
-        out.update(moe_router_num_groups=groups, moe_router_group_topk=top)
-
-
-def read_scaling(c: dict, out: dict, refuse, default: float = 2.5) -> None:
-    out["moe_router_topk_scaling_factor"] = float(c.get("routed_scaling_factor", default))
 
 
 def check(spec) -> None:
@@ -124,7 +133,7 @@ def check_routing(spec) -> None:
 
 FAMILY = Family(
     name="deepseek_v3", model_type="deepseek_v3", hf_class="DeepseekV3ForCausalLM", moe=True, shared_experts=True,
-    grouped_routing=True,
+    grouped_routing=True, dense_first=True, fp8_blocks=True,
     features={**llama.FEATURES, "multi_latent_attention": (True,), "qk_layernorm": (True,),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,
@@ -145,19 +154,12 @@ FAMILY = Family(
         Field("v_head_dim", "v_head_dim", 128),
         Field("n_routed_experts", "num_moe_experts", 256),
         Field("num_experts_per_tok", "moe_router_topk", 8),
-        Field("moe_intermediate_size", "moe_ffn_hidden_size", 2048),
-        Derived("n_shared_experts", read_shared, write_shared),
-        Derived("first_k_dense_replace", _read_dense, _write_dense),
-        Derived("n_group", read_groups, lambda s: s.moe_router_num_groups or 1),
-        Derived("topk_group", lambda c, out, refuse: None, lambda s: s.moe_router_group_topk or 1),
-        Derived("routed_scaling_factor", read_scaling, lambda s: s.moe_router_topk_scaling_factor or 1.0),
-        Const("norm_topk_prob", True, "the top-k weights as they are: megatron-core renormalises a sigmoid top-k"),
+        *routing(2048, 8, 4, 2.5),
+        Derived("first_k_dense_replace", dense_reader("+", 3), write_dense),
         Const("rope_interleave", True, "the rotary rows in transformers' non-interleaved order"),
         Rope(10000.0),
         Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"),
         Const("attention_bias", False, "biases on the attention projections"),
-        Const("num_nextn_predict_layers", 0, "multi-token prediction layers, not read by this version",
-              accept=lambda v: True),
         Const("head_dim", OMIT, accept=anything),
         Const("qk_head_dim", OMIT, accept=anything),
         Const("attention_dropout", 0.0, accept=anything),

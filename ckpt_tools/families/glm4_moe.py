@@ -17,27 +17,13 @@ NAMES = tuple(n for n in ds.NAMES if not n.key.startswith(tuple("decoder.layers.
 # the attention rows are Llama's (qkv, its biases, q/k norms, o_proj), the MLP rows DeepSeek-V3's
 
 
-def _read_dense(c: dict, out: dict, refuse) -> None:
-    n, k = c["num_hidden_layers"], c.get("first_k_dense_replace", 1)
-    if not isinstance(k, int) or k < 0 or k >= n:
-        refuse(f"first_k_dense_replace {k!r} with {n} layers (the layers after the first k are MoE layers: "
-               f"0 <= k < num_hidden_layers)")
-    out["layer_pattern"] = "*-" * k + "*E" * (n - k)
-
-
-def _write_dense(spec) -> int:
-    k = spec.pattern.count("-")
-    ds.check_dense_first(spec, "*", k)
-    return k
-
-
 def check(spec) -> None:
     ds.check_routing(spec)
 
 
 FAMILY = Family(
     name="glm4_moe", model_type="glm4_moe", hf_class="Glm4MoeForCausalLM", moe=True, shared_experts=True,
-    grouped_routing=True, partial_rotary=True,
+    grouped_routing=True, dense_first=True, fp8_blocks=True, partial_rotary=True,
     features={**llama.FEATURES, "add_qkv_bias": (False, True), "qk_layernorm": (False, True),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,
@@ -56,18 +42,10 @@ FAMILY = Family(
         Field("use_qk_norm", "qk_layernorm", False),
         Field("n_routed_experts", "num_moe_experts", 128),
         Field("num_experts_per_tok", "moe_router_topk", 8),
-        Field("moe_intermediate_size", "moe_ffn_hidden_size", 1408),
-        Derived("n_shared_experts", ds.read_shared, ds.write_shared),
-        Derived("first_k_dense_replace", _read_dense, _write_dense),
-        Derived("n_group", ds.read_groups, lambda s: s.moe_router_num_groups or 1),
-        Derived("topk_group", lambda c, out, refuse: None, lambda s: s.moe_router_group_topk or 1),
-        Derived("routed_scaling_factor", lambda c, out, refuse: ds.read_scaling(c, out, refuse, 1.0),
-                lambda s: s.moe_router_topk_scaling_factor or 1.0),
-        Const("norm_topk_prob", True, "the top-k weights as they are: megatron-core renormalises a sigmoid top-k"),
-        Rope(10000.0, partial=True),
+        *ds.routing(1408, 1, 1, 1.0),
+        Derived("first_k_dense_replace", ds.dense_reader("*", 1), ds.write_dense),
+        Rope(10000.0, partial=True, partial_default=0.5),
         Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"),
-        Const("num_nextn_predict_layers", 0, "multi-token prediction layers, not read by this version",
-              accept=lambda v: True),
         Const("attention_dropout", 0.0, accept=anything),
         Const("initializer_range", 0.02, accept=anything),
         *TRAINING_ONLY,

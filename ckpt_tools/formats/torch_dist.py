@@ -94,7 +94,7 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
         if e is not None:
             return [(f"{_LAYERS}{j}.{_experts(name, e)}", ((e, spec.num_moe_experts),))]
         fused = names.to_te(name)
-        if spec.is_moe and name.startswith("pre_mlp_layernorm."):  # an MoE layer's norm: a module of its own (TENorm)
+        if spec.moe_layer(j // 2) and name.startswith("pre_mlp_layernorm."):  # an MoE layer's norm: its own module
             return [(f"{_LAYERS}{j}.{name}", ()), (f"{_LAYERS}{j}.{fused}", ())]
         return [(f"{_LAYERS}{j}.{fused}", ())] + ([(f"{_LAYERS}{j}.{name}", ())] if fused != name else [])
     i = layout.layer_index(key)
@@ -364,7 +364,7 @@ class DistCheckpoint:
         shared = layout.tied_copies(spec, meta.pp_size, pp_rank)
         for _, key in layout.stage_keys(spec, meta.layer_counts, pp_rank):
             shape = layout.shard_shape(key, spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
-            if shape is not None:
+            if shape is not None and layout.has_optimizer_state(key, spec, meta.pp_size):  # not a buffer
                 out.append((key, shape, key in shared))
         return out
 
