@@ -133,4 +133,4 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
 
 def _dtype(key: str, spec, params_dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor is imported in: the weights' (params_dtype), or its layout row's own."""
-    return getattr(torch, layout.dtype_of(key, spec, str(params_dtype).removeprefix("torch.")))
+    return getattr(torch, layout.dtype_of(key, spec, str(params_dtype).removeprefix("torch."), None))
