@@ -129,9 +129,10 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
         vocab_size=spec.vocab_size, multi_latent_attention=bool(spec.multi_latent_attention), mtp_num_layers=None,
         **{k: getattr(spec, k) for k in MLA_FIELDS}, **moe_args(spec, ep),
-        # multi-latent attention's rotary embedding: plain RoPE (megatron-core's MLA would default to YaRN)
-        rope_type="rope" if spec.multi_latent_attention else None, rotary_scaling_factor=1.0, mscale=1.0,
-        mscale_all_dim=0.0,
+        # multi-latent attention's rotary embedding: plain RoPE or YaRN (megatron-core's MLA defaults to YaRN)
+        rope_type=("yarn" if spec.rope_scaling == "yarn" else "rope") if spec.multi_latent_attention else None,
+        **({theirs: getattr(spec, ours) for theirs, (ours, _) in YARN_ARGS.items()} if spec.rope_scaling == "yarn"
+           else {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}),
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
         transformer_impl="local", use_legacy_models=False, spec=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
@@ -225,17 +226,26 @@ def features_of(args) -> dict:
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # both sides' names
 
 
+# YaRN's arguments (MLATransformerConfig's names) -> ModelSpec's, with megatron-core's defaults
+YARN_ARGS = {"rotary_scaling_factor": ("rope_scaling_factor", 1.0),
+             "original_max_position_embeddings": ("rope_original_max_position_embeddings", 4096),
+             "beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
+             "mscale": ("rope_mscale", 1.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0)}
+
+
 def mla_fields(args) -> dict:
-    """Multi-latent attention's sizes ({} without it). Its rotary embedding must be plain RoPE: megatron-core's MLA
-    defaults to YaRN (rope_type None or yarn), which is plain RoPE where rotary_scaling_factor <= 1."""
+    """Multi-latent attention's sizes and rotary embedding ({} without it): megatron-core's MLA defaults to YaRN
+    (rope_type None or yarn), which is plain RoPE where rotary_scaling_factor <= 1."""
     if not arg(args, "multi_latent_attention", False):
         return {}
     kind, factor = arg(args, "rope_type", "yarn"), float(arg(args, "rotary_scaling_factor", 1.0))
-    if kind not in ("rope", "yarn") or (kind == "yarn" and factor > 1):
-        raise ConfigError(f"multi-latent attention with rope_type={kind!r}, rotary_scaling_factor={factor} (YaRN "
-                          f"scaling), which this version does not read: plain RoPE only (rope_type rope, or a "
-                          f"rotary_scaling_factor of 1)")
-    return {k: getattr(args, k, None) for k in MLA_FIELDS}
+    if kind not in ("rope", "yarn"):
+        raise ConfigError(f"multi-latent attention with rope_type={kind!r}: megatron-core's MLA takes rope or yarn")
+    out = {k: getattr(args, k, None) for k in MLA_FIELDS}
+    if kind == "yarn" and factor > 1:
+        out["rope_scaling"] = "yarn"
+        out.update({ours: type(default)(arg(args, theirs, default)) for theirs, (ours, default) in YARN_ARGS.items()})
+    return out
 
 
 def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None = None) -> ModelSpec:
@@ -273,6 +283,7 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
     eps = getattr(args, "norm_epsilon", None)
     scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} if found["rope_scaling"] else {}
     mla = mla_fields(args)
+    found["rope_scaling"] = mla.pop("rope_scaling", found["rope_scaling"])
     if moe or mla:
         moe["layer_pattern"] = _moe_pattern(args, pattern, bool(mla), bool(moe))
     return ModelSpec(

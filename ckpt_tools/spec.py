@@ -51,11 +51,19 @@ class ModelSpec:
     qk_layernorm: bool | None = None  # a norm on queries and keys (Qwen3, OLMoE)
     qk_norm_across_heads: bool | None = None  # that norm spans all heads at once, not each head (OLMoE)
     position_embedding_type: str | None = None  # rope | learned_absolute
-    rope_scaling: str | None = None  # None or llama3 (Llama 3.1 frequency scaling)
+    rope_scaling: str | None = None  # None, llama3 (Llama 3.1 frequency scaling) or yarn (DeepSeek-V3, Kimi K2)
     rope_scaling_factor: float = 8.0  # llama3 scaling parameters (megatron-core's defaults)
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # YaRN (rope_scaling yarn; rope_scaling_factor its factor, rope_original_max_position_embeddings its original
+    # context): the frequencies blended between beta_fast and beta_slow rotations, cos/sin scaled by
+    # mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), MLA's softmax scale by mscale(factor,
+    # rope_mscale_all_dim)^2 (megatron-core's and transformers' formulas)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     zero_centered_norm: bool | None = None  # norms scale by 1 + weight (Gemma; layernorm_zero_centered_gamma)
     scale_embeddings: bool | None = None  # embeddings times sqrt(hidden_size) (Gemma)
     # Mixture of experts (megatron-core's MoE layer with SequentialMLP experts); None: a dense model.

@@ -42,7 +42,11 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
         from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
         mla = dict(multi_latent_attention=True, q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
                    qk_head_dim=s.qk_head_dim, qk_pos_emb_head_dim=s.qk_pos_emb_head_dim, v_head_dim=s.v_head_dim,
-                   rope_type="rope", rotary_base=s.rotary_base, apply_rope_fusion=False)
+                   rotary_base=s.rotary_base, apply_rope_fusion=False,
+                   **(dict(rope_type="yarn", rotary_scaling_factor=s.rope_scaling_factor, mscale=s.rope_mscale,
+                           mscale_all_dim=s.rope_mscale_all_dim, beta_fast=s.rope_beta_fast, beta_slow=s.rope_beta_slow,
+                           original_max_position_embeddings=s.rope_original_max_position_embeddings)
+                      if s.rope_scaling == "yarn" else dict(rope_type="rope")))
     if s.is_moe and (s.moe_router_score_function == "sigmoid" or s.layer_pattern is not None):
         mla.update(moe_router_score_function=s.moe_router_score_function,
                    moe_router_enable_expert_bias=s.moe_router_enable_expert_bias,

@@ -57,7 +57,12 @@ CASES = {
                                          "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 4,
                                          "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4,
                                          "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
-                                         "num_nextn_predict_layers": 0}, "deepseek_v3"),
+                                         "num_nextn_predict_layers": 0,
+                                         # YaRN as DeepSeek-V3 ships it, at a context the test's 48 tokens exceed
+                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                             "original_max_position_embeddings": 32, "beta_fast": 32,
+                                                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                         "max_position_embeddings": 128}, "deepseek_v3"),
     # GLM-4.5: QKV biases, per-head q/k norms, RoPE on half of each head, a dense first layer, then DeepSeek's MoE
     "glm4_moe": ("Glm4MoeConfig", {"head_dim": 24, "attention_bias": True, "use_qk_norm": True,
                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -182,8 +187,9 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "deepseek_v3", "rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05 is not 1e-6"),
     ({"model_type": "deepseek_v3", "n_group": 2, "topk_group": 2}, "topk_group 2: transformers scores a group"),
     ({"model_type": "deepseek_v3", "first_k_dense_replace": 2}, "first_k_dense_replace 2 with 2 layers"),
-    ({"model_type": "deepseek_v3", "num_nextn_predict_layers": 1, "rope_parameters": {"rope_type": "yarn"}},
-     "rope scaling yarn"),
+    ({"model_type": "deepseek_v3", "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "truncate": False}},
+     "yarn with truncate false or an explicit attention_factor is not supported"),
+    ({"model_type": "qwen3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling 'yarn' is not"),
     ({"model_type": "glm4_moe", "norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
 ])

@@ -148,8 +148,33 @@ def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[to
     inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     if spec.rope_scaling == "llama3":
         inv_freq = llama3_scaling(inv_freq, spec)
+    if spec.rope_scaling == "yarn":
+        inv_freq = yarn_scaling(inv_freq, d, spec)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)[:, None, None, None, :]
+    if spec.rope_scaling == "yarn":  # the concentration factor on cos and sin
+        factor = yarn_mscale(spec.rope_scaling_factor, spec.rope_mscale) / yarn_mscale(spec.rope_scaling_factor,
+                                                                                          spec.rope_mscale_all_dim)
+        return freqs.cos() * factor, freqs.sin() * factor
     return freqs.cos(), freqs.sin()
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_scaling(inv_freq: torch.Tensor, d: int, spec: ModelSpec) -> torch.Tensor:
+    """YaRN's frequencies (megatron-core's YarnRotaryEmbedding, transformers' yarn rope type): the interpolated
+    (divided by the factor) and the original ones blended by a linear ramp over the dims between the beta_fast and
+    beta_slow rotations of the original context (the range rounded outwards)."""
+    def dim_of(rotations: float) -> float:
+        return d * math.log(spec.rope_original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(spec.rotary_base))
+    low, high = max(math.floor(dim_of(spec.rope_beta_fast)), 0), min(math.ceil(dim_of(spec.rope_beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / ((high + 0.001 if low == high else high) - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # the share of the original frequency
+    pos = spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=inv_freq.device) / d)
+    return 1.0 / (spec.rope_scaling_factor * pos) * (1 - keep) + 1.0 / pos * keep
 
 
 def llama3_scaling(inv_freq: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
@@ -256,12 +281,15 @@ class MLASelfAttention(nn.Module):
     down projections are column-parallel layers whose output is gathered (every TP rank the whole latent), their norms
     replicated; the up projections column-parallel over heads; the rotary part of each head's query and the keys'
     shared rotary part rotated in megatron-core's MLA layout (even lanes, then odd, then rotate-half: transformers'
-    rope_interleave); softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+    rope_interleave); softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim), times YaRN's mscale squared."""
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
         super().__init__()
         self.spec, self.heads = spec, spec.num_attention_heads // tp_size
         n, h, q_head = spec.num_attention_heads, spec.hidden_size, spec.qk_head_dim + spec.qk_pos_emb_head_dim
+        # 1 / sqrt(head dim), times YaRN's mscale(factor, mscale_all_dim)^2 (1 without YaRN)
+        mscale = yarn_mscale(spec.rope_scaling_factor, spec.rope_mscale_all_dim) if spec.rope_scaling == "yarn" else 1.0
+        self.scale = mscale * mscale / math.sqrt(q_head)
 
         def column(rows_in: int, rows_out: int) -> nn.Module:
             return tensor_parallel.ColumnParallelLinear(rows_in, rows_out, config=config, tp_group=_tp_group(),
@@ -299,7 +327,7 @@ class MLASelfAttention(nn.Module):
         k = torch.cat([k_nope, rotate(k_pe.view(s, b, 1, -1)).expand(s, b, self.heads, -1)], dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         with sdpa_kernel(ATTENTION_BACKENDS, set_priority=True):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,

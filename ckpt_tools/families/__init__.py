@@ -116,12 +116,19 @@ LLAMA3_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.
 ROPE_FIELDS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                "high_freq_factor": "rope_high_freq_factor",
                "original_max_position_embeddings": "rope_original_max_position_embeddings"}
+# YaRN's parameters (transformers' defaults where absent; DeepSeek-V3's config gives them all)
+YARN_DEFAULTS = {"factor": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "mscale": 1.0, "mscale_all_dim": 0.0}
+YARN_FIELDS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
+               "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+               "mscale_all_dim": "rope_mscale_all_dim"}
 
 
 @dataclass(frozen=True)
 class Rope:
     """RoPE base and scaling: transformers 5's `rope_parameters` {rope_type, rope_theta, ...}, or the older
-    top-level `rope_theta` + `rope_scaling`. Types other than default and llama3 are refused, and a partial
+    top-level `rope_theta` + `rope_scaling`. Types other than default, llama3 and yarn (a family's features say
+    which it allows) are refused, and a partial
     rotary factor unless `partial` (megatron-core's rotary_percent: the first dims of each head)."""
     default_theta: float = 10000.0
     partial: bool = False
@@ -134,8 +141,11 @@ class Rope:
             raise TypeError("rope_parameters / rope_scaling is not an object")
         merged = {**scaling, **params}
         kind = merged.get("rope_type", merged.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            refuse(f"rope scaling {kind} is not supported (only default and llama3)")
+        if kind not in ("default", "llama3", "yarn"):
+            refuse(f"rope scaling {kind} is not supported (only default, llama3 and yarn)")
+        if kind == "yarn" and (merged.get("truncate", True) is not True or merged.get("attention_factor") is not None):
+            refuse("yarn with truncate false or an explicit attention_factor is not supported (megatron-core's YaRN "
+                   "rounds the correction range and derives the factor from mscale and mscale_all_dim)")
         partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", self.partial_default))
         if partial not in (None, 1, 1.0) and not self.partial:
             refuse(f"partial_rotary_factor {partial!r} is not supported (rotary embeddings on the whole head only)")
@@ -147,11 +157,18 @@ class Rope:
             out["rope_scaling"] = "llama3"
             for theirs, ours in ROPE_FIELDS.items():
                 out[ours] = type(LLAMA3_DEFAULTS[theirs])(merged.get(theirs, LLAMA3_DEFAULTS[theirs]))
+        if kind == "yarn":
+            out["rope_scaling"] = "yarn"
+            for theirs, ours in YARN_FIELDS.items():
+                value = merged.get(theirs)
+                out[ours] = type(YARN_DEFAULTS[theirs])(YARN_DEFAULTS[theirs] if value is None else value)
 
     def write(self, spec, out: dict) -> None:
         params = {"rope_type": spec.rope_scaling or "default", "rope_theta": float(spec.rotary_base)}
         if spec.rope_scaling == "llama3":
             params.update({theirs: getattr(spec, ours) for theirs, ours in ROPE_FIELDS.items()})
+        if spec.rope_scaling == "yarn":
+            params.update({theirs: getattr(spec, ours) for theirs, ours in YARN_FIELDS.items()})
         if self.partial:
             params["partial_rotary_factor"] = spec.rotary_percent
         out["rope_parameters"] = params

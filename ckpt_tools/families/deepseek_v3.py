@@ -11,7 +11,10 @@
   best `topk_group` of `n_group` groups searched, the chosen weights renormalised and scaled by
   `routed_scaling_factor`.
 
-Refused in one line: yarn rope scaling (not yet), `rope_interleave` false, an `rms_norm_eps` other than 1e-6
+YaRN rope scaling (its published configs: factor 40, original context 4096, mscale and mscale_all_dim 1) is
+megatron-core's YarnRotaryEmbedding and MLA softmax scale, transformers' alike.
+
+Refused in one line: `rope_interleave` false, an `rms_norm_eps` other than 1e-6
 (transformers fixes the latent norms' at 1e-6, megatron-core has one epsilon), `norm_topk_prob` false and top-1
 routing (megatron-core renormalises a sigmoid top-k of more than one), groups whose score is not the sum of their
 best two (megatron-core sums the best topk / topk_group), attention biases.
@@ -135,6 +138,7 @@ FAMILY = Family(
     name="deepseek_v3", model_type="deepseek_v3", hf_class="DeepseekV3ForCausalLM", moe=True, shared_experts=True,
     grouped_routing=True, dense_first=True, fp8_blocks=True,
     features={**llama.FEATURES, "multi_latent_attention": (True,), "qk_layernorm": (True,),
+              "rope_scaling": (None, "yarn"),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,
     config=(
