@@ -273,7 +273,9 @@ class ByteSource:
                 if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
                     raise Declined("--vocab-size differs from meta.json, or extra shard files")
                 model, ours = _model_shards(meta), True
-            sources = field_shards(meta) if from_master else model
+                if from_master and meta.fresh_optimizer:
+                    raise Declined("a fresh optimizer's masters are made from the weights (contract 2)")
+            sources = {**model, **field_shards(meta)} if from_master else model  # a buffer: its own master
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
         source = cls(meta, model, sources, ours)

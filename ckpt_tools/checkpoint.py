@@ -113,6 +113,12 @@ class Meta:
         return keys
 
     @property
+    def fresh_optimizer(self) -> bool:
+        """meta.json records a fresh optimizer (iteration 0: zero moments, fp32 masters equal to the weights, step 0)
+        that is not written: whoever needs it makes it from the weights (contract 2)."""
+        return self.raw.get(FRESH) is True
+
+    @property
     def params_dtype(self) -> str:
         return self.raw.get("dtypes", {}).get("params", "float32")
 
@@ -299,9 +305,13 @@ def write_meta(path: Path, meta: dict) -> None:
     io.write_json_atomic(path, {**meta, "checksum": meta_checksum(meta)})
 
 
+FRESH = "fresh_optimizer"  # meta.json: true where the optimizer is the fresh one of iteration 0, not written
+FRESH_EXTRAS = {"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None}  # its file's extras, if written
+
+
 def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
                params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict | None = None,
-               ep: int = 1) -> dict:
+               ep: int = 1, fresh_optimizer: bool = False) -> dict:
     """meta.json of a checkpoint in our format: the one place that knows its fields."""
     import torch
 
@@ -325,6 +335,8 @@ def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iterati
         meta["parallel"]["ep_size"] = ep
     if origin is not None:
         meta["origin"] = origin
+    if fresh_optimizer:
+        meta[FRESH] = True
     return meta
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import hf, layout, output, shard_ops, to_megatron
+from ckpt_tools import families, hf, layout, output, shard_ops, to_megatron
 from ckpt_tools.errors import FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.ranks import Grid
@@ -49,7 +49,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
         extra.remove("lm_head.weight")
     missing = sorted(wanted - set(source.where))
-    beyond = [n for n in extra if (i := hf.layer_number(n)) is not None and i >= spec.num_layers]
+    beyond = [n for n in extra if (i := hf.layer_number(n)) is not None and i >= spec.num_layers] \
+        if families.get(spec.architecture).mtp_layers else []
     if beyond:  # DeepSeek-V3's and GLM-4.5's multi-token prediction layers follow the decoder layers
         raise FormatError(f"{hf_dir}: {beyond[0]} ({len(beyond)} tensors of layers numbered from {spec.num_layers}, "
                           f"beyond num_hidden_layers {spec.num_layers}): multi-token prediction layers, which this "
@@ -74,11 +75,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     if form != to_megatron.OURS:
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
                                    quiet, start, team, ep, model) + tail
+    # A fresh optimizer is recorded in meta.json, not written (contract 2): zero moments, step 0, masters equal to the
+    # weights; the masters are written (alone) where the HF weights carry more than the weights' dtype keeps.
+    masters = optimizer and any(source.itemsize(n) > params_dtype.itemsize for _, names in rows.values() for n in names)
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
-        target = Target(ckpt, spec, tp, counts, padded, optimizer, ep)
-        target.share(team, (MODEL,), params_dtype.itemsize * (7 if optimizer else 1))  # a rank's model + optimizer
+        target = Target(ckpt, spec, tp, counts, padded, masters, ep)
+        target.share(team, (MODEL,), params_dtype.itemsize * (3 if masters else 1))  # a rank's model + masters
         stages = sorted({rank.pp for rank in target.mine})  # the others' stages are not read here
         bar = output.progress(sum(len(layout.stage_keys(spec, counts, p)) for p in stages), "import", quiet,
                               unit="tensor")
@@ -93,22 +97,23 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                     bar.update(1)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
-                full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(_dtype(key, spec, params_dtype))
-                trained = optimizer and layout.has_optimizer_state(key, spec, pp)
-                target.put(key, full, master=trained)
-                if trained:
-                    target.put_zeros(key, "exp_avg")
-                    target.put_zeros(key, "exp_avg_sq")
-                    target.put_state(key, "step", torch.tensor(0.0))
+                original = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded)
+                full = original.to(_dtype(key, spec, params_dtype))
+                wider = masters and any(source.itemsize(n) > params_dtype.itemsize for n in names)
+                trained = wider and layout.has_optimizer_state(key, spec, pp)  # a master that carries more
+                target.put(key, full, master=original.float() if trained else False)
                 bar.update(1)
-            target.end_stage({"param_groups": [], "scheduler": {"iteration": 0}, "scaler": None})
+            target.end_stage(dict(fmt.FRESH_EXTRAS))
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
-        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep)
+        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep,
+                              fresh_optimizer=optimizer)
         nbytes = _finish(tmp, 0, target, meta, hf_dir, hf_dir=True, team=team)
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, pp, ep)} "
             f"(layers {counts}), {dtype_name(params_dtype)}, "
-            f"{'fresh optimizer state' if optimizer else 'no optimizer state'}, padded vocab {padded}, "
+            + ("fresh optimizer state (recorded in meta.json" + (", its fp32 masters written" if masters else
+                                                                  ", not written") + ")" if optimizer
+               else "no optimizer state") + f", padded vocab {padded}, "
             f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{tail}")
 
 

@@ -112,7 +112,11 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
            f"{raw['virtual_pipeline_model_parallel_size']}, read as its virtual stages in layer order"
            if raw.get("virtual_pipeline_model_parallel_size") else "") + "); "
         f"layers per stage {','.join(map(str, meta.layer_counts))}",
-        f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}",
+        f"dtype       params {raw['dtypes']['params']}, optimizer master {raw['dtypes']['master']}"
+        + (" (the fresh optimizer of iteration 0, recorded in meta.json and made from the weights: zero moments, step 0"
+           + (", its fp32 masters written where they carry more than the weights)" if
+              any(n.startswith("optimizer_") for n in raw.get("files", {})) else ", not written)")
+           if meta.fresh_optimizer else ""),
         f"parameters  {total:,} ({total - padding:,} without vocab padding)",
         f"needs       {needs_line(meta)}",
         f"files       {len(files)} files, {human_bytes(size)}" if files else f"source      {meta.source} checkpoint"

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import hf, io, output, shard_ops
+from ckpt_tools import hf, io, layout, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.team import SOLO, Team
@@ -63,7 +63,9 @@ class TensorSource:
 
         from ckpt_tools.writers import contiguous_bytes
         target = getattr(torch, dtype)
-        for name, shape, t in zip(e.names, e.shapes, hf.to_hf(e.kind, self.reader.full(e.key, self.field),
+        # a buffer (no optimizer state) is its own master
+        field = self.field if layout.has_optimizer_state(e.key, self.meta.spec) else None
+        for name, shape, t in zip(e.names, e.shapes, hf.to_hf(e.kind, self.reader.full(e.key, field),
                                                                self.meta.spec)):
             if tuple(t.shape) != tuple(shape):
                 raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")

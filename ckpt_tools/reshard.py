@@ -51,6 +51,9 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     if form != to_megatron.OURS:
         return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team,
                                     ep, to_megatron.model_of(model, meta))
+    # a fresh optimizer stays recorded, not written (one whose masters were written is written whole, as before)
+    fresh = with_opt and shards.fresh_optimizer() and not shards.masters_written()
+    with_opt = with_opt and not fresh
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir(exist_ok=True)
@@ -74,7 +77,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             origin["from"]["ep_size"] = meta.ep_size
         new_meta = fmt.build_meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
                                   meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {},
-                                  origin, ep)
+                                  origin, ep, fresh_optimizer=fresh)
         nbytes = _finish(tmp, meta.iteration, target, new_meta, meta.dir, team=team)
     shards.close()
     notes = ""
@@ -83,7 +86,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
                  f"rows beyond the true vocab {spec.vocab_size} are zeros)")
     return (f"resharded {meta.dir} {meta.grid} (layers {meta.layer_counts}) -> {out} "
             f"{Grid(tp, pp, ep)} (layers {counts}), iteration {meta.iteration}, "
-            f"{'model + optimizer' if with_opt else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
+            f"{'model + optimizer' if with_opt else 'model + the fresh optimizer (recorded, not written)' if fresh else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
             f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
             + (f"\n{leftover}" if leftover else ""))
 

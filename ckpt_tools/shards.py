@@ -55,6 +55,10 @@ class Reader:
     def has_optimizer(self) -> bool:
         return False
 
+    def fresh_optimizer(self) -> bool:
+        """The optimizer is the fresh one of iteration 0, recorded and not written (contract 2; our format only)."""
+        return False
+
     def optimizer_extras(self) -> dict:
         """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler); for a
         Megatron-LM source, what `ckpt import` writes (its Megatron-LM param groups and scheduler are its own)."""
@@ -164,7 +168,18 @@ class ShardSet(Reader):
 
     def optimizer_extras(self) -> dict:
         """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler)."""
+        if self.fresh_optimizer() and not self.path(OPTIMIZER, self.meta.grid.first).is_file():
+            return dict(fmt.FRESH_EXTRAS)
         return {k: v for k, v in self.file(OPTIMIZER, self.meta.grid.first).items() if k != OPTIMIZER}
+
+    def fresh_optimizer(self) -> bool:
+        """meta.json records the fresh optimizer of iteration 0, not written (its fp32 masters, where they carry more
+        than the weights, are): `shards` makes each field from the weights."""
+        return self.meta.fresh_optimizer
+
+    def masters_written(self) -> bool:
+        """A fresh optimizer's masters that carry more than the weights are in optimizer files."""
+        return any(self.path(OPTIMIZER, rank).is_file() for rank in self.meta.grid.ranks())
 
     def file(self, kind: str, rank: Rank) -> dict:
         """The whole (lazily mapped) object of one shard file."""
@@ -220,6 +235,8 @@ class ShardSet(Reader):
         """The TP shards of one tensor, rank order; field picks optimizer state (master, exp_avg, ...)."""
         if global_key not in self._where:
             raise FormatError(f"{self.meta.dir}: no tensor {global_key} in this checkpoint's layout")
+        if field is not None and self.fresh_optimizer():
+            return self._fresh(global_key, field)
         pp_rank, local, ep_rank = self._where[global_key]
         kind = MODEL if field is None else OPTIMIZER
         out = []
@@ -242,6 +259,23 @@ class ShardSet(Reader):
         self._handed += out
         return out
 
+    def _fresh(self, global_key: str, field: str) -> list:
+        """A fresh optimizer's field, shard by shard: the written fp32 master where there is one, else the weights in
+        fp32; zero moments; step 0."""
+        pp_rank, local, ep_rank = self._where[global_key]
+        out = []
+        for rank, weights in zip((r for r in self.meta.grid.ranks(pp_rank) if r.ep == ep_rank), self.shards(global_key)):
+            path = self.path(OPTIMIZER, rank)
+            written = self._state(OPTIMIZER, rank).get(local) if path.is_file() else None
+            if field == "master":
+                out.append(written["master"] if isinstance(written, dict) and "master" in written else weights.float())
+            elif field == "step":
+                out.append(torch.tensor(0.0))
+            else:
+                out.append(torch.zeros(weights.shape, dtype=torch.float32))
+        self._handed += out
+        return out
+
     def validate(self) -> list[str]:
         """Every model shard holds exactly its stage's keys, each of the layout table's shard shape and
         the recorded dtype; no shard files beyond the layout's. Problems as one-line messages."""
@@ -259,7 +293,10 @@ class ShardSet(Reader):
         return fmt.extra_shards(self.meta)
 
     def has_optimizer(self) -> bool:
-        """Optimizer shards exist or meta.json records them (then a missing one is an error, not "no optimizer")."""
+        """Optimizer shards exist or meta.json records them (then a missing one is an error, not "no optimizer"), or
+        meta.json records the fresh optimizer that is not written."""
+        if self.fresh_optimizer():
+            return True
         recorded = self.meta.raw.get("files", {})
         paths = [self.path(OPTIMIZER, rank) for rank in self.meta.grid.ranks()]
         return any(path.is_file() or path.name in recorded for path in paths)

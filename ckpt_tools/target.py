@@ -115,20 +115,22 @@ class Target:
         its EP rank; anything else: every EP rank's)."""
         return [(i, local, self._ranks[i].tp) for i, local in self._local[key]]
 
-    def put(self, key: str, value: Any, master: bool = False) -> None:
+    def put(self, key: str, value: Any, master: bool | torch.Tensor = False) -> None:
         """One model tensor (full, TP=1; `key` global), split and written to every file that holds it; with `master`
-        each shard's fp32 copy too, as the optimizer's master weight. A shard that is not contiguous, and the fp32
-        copy, are made in one reused buffer (each is written before the next is made): no fresh pages per tensor."""
+        each shard's fp32 copy too, as the optimizer's master weight (a tensor: the master's own full values, where
+        they carry more than the weights). A shard that is not contiguous, and the fp32 copy, are made in one reused
+        buffer (each is written before the next is made): no fresh pages per tensor."""
         if not layout.holds_weights(key, self.spec, self.pp):
             for i, local, _ in self._files(key):
                 self._model_state[i][local] = value
             return
         shards = self._split(key, value)
+        masters = self._split(key, master) if torch.is_tensor(master) else shards
         for i, local, t in self._files(key):
             self._model_state[i][local] = self._model[i].tensor(self._scratch.contiguous(shards[t]))
-            if master:
+            if master is not False:
                 self._optim_state[i].setdefault(local, {})["master"] = \
-                    self._optim[i].tensor(self._scratch.contiguous(shards[t], torch.float32))
+                    self._optim[i].tensor(self._scratch.contiguous(masters[t], torch.float32))
 
     def put_state(self, key: str, field: str, value: torch.Tensor) -> None:
         """One optimizer field of a parameter: a full tensor (exp_avg, exp_avg_sq), or the replicated step. Fields

@@ -116,19 +116,21 @@ def global_key(local: str, offset: int) -> str:
     return ".".join(parts)
 
 
-def full_tensors(ckpt: Path) -> dict[str, dict]:
-    """{global key: {"model": full, "master"/"exp_avg"/"exp_avg_sq": full, "step": step}} via reference_join."""
+def full_tensors(ckpt: Path, optimizer: bool = True) -> dict[str, dict]:
+    """{global key: {"model": full, "master"/"exp_avg"/"exp_avg_sq": full, "step": step}} via reference_join (without
+    `optimizer`: the model's only)."""
     m = meta(ckpt)
     tp, counts = m["parallel"]["tp_size"], m["parallel"]["layers_per_stage"]
     gated = m["model"]["architecture"] == "llama"
     out: dict[str, dict] = {}
     for p in range(len(counts)):
         models = [io.load_file(ckpt / fmt.model_file(Rank(t, p)))["model"] for t in range(tp)]
-        optims = [io.load_file(ckpt / fmt.optimizer_file(Rank(t, p)))["optimizer"] for t in range(tp)]
+        optims = [io.load_file(ckpt / fmt.optimizer_file(Rank(t, p)))["optimizer"] for t in range(tp)] if optimizer \
+            else []
         for local in models[0]:
             key = global_key(local, sum(counts[:p]))
             entry = out[key] = {"model": reference_join(key, [s[local] for s in models], gated)}
-            if torch.is_tensor(entry["model"]):
+            if torch.is_tensor(entry["model"]) and optimizer:
                 for field in ("master", "exp_avg", "exp_avg_sq"):
                     entry[field] = reference_join(key, [s[local][field] for s in optims], gated)
                 entry["step"] = optims[0][local]["step"]

@@ -163,13 +163,16 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     for path in (optim_path, ckpt_dir / fmt.rng_file(rank)):
         if path.name in recorded and not path.is_file():
             raise FormatError(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
-    if optim_path.is_file():
+    if optim_path.is_file() and not meta.fresh_optimizer:
         optim_state = _read(optim_path, meta, "optimizer")["optimizer"]
         _check_optimizer(optim_path, optim_state, stage)
         opt.load_by_key(optim_state)
-    else:  # saved without optimizer state (`ckpt import --no-optimizer`): AdamW starts fresh from the weights
-        opt.load_by_key({k: {"master": p.detach().float(), "exp_avg": None, "exp_avg_sq": None,
-                             "step": torch.tensor(0.0)} for k, p in stage.named_parameters()})
+    else:  # the fresh optimizer meta.json records (its masters written where they carry more than the weights), or
+        # none (`ckpt import --no-optimizer`): AdamW starts fresh from the weights
+        written = _read(optim_path, meta, "optimizer")["optimizer"] if optim_path.is_file() else {}
+        masters = {k: s["master"] for k, s in written.items() if isinstance(s, dict) and torch.is_tensor(s.get("master"))}
+        opt.load_by_key({k: {"master": masters[k].float() if k in masters else p.detach().float(), "exp_avg": None,
+                             "exp_avg_sq": None, "step": torch.tensor(0.0)} for k, p in stage.named_parameters()})
     rng_path = ckpt_dir / fmt.rng_file(rank)
     if not rng_path.is_file():  # imported weights: no RNG or data position yet
         return meta.iteration, int(meta.raw.get("consumed_samples", 0))

@@ -191,6 +191,7 @@ class Family:
     partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
     dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
     fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
+    mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
 
     def default(self, feature: str):
         return self.features[feature][0]

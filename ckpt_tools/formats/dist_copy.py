@@ -203,7 +203,10 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
 
 
 def _has_optimizer(meta: checkpoint.Meta) -> bool:
-    """Optimizer shards exist or meta.json records them (as the torch reader's has_optimizer)."""
+    """Optimizer shards exist or meta.json records them, or the fresh optimizer it records (as the torch reader's
+    has_optimizer)."""
+    if meta.fresh_optimizer:
+        return True
     recorded = meta.raw.get("files", {})
     return any((meta.dir / checkpoint.optimizer_file(r)).is_file() or checkpoint.optimizer_file(r) in recorded
                for r in meta.grid.ranks())
