@@ -32,12 +32,17 @@ MLA_TE_NAMES = {
 }
 
 
+def _renamed(name: str, names: dict[str, str]) -> str:
+    """`name` with the first of `names`' parts it holds (at its start or after a dot) replaced by its other name."""
+    for old, new in names.items():
+        if name.startswith(old) or f".{old}" in name:
+            return name.replace(old, new, 1)
+    return name
+
+
 def to_mla_te(name: str) -> str:
     """A layer's key of an MLA model (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
-    for local, te in MLA_TE_NAMES.items():
-        if name.startswith(local) or f".{local}" in name:
-            return name.replace(local, te, 1)
-    return name
+    return _renamed(name, MLA_TE_NAMES)
 
 
 def is_mla_te(name: str) -> bool:
@@ -47,18 +52,12 @@ def is_mla_te(name: str) -> bool:
 
 def to_te(name: str) -> str:
     """A layer's key (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
-    for local, te in TE_NAMES.items():
-        if name.startswith(local) or f".{local}" in name:
-            return name.replace(local, te, 1)
-    return name
+    return _renamed(name, TE_NAMES)
 
 
 def from_te(name: str) -> str:
     """The inverse of to_te: a Transformer Engine name -> the layout table's (local spec) name."""
-    for local, te in TE_NAMES.items():
-        if name.startswith(te) or f".{te}" in name:
-            return name.replace(te, local, 1)
-    return name
+    return _renamed(name, {te: local for local, te in TE_NAMES.items()})
 
 
 # Transformer Engine's GroupedLinear (TEGroupedMLP, --moe-grouped-gemm) holds a layer's local experts as the

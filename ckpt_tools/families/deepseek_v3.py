@@ -20,8 +20,7 @@ routing (megatron-core renormalises a sigmoid top-k of more than one), groups wh
 best two (megatron-core sums the best topk / topk_group), attention biases.
 """
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.families import (GATED, OMIT, SAME, VOCAB, Const, Derived, Family, Field, Name, Rope, anything,
-                                 kv_heads, llama)
+from ckpt_tools.families import GATED, OMIT, SAME, VOCAB, Const, Derived, Family, Field, Name, anything, llama
 from ckpt_tools.families.mixtral import TRAINING_ONLY
 
 _L, _H = "decoder.layers.{i}.", "model.layers.{i}."
@@ -141,16 +140,8 @@ FAMILY = Family(
               "rope_scaling": (None, "yarn"),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,
-    config=(
-        Field("vocab_size", "vocab_size"),
-        Field("hidden_size", "hidden_size"),
-        Field("intermediate_size", "ffn_hidden_size"),
-        Field("num_hidden_layers", "num_layers"),
-        Field("num_attention_heads", "num_attention_heads"),
-        Field("num_key_value_heads", "num_query_groups", kv_heads),
-        Field("max_position_embeddings", "max_position_embeddings", 4096),
-        Field("rms_norm_eps", "norm_epsilon", 1e-6),
-        Field("tie_word_embeddings", "tie_word_embeddings", False),
+    config=llama.config(
+        1e-6, None, 4096,  # head_dim: transformers sets it to qk_rope_head_dim
         Field("q_lora_rank", "q_lora_rank", lambda c: None if "q_lora_rank" in c else 1536),
         Field("kv_lora_rank", "kv_lora_rank", 512),
         Field("qk_nope_head_dim", "qk_head_dim", 128),
@@ -161,13 +152,9 @@ FAMILY = Family(
         *routing(2048, 8, 4, 2.5),
         Derived("first_k_dense_replace", dense_reader("+", 3), write_dense),
         Const("rope_interleave", True, "the rotary rows in transformers' non-interleaved order"),
-        Rope(10000.0),
-        Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"),
         Const("attention_bias", False, "biases on the attention projections"),
         Const("head_dim", OMIT, accept=anything),
         Const("qk_head_dim", OMIT, accept=anything),
-        Const("attention_dropout", 0.0, accept=anything),
-        Const("initializer_range", 0.02, accept=anything),
         Const("pretraining_tp", 1, accept=anything),
         *TRAINING_ONLY,
     ),

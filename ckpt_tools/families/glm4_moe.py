@@ -5,7 +5,7 @@ routed experts of `moe_intermediate_size` plus a shared expert, sigmoid routing 
 (megatron-core's expert bias), optionally group-limited, renormalised and scaled by `routed_scaling_factor`.
 Refused as DeepSeek-V3's are: `norm_topk_prob` false, top-1 routing, groups whose score is not their best two's sum;
 multi-token prediction layers are not read."""
-from ckpt_tools.families import Const, Derived, Family, Field, Rope, anything, heads_dim, kv_heads
+from ckpt_tools.families import Derived, Family, Field, Rope, heads_dim
 from ckpt_tools.families import deepseek_v3 as ds
 from ckpt_tools.families import llama
 from ckpt_tools.families.mixtral import TRAINING_ONLY
@@ -27,27 +27,15 @@ FAMILY = Family(
     features={**llama.FEATURES, "add_qkv_bias": (False, True), "qk_layernorm": (False, True),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,
-    config=(
-        Field("vocab_size", "vocab_size"),
-        Field("hidden_size", "hidden_size"),
-        Field("intermediate_size", "ffn_hidden_size"),
-        Field("num_hidden_layers", "num_layers"),
-        Field("num_attention_heads", "num_attention_heads"),
-        Field("num_key_value_heads", "num_query_groups", kv_heads),
-        Field("head_dim", "kv_channels", heads_dim),
-        Field("max_position_embeddings", "max_position_embeddings", 131072),
-        Field("rms_norm_eps", "norm_epsilon", 1e-5),
-        Field("tie_word_embeddings", "tie_word_embeddings", False),
+    config=llama.config(
+        1e-5, heads_dim, 131072,
         Field("attention_bias", "add_qkv_bias", False),
         Field("use_qk_norm", "qk_layernorm", False),
         Field("n_routed_experts", "num_moe_experts", 128),
         Field("num_experts_per_tok", "moe_router_topk", 8),
         *ds.routing(1408, 1, 1, 1.0),
         Derived("first_k_dense_replace", ds.dense_reader("*", 1), ds.write_dense),
-        Rope(10000.0, partial=True, partial_default=0.5),
-        Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"),
-        Const("attention_dropout", 0.0, accept=anything),
-        Const("initializer_range", 0.02, accept=anything),
         *TRAINING_ONLY,
+        rope=Rope(10000.0, partial=True, partial_default=0.5),
     ),
 )

@@ -31,8 +31,9 @@ FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_
 
 def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,
            act: Const = Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"), tied: bool = False,
-           theta: float = 10000.0) -> tuple:
-    """The config.json keys of a Llama-like model; `consts` are the family's own fixed keys."""
+           theta: float = 10000.0, rope: Rope | None = None) -> tuple:
+    """The config.json keys of a Llama-like model; `consts` are the family's own fixed keys (and fields). `head_dim`
+    None: the family's config.json derives it (not read, not written); `rope`: its own rotary entry."""
     return (
         Field("vocab_size", "vocab_size"),
         Field("hidden_size", "hidden_size"),
@@ -40,11 +41,11 @@ def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *co
         Field("num_hidden_layers", "num_layers"),
         Field("num_attention_heads", "num_attention_heads"),
         Field("num_key_value_heads", "num_query_groups", kv_heads),
-        Field("head_dim", "kv_channels", head_dim),
+        *((Field("head_dim", "kv_channels", head_dim),) if head_dim is not None else ()),
         Field("max_position_embeddings", "max_position_embeddings", positions),
         Field("rms_norm_eps", "norm_epsilon", rms_eps),
         Field("tie_word_embeddings", "tie_word_embeddings", tied),
-        Rope(theta),
+        rope or Rope(theta),
         act,
         Const("attention_dropout", 0.0, accept=anything),
         Const("initializer_range", 0.02, accept=anything),
