@@ -152,6 +152,8 @@ def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
         refuse("vocab.true", vocab["true"], f"model.vocab_size {spec.vocab_size} (the true vocab is recorded twice)")
     if not is_int(raw["iteration"], 0):
         refuse("iteration", raw["iteration"], "an integer >= 0")
+    if FRESH in raw and (raw[FRESH] is not True or raw["iteration"] != 0):
+        refuse(FRESH, raw[FRESH], "true, at iteration 0 only (the fresh optimizer is iteration 0's)")
     for k in ("consumed_samples", "tokens_seen"):
         if raw.get(k) is not None and not is_int(raw[k], 0):
             refuse(k, raw[k], "an integer >= 0")

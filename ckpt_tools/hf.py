@@ -28,7 +28,6 @@ from ckpt_tools import families, layout, shard_ops
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.families import C_ATTN, CONV1D, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.torchfile import ELEMENT_SIZES
 from ckpt_tools.writers import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
@@ -346,14 +345,15 @@ class HFTensors:
                 done += n
         return torch.frombuffer(buf, dtype=getattr(torch, SAFETENSORS_DTYPES[dtype])).reshape(shape)
 
-    def itemsize(self, name: str) -> int:
-        """Bytes per element of the tensor as `get` gives it (an FP8 block weight dequantized: 4)."""
+    def dtype_name(self, name: str) -> str:
+        """The dtype name of the tensor as `get` gives it ("float32" for an FP8 block weight, dequantized)."""
         if name in self.scales:
-            return 4
+            return "float32"
         file = self._file_of[name]
         if file not in self._offsets:
             self._offsets[file] = data_offsets(self._paths[file])
-        return ELEMENT_SIZES.get(SAFETENSORS_DTYPES.get(self._offsets[file][name][0], ""), 4)
+        code = self._offsets[file][name][0]
+        return SAFETENSORS_DTYPES.get(code, code.lower())
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.where[name]].get_slice(name).get_shape())

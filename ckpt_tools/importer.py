@@ -77,7 +77,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                                    quiet, start, team, ep, model) + tail
     # A fresh optimizer is recorded in meta.json, not written (contract 2): zero moments, step 0, masters equal to the
     # weights; the masters are written (alone) where the HF weights carry more than the weights' dtype keeps.
-    masters = optimizer and any(source.itemsize(n) > params_dtype.itemsize for _, names in rows.values() for n in names)
+    carried = {key for key, (_, names) in rows.items() if optimizer and layout.has_optimizer_state(key, spec, pp)
+               and _carries_more(source, names, _dtype(key, spec, params_dtype))}  # their masters are written
+    masters = bool(carried)
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
@@ -99,9 +101,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
                 original = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded)
                 full = original.to(_dtype(key, spec, params_dtype))
-                wider = masters and any(source.itemsize(n) > params_dtype.itemsize for n in names)
-                trained = wider and layout.has_optimizer_state(key, spec, pp)  # a master that carries more
-                target.put(key, full, master=original.float() if trained else False)
+                source_key = key if key in rows else "embedding.word_embeddings.weight"  # a tied output copy
+                target.put(key, full, master=original.float() if source_key in carried else False)
                 bar.update(1)
             target.end_stage(dict(fmt.FRESH_EXTRAS))
         bar.close()
@@ -139,3 +140,9 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
 def _dtype(key: str, spec, params_dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor is imported in: the weights' (params_dtype), or its layout row's own."""
     return getattr(torch, layout.dtype_of(key, spec, str(params_dtype).removeprefix("torch."), None))
+
+
+def _carries_more(source: HFTensors, names: list[str], kept: torch.dtype) -> bool:
+    """Whether HF tensors hold values the kept dtype rounds (fp32, FP8 blocks or fp16 kept in bf16, bf16 in fp16):
+    then the fresh optimizer's fp32 master is written, as contract 2 says."""
+    return kept != torch.float32 and any(source.dtype_name(n) != str(kept).removeprefix("torch.") for n in names)

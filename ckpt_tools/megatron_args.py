@@ -19,6 +19,8 @@ from ckpt_tools import families, hybrid, layout, torchsave
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
 
+# megatron-core's MLA YaRN takes its original context and betas from MLATransformerConfig's defaults.
+MLA_YARN = {"rope_original_max_position_embeddings": 4096, "rope_beta_fast": 32.0, "rope_beta_slow": 1.0}
 # Megatron-LM's --rope-scaling applies megatron-core's fixed llama3 frequency bounds.
 MCORE_LLAMA3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
                 "rope_original_max_position_embeddings": 8192}
@@ -50,6 +52,12 @@ def check_expressible(spec: ModelSpec) -> None:
         raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
                           f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "
                           f"in our format or HF")
+    if spec.rope_scaling == "yarn":
+        odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MLA_YARN.items() if getattr(spec, k) != v]
+        if odd:
+            raise ConfigError(f"YaRN with {', '.join(odd)}: megatron-core's MLA takes these from its defaults (no "
+                              f"Megatron-LM argument sets them), so the written model would differ; keep the model in "
+                              f"our format or HF")
     if spec.rope_scaling == "llama3":
         odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MCORE_LLAMA3.items() if getattr(spec, k) != v]
         if odd:
@@ -241,6 +249,10 @@ def mla_fields(args) -> dict:
     kind, factor = arg(args, "rope_type", "yarn"), float(arg(args, "rotary_scaling_factor", 1.0))
     if kind not in ("rope", "yarn"):
         raise ConfigError(f"multi-latent attention with rope_type={kind!r}: megatron-core's MLA takes rope or yarn")
+    if factor < 1 or (kind == "rope" and factor > 1 and float(arg(args, "mscale_all_dim", 0.0))):
+        raise ConfigError(f"multi-latent attention with rope_type={kind!r}, rotary_scaling_factor={factor}: megatron-"
+                          f"core scales its frequencies or softmax by YaRN's factors there, which this version does "
+                          f"not read")
     out = {k: getattr(args, k, None) for k in MLA_FIELDS}
     if kind == "yarn" and factor > 1:
         out["rope_scaling"] = "yarn"

@@ -51,18 +51,20 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     if form != to_megatron.OURS:
         return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team,
                                     ep, to_megatron.model_of(model, meta))
-    # a fresh optimizer stays recorded, not written (one whose masters were written is written whole, as before)
-    fresh = with_opt and shards.fresh_optimizer() and not shards.masters_written()
+    # a fresh optimizer stays recorded, not written: only its masters that carry more than the weights are
+    fresh = with_opt and shards.fresh_optimizer()
+    masters = shards.written_masters() if fresh else set()
     with_opt = with_opt and not fresh
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(meta.iteration)
         ckpt.mkdir(exist_ok=True)
-        target = Target(ckpt, spec, tp, counts, padded, with_opt, ep)
-        extras = shards.optimizer_extras() if with_opt else {}
-        kinds = (OPTIMIZER, MODEL) if with_opt else (MODEL,)  # the small model files last: the wait for the last
-        mine = target.share(team, kinds, _itemsize(meta.params_dtype))  # file's hash is short
+        target = Target(ckpt, spec, tp, counts, padded, with_opt or bool(masters), ep)
+        extras = shards.optimizer_extras() if with_opt or masters else {}
+        # the small model files last: the wait for the last one's hash is short
+        kinds = (OPTIMIZER, MODEL) if with_opt or masters else (MODEL,)
+        mine = target.share(team, kinds, _itemsize(meta.params_dtype))
         bar = output.progress(len(mine), "reshard", quiet, unit="file")
-        resharder = Resharder(shards, target)
+        resharder = Resharder(shards, target, masters if fresh else None)
         for kind, rank in mine:
             resharder.write_file(kind, rank, extras)
             bar.update(1)
@@ -86,7 +88,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
                  f"rows beyond the true vocab {spec.vocab_size} are zeros)")
     return (f"resharded {meta.dir} {meta.grid} (layers {meta.layer_counts}) -> {out} "
             f"{Grid(tp, pp, ep)} (layers {counts}), iteration {meta.iteration}, "
-            f"{'model + optimizer' if with_opt else 'model + the fresh optimizer (recorded, not written)' if fresh else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
+            f"{'model + optimizer' if with_opt else 'model + the fresh optimizer (recorded' + (', its masters that carry more written)' if masters else ', not written)') if fresh else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
             f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
             + (f"\n{leftover}" if leftover else ""))
 
@@ -110,9 +112,12 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
                                lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
                                label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of, team=team,
                                ep=ep, model=model)
+    dropped = fresh and shards.fresh_optimizer() and bool(shards.written_masters())
     shards.close()
     return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
-                                 time.perf_counter() - start, ep)
+                                 time.perf_counter() - start, ep) + (
+        "\nnote: the fresh optimizer's fp32 masters that carried more than the weights are not written: Megatron-LM "
+        "starts its optimizer from the weights" if dropped else "")
 
 
 def _itemsize(dtype: str | torch.dtype) -> int:

@@ -168,7 +168,7 @@ class ShardSet(Reader):
 
     def optimizer_extras(self) -> dict:
         """What an optimizer shard holds beside the per-parameter state (param groups, scheduler, scaler)."""
-        if self.fresh_optimizer() and not self.path(OPTIMIZER, self.meta.grid.first).is_file():
+        if self.fresh_optimizer():
             return dict(fmt.FRESH_EXTRAS)
         return {k: v for k, v in self.file(OPTIMIZER, self.meta.grid.first).items() if k != OPTIMIZER}
 
@@ -177,9 +177,20 @@ class ShardSet(Reader):
         than the weights, are): `shards` makes each field from the weights."""
         return self.meta.fresh_optimizer
 
-    def masters_written(self) -> bool:
-        """A fresh optimizer's masters that carry more than the weights are in optimizer files."""
-        return any(self.path(OPTIMIZER, rank).is_file() for rank in self.meta.grid.ranks())
+    def _optimizer_written(self, rank: Rank) -> bool:
+        """Rank's optimizer file exists or meta.json records it (then a missing one is an error when read)."""
+        path = self.path(OPTIMIZER, rank)
+        return path.is_file() or path.name in self.meta.raw.get("files", {})
+
+    def written_masters(self) -> set[str]:
+        """The global keys whose fresh optimizer's fp32 master is written (it carries more than the weights)."""
+        out = set()
+        for rank in self.meta.grid.ranks():
+            if self._optimizer_written(rank):
+                state = self._state(OPTIMIZER, rank)
+                out |= {key for local, key in self.meta.rank_keys(rank)
+                        if isinstance(state.get(local), dict) and "master" in state[local]}
+        return out
 
     def file(self, kind: str, rank: Rank) -> dict:
         """The whole (lazily mapped) object of one shard file."""
@@ -265,8 +276,7 @@ class ShardSet(Reader):
         pp_rank, local, ep_rank = self._where[global_key]
         out = []
         for rank, weights in zip((r for r in self.meta.grid.ranks(pp_rank) if r.ep == ep_rank), self.shards(global_key)):
-            path = self.path(OPTIMIZER, rank)
-            written = self._state(OPTIMIZER, rank).get(local) if path.is_file() else None
+            written = self._state(OPTIMIZER, rank).get(local) if self._optimizer_written(rank) else None
             if field == "master":
                 out.append(written["master"] if isinstance(written, dict) and "master" in written else weights.float())
             elif field == "step":

@@ -224,8 +224,9 @@ def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
 class Resharder:
     """Target shards straight from the source shards: `reshard_pieces` of the layout table, gathered."""
 
-    def __init__(self, shards: Reader, target: Target):
-        self.shards, self.target = shards, target
+    def __init__(self, shards: Reader, target: Target, masters: set[str] | None = None):
+        """`masters`: a fresh optimizer's, written alone for these keys (None: every optimizer field of every key)."""
+        self.shards, self.target, self.masters = shards, target, masters
         self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
         self._scratch = Scratch()
 
@@ -264,6 +265,9 @@ class Resharder:
             if kind == MODEL:
                 state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
                     self.put(writer, key, None, tp_rank)
+            elif self.masters is not None:  # a fresh optimizer's masters that carry more than the weights
+                if self.shards.source_key(key) in self.masters:
+                    state[local] = {"master": self.put(writer, key, "master", tp_rank)}
             elif layout.has_optimizer_state(key, t.spec, t.pp):
                 fields = {f: self.put(writer, key, f, tp_rank) for f in OPTIMIZER_FIELDS}
                 self.shards.release()

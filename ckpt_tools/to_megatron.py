@@ -138,9 +138,16 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
     return writer.nbytes
 
 
-def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep: int = 1) -> str:
-    """The Megatron-LM command-line flags that load the written checkpoint."""
+def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep: int = 1,
+               spec: ModelSpec | None = None) -> str:
+    """The Megatron-LM command-line flags that load the written checkpoint (`--use-checkpoint-args` restores
+    neither MLA's rotary type nor YaRN's parameters: given where the model has them)."""
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
+    if spec is not None and spec.multi_latent_attention:
+        where += " --rope-type " + ("yarn" if spec.rope_scaling == "yarn" else "rope")
+        if spec.rope_scaling == "yarn":
+            where += (f" --rotary-scaling-factor {spec.rope_scaling_factor:g} --mscale {spec.rope_mscale:g} "
+                      f"--mscale-all-dim {spec.rope_mscale_all_dim:g}")
     if resume:
         where += " --use-distributed-optimizer"
     if form == megatron_lm.TORCH:
@@ -161,7 +168,7 @@ def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: Re
         what += f" (NOT carried: its {unread}, not read by this version)"
     return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} {Grid(tp, len(counts), ep)} "
             f"(layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), resume is not None, ep)}")
+            f"{loads_with(form, out, tp, len(counts), resume is not None, ep, meta.spec)}")
 
 
 def imported(hf_dir: Path, spec: ModelSpec, out: Path, form: str, tp: int, counts: list[int], dtype: str, padded: int,
@@ -170,4 +177,4 @@ def imported(hf_dir: Path, spec: ModelSpec, out: Path, form: str, tp: int, count
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
             f"{Grid(tp, len(counts), ep)} (layers {counts}), {dtype}, weights only (release), padded vocab "
             f"{padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), ep=ep)}")
+            f"{loads_with(form, out, tp, len(counts), ep=ep, spec=spec)}")

@@ -58,9 +58,11 @@ CASES = {
                                          "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4,
                                          "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
                                          "num_nextn_predict_layers": 0,
-                                         # YaRN as DeepSeek-V3 ships it, at a context the test's 48 tokens exceed
+                                         # YaRN as DeepSeek-V3 ships it
+                                         # (megatron-core's MLA takes the original context and betas from its
+                                         # defaults: 4096, 32, 1; the blend still moves the rotary dims 1-3 of 4)
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                             "original_max_position_embeddings": 32, "beta_fast": 32,
+                                                             "original_max_position_embeddings": 4096, "beta_fast": 32,
                                                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
                                          "max_position_embeddings": 128}, "deepseek_v3"),
     # GLM-4.5: QKV biases, per-head q/k norms, RoPE on half of each head, a dense first layer, then DeepSeek's MoE
@@ -189,6 +191,9 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "deepseek_v3", "first_k_dense_replace": 2}, "first_k_dense_replace 2 with 2 layers"),
     ({"model_type": "deepseek_v3", "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "truncate": False}},
      "yarn with truncate false or an explicit attention_factor is not supported"),
+    ({"model_type": "deepseek_v3", "rope_parameters": {"rope_type": "yarn"}}, "yarn without a factor"),
+    ({"model_type": "deepseek_v3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 0,
+                                                       "mscale_all_dim": 1.0}}, "yarn with mscale 0 and mscale_all_dim"),
     ({"model_type": "qwen3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling 'yarn' is not"),
     ({"model_type": "glm4_moe", "norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
@@ -302,3 +307,24 @@ def test_families_sharing_megatron_arguments_come_back_as_themselves(case, hf_di
 # ---------------------------------------------------------------- expert parallelism in our format
 
 
+
+
+def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
+    """megatron-core's MLA takes YaRN's original context and betas from its config defaults (4096, 32, 1: no
+    Megatron-LM argument sets them): a DeepSeek-V3 of another original context is refused for Megatron-LM's forms
+    in one line, and the load command names the rotary flags --use-checkpoint-args does not restore."""
+    from pathlib import Path
+
+    from ckpt_tools import megatron_args, to_megatron
+    from ckpt_tools.errors import ConfigError
+    fields = {**OWN_FIELDS["deepseek_v3"], "rope_scaling": "yarn", "rope_scaling_factor": 40.0,
+              "rope_mscale_all_dim": 1.0}
+    spec = ModelSpec(architecture="deepseek_v3", num_layers=2, hidden_size=64, num_attention_heads=4,
+                     num_query_groups=4, ffn_hidden_size=96, vocab_size=VOCAB, num_moe_experts=4, moe_router_topk=2,
+                     moe_shared_expert_intermediate_size=48, **{**fields, "rope_original_max_position_embeddings": 32})
+    with pytest.raises(ConfigError, match="YaRN with rope_original_max_position_embeddings 32 \\(Megatron-LM: 4096\\)"):
+        megatron_args.check_expressible(spec)
+    ok = ModelSpec(**{**spec.to_dict(), "rope_original_max_position_embeddings": 4096})
+    megatron_args.check_expressible(ok)
+    line = to_megatron.loads_with("torch_dist", Path("out"), 1, 1, spec=ok)
+    assert "--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1" in line, line

@@ -323,6 +323,16 @@ def test_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
     assert original[bias].dtype == torch.float32 and original["model.norm.weight"].dtype == torch.bfloat16
     import_hf(src, tmp_path / "ours", tp=2, pp=2, ep=2, quiet=True)
     open_checked(tmp_path / "ours")  # the layout table's dtypes: bf16 weights, the float32 bias
+    # the fresh optimizer: recorded; written, alone, only the masters that carry more than bf16 (the float32 router
+    # weights transformers keeps; the bias, a buffer, has none)
+    from ckpt_tools import checkpoint as fmt
+    from ckpt_tools.ranks import Rank
+    written = set()
+    for rank in (Rank(t, p, e) for t in range(2) for p in range(2) for e in range(2)):
+        state = torch.load(tmp_path / "ours" / "checkpoint-0" / fmt.optimizer_file(rank), weights_only=True)["optimizer"]
+        assert all(set(s) == {"master"} for s in state.values())
+        written |= set(state)
+    assert written == {"decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.router.weight"}  # stage-local
     reshard(tmp_path / "ours", tmp_path / "re", tp=1, pp=1, quiet=True)
     merge(tmp_path / "re", tmp_path / "merged", quiet=True)
     merged = load_safetensors(tmp_path / "merged" / "model.safetensors")

@@ -106,7 +106,7 @@ def test_import_then_merge_gives_the_hf_tensors_back(arch, dtype, hf_dirs, tmp_p
 def test_masters_that_carry_more_than_the_weights_are_written(hf_dirs, tmp_path):
     """An fp32 HF model imported in bf16: the fresh optimizer stays recorded (no moments written), but its fp32
     masters, the HF values bf16 rounds, are written alone; merge --from-master-weights gives the HF tensors back bit
-    for bit, directly and after a reshard (which writes the optimizer whole, as before)."""
+    for bit, directly and after a reshard (which keeps it so); a recorded masters file that is missing is named."""
     from ckpt_tools.reshard import reshard
     src = hf_dirs["llama", "fp32"]
     import_hf(src, tmp_path / "bf16", tp=2, pp=1, dtype=torch.bfloat16, quiet=True)
@@ -114,6 +114,9 @@ def test_masters_that_carry_more_than_the_weights_are_written(hf_dirs, tmp_path)
     state = io.load_file(ckpt / fmt.optimizer_file(Rank(0, 0)))["optimizer"]
     assert meta(ckpt)["fresh_optimizer"] is True and state and all(set(s) == {"master"} for s in state.values())
     reshard(tmp_path / "bf16", tmp_path / "re", tp=1, pp=2, quiet=True)
+    re = tmp_path / "re" / "checkpoint-0"
+    state = io.load_file(re / fmt.optimizer_file(Rank(0, 1)))["optimizer"]
+    assert meta(re)["fresh_optimizer"] is True and state and all(set(s) == {"master"} for s in state.values())
     original = load_safetensors(src / "model.safetensors")
     for name in ("bf16", "re"):
         merge(tmp_path / name, tmp_path / f"m-{name}", from_master=True, quiet=True)
@@ -122,6 +125,11 @@ def test_masters_that_carry_more_than_the_weights_are_written(hf_dirs, tmp_path)
     merge(tmp_path / "bf16", tmp_path / "m-weights", quiet=True)  # the weights themselves are the rounded ones
     weights = load_safetensors(tmp_path / "m-weights" / "model.safetensors")
     assert all(torch.equal(weights[k], t.to(torch.bfloat16)) for k, t in original.items())
+    (ckpt / fmt.optimizer_file(Rank(1, 0))).unlink()
+    from ckpt_tools.errors import FormatError
+    from ckpt_tools.shards import open_checkpoint
+    with pytest.raises(FormatError, match="optimizer_tp_1_pp_0.bin: missing shard"):
+        open_checkpoint(ckpt).full("decoder.layers.0.mlp.linear_fc2.weight", "master")
 
 
 @pytest.mark.slow

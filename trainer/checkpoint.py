@@ -170,7 +170,13 @@ def load(ckpt_dir: Path, stage: GPTStage, opt: MasterAdamW) -> tuple[int, int]:
     else:  # the fresh optimizer meta.json records (its masters written where they carry more than the weights), or
         # none (`ckpt import --no-optimizer`): AdamW starts fresh from the weights
         written = _read(optim_path, meta, "optimizer")["optimizer"] if optim_path.is_file() else {}
-        masters = {k: s["master"] for k, s in written.items() if isinstance(s, dict) and torch.is_tensor(s.get("master"))}
+        masters = {k: s["master"] for k, s in written.items()
+                   if isinstance(s, dict) and torch.is_tensor(s.get("master"))}
+        wrong = [k for k, p in stage.named_parameters() if k in masters and tuple(masters[k].shape) != tuple(p.shape)]
+        if wrong:
+            raise FormatError(f"{optim_path}: the master of {wrong[0]} has shape {tuple(masters[wrong[0]].shape)}, the "
+                              f"parameter {tuple(dict(stage.named_parameters())[wrong[0]].shape)}: the optimizer shard "
+                              f"does not match meta.json; restore it from the source checkpoint")
         opt.load_by_key({k: {"master": masters[k].float() if k in masters else p.detach().float(), "exp_avg": None,
                              "exp_avg_sq": None, "step": torch.tensor(0.0)} for k, p in stage.named_parameters()})
     rng_path = ckpt_dir / fmt.rng_file(rank)

@@ -119,7 +119,8 @@ ROPE_FIELDS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_fre
 # YaRN's parameters (transformers' defaults where absent; DeepSeek-V3's config gives them all)
 YARN_DEFAULTS = {"factor": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                  "mscale": 1.0, "mscale_all_dim": 0.0}
-YARN_FIELDS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
+YARN_FIELDS = {"factor": "rope_scaling_factor",
+               "original_max_position_embeddings": "rope_original_max_position_embeddings",
                "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
                "mscale_all_dim": "rope_mscale_all_dim"}
 
@@ -158,10 +159,26 @@ class Rope:
             for theirs, ours in ROPE_FIELDS.items():
                 out[ours] = type(LLAMA3_DEFAULTS[theirs])(merged.get(theirs, LLAMA3_DEFAULTS[theirs]))
         if kind == "yarn":
-            out["rope_scaling"] = "yarn"
-            for theirs, ours in YARN_FIELDS.items():
-                value = merged.get(theirs)
-                out[ours] = type(YARN_DEFAULTS[theirs])(YARN_DEFAULTS[theirs] if value is None else value)
+            self._read_yarn(c, merged, out, refuse)
+
+    @staticmethod
+    def _read_yarn(c: dict, merged: dict, out: dict, refuse: Callable[[str], None]) -> None:
+        """YaRN as transformers reads it: the original context from rope_parameters, else the top level, else
+        max_position_embeddings; cos / sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) only
+        where both are given (else mscale(factor): megatron-core's ratio with mscale 1, mscale_all_dim 0)."""
+        if merged.get("factor") is None:
+            refuse("yarn without a factor")
+        out["rope_scaling"] = "yarn"
+        context = c.get("original_max_position_embeddings", c.get("max_position_embeddings"))
+        given = {"original_max_position_embeddings": merged.get("original_max_position_embeddings", context)}
+        for theirs, ours in YARN_FIELDS.items():
+            value = merged.get(theirs) if theirs not in given else given[theirs]
+            out[ours] = type(YARN_DEFAULTS[theirs])(YARN_DEFAULTS[theirs] if value is None else value)
+        if not out["rope_mscale_all_dim"]:
+            out["rope_mscale"], out["rope_mscale_all_dim"] = 1.0, 0.0
+        elif not out["rope_mscale"]:
+            refuse(f"yarn with mscale {merged.get('mscale')!r} and mscale_all_dim {out['rope_mscale_all_dim']} "
+                   f"(transformers then scales by mscale(factor) alone, megatron-core by their ratio)")
 
     def write(self, spec, out: dict) -> None:
         params = {"rope_type": spec.rope_scaling or "default", "rope_theta": float(spec.rotary_base)}
