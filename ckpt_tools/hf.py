@@ -18,6 +18,7 @@ the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -48,9 +49,43 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
         pattern = layout.pattern_of(key)
         if pattern not in rows:
             raise LayoutError(f"{key}: no HuggingFace name for it in the {spec.architecture} mapping")
-        i, e = layout.layer_index(key), layout.expert_index(key)
-        out.append((key, rows[pattern], [h.format(i=i, e=e) for h in rows[pattern].hf]))
+        out.append((key, rows[pattern], [h.format(i=hf_layer(key, spec), e=layout.expert_index(key))
+                                          for h in rows[pattern].hf]))
     return out
+
+
+def hf_layer(key: str, spec: ModelSpec) -> int | None:
+    """The HF layer number of a megatron-core key: its decoder layer's, or for multi-token prediction depth m the
+    layer after the decoder's m-th (DeepSeek-V3's `model.layers.61.` in a 61-layer model)."""
+    m = layout.mtp_index(key)
+    return layout.layer_index(key) if m is None else spec.num_layers + m
+
+
+def hf_copies(spec: ModelSpec) -> list[tuple[str, Name, str]]:
+    """(megatron-core key, row, HF name) of each copy an HF model holds of a tensor it also holds under its own
+    name: DeepSeek-V3's multi-token prediction layers each carry the embedding and the output head
+    (`model.layers.<n>.embed_tokens.weight`, `...shared_head.head.weight`), which megatron-core shares with the
+    model's own."""
+    family = families.get(spec.architecture)
+    rows = {n.key: n for n in family.names}
+    return [(key, rows[key], name.format(i=spec.num_layers + m))
+            for m in range(spec.mtp_num_layers or 0) for key, name in family.mtp_copies]
+
+
+def check_copies(source, spec: ModelSpec, hf_dir: Path) -> set[str]:
+    """The copies (hf_copies) an HF model's weights (`source`, an HFTensors) hold, each checked equal to the tensor it
+    copies: megatron-core keeps one, so a copy that differs would be lost (refused, naming both)."""
+    import torch
+    held = set()
+    for key, row, name in hf_copies(spec):
+        if name not in source.where:
+            continue
+        own = row.hf[0]
+        if source.shape(name) != source.shape(own) or not torch.equal(source.get(name), source.get(own)):
+            raise FormatError(f"{hf_dir}: {name} differs from {own}, which it copies (megatron-core's multi-token "
+                              f"prediction layers share the model's {key}): make them equal or drop the copy")
+        held.add(name)
+    return held
 
 
 TRANSPOSED = (CONV1D, C_ATTN)  # HF GPT-2's Conv1D stores a weight [in, out]: these kinds' 2-D tensors are transposed
@@ -144,6 +179,21 @@ def _refuse(path: Path, what: str) -> None:
                       f"(see docs/families.md)")
 
 
+def spec_of_model(hf_dir: Path, names) -> ModelSpec:
+    """ModelSpec of an HF model dir whose weights hold the tensors `names`: its config.json's, with the multi-token
+    prediction layers its weights hold (transformers writes num_nextn_predict_layers 1 and builds none: a model it
+    saved holds none and is imported without)."""
+    spec = spec_from_hf(Path(hf_dir) / "config.json")
+    if not families.get(spec.architecture).mtp_layers:
+        return spec
+    beyond = sorted(n for n in names if (i := layer_number(n)) is not None and i >= spec.num_layers)
+    if beyond and spec.mtp_num_layers is None:
+        raise FormatError(f"{hf_dir}: {beyond[0]} ({len(beyond)} tensors of layers numbered from {spec.num_layers}) "
+                          f"but config.json's num_nextn_predict_layers is 0: set it to the number of multi-token "
+                          f"prediction layers the weights hold")
+    return spec if beyond or spec.mtp_num_layers is None else dataclasses.replace(spec, mtp_num_layers=None)
+
+
 def spec_from_hf(config_path: Path) -> ModelSpec:
     """ModelSpec of an HF config.json of a known family; anything the family cannot express is refused."""
     try:
@@ -225,9 +275,11 @@ FP8 = "float8_e4m3fn"
 
 def fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
     """Whether an HF tensor is one DeepSeek-V3's FP8 checkpoints hold in FP8 blocks: the decoder layers' linear
-    weights (attention projections, MLPs, experts, shared experts), not norms, the router, embeddings or the head."""
+    weights (attention projections, MLPs, experts, shared experts), not norms, the router, embeddings or the head (nor
+    a multi-token prediction layer's eh_proj or its copies of the embedding and head)."""
     return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2 and "norm" not in name
-            and not name.endswith(".mlp.gate.weight"))
+            and not name.endswith((".mlp.gate.weight", ".eh_proj.weight", ".embed_tokens.weight",
+                                   ".shared_head.head.weight")))
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:

@@ -39,23 +39,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
     leftover = output.note_leftovers(out)  # before this run stages its own
     tail = f"\n{leftover}" if leftover else ""
-    spec = hf.spec_from_hf(hf_dir / "config.json")
+    source = HFTensors(hf_dir)
+    spec = hf.spec_of_model(hf_dir, source.where)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
     layout.check_ep(spec, ep)
-    source = HFTensors(hf_dir)
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}
     extra = sorted(set(source.where) - wanted)
     if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
         extra.remove("lm_head.weight")
     missing = sorted(wanted - set(source.where))
-    beyond = [n for n in extra if (i := hf.layer_number(n)) is not None and i >= spec.num_layers] \
-        if families.get(spec.architecture).mtp_layers else []
-    if beyond:  # DeepSeek-V3's and GLM-4.5's multi-token prediction layers follow the decoder layers
-        raise FormatError(f"{hf_dir}: {beyond[0]} ({len(beyond)} tensors of layers numbered from {spec.num_layers}, "
-                          f"beyond num_hidden_layers {spec.num_layers}): multi-token prediction layers, which this "
-                          f"version does not convert and would not drop: remove them from the weights to convert the "
-                          f"model without them")
+    copies = hf.check_copies(source, spec, hf_dir)  # MTP layers' copies of the embedding and head
+    extra = [n for n in extra if n not in copies]
     if missing or extra:
         what = "; ".join(x for x in (f"missing {', '.join(missing[:4])}" if missing else "",
                                      f"unexpected {', '.join(extra[:4])}" if extra else "") if x)

@@ -34,7 +34,7 @@ REPLICATED, COLUMN, ROW, QKV, GATED, VOCAB, EXTRA = (
     "replicated", "column", "row", "qkv", "gated", "vocab", "extra_state")
 SPLIT_DIM = {COLUMN: 0, ROW: 1, QKV: 0, GATED: 0, VOCAB: 0}
 
-FIRST, LAYER, LAST = "first", "layer", "last"
+FIRST, LAYER, LAST, MTP_STAGE = "first", "layer", "last", "mtp"  # MTP_STAGE: the last stage's MTP layers
 
 Shape = Callable[[ModelSpec, int], tuple[int, ...]]  # (spec, padded_vocab) -> full shape
 When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
@@ -42,7 +42,7 @@ When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
 
 # Blocks: the parts a layer is made of (ModelSpec.pattern says which each layer has). A row of no block is in
 # every layer (its norms).
-ATTENTION, MLA, DENSE, MOE, SHARED = "attention", "mla", "dense", "moe", "shared"
+ATTENTION, MLA, DENSE, MOE, SHARED, MTP = "attention", "mla", "dense", "moe", "shared", "mtp"
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,14 @@ def layer_blocks(spec: ModelSpec, i: int) -> frozenset[str]:
 def model_blocks(spec: ModelSpec) -> frozenset[str]:
     """The blocks any layer of the model holds."""
     kinds = set(spec.pattern[1::2])  # the MLPs' symbols: one layer of each kind stands for all
-    return frozenset().union(*(layer_blocks(spec, spec.pattern.index(k, 1) // 2) for k in kinds))
+    mtp = frozenset((MTP,)) if spec.mtp_num_layers is not None else frozenset()
+    return mtp.union(*(layer_blocks(spec, spec.pattern.index(k, 1) // 2) for k in kinds))
+
+
+def mtp_blocks(spec: ModelSpec) -> frozenset[str]:
+    """The blocks of each multi-token prediction layer's transformer layer: the last decoder layer's (megatron-core
+    builds it from the decoder's last layer spec; DeepSeek-V3's HF layer after the decoder is an MoE layer too)."""
+    return layer_blocks(spec, spec.num_layers - 1)
 
 
 def _present(rule: Rule, spec: ModelSpec, pp: int, blocks: Container[str]) -> bool:
@@ -147,6 +154,8 @@ _L = "decoder.layers.{i}."
 _A = _L + "self_attention."
 _E = _L + "mlp.experts.local_experts.{e}."  # megatron-core's SequentialMLP; `{e}` the expert (local in a file)
 _S = _L + "mlp.shared_experts."
+_M = "mtp.layers.{m}."  # `{m}` the multi-token prediction depth (0 first)
+_MT = _M + "transformer_layer."
 TABLE: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", VOCAB, FIRST, lambda s, v: (v, s.hidden_size), _always),
     Rule("embedding.position_embeddings.weight", REPLICATED, FIRST,
@@ -232,14 +241,43 @@ TABLE: tuple[Rule, ...] = (
     Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, SHARED),
     Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
     Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
+    # multi-token prediction layers (megatron-core's MultiTokenPredictionBlock, on the last stage; DeepSeek-V3's MTP):
+    # the shifted tokens' embedding and the previous depth's hidden states, each normed, concatenated [embedding;
+    # hidden] and projected back to hidden size (a column layer), a transformer layer like the decoder's last (its
+    # rows: MTP_LAYER_ROWS, below), a final norm; the embedding and output layer are the model's own
+    Rule(_M + "enorm.weight", REPLICATED, MTP_STAGE, _h, _always, MTP),
+    Rule(_M + "enorm.bias", REPLICATED, MTP_STAGE, _h, _layernorm, MTP),
+    Rule(_M + "hnorm.weight", REPLICATED, MTP_STAGE, _h, _always, MTP),
+    Rule(_M + "hnorm.bias", REPLICATED, MTP_STAGE, _h, _layernorm, MTP),
+    Rule(_M + "eh_proj.weight", COLUMN, MTP_STAGE, lambda s, v: (s.hidden_size, 2 * s.hidden_size), _always, MTP),
+    Rule(_M + "eh_proj._extra_state", EXTRA, MTP_STAGE, None, _always, MTP),
+    Rule(_M + "final_layernorm.weight", REPLICATED, MTP_STAGE, _h, _always, MTP),
+    Rule(_M + "final_layernorm.bias", REPLICATED, MTP_STAGE, _h, _layernorm, MTP),
     # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
     Rule("output_layer.weight", VOCAB, LAST, lambda s, v: (v, s.hidden_size),
          lambda s, pp: not s.tie_word_embeddings or pp > 1),
     Rule("output_layer._extra_state", EXTRA, LAST, None, _always),
 )
 
+
+def _in_mtp(rule: Rule) -> Rule:
+    """A decoder layer's row as the multi-token prediction layer's transformer layer holds it."""
+    return Rule(_MT + rule.name[len(_L):], rule.split, MTP_STAGE, rule.shape,
+                lambda s, pp, when=rule.when: s.mtp_num_layers is not None and when(s, pp), rule.block, rule.buffer,
+                rule.dtype)
+
+
+def _mtp(s: ModelSpec, pp: int) -> bool:
+    return s.mtp_num_layers is not None
+
+
+TABLE = tuple(Rule(r.name, r.split, r.stage, r.shape, lambda s, pp, w=r.when: _mtp(s, pp) and w(s, pp), r.block,
+                   r.buffer, r.dtype) if r.stage == MTP_STAGE else r for r in TABLE)
+MTP_LAYER_ROWS = tuple(_in_mtp(r) for r in TABLE if r.stage == LAYER)
+TABLE += MTP_LAYER_ROWS
 _BUFFERS = frozenset(r.name for r in TABLE if r.buffer)
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -261,9 +299,18 @@ def expert_index(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def mtp_index(key: str) -> int | None:
+    """The multi-token prediction depth of an MTP layer's key (`mtp.layers.<m>.`), else None."""
+    m = _MTP_KEY.match(key)
+    return int(m.group(1)) if m else None
+
+
 def pattern_of(key: str) -> str:
     m = _LAYER_KEY.match(key)
-    return _EXPERT.sub(".local_experts.{e}.", _L + m.group(2)) if m else key
+    if m:
+        return _EXPERT.sub(".local_experts.{e}.", _L + m.group(2))
+    m = _MTP_KEY.match(key)
+    return _EXPERT.sub(".local_experts.{e}.", _M + m.group(2)) if m else key
 
 
 def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
@@ -394,18 +441,44 @@ def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: in
     rules = rules_for(spec, pp_size)
     if pp_rank == 0:
         out += [(r.name, r.name) for r in rules if r.stage == FIRST]
-    layer = [r for r in rules if r.stage == LAYER and not r.expert and r.block != SHARED]
+    layer = [r for r in rules if r.stage == LAYER and not r.expert and r.block != SHARED]  # the attention's, MLP's
     expert = [r for r in rules if r.stage == LAYER and r.expert]  # the MLP's rows, expert by expert
     shared = [r for r in rules if r.stage == LAYER and r.block == SHARED]  # then a shared expert's
     for i in range(counts[pp_rank]):
         g = offset + i
-        blocks = layer_blocks(spec, g)
-        out += [(r.name.format(i=i), r.name.format(i=g)) for r in layer if r.block is None or r.block in blocks]
-        if MOE in blocks:
-            out += [(r.name.format(i=i, e=j), r.name.format(i=g, e=e)) for j, e in experts for r in expert]
-            out += [(r.name.format(i=i), r.name.format(i=g)) for r in shared]
+        out += _layer_keys(layer, expert, shared, layer_blocks(spec, g), experts, dict(i=i), dict(i=g))
     if pp_rank == pp_size - 1:
-        out += [(r.name, r.name) for r in rules if r.stage == LAST]
+        last = [r for r in rules if r.stage == LAST]
+        out += [(r.name, r.name) for r in last if r.name.startswith("decoder.")]
+        out += _mtp_keys(spec, rules, experts)
+        out += [(r.name, r.name) for r in last if not r.name.startswith("decoder.")]
+    return out
+
+
+def _layer_keys(layer: list[Rule], expert: list[Rule], shared: list[Rule], blocks: Container[str],
+                experts: list[tuple[int, int]], local: dict, glob: dict) -> list[tuple[str, str]]:
+    """One layer's (local, global) keys: its rows of its blocks, then an MoE layer's experts and shared expert."""
+    out = [(r.name.format(**local), r.name.format(**glob)) for r in layer if r.block is None or r.block in blocks]
+    if MOE in blocks:
+        out += [(r.name.format(**local, e=j), r.name.format(**glob, e=e)) for j, e in experts for r in expert]
+        out += [(r.name.format(**local), r.name.format(**glob)) for r in shared]
+    return out
+
+
+def _mtp_keys(spec: ModelSpec, rules: list[Rule], experts: list[tuple[int, int]]) -> list[tuple[str, str]]:
+    """The multi-token prediction layers' keys (the same locally and globally), in megatron-core's order: enorm,
+    hnorm, eh_proj, the transformer layer, final_layernorm."""
+    mtp = [r for r in rules if r.stage == MTP_STAGE]
+    top = [r for r in mtp if not r.name.startswith(_MT)]
+    inner = [r for r in mtp if r.name.startswith(_MT)]
+    layer = [r for r in inner if not r.expert and r.block != SHARED]
+    expert = [r for r in inner if r.expert]
+    shared = [r for r in inner if r.block == SHARED]
+    out: list[tuple[str, str]] = []
+    for m in range(spec.mtp_num_layers or 0):
+        out += [(r.name.format(m=m),) * 2 for r in top if ".final_layernorm." not in r.name]
+        out += _layer_keys(layer, expert, shared, mtp_blocks(spec), experts, dict(m=m), dict(m=m))
+        out += [(r.name.format(m=m),) * 2 for r in top if ".final_layernorm." in r.name]
     return out
 
 

@@ -135,7 +135,8 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
-        vocab_size=spec.vocab_size, multi_latent_attention=bool(spec.multi_latent_attention), mtp_num_layers=None,
+        vocab_size=spec.vocab_size, multi_latent_attention=bool(spec.multi_latent_attention),
+        mtp_num_layers=spec.mtp_num_layers,
         **{k: getattr(spec, k) for k in MLA_FIELDS}, **moe_args(spec, ep),
         # multi-latent attention's rotary embedding: plain RoPE or YaRN (megatron-core's MLA defaults to YaRN)
         rope_type=("yarn" if spec.rope_scaling == "yarn" else "rope") if spec.multi_latent_attention else None,
@@ -162,7 +163,7 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
 # ---------------------------------------------------------------- reading: a checkpoint's args -> ModelSpec
 # Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
 _REFUSED = {
-    "pipeline_model_parallel_layout": "a custom pipeline layout", "mtp_num_layers": "multi-token prediction layers",
+    "pipeline_model_parallel_layout": "a custom pipeline layout",
     "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
     "rotary_interleaved": "interleaved rotary embeddings",
@@ -298,6 +299,10 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
     found["rope_scaling"] = mla.pop("rope_scaling", found["rope_scaling"])
     if moe or mla:
         moe["layer_pattern"] = _moe_pattern(args, pattern, bool(mla), bool(moe))
+    mtp = arg(args, "mtp_num_layers", 0)
+    if mtp and pattern is not None:
+        raise ConfigError(f"mtp_num_layers={mtp} in a HybridModel (its multi-token prediction layers follow its own "
+                          f"pattern): not read by this version; convert a GPTModel checkpoint")
     return ModelSpec(
         architecture=family.name, num_layers=pattern.num_layers if pattern is not None else args.num_layers,
         hidden_size=args.hidden_size, num_attention_heads=heads,
@@ -306,7 +311,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         kv_channels=arg(args, "kv_channels"), max_position_embeddings=arg(args, "max_position_embeddings", 2048),
         norm_epsilon=float(eps if eps is not None else arg(args, "layernorm_epsilon", 1e-5)),
         rotary_base=float(arg(args, "rotary_base", 10000)), rotary_percent=float(arg(args, "rotary_percent", 1.0)),
-        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla)
+        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla,
+        mtp_num_layers=mtp or None)
 
 
 def _moe_pattern(args, pattern: hybrid.Pattern | None, mla: bool, moe: bool) -> str:

@@ -48,6 +48,7 @@ def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
     """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
     if fmt in (HF, HF_BIN, TORCH):
         rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
+        rows += [(key, row.kind, [name]) for key, row, name in hf.hf_copies(spec)]  # MTP layers' copies
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
         rows = [(key, hf.VOCAB if layout.has_padded_rows(key, spec, 1) else hf.SAME, [key])
                 for _, key in layout.stage_keys(spec, [spec.num_layers], 0)

@@ -94,6 +94,9 @@ class ModelSpec:
     qk_head_dim: int | None = None
     qk_pos_emb_head_dim: int | None = None
     v_head_dim: int | None = None
+    # Multi-token prediction (DeepSeek-V3; megatron-core's mtp_num_layers, transformers' num_nextn_predict_layers):
+    # that many MTP layers after the decoder, each predicting one token further. None: none.
+    mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -179,6 +182,13 @@ class ModelSpec:
                               f"{self.moe_router_num_groups}: every group holds as many experts")
         if self.layer_pattern is not None:
             self._check_pattern(family)
+        if self.mtp_num_layers is not None and not family.mtp_layers:
+            raise ConfigError(f"mtp_num_layers {self.mtp_num_layers} given, but {self.architecture} has no multi-token "
+                              f"prediction layers (the families with them: " + ", ".join(
+                                  f.name for f in _families().all_families() if f.mtp_layers) + ")")
+        if self.mtp_num_layers is not None and self.tie_word_embeddings:
+            raise ConfigError("multi-token prediction layers with tied embeddings are not converted (DeepSeek-V3's and "
+                              "GLM-4.5's are untied): set tie_word_embeddings false")
 
     def _check_pattern(self, family) -> None:
         text, n = self.layer_pattern, self.num_layers

@@ -24,6 +24,7 @@ the ways Megatron-LM's `save_checkpoint` does:
                      OUT/torch_dist, saved again: the experts as its weight1/weight2 tensors in the legacy form
     OUT/grouped_torch_te/  the legacy form with TEGroupedMLP's names (Transformer Engine's GroupedLinear: weight{e})
     OUT/tokens.pt, OUT/logits.pt   tokens [b, s] and megatron-core's logits [b, s, padded vocab] (fp32)
+    OUT/mtp_logits.pt  with multi-token prediction layers: each depth's logits [depths, b, s, padded vocab]
 
 CPU shims (the model's math is untouched): `Tensor.cuda` is the identity, `torch.cuda.current_device` is
 "cpu", `torch.cuda.synchronize` does nothing, the CUDA RNG tracker's fork is a no-op (no dropout), and the
@@ -75,9 +76,11 @@ def _stable(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _forward(model, tokens, torch):
+def _forward(model, tokens, torch, mtp: list | None = None):
     """megatron-core's own forward through the pipeline (gloo send/recv); the last stage returns the
-    logits gathered over TP [b, s, padded vocab], other stages None."""
+    logits gathered over TP [b, s, padded vocab], other stages None. A model with multi-token prediction layers runs
+    them (megatron-core does with labels) and appends each depth's logits [b, s, padded vocab] to `mtp`: its output
+    layer's outputs, the MTP depths' first, the model's own last."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     b, s = tokens.shape
@@ -87,14 +90,37 @@ def _forward(model, tokens, torch):
         x = torch.empty(s, b, model.config.hidden_size)
         dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(x)
+    depths = model.config.mtp_num_layers or 0
+    outputs = []
+    # a copy: megatron-core's cross entropy turns the logits into probabilities in place
+    hook = model.output_layer.register_forward_hook(lambda m, i, o: outputs.append(o[0].transpose(0, 1).clone())) \
+        if depths and ps.is_pipeline_last_stage() else None
     with torch.no_grad():
-        out = model(tokens, positions, mask)
+        out = model(tokens, positions, mask, labels=tokens if depths else None)
     if not ps.is_pipeline_last_stage():
         dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
         return None
+    if hook is not None:
+        hook.remove()
+        *depth_logits, out = outputs
+        if mtp is not None:
+            mtp.extend(_gather_vocab(t, torch) for t in depth_logits)
+    return _gather_vocab(out, torch)
+
+
+def _gather_vocab(out, torch):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1).float()
+
+
+def sharding_metadata() -> dict:
+    """What Megatron-LM's save_checkpoint passes to `sharded_state_dict(metadata=...)` that the model reads: the
+    data-parallel group (a multi-token prediction stage's embedding copy is a replica over it)."""
+    from megatron.core import parallel_state as ps
+    return {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
 
 
 def _args(spec, tp: int, pp: int, padded: int, iteration: int, dtype: str) -> argparse.Namespace:
@@ -167,10 +193,13 @@ def main(config_path: str, out: str) -> None:
     first_dp = ps.get_data_parallel_rank() == 0
     if cfg.get("forward", True):
         tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
-        logits = _forward(model, tokens, torch)
+        mtp: list = []
+        logits = _forward(model, tokens, torch, mtp)
         if logits is not None and tp_rank == 0 and first_dp:
             torch.save(tokens, out_dir / "tokens.pt")
             torch.save(logits, out_dir / "logits.pt")
+            if mtp:
+                torch.save(torch.stack(mtp), out_dir / "mtp_logits.pt")
     dtype = cfg.get("dtype", "float32")
     model.to(getattr(torch, dtype))
 
@@ -189,7 +218,7 @@ def main(config_path: str, out: str) -> None:
         rng_object = ShardedObject("rng_state", rng, (pp, tp), (pp_rank, tp_rank),
                                    replica_id=ps.get_data_parallel_rank())
         state = {"args": args, "iteration": iteration, "checkpoint_version": 3.0,
-                 "model": model.sharded_state_dict(), "rng_state": rng_object}
+                 "model": model.sharded_state_dict(metadata=sharding_metadata()), "rng_state": rng_object}
         dist_dir = out_dir / f"{prefix}torch_dist" / name
         if dist.get_rank() == 0:
             dist_dir.mkdir(parents=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 def main(config_path: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
-    from mcore_checkpoints import _forward, _shim_cuda
+    from mcore_checkpoints import _forward, _shim_cuda, sharding_metadata
     _shim_cuda(torch)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -62,7 +62,7 @@ def main(config_path: str) -> None:
     iter_dir = load / (tracker if tracker == "release" else f"iter_{int(tracker):07d}")
     if form == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(str(iter_dir))
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
+        state = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=sharding_metadata())}, str(iter_dir))
         model.load_state_dict(state["model"], strict=True)
     else:
         # Megatron-LM's get_checkpoint_name: _PPP with pipeline parallelism, _EEE with expert parallelism
@@ -71,10 +71,11 @@ def main(config_path: str) -> None:
             name += f"_{ps.get_expert_model_parallel_rank():03d}"
         common = torch.load(iter_dir / name / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(common["model"], strict=True)
-    logits = _forward(model.eval(), torch.load(cfg["tokens"]), torch)
+    mtp: list = []
+    logits = _forward(model.eval(), torch.load(cfg["tokens"]), torch, mtp)
     if logits is not None and tp_rank == 0 and ps.get_data_parallel_rank() == 0:
         args = common["args"]
-        torch.save({"logits": logits, "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        torch.save({"logits": logits, "mtp_logits": torch.stack(mtp) if mtp else None, "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
                     "iteration": common["iteration"]}, cfg["out"])
     dist.barrier()
     dist.destroy_process_group()

@@ -69,7 +69,7 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
             "moe_shared_expert_intermediate_size": s.moe_shared_expert_intermediate_size,
             "moe_shared_expert_gate": bool(s.moe_shared_expert_gate),
             "expert_tensor_parallel_size": int(model.get("etp") or tp)} if s.is_moe else {}),
-        **mla,
+        **mla, **({"mtp_num_layers": s.mtp_num_layers} if s.mtp_num_layers else {}),
     )
     tied = s.tie_word_embeddings
     if s.position_embedding_type == "rope":
@@ -83,6 +83,10 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     else:
         spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=s.qk_layernorm,
                                         num_experts=s.num_moe_experts, moe_grouped_gemm=grouped)
+    mtp = {}
+    if s.mtp_num_layers:  # DeepSeek-V3's multi-token prediction layers (on the last stage), as Megatron-LM builds them
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     if grouped:
         from megatron.core.transformer.moe import grouped_gemm_util
         grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
@@ -94,7 +98,7 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=tied,
-        **pos_kw,
+        **pos_kw, **mtp,
     )
 
 

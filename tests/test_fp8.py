@@ -194,9 +194,15 @@ def test_fp8_problems_are_refused_in_one_line(tmp_path):
     mtp = dict(tensors, **{"model.layers.4.eh_proj.weight": torch.zeros(64, 128)})
     (tmp_path / "mtp").mkdir()
     save_file(mtp, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "mtp" / "config.json").write_text((src / "config.json").read_text())
-    with pytest.raises(FormatError, match="multi-token prediction layers, which this version does not convert"):
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "mtp" / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
+    with pytest.raises(FormatError, match="model.layers.4.eh_proj.weight .1 tensors of layers numbered from 4. but "
+                                          "config.json's num_nextn_predict_layers is 0"):
         import_hf(tmp_path / "mtp", tmp_path / "out", tp=1, pp=1, quiet=True)
+    (tmp_path / "mtp" / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    with pytest.raises(FormatError, match="missing model.layers.4.embed_tokens|missing model.layers.4.enorm"):
+        import_hf(tmp_path / "mtp", tmp_path / "out", tp=1, pp=1, quiet=True)
+    assert not (tmp_path / "out").exists()
     hf_model("llama3_tied").save_pretrained(tmp_path / "llama")
     import_hf(tmp_path / "llama", tmp_path / "ours", tp=1, pp=1, quiet=True)
     with pytest.raises(ConfigError, match="--fp8-blocks: llama's HF weights have no block-scaled FP8 form"):

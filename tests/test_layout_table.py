@@ -4,6 +4,7 @@ and shard_shape against split. Expected values are written by hand (see test_lay
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -205,7 +206,8 @@ def test_table_coverage() -> None:
                 want = list(range(dense, spec.num_layers))
             assert idx == want, f"{name}: {s} global layers {idx}, expected {want}"
         assert all(c == 1 for c in global_layers.values()), f"{name}: a global layer key repeats"
-    unused = [(r.name, r.split) for r in layout.TABLE if id(r) not in used]
+    # the multi-token prediction layers' rows are the decoder's (test_mtp_layers_are_the_last_decoder_layers)
+    unused = [(r.name, r.split) for r in layout.TABLE if id(r) not in used and r.stage != layout.MTP_STAGE]
     assert unused == UNREACHABLE, f"rules never used by any spec: {unused} (known unreachable: {UNREACHABLE})"
 
 
@@ -227,7 +229,48 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
             for spec in specs:
                 for pp in (1, 2):
                     reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
-    assert [(r.name, r.split) for r in layout.TABLE if (r.name, r.split) not in reachable] == UNREACHABLE
+    assert [(r.name, r.split) for r in layout.TABLE
+            if (r.name, r.split) not in reachable and r.stage != layout.MTP_STAGE] == UNREACHABLE
+
+
+@pytest.mark.parametrize("spec", [deepseek(mtp_num_layers=2), deepseek(q_lora_rank=None, mtp_num_layers=1),
+                                  llama(architecture="glm4_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48,
+                                        add_qkv_bias=True, qk_layernorm=True, mtp_num_layers=1)],
+                         ids=["deepseek_v3", "deepseek_v3_plain_q", "glm4_moe"])
+@pytest.mark.parametrize("pp,ep", [(1, 1), (2, 2)])
+def test_mtp_layers_are_the_last_decoder_layers(spec: ModelSpec, pp: int, ep: int) -> None:
+    """Each multi-token prediction layer (on the last stage, between the final norm and the output layer, in
+    megatron-core's order: enorm, hnorm, eh_proj, the transformer layer, final_layernorm) holds the rows of the decoder's
+    last layer under `transformer_layer.`, split as they are, and the model's keys without it are the same model's
+    without MTP."""
+    counts = layout.layers_per_stage(spec.num_layers, pp)
+    plain = dataclasses.replace(spec, mtp_num_layers=None)
+    for e in range(ep):
+        last = [g for _, g in layout.stage_keys(spec, counts, pp - 1, e if ep > 1 else None, ep)]
+        assert [g for g in last if not g.startswith("mtp.")] == \
+            [g for _, g in layout.stage_keys(plain, counts, pp - 1, e if ep > 1 else None, ep)]
+        assert all(not g.startswith("mtp.") for s in range(pp - 1)
+                   for _, g in layout.stage_keys(spec, counts, s, e if ep > 1 else None, ep))
+        mtp = [g for g in last if g.startswith("mtp.")]
+        assert last[last.index("decoder.final_layernorm.weight") + 1] == mtp[0] == "mtp.layers.0.enorm.weight"
+        assert last[last.index(mtp[-1]) + 1] == "output_layer.weight"
+        prefix = f"decoder.layers.{spec.num_layers - 1}."
+        decoder = [g[len(prefix):] for g in last if g.startswith(prefix)]
+        for m in range(spec.mtp_num_layers):
+            depth = [g[len(f"mtp.layers.{m}."):] for g in mtp if g.startswith(f"mtp.layers.{m}.")]
+            assert depth[:4] == ["enorm.weight", "hnorm.weight", "eh_proj.weight", "eh_proj._extra_state"]
+            assert depth[-1] == "final_layernorm.weight"
+            assert [k.removeprefix("transformer_layer.") for k in depth[4:-1]] == decoder
+            for k in decoder:
+                row, twin = layout.find_rule(prefix + k, spec, pp), layout.find_rule(f"mtp.layers.{m}.transformer_layer.{k}",
+                                                                                     spec, pp)
+                assert (twin.split, twin.block, twin.buffer, twin.dtype) == (row.split, row.block, row.buffer, row.dtype)
+                assert layout.full_shape(f"mtp.layers.{m}.transformer_layer.{k}", spec, 1024, pp) == \
+                    layout.full_shape(prefix + k, spec, 1024, pp)
+    assert layout.find_rule("mtp.layers.0.eh_proj.weight", spec).split == layout.COLUMN
+    assert layout.full_shape("mtp.layers.0.eh_proj.weight", spec, 1024) == (spec.hidden_size, 2 * spec.hidden_size)
+    with pytest.raises(LayoutError, match="not expected"):
+        layout.find_rule("mtp.layers.0.enorm.weight", plain)
 
 
 def _gated_with_bias(**kw) -> ModelSpec:

@@ -37,6 +37,8 @@ class TrainConfig:
     gradient_clipping: float = 1.0
     sequence_parallelism: bool = False
     moe_aux_loss_coeff: float = 0.0  # MoE models: megatron-core's load-balancing loss weight (its default 0)
+    mtp_loss_scale: float = 0.1  # multi-token prediction layers: their loss's weight (megatron-core's
+    # mtp_loss_scaling_factor, its default)
     moe_layer: str = "ours"  # MoE models' MLPs: trainer/moe.py's ("ours") or megatron-core's MoELayer ("megatron_core")
     recompute_activations: bool = False  # Megatron-LM's meaning: selective recompute
     recompute_granularity: str | None = None  # "selective" | "full"; None: selective if recompute_activations
@@ -96,6 +98,10 @@ class TrainConfig:
         if self.sequence_parallelism and self._multi_latent_attention():
             raise ConfigError("sequence_parallelism with multi-latent attention is not supported by this trainer: set "
                               "it to false")
+        if self.model.get("mtp_num_layers") and (self.pp_degree > 1 or self.sequence_parallelism):
+            raise ConfigError("multi-token prediction layers train here at pp_degree 1 without sequence_parallelism "
+                              "(their embedding lives on the first stage): set pp_degree 1 and sequence_parallelism "
+                              "false")
         if self.sequence_parallelism and moe and self.moe_layer == "ours":
             raise ConfigError("sequence_parallelism with the trainer's own MoE layer is not supported: set it to false, "
                               "or set moe_layer: megatron_core")

@@ -1,6 +1,7 @@
 """Forward passes of a checkpoint at any TP x PP layout: the trainer's own model, no training.
 
     torchrun --nproc-per-node TP*PP -m trainer.forward CKPT --tokens T.pt --out LOGITS.pt [--tp N --pp M]
+                                                            [--mtp-out MTP.pt]
 
 Weights come straight from the shard files when the layout is the checkpoint's own, otherwise
 every tensor is joined from the source shards and re-split for this layout by the layout table
@@ -61,10 +62,15 @@ def pipeline_logits(stage: GPTStage, tokens: torch.Tensor) -> torch.Tensor | Non
     if not stage.post_process:
         dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
         return None
+    return gathered_logits(stage, out)
+
+
+def gathered_logits(stage: GPTStage, out: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits [s, b, V/TP] -> [b, s, true vocab] fp32 (every TP rank)."""
     parts = [torch.empty_like(out) for _ in range(stage.tp_size)]
     dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
     full = torch.cat(parts, dim=-1)
-    return full.transpose(0, 1)[..., : spec.vocab_size].float().contiguous()
+    return full.transpose(0, 1)[..., : stage.spec.vocab_size].float().contiguous()
 
 
 def capture_hidden(stage: GPTStage) -> dict[str, torch.Tensor]:
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--hidden", action="store_true",
                    help="also save per-layer hidden states [batch, seq, hidden] to OUT.hidden<pp_rank>.pt")
+    p.add_argument("--mtp-out", default=None,
+                   help="a model with multi-token prediction layers: save their logits [depths, batch, seq, vocab]")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     try:
@@ -130,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         logits = pipeline_logits(stage, tokens)
         if hidden is not None and ps.get_tensor_model_parallel_rank() == 0:
             torch.save(hidden, f"{args.out}.hidden{ps.get_pipeline_model_parallel_rank()}.pt")
+        mtp = [gathered_logits(stage, t) for t in stage.mtp_logits]
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
             torch.save(logits.cpu(), args.out)
+            if args.mtp_out and mtp:
+                torch.save(torch.stack(mtp).cpu(), args.mtp_out)
         dist.barrier()
         dist.destroy_process_group()
     except CkptError as e:

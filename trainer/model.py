@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_tools import layout, shard_ops
+from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
 from trainer import mcore_moe
 from trainer.moe import MoE
@@ -357,6 +358,13 @@ class GPTStage(nn.Module):
         # called with each module before its forward: the distributed optimizer waits there for the new weights'
         # all-gathers it left running (trainer/optim.py)
         self.params_ready = ready
+        self.mtp_logits: list[torch.Tensor] = []  # the last forward's multi-token prediction logits, depth by depth
+        if self.post_process and spec.mtp_num_layers:  # megatron-core's MTP block, between decoder and output layer
+            if not self.pre_process:
+                raise ConfigError("multi-token prediction layers need the embedding on the last pipeline stage, which "
+                                  "this trainer keeps only at PP 1: train or run it at pp_degree 1")
+            from trainer.mtp import MTPBlock  # it builds on this module's layers
+            self.mtp = MTPBlock(spec, config, tp_size, ep, moe_layer)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 spec.hidden_size, padded_vocab, config=config, tp_group=_tp_group(), init_method=_no_init, bias=False,
@@ -366,9 +374,11 @@ class GPTStage(nn.Module):
         """The modules the forward runs, in its order; `params_ready` is called with each before it runs."""
         units = [self.embedding] if self.pre_process else []
         units += list(self.decoder.layers)
-        return units + ([self.decoder.final_layernorm, self.output_layer] if self.post_process else [])
+        return units + ([self.decoder.final_layernorm] + ([self.mtp] if self.spec.mtp_num_layers else []) +
+                        [self.output_layer] if self.post_process else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x
         if self.pre_process:
             self.params_ready(self.embedding)
             x = self.embedding(x)
@@ -389,6 +399,10 @@ class GPTStage(nn.Module):
         self.params_ready(self.output_layer)
         x = self.decoder.final_layernorm(x)
         weight = self.embedding.word_embeddings.weight if self.share_weight else None
+        if self.spec.mtp_num_layers:
+            self.params_ready(self.mtp)
+            self.mtp_logits = [self.output_layer(h, weight=weight)[0]
+                               for h in self.mtp(x, tokens, self.embedding, rope, mode == "selective")]
         logits, _ = self.output_layer(x, weight=weight)
         return logits
 

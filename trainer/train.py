@@ -30,6 +30,7 @@ from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
 from trainer.model import GPTStage, initialize, megatron_config
 from trainer.moe import AuxLoss, MoE
+from trainer.mtp import mtp_loss
 from trainer.optim import MasterAdamW, lr_at, make_optimizer
 
 
@@ -105,7 +106,9 @@ class Stepper:
             mcore_moe.set_aux_loss_scale(1.0 / n)
         for x, y in zip(inputs.chunk(n), labels.chunk(n)):
             loss = self.loss_fn(self.stage(x), y)
-            (loss / n).backward()
+            extra = mtp_loss(self.loss_fn, self.stage.mtp_logits, y, self.cfg.mtp_loss_scale) \
+                if self.stage.mtp_logits else 0.0  # reported apart from the model's own (megatron-core logs it so)
+            ((loss + extra) / n).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 

@@ -209,6 +209,8 @@ class Family:
     dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
     fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
     mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
+    # (megatron-core key, HF name with `{i}` the MTP layer's number) of each tensor an HF MTP layer holds a copy of
+    mtp_copies: tuple[tuple[str, str], ...] = ()
 
     def default(self, feature: str):
         return self.features[feature][0]
@@ -236,6 +238,22 @@ class Family:
         for f in self.config:
             f.read(c, out, refuse)
         return out
+
+
+_LAYER, _MTP = "decoder.layers.{i}.", "mtp.layers.{m}."
+
+
+def with_mtp(names: tuple[Name, ...], hf_layer: str, norms: tuple[str, str, str]) -> tuple[Name, ...]:
+    """A family's rows and its multi-token prediction layers' (megatron-core's `mtp.layers.<m>.`): the enorm, hnorm
+    and final norm (HF names `norms`, after `hf_layer`, a layer's HF prefix with `{i}`), eh_proj, and a transformer
+    layer whose rows are the decoder layer's; HF numbers an MTP layer after the decoder's (ckpt_tools.hf.hf_layer)."""
+    inner = tuple(Name(_MTP + "transformer_layer." + n.key[len(_LAYER):], n.kind, n.hf)
+                  for n in names if n.key.startswith(_LAYER))
+    enorm, hnorm, final = norms
+    return names + (Name(_MTP + "enorm.weight", SAME, (hf_layer + enorm,)),
+                    Name(_MTP + "hnorm.weight", SAME, (hf_layer + hnorm,)),
+                    Name(_MTP + "eh_proj.weight", SAME, (hf_layer + "eh_proj.weight",)),
+                    Name(_MTP + "final_layernorm.weight", SAME, (hf_layer + final,))) + inner
 
 
 def heads_dim(c: dict) -> int:

@@ -20,7 +20,8 @@ routing (megatron-core renormalises a sigmoid top-k of more than one), groups wh
 best two (megatron-core sums the best topk / topk_group), attention biases.
 """
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.families import GATED, OMIT, SAME, VOCAB, Const, Derived, Family, Field, Name, anything, llama
+from ckpt_tools.families import (GATED, OMIT, SAME, VOCAB, Const, Derived, Family, Field, Name, anything, llama,
+                                 with_mtp)
 from ckpt_tools.families.mixtral import TRAINING_ONLY
 
 _L, _H = "decoder.layers.{i}.", "model.layers.{i}."
@@ -33,7 +34,7 @@ def _mlp(key: str, hf: str) -> tuple[Name, ...]:
             Name(key + "linear_fc2.weight", SAME, (hf + "down_proj.weight",)))
 
 
-NAMES = (
+DECODER = (
     Name("embedding.word_embeddings.weight", VOCAB, ("model.embed_tokens.weight",)),
     Name(_L + "input_layernorm.weight", SAME, (_H + "input_layernorm.weight",)),
     Name(_A + "linear_proj.weight", SAME, (_HA + "o_proj.weight",)),
@@ -53,6 +54,12 @@ NAMES = (
     Name("decoder.final_layernorm.weight", SAME, ("model.norm.weight",)),
     Name("output_layer.weight", VOCAB, ("lm_head.weight",)),
 )
+# the multi-token prediction layers after the decoder's (DeepSeek-V3's published `model.layers.61.`): each also holds
+# a copy of the embedding and of the output head
+MTP_NORMS = ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+MTP_COPIES = (("embedding.word_embeddings.weight", _H + "embed_tokens.weight"),
+              ("output_layer.weight", _H + "shared_head.head.weight"))
+NAMES = with_mtp(DECODER, _H, MTP_NORMS)
 
 
 def dense_reader(attention: str, default: int):
@@ -97,9 +104,16 @@ def routing(width: int, groups: int, topk_group: int, scaling: float) -> tuple:
             Derived("routed_scaling_factor", read_scaling, lambda s: s.moe_router_topk_scaling_factor or 1.0),
             Const("norm_topk_prob", True, "the top-k weights as they are: megatron-core renormalises a sigmoid "
                                           "top-k"),
-            # the merged model holds no multi-token prediction layers (an HF dir whose weights hold some is refused
-            # by import, naming them): 0, whatever the source said (transformers writes 1 without weights)
-            Derived("num_nextn_predict_layers", lambda c, out, refuse: None, lambda s: 0))
+            # the multi-token prediction layers (transformers writes 1 and builds none: import keeps those the weights
+            # hold, ckpt_tools.importer)
+            Derived("num_nextn_predict_layers", _read_mtp, lambda s: s.mtp_num_layers or 0))
+
+
+def _read_mtp(c: dict, out: dict, refuse) -> None:
+    n = c.get("num_nextn_predict_layers", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        refuse(f"num_nextn_predict_layers {n!r} (a number of layers >= 0)")
+    out["mtp_num_layers"] = n or None
 
 
 def _write_shared(spec) -> int:
@@ -135,7 +149,7 @@ def check_routing(spec) -> None:
 
 FAMILY = Family(
     name="deepseek_v3", model_type="deepseek_v3", hf_class="DeepseekV3ForCausalLM", moe=True, shared_experts=True,
-    grouped_routing=True, dense_first=True, fp8_blocks=True, mtp_layers=True,
+    grouped_routing=True, dense_first=True, fp8_blocks=True, mtp_layers=True, mtp_copies=MTP_COPIES,
     features={**llama.FEATURES, "multi_latent_attention": (True,), "qk_layernorm": (True,),
               "rope_scaling": (None, "yarn"),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},

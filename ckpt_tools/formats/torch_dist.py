@@ -99,7 +99,7 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
         return [(f"{_LAYERS}{j}.{fused}", ())] + ([(f"{_LAYERS}{j}.{name}", ())] if fused != name else [])
     i = layout.layer_index(key)
     if i is None:
-        return [(key, ())]
+        return _mtp_candidates(key, spec) if layout.mtp_index(key) is not None else [(key, ())]
     stacked, lead = stacked_key(key)
     placed = tuple(zip(lead, lead_shape(spec, lead)))
     name, e = key[len(f"{_LAYERS}{i}."):], layout.expert_index(key)
@@ -119,7 +119,28 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
     return candidates
 
 
-_MLA_NORM = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(self_attention\.(?:q|kv)_layernorm\.|pre_mlp_layernorm\.)")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+
+
+def _mtp_candidates(key: str, spec) -> list[tuple[str, Placed]]:
+    """A multi-token prediction layer's key in megatron-core's sharded state dict: its own name, the transformer
+    layer's not stacked on a layer axis (the layer's names as a decoder layer's: local under the MLA spec, Transformer
+    Engine's fused norms otherwise, either read), an MoE layer's experts on a leading global expert axis."""
+    m = _MTP_LAYER.match(key)
+    if m is None:
+        return [(key, ())]
+    prefix, name = m.groups()
+    e = layout.expert_index(key)
+    if e is not None:
+        return [(prefix + _experts(name, e), ((e, spec.num_moe_experts),))]
+    fused = names.to_te(name)
+    mine, other = (name, fused) if spec.multi_latent_attention else (fused, name)
+    return [(prefix + n, ()) for n in dict.fromkeys((mine, other) + (
+        (names.to_mla_te(name),) if spec.multi_latent_attention else ()))]
+
+
+_MLA_NORM = re.compile(r"(?:decoder\.layers\.(?:(\d+)\.)?|^mtp\.layers\.\d+\.transformer_layer\.)"
+                       r"(self_attention\.(?:q|kv)_layernorm\.|pre_mlp_layernorm\.)")
 
 
 def te_alias(fqn: str, spec) -> str | None:
@@ -131,7 +152,9 @@ def te_alias(fqn: str, spec) -> str | None:
     if m is None:
         return None
     part, i = m.group(2), m.group(1)
-    if part == "pre_mlp_layernorm." and (spec.moe_layer(int(i)) if i is not None else spec.is_moe):
+    moe = layout.MOE in layout.mtp_blocks(spec) if fqn.startswith("mtp.") else \
+        spec.moe_layer(int(i)) if i is not None else spec.is_moe
+    if part == "pre_mlp_layernorm." and moe:
         return None
     return fqn[:m.start(2)] + names.MLA_TE_NAMES[part] + fqn[m.end(2):]
 
