@@ -295,6 +295,10 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     if padded is None:
         padded = model_state(chunk(state, 0, vpp, first), first,
                              split=False)["embedding.word_embeddings.weight"].shape[0] * tp
+    if spec.mtp_num_layers and pp * vpp > 1:
+        raise ConfigError(f"{first}: multi-token prediction layers at PP {pp * vpp} in the legacy form (its last stage "
+                          f"keeps an embedding copy of its own): not read by this version; save the run with "
+                          f"--ckpt-format torch_dist, or at PP 1")
     meta = meta_of(first, iter_dir, args, state, spec, tp, pp * vpp, counts, padded, "megatron-lm", ep)
     if vpp > 1:  # an interleaved pipeline, read as PP x VPP stages in layer order (virtual_file gives each one's file)
         meta.raw[VIRTUAL] = vpp

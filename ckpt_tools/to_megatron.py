@@ -83,6 +83,10 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
                               f"this version, not in {form}: pass --format torch_dist, or --model gpt to write a "
                               f"GPTModel checkpoint of the same weights")
         pattern = hybrid.Pattern.for_layers(counts, spec.pattern)
+    if spec.mtp_num_layers and len(counts) > 1 and form != TORCH_DIST:
+        raise ConfigError(f"{where}: multi-token prediction layers at PP {len(counts)} in Megatron-LM's {form} form (its "
+                          f"last stage keeps an embedding copy of its own): not written by this version; pass --format "
+                          f"torch_dist, or --pp 1")
     args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern)
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples

@@ -307,6 +307,68 @@ def test_megatron_core_deepseek_v3_checkpoints_merge_to_the_same_transformers_mo
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_megatron_core_mtp_layers_reach_transformers_layout_and_come_back(tmp_path):
+    """DeepSeek-V3 with a multi-token prediction layer, megatron-core's own (get_gpt_mtp_block_spec: enorm, hnorm, a
+    column-parallel eh_proj, the decoder's last layer, a final norm; the model's embedding and output layer) at TP2 x
+    PP2, saved in torch_dist: it merges to DeepSeek-V3's published HF layout (`model.layers.<n>.` after the decoder's,
+    with its copies of the embedding and head, num_nextn_predict_layers 1) whose decoder gives megatron-core's logits in
+    transformers; imported back at TP2 x EP2, the trainer's forward gives megatron-core's own logits of the model AND of
+    the MTP depth; written to torch_dist at TP1 x PP2, megatron-core loads it (strict) and gives both again. The legacy
+    form at PP2 (its last stage holds an embedding copy) is refused in one line."""
+    from conftest import torchrun
+    from safetensors.torch import save_file
+
+    from ckpt_tools.errors import ConfigError, FormatError
+    model = {**DEEPSEEK, "mtp_num_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 2, "iteration": 5}))
+    torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
+    tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    expected_mtp = torch.load(tmp_path / "mtp_logits.pt")[..., :VOCAB]
+    merge(tmp_path / "torch_dist", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    cls, ours = logits(tmp_path / "hf", tokens)
+    assert cls == "DeepseekV3ForCausalLM" and rel(ours, expected) < 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    tensors = load_safetensors(tmp_path / "hf" / "model.safetensors")
+    mtp = {k[len("model.layers.4."):] for k in tensors if k.startswith("model.layers.4.")}
+    layer = {k[len("model.layers.3."):] for k in tensors if k.startswith("model.layers.3.")}
+    assert mtp == layer | {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                           "embed_tokens.weight", "shared_head.head.weight"}
+    assert torch.equal(tensors["model.layers.4.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(tensors["model.layers.4.shared_head.head.weight"], tensors["lm_head.weight"])
+    assert tensors["model.layers.4.eh_proj.weight"].shape == (64, 128)
+    import_hf(tmp_path / "hf", tmp_path / "ours", tp=2, pp=1, ep=2, quiet=True)
+    reshard(tmp_path / "ours", tmp_path / "ours_tp2", tp=2, pp=1, quiet=True)  # the trainer's forward: EP1
+    torchrun(2, ["-m", "trainer.forward", str(tmp_path / "ours_tp2"), "--tokens", str(tmp_path / "tokens.pt"),
+                 "--out", str(tmp_path / "trainer.pt"), "--mtp-out", str(tmp_path / "trainer_mtp.pt")])
+    assert rel(torch.load(tmp_path / "trainer.pt"), expected) < 1e-5
+    assert rel(torch.load(tmp_path / "trainer_mtp.pt"), expected_mtp) < 1e-5
+    reshard(tmp_path / "ours", tmp_path / "megatron", tp=1, pp=2, form="torch_dist", quiet=True)
+    spec = hf.spec_from_hf(tmp_path / "hf" / "config.json")
+    cfg = {"model": spec.to_dict(), "tp": 1, "pp": 2, "form": "torch_dist", "load": str(tmp_path / "megatron"),
+           "padded_vocab": spec.padded_vocab_size(2), "tokens": str(tmp_path / "tokens.pt"),
+           "out": str(tmp_path / "loaded.pt")}
+    (tmp_path / "load.json").write_text(json.dumps(cfg))
+    torchrun(2, ["tests/mcore_load.py", str(tmp_path / "load.json")], timeout=600)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert rel(loaded["logits"][..., :VOCAB], expected) < 1e-5
+    assert rel(loaded["mtp_logits"][..., :VOCAB], expected_mtp) < 1e-5 and loaded["args"]["mtp_num_layers"] == 1
+    merge(tmp_path / "megatron", tmp_path / "back", quiet=True)
+    back = load_safetensors(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    with pytest.raises(ConfigError, match="multi-token prediction layers at PP 2 in the legacy form"):
+        merge(tmp_path / "torch", tmp_path / "legacy", vocab_size=VOCAB, quiet=True)
+    with pytest.raises(ConfigError, match="multi-token prediction layers at PP 2 in Megatron-LM's torch form"):
+        reshard(tmp_path / "ours", tmp_path / "legacy", tp=1, pp=2, form="torch", quiet=True)
+    assert not (tmp_path / "legacy").exists()
+    copy = dict(tensors, **{"model.layers.4.embed_tokens.weight": tensors["model.embed_tokens.weight"] * 2})
+    (tmp_path / "bad").mkdir()
+    save_file(copy, tmp_path / "bad" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "bad" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    with pytest.raises(FormatError, match="model.layers.4.embed_tokens.weight differs from model.embed_tokens.weight"):
+        import_hf(tmp_path / "bad", tmp_path / "out", tp=1, pp=1, quiet=True)
+
+
 def test_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
     """DeepSeek-V3 in bf16: transformers keeps e_score_correction_bias in float32, as megatron-core keeps its
     router.expert_bias; import (bf16 weights), reshard and merge keep it float32 and bit for bit, and the imported

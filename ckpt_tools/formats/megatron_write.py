@@ -185,7 +185,7 @@ class DistWriter:
 
     def put_extra(self, pp_rank: int, key: str) -> None:
         """A layer's `_extra_state` (None for megatron-core's own layers): one object per layer, TP rank 0's."""
-        if layout.layer_index(key) is None and not self.by_pattern:
+        if layout.layer_index(key) is None and layout.mtp_index(key) is None and not self.by_pattern:
             return  # GPTModel's sharded state dict holds no output layer's extra state (HybridModel's does)
         fqn, layer = self.stored(key)
         # megatron-core stores an object as the list of its (one) local values, named by its place on the stacked
