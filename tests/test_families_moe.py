@@ -224,6 +224,37 @@ def test_trainer_splits_experts_over_data_parallel_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_trainer_trains_mtp_layers_at_tp2_ep2_and_resumes_elsewhere(tmp_path):
+    """DeepSeek-V3 with a multi-token prediction layer (MLA, a dense first layer, sigmoid-routed experts with a
+    shared expert) trains at TP2 x EP2 (4 processes, DP2) with the MTP loss (weight 0.3) and its MTP layer's weights
+    move; its checkpoint resharded to TP1 x EP1 resumes on the same curve at DP1; a run without the MTP loss
+    (weight 0) takes another path from the same start."""
+    import torch as t
+    model = {"architecture": "deepseek_v3", "num_query_groups": 4, "norm_epsilon": 1e-6, "q_lora_rank": 24,
+             "kv_lora_rank": 16, "qk_head_dim": 12, "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "num_moe_experts": 4,
+             "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 32,
+             "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5,
+             "layer_pattern": "+-+E+E+E", "mtp_num_layers": 1}
+    common = {**model, "pp_degree": 1, "train_iters": 6, "save_interval": 3, "mtp_loss_scale": 0.3}
+    first = train("tiny_llama.yaml", tmp_path / "run" / "save", 4, tp_degree=2, ep_degree=2, num_micro_batches=1,
+                  **common)
+    assert first[-1]["loss"] < first[0]["loss"] - 0.05, [m["loss"] for m in first]
+    files = [tmp_path / "run" / "save" / f"checkpoint-{i}" / "pytorch_model_tp_1_pp_0_ep_1.bin" for i in (3, 6)]
+    a, b = (t.load(f, weights_only=True)["model"]["mtp.layers.0.eh_proj.weight"] for f in files)
+    assert a.shape == (32, 128) and not t.equal(a, b)
+    reshard(tmp_path / "run" / "save" / "checkpoint-3", tmp_path / "re" / "save", tp=1, pp=1, ep=1, quiet=True)
+    resumed = train("tiny_llama.yaml", tmp_path / "re" / "save", 1, tp_degree=1, ep_degree=1, num_micro_batches=2,
+                    **common)
+    assert [m["iteration"] for m in resumed] == [4, 5, 6]
+    for x, y in zip(first[3:], resumed):
+        assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (x, y)
+    reshard(tmp_path / "run" / "save" / "checkpoint-3", tmp_path / "plain" / "save", tp=1, pp=1, ep=1, quiet=True)
+    plain = train("tiny_llama.yaml", tmp_path / "plain" / "save", 1, tp_degree=1, ep_degree=1, num_micro_batches=2,
+                  **{**common, "mtp_loss_scale": 0.0, "train_iters": 5})
+    assert plain[-1]["iteration"] == 5 and abs(plain[-1]["loss"] - resumed[1]["loss"]) > 1e-4 * abs(plain[-1]["loss"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_trainer_trains_with_megatron_cores_own_moe_layer(arch, tmp_path):
     """`moe_layer: megatron_core`: megatron-core's MoELayer (TopKRouter, alltoall dispatcher over EP2, SequentialMLP
