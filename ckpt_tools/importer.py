@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import families, hf, layout, output, shard_ops, to_megatron
+from ckpt_tools import hf, layout, output, shard_ops, to_megatron
 from ckpt_tools.errors import FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.ranks import Grid
