@@ -431,3 +431,23 @@ def test_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
     merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
     assert merged[bias].dtype == torch.float32 and torch.equal(merged[bias], original[bias])
     assert merged["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_mtp_layers_are_refused_where_megatron_core_holds_them_otherwise():
+    """A HybridModel's MTP layers follow its own pattern, the legacy form keeps an embedding copy at PP > 1, and the
+    trainer keeps the MTP embedding at PP 1 only: each is refused before anything is written, in one line."""
+    from layout_cases import llama
+
+    from ckpt_tools import to_megatron
+    from ckpt_tools.errors import ConfigError
+    from trainer.config import TrainConfig
+    spec = llama(architecture="glm4_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48, mtp_num_layers=1)
+    with pytest.raises(ConfigError, match="multi-token prediction layers in a HybridModel"):
+        to_megatron.check(spec, 1, [4], 1024, "float32", "torch_dist", where="out", model="hybrid")
+    with pytest.raises(ConfigError, match="multi-token prediction layers at PP 2 in Megatron-LM's torch form"):
+        to_megatron.check(spec, 1, [2, 2], 1024, "float32", "torch", where="out")
+    to_megatron.check(spec, 1, [2, 2], 1024, "float32", "torch_dist", where="out")  # torch_dist at PP2: written
+    with pytest.raises(ConfigError, match="multi-token prediction layers train here at pp_degree 1"):
+        TrainConfig(model={**spec.to_dict(), "mtp_num_layers": 1}, pp_degree=2)
+    with pytest.raises(ConfigError, match="mtp_num_layers 1 given, but llama has no multi-token prediction layers"):
+        llama(mtp_num_layers=1)
