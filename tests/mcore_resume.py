@@ -2,11 +2,16 @@
 optimizer state. Needs CUDA (megatron-core's DistributedOptimizer allocates on "cuda"); one GPU:
 
     torchrun --nproc-per-node 1 tests/mcore_resume.py OUT [OURS]
+    MCORE_RESUME_TP=T torchrun --nproc-per-node N tests/mcore_resume.py OUT    # N GPUs: TP T x DP N/T (A only)
     MCORE_RESUME_MODEL=hybrid torchrun --nproc-per-node 1 tests/mcore_resume.py OUT     # megatron-core >= 0.19
 
 With MCORE_RESUME_MODEL=hybrid, A is run with megatron-core 0.19's HybridModel (pattern `*-*-`, its local modules as
 tests/mcore_newest.py builds them) instead of GPTModel: its dp_reshardable and fully_reshardable saves, resharded by
 `ckpt` (the class kept), resume on the same curve; B and C are GPTModel's and are skipped.
+
+On N GPUs (A only) the run is TP x DP, each data-parallel rank two sequences of the global batch: the
+distributed optimizer's dp_reshardable buckets are sharded over DP, as real multi-GPU runs save them; `ckpt`
+reshards to another TP x PP on disk and megatron-core loads it back at the run's layout.
 
 A. megatron-core's own run: a tiny Llama (bf16 weights, fp32 masters, grads reduced in fp32) in megatron-core's
    DistributedDataParallel with its DistributedOptimizer and OptimizerParamScheduler trains 3 steps and is saved as
@@ -38,7 +43,10 @@ from pathlib import Path
 
 SPEC = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
         "ffn_hidden_size": 96, "vocab_size": 120, "max_position_embeddings": 64, "norm_epsilon": 1e-6}
-LR, MIN_LR, WD, GBS, SEQ = 1e-2, 1e-3, 0.1, 2, 32
+LR, MIN_LR, WD, SEQ = 1e-2, 1e-3, 0.1, 32
+TP = int(os.environ.get("MCORE_RESUME_TP", "1"))  # the run's TP; DP = the processes / TP (one GPU each)
+DP = int(os.environ.get("WORLD_SIZE", "1")) // TP
+GBS = 2 * DP  # each data-parallel rank two sequences a step
 SAVED_AT, MORE = 3, 3
 FULL = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True}
@@ -84,7 +92,7 @@ def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: 
         from mcore_newest import build as build_newest
         gpt = build_newest({"kind": "hybrid", "pattern": PATTERN, "model": spec.to_dict(), "tp": 1, "pp": 1}, padded)
     else:
-        gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, 1)
+        gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, TP, 1)
     _perturb(gpt, torch)
     bf16 = dtype == "bfloat16"
     gpt = gpt.cuda().to(getattr(torch, dtype))
@@ -103,9 +111,13 @@ def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: 
 
 
 def step(ddp, opt, sched, i: int, vocab: int) -> float:
+    """One step on the global batch, each data-parallel rank its own rows (megatron-core's DDP averages the
+    gradients over DP); the loss is the global batch's mean."""
     import torch
+    from megatron.core import parallel_state as ps
     tokens = torch.randint(0, vocab, (GBS, SEQ), generator=torch.Generator().manual_seed(100 + i)).cuda()
-    positions = torch.arange(SEQ).cuda().unsqueeze(0).expand(GBS, -1)
+    tokens = tokens.chunk(DP)[ps.get_data_parallel_rank()]
+    positions = torch.arange(SEQ).cuda().unsqueeze(0).expand(tokens.shape[0], -1)
     ddp.zero_grad_buffer()
     opt.zero_grad()
     loss = ddp(tokens, positions, None, labels=tokens).float().mean()
@@ -113,7 +125,9 @@ def step(ddp, opt, sched, i: int, vocab: int) -> float:
     ddp.finish_grad_sync()
     opt.step()
     sched.step(increment=GBS)
-    return loss.item()
+    mean = loss.detach().clone()
+    torch.distributed.all_reduce(mean, group=ps.get_data_parallel_group())
+    return (mean / DP).item()
 
 
 def sharded(gpt, opt, metadata: dict, loading: bool) -> dict:
@@ -161,30 +175,39 @@ def run_megatron_source(out: Path, result: dict) -> None:
     from ckpt_tools.reshard import reshard
     from ckpt_tools.spec import ModelSpec
     spec = ModelSpec.from_dict(SPEC)
-    padded = spec.padded_vocab_size(1)
+    padded = spec.padded_vocab_size(TP)
     gpt, ddp, opt, sched = build(spec, padded, 1234)
     losses = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT)]
-    args = _args(spec, 1, 1, padded, SAVED_AT, "bfloat16")
+    args = _args(spec, TP, 1, padded, SAVED_AT, "bfloat16")
+    args.data_parallel_size = DP
     args.use_distributed_optimizer, args.accumulate_allreduce_grads_in_fp32 = True, True
     if KIND == "hybrid":  # what pretrain_hybrid.py's args record
         vars(args).update(hybrid_layer_pattern=PATTERN, num_layers=len(PATTERN), is_hybrid_model=True)
     common = {"args": args, "iteration": SAVED_AT, "checkpoint_version": 3.0,
               "opt_param_scheduler": sched.state_dict()}
     name = f"iter_{SAVED_AT:07d}"
+    lead = torch.distributed.get_rank() == 0
     for where, metadata in (("src", DP_RESHARDABLE), ("ref_src", FULL)):
-        (out / where / name).mkdir(parents=True)
+        if lead:
+            (out / where / name).mkdir(parents=True)
+        torch.distributed.barrier()
         dist_checkpointing.save({**common, **sharded(gpt, opt, metadata, False)}, str(out / where / name),
                                 content_metadata=metadata)
-        (out / where / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
+        if lead:
+            (out / where / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
     reference = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
-    result["line"] = reshard(out / "src", out / "dst", tp=2, pp=2, vocab_size=spec.vocab_size, quiet=True,
-                             form="torch_dist")
+    if lead:  # another layout on disk (TP2 x PP2, or TP1 x PP2 from TP2); loaded back at this run's
+        result["line"] = reshard(out / "src", out / "dst", tp=1 if TP > 1 else 2, pp=2, vocab_size=spec.vocab_size,
+                                 quiet=True, form="torch_dist")
+    torch.distributed.barrier()
     dst = out / "dst" / name
     gpt, ddp, opt, sched = build(spec, padded, 999)
     result["iteration"] = load(gpt, opt, sched, dst)
     if KIND == "hybrid":  # the class kept: the pattern megatron-core reads back from what ckpt wrote
         result["dst_pattern"] = dist_checkpointing.load_common_state_dict(str(dst))["args"].hybrid_layer_pattern
-    (out / "ref_dst" / name).mkdir(parents=True)
+    if lead:
+        (out / "ref_dst" / name).mkdir(parents=True)
+    torch.distributed.barrier()
     dist_checkpointing.save(sharded(gpt, opt, FULL, False), str(out / "ref_dst" / name), content_metadata=FULL)
     resumed = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
     gpt, ddp, opt, sched = build(spec, padded, 999)  # megatron-core's own fully_reshardable save, loaded alike
@@ -195,6 +218,9 @@ def run_megatron_source(out: Path, result: dict) -> None:
     sched.num_steps = 0
     sched.step(increment=SAVED_AT * GBS)
     fresh = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
+    result.update(layout={"tp": TP, "dp": DP})
+    if not lead:
+        return
     a = full_tensors(out / "ref_src" / name, out / "a.pt")
     b = full_tensors(out / "ref_dst" / name, out / "b.pt")
     result.update(losses_before=losses, reference=reference, resumed=resumed, resumed_from_megatron_cores_own=own,
@@ -292,20 +318,22 @@ def main(out: str, ours: str | None = None) -> None:
     warnings.filterwarnings("ignore")
     import torch
     torch.distributed.init_process_group("nccl")
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    ps.initialize_model_parallel(1, 1)
+    ps.initialize_model_parallel(TP, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     keep_torch_adam_step()
     result: dict = {}
     run_megatron_source(Path(out), result)
-    if ours and KIND == "gpt":
+    alone = torch.distributed.get_world_size() == 1
+    if ours and KIND == "gpt" and alone:
         run_ours(Path(ours), Path(out), result)
-    if KIND == "gpt":
+    if KIND == "gpt" and alone:
         run_imported(Path(out), result)
-    (Path(out) / "resume.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    if torch.distributed.get_rank() == 0:
+        (Path(out) / "resume.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()
 
 

@@ -173,3 +173,25 @@ def test_a_plain_optimizer_that_does_not_fit_the_model_is_refused(change, expect
     line = error_line(invoke("reshard", src, out, "--tp", 1, "--pp", 1, "--vocab-size", VOCAB))
     assert expected in line and "model_optim_rng.pt" in line, line
     assert_no_out(out)
+
+
+DP_FIXTURES = FIXTURES.parent / "megatron_optimizer_dp"
+
+
+@pytest.mark.parametrize("run", ["dp2", "tp2_dp2"])
+def test_data_parallel_runs_dp_reshardable_state_is_megatron_cores_own(run, tmp_path):
+    """The distributed optimizer's dp_reshardable buckets as megatron-core shards them over DP, saved by real multi-GPU
+    runs (`MCORE_RESUME_TP=T torchrun --nproc-per-node N tests/mcore_resume.py`: DP2 on 2 GPUs, TP2 x DP2 on 4; see
+    docs/gpu.md): resharded by ckpt to TP1, every fp32 master and Adam moment is bit for bit what megatron-core itself
+    saved of the same optimizer in its fully_reshardable form, read by torch's own DCP reader. (On the GPUs, megatron-
+    core resumed from ckpt's TP2 x PP2 / TP1 x PP2 torch_dist rewrite of it on the uninterrupted run's losses.)"""
+    from mcore_resume import full_tensors, same_as_ours
+    src = DP_FIXTURES / run / "src"
+    from ckpt_tools.reshard import reshard
+    assert open_checkpoint(src, VOCAB).meta.tp_size == (2 if run == "tp2_dp2" else 1)
+    reshard(src, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)
+    reference = full_tensors(DP_FIXTURES / run / "ref_src" / "iter_0000003", tmp_path / "ref.pt")
+    result = same_as_ours(tmp_path / "ours", reference, tied=False)
+    # 15 tensors (2 layers of 6, the norm, embedding and output layer) x 3 fields
+    assert result["compared"] == 45 and not result["missing"] and not result["differ"], result
+    assert result["step"] == 3.0
