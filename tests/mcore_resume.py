@@ -2,7 +2,8 @@
 optimizer state. Needs CUDA (megatron-core's DistributedOptimizer allocates on "cuda"); one GPU:
 
     torchrun --nproc-per-node 1 tests/mcore_resume.py OUT [OURS]
-    MCORE_RESUME_TP=T torchrun --nproc-per-node N tests/mcore_resume.py OUT    # N GPUs: TP T x DP N/T (A only)
+    MCORE_RESUME_TP=T MCORE_RESUME_PP=P torchrun --nproc-per-node N tests/mcore_resume.py OUT
+                                            # N GPUs: TP T x PP P x DP N/(T x P) (A only)
     MCORE_RESUME_MODEL=hybrid torchrun --nproc-per-node 1 tests/mcore_resume.py OUT     # megatron-core >= 0.19
 
 With MCORE_RESUME_MODEL=hybrid, A is run with megatron-core 0.19's HybridModel (pattern `*-*-`, its local modules as
@@ -44,8 +45,9 @@ from pathlib import Path
 SPEC = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
         "ffn_hidden_size": 96, "vocab_size": 120, "max_position_embeddings": 64, "norm_epsilon": 1e-6}
 LR, MIN_LR, WD, SEQ = 1e-2, 1e-3, 0.1, 32
-TP = int(os.environ.get("MCORE_RESUME_TP", "1"))  # the run's TP; DP = the processes / TP (one GPU each)
-DP = int(os.environ.get("WORLD_SIZE", "1")) // TP
+TP = int(os.environ.get("MCORE_RESUME_TP", "1"))  # the run's TP and PP; DP = the processes / (TP x PP), a GPU each
+PP = int(os.environ.get("MCORE_RESUME_PP", "1"))
+DP = int(os.environ.get("WORLD_SIZE", "1")) // (TP * PP)
 GBS = 2 * DP  # each data-parallel rank two sequences a step
 SAVED_AT, MORE = 3, 3
 FULL = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
@@ -92,11 +94,12 @@ def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: 
         from mcore_newest import build as build_newest
         gpt = build_newest({"kind": "hybrid", "pattern": PATTERN, "model": spec.to_dict(), "tp": 1, "pp": 1}, padded)
     else:
-        gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, TP, 1)
+        gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, TP, PP)
     _perturb(gpt, torch)
     bf16 = dtype == "bfloat16"
     gpt = gpt.cuda().to(getattr(torch, dtype))
     gpt.config.bf16, gpt.config.params_dtype = bf16, getattr(torch, dtype)
+    gpt.config.pipeline_dtype = getattr(torch, dtype)  # what the stages send each other
     ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), gpt)
     config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=WD, bf16=bf16,
@@ -120,6 +123,8 @@ def step(ddp, opt, sched, i: int, vocab: int) -> float:
     positions = torch.arange(SEQ).cuda().unsqueeze(0).expand(tokens.shape[0], -1)
     ddp.zero_grad_buffer()
     opt.zero_grad()
+    if PP > 1:
+        return _pipelined_step(ddp, opt, sched, tokens)
     loss = ddp(tokens, positions, None, labels=tokens).float().mean()
     loss.backward()
     ddp.finish_grad_sync()
@@ -128,6 +133,27 @@ def step(ddp, opt, sched, i: int, vocab: int) -> float:
     mean = loss.detach().clone()
     torch.distributed.all_reduce(mean, group=ps.get_data_parallel_group())
     return (mean / DP).item()
+
+
+def _pipelined_step(ddp, opt, sched, tokens) -> float:
+    """The step through megatron-core's own pipeline schedule (1F1B), a micro-batch per sequence; the loss is
+    averaged over the last stage's ranks."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data, model):
+        t = next(data)
+        out = model(t, torch.arange(SEQ).cuda().unsqueeze(0), None, labels=t)
+        return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(tokens.split(1)), model=[ddp],
+        num_microbatches=tokens.shape[0], seq_length=SEQ, micro_batch_size=1, forward_only=False)
+    ddp.finish_grad_sync()
+    opt.step()
+    sched.step(increment=GBS)
+    total = torch.tensor(sum(x["loss"].item() for x in losses) / len(losses) if losses else 0.0).cuda()
+    torch.distributed.all_reduce(total)
+    return (total / (TP * DP)).item()
 
 
 def sharded(gpt, opt, metadata: dict, loading: bool) -> dict:
@@ -178,7 +204,7 @@ def run_megatron_source(out: Path, result: dict) -> None:
     padded = spec.padded_vocab_size(TP)
     gpt, ddp, opt, sched = build(spec, padded, 1234)
     losses = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT)]
-    args = _args(spec, TP, 1, padded, SAVED_AT, "bfloat16")
+    args = _args(spec, TP, PP, padded, SAVED_AT, "bfloat16")
     args.data_parallel_size = DP
     args.use_distributed_optimizer, args.accumulate_allreduce_grads_in_fp32 = True, True
     if KIND == "hybrid":  # what pretrain_hybrid.py's args record
@@ -195,10 +221,12 @@ def run_megatron_source(out: Path, result: dict) -> None:
                                 content_metadata=metadata)
         if lead:
             (out / where / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
+    if DP > 1:  # the legacy form too: model_optim_rng.pt and distrib_optim.pt per TP x PP rank (DP rank 0 writes)
+        save_legacy(out / "src_legacy", gpt, opt, common, name)
     reference = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
-    if lead:  # another layout on disk (TP2 x PP2, or TP1 x PP2 from TP2); loaded back at this run's
-        result["line"] = reshard(out / "src", out / "dst", tp=1 if TP > 1 else 2, pp=2, vocab_size=spec.vocab_size,
-                                 quiet=True, form="torch_dist")
+    if lead:  # another layout on disk (TP2 x PP2; TP1 x PP2 from TP2, TP2 x PP1 from PP2); loaded at this run's
+        result["line"] = reshard(out / "src", out / "dst", tp=1 if TP > 1 else 2, pp=1 if PP > 1 else 2,
+                                 vocab_size=spec.vocab_size, quiet=True, form="torch_dist")
     torch.distributed.barrier()
     dst = out / "dst" / name
     gpt, ddp, opt, sched = build(spec, padded, 999)
@@ -218,7 +246,7 @@ def run_megatron_source(out: Path, result: dict) -> None:
     sched.num_steps = 0
     sched.step(increment=SAVED_AT * GBS)
     fresh = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
-    result.update(layout={"tp": TP, "dp": DP})
+    result.update(layout={"tp": TP, "pp": PP, "dp": DP})
     if not lead:
         return
     a = full_tensors(out / "ref_src" / name, out / "a.pt")
@@ -228,6 +256,28 @@ def run_megatron_source(out: Path, result: dict) -> None:
                   optimizer=compare(a, b, "optimizer."), model=compare(a, b, "embedding.") | {
                       "all": compare({k: v for k, v in a.items() if not k.startswith("optimizer.")}, b)})
     torch.cuda.synchronize()
+
+
+def save_legacy(root: Path, gpt, opt, common: dict, name: str) -> None:
+    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch --use-distributed-optimizer: per TP x PP rank
+    `mp_rank_TT[_PPP]/model_optim_rng.pt` and `distrib_optim.pt` (megatron-core gathers the state over DP)."""
+    import argparse
+
+    import torch
+    from megatron.core import parallel_state as ps
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = root / name / (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if PP > 1 else ""))
+    first = ps.get_data_parallel_rank() == 0
+    if first:
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        args = argparse.Namespace(**{**vars(common["args"]), "ckpt_format": "torch"})
+        torch.save({**common, "args": args, "model": gpt.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
+                    "rng_state": None}, rank_dir / "model_optim_rng.pt")
+    torch.distributed.barrier()
+    opt.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
+    if torch.distributed.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(common["iteration"].__str__())
+    torch.distributed.barrier()
 
 
 def same_as_ours(ours_tp1: Path, got: dict, tied: bool) -> dict:
@@ -321,7 +371,7 @@ def main(out: str, ours: str | None = None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    ps.initialize_model_parallel(TP, 1)
+    ps.initialize_model_parallel(TP, PP)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     keep_torch_adam_step()
     result: dict = {}

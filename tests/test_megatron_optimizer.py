@@ -178,17 +178,21 @@ def test_a_plain_optimizer_that_does_not_fit_the_model_is_refused(change, expect
 DP_FIXTURES = FIXTURES.parent / "megatron_optimizer_dp"
 
 
-@pytest.mark.parametrize("run", ["dp2", "tp2_dp2"])
-def test_data_parallel_runs_dp_reshardable_state_is_megatron_cores_own(run, tmp_path):
-    """The distributed optimizer's dp_reshardable buckets as megatron-core shards them over DP, saved by real multi-GPU
-    runs (`MCORE_RESUME_TP=T torchrun --nproc-per-node N tests/mcore_resume.py`: DP2 on 2 GPUs, TP2 x DP2 on 4; see
-    docs/gpu.md): resharded by ckpt to TP1, every fp32 master and Adam moment is bit for bit what megatron-core itself
-    saved of the same optimizer in its fully_reshardable form, read by torch's own DCP reader. (On the GPUs, megatron-
-    core resumed from ckpt's TP2 x PP2 / TP1 x PP2 torch_dist rewrite of it on the uninterrupted run's losses.)"""
+@pytest.mark.parametrize("form", ["src", "src_legacy"], ids=["dp_reshardable", "distrib_optim.pt"])
+@pytest.mark.parametrize("run", ["dp2", "tp2_dp2", "pp2_dp2"])
+def test_data_parallel_runs_optimizer_state_is_megatron_cores_own(run, form, tmp_path):
+    """The distributed optimizer's state as megatron-core shards it over DP, saved by real multi-GPU runs
+    (`scripts/gpu_dp_resume.sh`: DP2 on 2 GPUs, TP2 x DP2 and PP2 x DP2 on 4; docs/gpu.md) in torch_dist's default
+    dp_reshardable form (buckets sharded over the DP ranks) and the legacy form (distrib_optim.pt, gathered over DP):
+    resharded by ckpt to TP1 x PP1, every fp32 master and Adam moment is bit for bit what megatron-core itself saved of
+    the same optimizer in its fully_reshardable form, read by torch's own DCP reader. (On the GPUs, megatron-core
+    resumed from ckpt's torch_dist rewrite of the first on the uninterrupted run's losses.)"""
     from mcore_resume import full_tensors, same_as_ours
-    src = DP_FIXTURES / run / "src"
+
     from ckpt_tools.reshard import reshard
-    assert open_checkpoint(src, VOCAB).meta.tp_size == (2 if run == "tp2_dp2" else 1)
+    src = DP_FIXTURES / run / form
+    meta = open_checkpoint(src, VOCAB).meta
+    assert (meta.tp_size, meta.pp_size) == {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2)}[run]
     reshard(src, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)
     reference = full_tensors(DP_FIXTURES / run / "ref_src" / "iter_0000003", tmp_path / "ref.pt")
     result = same_as_ours(tmp_path / "ours", reference, tied=False)
