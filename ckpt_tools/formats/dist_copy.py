@@ -262,13 +262,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
 def _copied(hf_dir: Path, dtype: str | None) -> tuple | None:
     """(spec, index, rows, params dtype) of an HF model whose tensors this path copies; None where it does not."""
     try:
-        spec = hf.spec_from_hf(hf_dir / "config.json")
         index = _safetensors_index(hf_dir)
+        spec = hf.spec_of_model(hf_dir, index)
         rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     except (CkptError, Declined):
         return None
     wanted = {n for _, names in rows.values() for n in names}
-    extra = set(index) - wanted - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
+    copies = {name: row.hf[0] for _, row, name in hf.hf_copies(spec) if name in index}  # MTP layers' copies
+    if any(not _same_bytes(index[a], index[b]) for a, b in copies.items()):
+        return None  # the torch path refuses it, naming both
+    extra = set(index) - wanted - set(copies) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
     if extra or wanted - set(index) or any(row.kind in hf.TRANSPOSED for row, _ in rows.values()):
         return None
     params = dtype or index[rows["embedding.word_embeddings.weight"][1][0]][1]
@@ -361,6 +364,20 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
         dtype = index[names[0]][1]
         row_bytes = full[1] * ELEMENT_SIZES[dtype]
         put(spec.vocab_size, padded, lambda i, j: bytes((j - i) * row_bytes))
+
+
+def _same_bytes(a: tuple, b: tuple, chunk: int = 1 << 24) -> bool:
+    """Whether two safetensors tensors (index entries) hold the same dtype, shape and bytes."""
+    if a[1:3] != b[1:3] or a[4] != b[4]:
+        return False
+    with open(a[0], "rb") as fa, open(b[0], "rb") as fb:
+        for at in range(0, a[4], chunk):
+            n = min(chunk, a[4] - at)
+            fa.seek(a[3] + at)
+            fb.seek(b[3] + at)
+            if fa.read(n) != fb.read(n):
+                return False
+    return True
 
 
 def _safetensors_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
