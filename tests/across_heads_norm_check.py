@@ -8,6 +8,7 @@ import types
 
 import torch
 import torch.distributed as dist
+import trainer  # noqa: F401,I001 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
 from megatron.core import parallel_state as ps
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 

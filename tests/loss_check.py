@@ -7,6 +7,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import trainer  # noqa: F401,I001 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 

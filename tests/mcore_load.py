@@ -28,6 +28,7 @@ def main(config_path: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo")
+    import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
     from mcore_reference_child import _build_model

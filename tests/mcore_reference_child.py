@@ -143,6 +143,7 @@ def _child_main(rank: int, cfg_path: str, out_path: str) -> int:
         import torch
 
         torch.set_num_threads(1)
+        import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
         # megatron-core's tied-embedding setup calls ``weight.data.cuda()`` before the
         # all-reduce between first and last PP stage; keep tensors on CPU instead.
         torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]

@@ -10,6 +10,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import trainer  # noqa: F401,I001 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
 from megatron.core import parallel_state as ps
 
 from ckpt_tools import layout
