@@ -332,6 +332,7 @@ def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_pat
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow  # the benchmark's smoke run, many CLI processes (the fast tier leaves it out)
 def test_benchmark_quick_run():
     """benchmarks/megatron_forms.py --quick: megatron-core writes both forms, every command (merge of each, reshard
     into each, import of the HF model into each) runs, merge's memory stays within the target."""

@@ -42,6 +42,7 @@ LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2)]
     ("tiny_llama.yaml", {"tie_word_embeddings": True}),  # tied llama: a PP>1 last stage holds a copy
 ], ids=["llama", "gpt2", "llama-tied"])
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
+@pytest.mark.slow  # torchrun trainings and forwards (the fast tier leaves them out)
 def test_merged_hf_model_matches_sharded_forward(request, tmp_path, config, overrides, tp, pp):
     if (overrides or "gpt2" in config) and (tp, pp) in ((1, 2), (2, 1)):
         pytest.skip("tied models: TP1PP1 and TP2PP2 cover both tied placements; llama covers TP or PP alone")

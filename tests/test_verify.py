@@ -70,6 +70,7 @@ def test_one_changed_element_is_named_in_tier1_and_its_layer_in_tier2(llama_run,
     assert last.startswith("error: verify failed: tier 1 weights: tensor decoder.layers.2.mlp.linear_fc2.weight")
 
 
+@pytest.mark.slow  # torchrun trainings or forwards (the fast tier leaves them out)
 def test_resharded_checkpoint_verifies_against_the_original(llama_run, tmp_path):
     reshard(llama_run[0], tmp_path / "re", tp=1, pp=2, layers=[1, 3], quiet=True)
     code, out = verify(tmp_path / "re", llama_run[0])
@@ -78,6 +79,7 @@ def test_resharded_checkpoint_verifies_against_the_original(llama_run, tmp_path)
     assert "108 tensors compared: 108 bit-exact" in out  # 27 parameters x (weights, master, exp_avg, exp_avg_sq)
 
 
+@pytest.mark.slow  # torchrun trainings or forwards (the fast tier leaves them out)
 def test_gpt2_alone_and_against_safetensors_and_text_tokens(gpt2_run, tmp_path):
     code, out = verify(gpt2_run[0])  # no OTHER: integrity + sharded vs its own TP1 x PP1 join
     assert code == 0 and "[TP1 x PP1 join]" in out, out
