@@ -18,6 +18,12 @@ from ckpt_tools.ranks import Rank
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
 
+# Under pytest-xdist each worker draws rendezvous ports from a range of its own, below the kernel's ephemeral ports
+# (ckpt_tools.io.free_port): two workers' processes never race for one port. Children inherit it.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    os.environ.setdefault(io.PORT_RANGE, f"{20000 + 2000 * int(_WORKER[2:])}-{21999 + 2000 * int(_WORKER[2:])}")
+
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node N <args>` (args start with -m module); output captured."""

@@ -85,11 +85,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from ckpt_tools.io import free_port
 from pathlib import Path
 
 Layout = dict[tuple[int, int], list[tuple[str, "tuple[int, ...] | None", "str | None"]]]
@@ -114,12 +115,6 @@ _FAILURE_GRACE_S = 5.0
 CHILD = Path(__file__).with_name("mcore_reference_child.py")  # what each rank runs
 
 # ----------------------------------------------------------------------------- parent
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
@@ -175,7 +170,7 @@ def _validate(model: dict, tp: int, pp: int) -> None:
 def _run_once(model: dict, tp: int, pp: int, timeout_s: float) -> tuple[Layout | None, str | None]:
     """Returns (layout, None) or (None, 'retry' reason) for a port clash; raises otherwise."""
     world = tp * pp
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="mcore_ref_") as tmp:
         tmpdir = Path(tmp)
         cfg_path = tmpdir / "config.json"

@@ -244,3 +244,24 @@ def test_a_team_verifies_tier_1_as_one_process_and_finds_a_changed_tensor(alone,
     assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
         line for line in ckpt("verify", str(sources["ours"]), str(bad), check=False).stderr.splitlines()
         if line.startswith("error")]
+
+
+def test_free_ports_come_from_the_jobs_own_range(monkeypatch):
+    """CKPT_PORT_RANGE (each pytest-xdist worker sets its own): every rendezvous port is drawn from it, never a port
+    bound now; a malformed or exhausted range is a one-line error naming the variable."""
+    import socket
+
+    from ckpt_tools.errors import CkptError
+    monkeypatch.setenv("CKPT_PORT_RANGE", "28000-28003")
+    with socket.socket() as held:
+        held.bind(("", 28001))
+        ports = {free_port() for _ in range(40)}
+    assert ports <= {28000, 28002, 28003} and len(ports) > 1
+    monkeypatch.setenv("CKPT_PORT_RANGE", "28000-27000")
+    with pytest.raises(CkptError, match="CKPT_PORT_RANGE='28000-27000' is not a port range"):
+        free_port()
+    monkeypatch.setenv("CKPT_PORT_RANGE", "28001-28001")
+    with socket.socket() as held:
+        held.bind(("", 28001))
+        with pytest.raises(CkptError, match="no free port in CKPT_PORT_RANGE=28001-28001"):
+            free_port()
