@@ -261,18 +261,13 @@ TABLE: tuple[Rule, ...] = (
 
 
 def _in_mtp(rule: Rule) -> Rule:
-    """A decoder layer's row as the multi-token prediction layer's transformer layer holds it."""
+    """A decoder layer's row as the multi-token prediction layer's transformer layer holds it (present only in a model
+    with MTP layers: the MTP rows above are gated by their block, MTP, which model_blocks gives only such a model)."""
     return Rule(_MT + rule.name[len(_L):], rule.split, MTP_STAGE, rule.shape,
                 lambda s, pp, when=rule.when: s.mtp_num_layers is not None and when(s, pp), rule.block, rule.buffer,
                 rule.dtype)
 
 
-def _mtp(s: ModelSpec, pp: int) -> bool:
-    return s.mtp_num_layers is not None
-
-
-TABLE = tuple(Rule(r.name, r.split, r.stage, r.shape, lambda s, pp, w=r.when: _mtp(s, pp) and w(s, pp), r.block,
-                   r.buffer, r.dtype) if r.stage == MTP_STAGE else r for r in TABLE)
 MTP_LAYER_ROWS = tuple(_in_mtp(r) for r in TABLE if r.stage == LAYER)
 TABLE += MTP_LAYER_ROWS
 _BUFFERS = frozenset(r.name for r in TABLE if r.buffer)
