@@ -12,6 +12,11 @@ Conversion kinds:
   conv1d    transposed (HF GPT-2 Conv1D stores [in, out])
   qkv_fused grouped QKV -> one [q; k; v] tensor (whole blocks, not per head): Phi-3's qkv_proj
   c_attn    qkv_fused, transposed for weights (GPT-2)
+  gate_up_t gated, its gate and up rows interleaved (gate 0, up 0, gate 1, ...), transposed for weights (GPT-OSS)
+
+An HF name without the `{e}` of its expert row is a stacked tensor: every expert's is one slice of it, on a first axis
+of the experts (GPT-OSS's `mlp.experts.gate_up_proj` [experts, hidden, 2 x ffn]). Such a slice is named `name[e]`
+(`part_of`); merge writes the slices of one name one after another as one tensor (`stacked`).
 
 Every kind is a list of row ranges of the full tensor per HF tensor (`hf_rows`), then a transpose for
 the 2-D tensors of TRANSPOSED kinds: `to_hf` and the torch-free merge both take them from there.
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from ckpt_tools import families, layout, shard_ops
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
-from ckpt_tools.families import C_ATTN, CONV1D, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
+from ckpt_tools.families import C_ATTN, CONV1D, GATE_UP_T, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.writers import SAFETENSORS_DTYPES
 
@@ -49,8 +54,52 @@ def hf_keys(spec: ModelSpec) -> list[tuple[str, Name, list[str]]]:
         pattern = layout.pattern_of(key)
         if pattern not in rows:
             raise LayoutError(f"{key}: no HuggingFace name for it in the {spec.architecture} mapping")
-        out.append((key, rows[pattern], [h.format(i=hf_layer(key, spec), e=layout.expert_index(key))
-                                          for h in rows[pattern].hf]))
+        out.append((key, rows[pattern], [_hf_name(h, key, spec) for h in rows[pattern].hf]))
+    return out
+
+
+def _hf_name(template: str, key: str, spec: ModelSpec) -> str:
+    """The HF name of a megatron-core key: the template's layer and expert filled in, or for an expert's key whose
+    template has no `{e}`, its slice of the stacked tensor (`name[e]`)."""
+    e = layout.expert_index(key)
+    name = template.format(i=hf_layer(key, spec), e=e)
+    return name if e is None or "{e}" in template else f"{name}[{e}]"
+
+
+_PART = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def part_of(name: str) -> tuple[str, int | None]:
+    """(the HF tensor's name, the slice's index) of a slice of a stacked tensor (`name[e]`); (name, None) otherwise."""
+    m = _PART.match(name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
+
+
+def slice_counts(names) -> dict[str, int]:
+    """The stacked tensors among HF names (their slices `name[e]`) and how many slices each has."""
+    counts: dict[str, int] = {}
+    for n in names:
+        base, e = part_of(n)
+        if e is not None:
+            counts[base] = max(counts.get(base, 0), e + 1)
+    return counts
+
+
+def stacked(tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of the tensors a file holds, the slices of a stacked tensor (consecutive, from 0, one dtype
+    and shape) as the one tensor they make: [slices, *shape]."""
+    out: list[tuple[str, str, tuple[int, ...]]] = []
+    for name, dtype, shape in tensors:
+        base, e = part_of(name)
+        if e is None:
+            out.append((name, dtype, shape))
+        elif e == 0:
+            out.append((base, dtype, (1,) + tuple(shape)))
+        elif out and out[-1][0] == base and out[-1][2][0] == e and (out[-1][1], out[-1][2][1:]) == (dtype, tuple(shape)):
+            out[-1] = (base, dtype, (e + 1,) + tuple(shape))
+        else:
+            raise LayoutError(f"{name}: a slice of a stacked tensor out of order (slices 0, 1, ... of one shape and "
+                              f"dtype, one after another)")
     return out
 
 
@@ -88,7 +137,8 @@ def check_copies(source, spec: ModelSpec, hf_dir: Path) -> set[str]:
     return held
 
 
-TRANSPOSED = (CONV1D, C_ATTN)  # HF GPT-2's Conv1D stores a weight [in, out]: these kinds' 2-D tensors are transposed
+# HF GPT-2's Conv1D (and GPT-OSS's experts) store a weight [in, out]: these kinds' 2-D tensors are transposed
+TRANSPOSED = (CONV1D, C_ATTN, GATE_UP_T)
 
 
 def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[shard_ops.Rows]:
@@ -102,6 +152,8 @@ def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[shard_ops.Rows]:
         return list(shard_ops.qkv_head_rows(spec))
     if kind == GATED:  # [gate; up]
         return [[(0, rows // 2)], [(rows // 2, rows)]]
+    if kind == GATE_UP_T:  # gate 0, up 0, gate 1, up 1, ...
+        return [[(r, r + 1) for j in range(rows // 2) for r in (j, rows // 2 + j)]]
     if kind in (C_ATTN, QKV_FUSED):
         return [[r for part in shard_ops.qkv_head_rows(spec) for r in part]]
     raise LayoutError(f"unknown conversion kind {kind}")
@@ -135,6 +187,10 @@ def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_voca
         return torch.cat(tensors, dim=0)
     if kind == CONV1D:
         return tensors[0].t()
+    if kind == GATE_UP_T:
+        import torch
+        rows = tensors[0].t() if tensors[0].dim() == 2 else tensors[0]
+        return torch.cat([rows[0::2], rows[1::2]], dim=0)
     if kind in (C_ATTN, QKV_FUSED):
         whole = tensors[0].t() if kind == C_ATTN and tensors[0].dim() == 2 else tensors[0]
         q_rows = spec.num_attention_heads * spec.kv_channels
@@ -363,8 +419,17 @@ class HFTensors:
                                   ": this version reads FP8 weights with their block scales only; dequantize the "
                                   "model with transformers first")
 
+    def holds(self, name: str) -> bool:
+        """Whether the weights hold the tensor (or, for a slice `name[e]`, the stacked tensor it is a slice of)."""
+        base, e = part_of(name)
+        return base in self.where and (e is None or e < self.shape(base)[0])
+
     def get(self, name: str) -> torch.Tensor:
-        """The tensor (an FP8 weight dequantized by its block scales, fp32)."""
+        """The tensor (an FP8 weight dequantized by its block scales, fp32); `name[e]`: slice e of a stacked tensor,
+        read alone."""
+        base, e = part_of(name)
+        if e is not None:
+            return self._get(base, e)
         if name not in self.scales:
             return self._get(name)
         q, scale = self._get(name), self._get(self.scales[name])
@@ -375,16 +440,23 @@ class HFTensors:
                               f"{name} {list(q.shape)}): the checkpoint is damaged; download it again")
         return dequantize_blocks(q, scale, self.block)
 
-    def _get(self, name: str) -> torch.Tensor:
-        """The tensor, read into memory of its own (pread, not the file's mapping: the pages of every tensor read so
-        far would otherwise stay resident until the end)."""
+    def _get(self, name: str, part: int | None = None) -> torch.Tensor:
+        """The tensor (or its slice `part` on the first axis), read into memory of its own (pread, not the file's
+        mapping: the pages of every tensor read so far would otherwise stay resident until the end)."""
         import torch
         file = self._file_of[name]
         if file not in self._offsets:
             self._offsets[file] = data_offsets(self._paths[file])
         dtype, shape, start, end = self._offsets[file][name]
         if dtype not in SAFETENSORS_DTYPES or end == start:
-            return self._handles[file].get_tensor(name)
+            whole = self._handles[file].get_tensor(name)
+            return whole if part is None else whole[part]
+        if part is not None:
+            if not 0 <= part < shape[0]:
+                raise FormatError(f"{self._paths[file]}: {name} has {shape[0]} slices, not {part + 1}: the weights and "
+                                  f"config.json disagree")
+            step = (end - start) // shape[0]
+            start, end, shape = start + part * step, start + (part + 1) * step, shape[1:]
         buf = bytearray(end - start)
         view, done = memoryview(buf), 0
         with open(self._paths[file], "rb", buffering=0) as f:
@@ -399,6 +471,7 @@ class HFTensors:
 
     def dtype_name(self, name: str) -> str:
         """The dtype name of the tensor as `get` gives it ("float32" for an FP8 block weight, dequantized)."""
+        name = part_of(name)[0]
         if name in self.scales:
             return "float32"
         file = self._file_of[name]
@@ -408,7 +481,9 @@ class HFTensors:
         return SAFETENSORS_DTYPES.get(code, code.lower())
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+        base, e = part_of(name)
+        shape = tuple(self._handles[self.where[base]].get_slice(base).get_shape())
+        return shape if e is None else shape[1:]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -45,10 +45,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     layout.check_ep(spec, ep)
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}
-    extra = sorted(set(source.where) - wanted)
+    extra = sorted(set(source.where) - {hf.part_of(n)[0] for n in wanted})
     if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
         extra.remove("lm_head.weight")
-    missing = sorted(wanted - set(source.where))
+    missing = sorted(n for n in wanted if not source.holds(n))
     copies = hf.check_copies(source, spec, hf_dir)  # MTP layers' copies of the embedding and head
     extra = [n for n in extra if n not in copies]
     if missing or extra:
@@ -56,7 +56,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
                                      f"unexpected {', '.join(extra[:4])}" if extra else "") if x)
         raise FormatError(f"{hf_dir}: tensors do not match a {spec.architecture} model of this config.json ({what}): "
                           f"the weights and config.json disagree")
-    wrong = []  # shapes too, before anything is written: a mismatch would crash mid-way or import garbage
+    wrong = [f"{name} {list(source.shape(name))}, expected {n} slices first"  # a stacked tensor: one slice per expert
+             for name, n in hf.slice_counts(wanted).items() if source.shape(name)[0] != n]
     for key, (row, names) in rows.items():
         for name, want in zip(names, hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
             if source.shape(name) != tuple(want):

@@ -163,7 +163,10 @@ TABLE: tuple[Rule, ...] = (
          lambda s, pp: s.position_embedding_type == "learned_absolute"),
     Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, _h, _always),
     Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
-    # grouped-query attention (megatron-core's SelfAttention)
+    # grouped-query attention (megatron-core's SelfAttention); GPT-OSS's learned softmax offset (a sink logit per head)
+    # first: megatron-core builds the core attention before the projections
+    Rule(_A + "core_attention.softmax_offset", COLUMN, LAYER, lambda s, v: (s.num_attention_heads,),
+         lambda s, pp: s.softmax_type == "learnable", ATTENTION),
     Rule(_A + "linear_proj.weight", ROW, LAYER,
          lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), _always, ATTENTION),
     Rule(_A + "linear_proj.bias", REPLICATED, LAYER, _h, _bias, ATTENTION),
@@ -223,13 +226,16 @@ TABLE: tuple[Rule, ...] = (
     Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _always, DENSE),
     # MoE: a router (replicated) and experts, each a gated MLP split over TP as the dense one is (expert TP = TP)
     Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _always, MOE),
+    Rule(_L + "mlp.router.bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _bias, MOE),
     # DeepSeek's expert bias: a persistent fp32 buffer megatron-core moves by the experts' load, not by gradients
     Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _expert_bias, MOE,
          buffer=True, dtype="float32"),
     Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _always,
          MOE),
+    Rule(_E + "linear_fc1.bias", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size,), _bias, MOE),
     Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, MOE),
     Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), _always, MOE),
+    Rule(_E + "linear_fc2.bias", REPLICATED, LAYER, _h, _bias, MOE),
     Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, MOE),
     # a shared expert (megatron-core's SharedExpertMLP, after the experts): a dense gated MLP and its sigmoid gate
     Rule(_S + "gate_weight", REPLICATED, LAYER, lambda s, v: (1, s.hidden_size), _shared_gate, SHARED),

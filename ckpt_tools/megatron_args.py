@@ -52,7 +52,7 @@ def check_expressible(spec: ModelSpec) -> None:
         raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
                           f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "
                           f"in our format or HF")
-    if spec.rope_scaling == "yarn":
+    if spec.rope_scaling == "yarn" and spec.multi_latent_attention:
         odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MLA_YARN.items() if getattr(spec, k) != v]
         if odd:
             raise ConfigError(f"YaRN with {', '.join(odd)}: megatron-core's MLA takes these from its defaults (no "
@@ -85,7 +85,10 @@ def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
             # input's dtype)
             "moe_router_dtype": "fp32" if spec.moe_router_score_function == "sigmoid" else None,
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
-            "moe_token_dispatcher_type": "allgather", "expert_tensor_parallel_size": None,
+            "moe_token_dispatcher_type": "allgather",
+            # megatron-core biases experts only unsplit (its TransformerConfig asserts ETP 1 with add_bias_linear);
+            # torch_dist holds them whole, the legacy form is refused for them at TP > 1 (to_megatron.check)
+            "expert_tensor_parallel_size": 1 if spec.add_bias_linear else None,
             "expert_model_parallel_size": ep}
 
 
@@ -114,6 +117,7 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
               iteration: int, tokenizer: str | None, ep: int) -> argparse.Namespace:
     rope = spec.position_embedding_type == "rope"
     gqa = spec.num_query_groups != spec.num_attention_heads
+    gpt_yarn = spec.rope_scaling == "yarn" and not spec.multi_latent_attention  # GPTModel's own YaRN embedding
     pp = len(counts)
     return argparse.Namespace(
         # the model
@@ -123,15 +127,21 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         max_position_embeddings=spec.max_position_embeddings,
         # Megatron-LM's default (its parser's, and its Llama 3 example's): megatron-core's GPTModel goes by
         # position_embedding_type; check_checkpoint_args compares this flag with the run's
-        position_embedding_type=spec.position_embedding_type, add_position_embedding=True,
+        position_embedding_type="yarn" if gpt_yarn else spec.position_embedding_type, add_position_embedding=True,
         use_rotary_position_embeddings=rope, rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer()
         else spec.rotary_base, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None, use_rope_scaling=spec.rope_scaling == "llama3",
         rope_scaling_factor=spec.rope_scaling_factor,
         normalization=spec.normalization, norm_epsilon=spec.norm_epsilon, apply_layernorm_1p=False,
         qk_layernorm=spec.qk_layernorm, apply_residual_connection_post_layernorm=False,
-        swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=False, quick_geglu=False,
+        swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=False,
+        quick_geglu=spec.activation == "quick_geglu", glu_linear_offset=spec.glu_linear_offset,
+        activation_func_clamp_value=spec.activation_clamp,
+        # quick_geglu's fused kernel clamps before the bias is added (megatron-core's SequentialMLP): off
         bias_gelu_fusion=spec.add_bias_linear and spec.activation == "gelu_tanh", bias_swiglu_fusion=True,
+        softmax_type=spec.softmax_type or "vanilla",
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
+        window_attn_skip_freq=spec.window_attn_skip_freq,
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
@@ -142,6 +152,8 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         rope_type=("yarn" if spec.rope_scaling == "yarn" else "rope") if spec.multi_latent_attention else None,
         **({theirs: getattr(spec, ours) for theirs, (ours, _) in YARN_ARGS.items()} if spec.rope_scaling == "yarn"
            else {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}),
+        **({f"yarn_{k}": getattr(spec, YARN_ARGS[k][0]) for k in GPT_YARN}
+           | {"yarn_correction_range_round_to_int": spec.rope_truncate} if gpt_yarn else {}),
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
         transformer_impl="local", use_legacy_models=False, spec=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
@@ -168,7 +180,7 @@ _REFUSED = {
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
     "rotary_interleaved": "interleaved rotary embeddings",
     "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
-    "squared_relu": "the squared-ReLU activation", "quick_geglu": "the quick-GeGLU activation",
+    "squared_relu": "the squared-ReLU activation",
 }
 
 
@@ -188,6 +200,7 @@ _ARG_OF = {
     "multi_latent_attention": ("multi_latent_attention", None),
     "moe_router_score_function": ("moe_router_score_function", None),
     "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", None),
+    "softmax_type": ("softmax_type", None),
 }
 
 
@@ -209,6 +222,8 @@ def features_of(args) -> dict:
     bias = bool(arg(args, "add_bias_linear", True))
     if arg(args, "swiglu", False):
         activation = "swiglu"
+    elif arg(args, "quick_geglu", False):
+        activation = "quick_geglu"
     else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
         # openai_gelu (tanh as well) switches only the legacy model
         tanh = arg(args, "bias_gelu_fusion", True) or (arg(args, "use_legacy_models", False)
@@ -218,8 +233,9 @@ def features_of(args) -> dict:
         "normalization": arg(args, "normalization", "LayerNorm"), "activation": activation,
         "add_bias_linear": bias, "add_qkv_bias": bool(arg(args, "add_qkv_bias", False)) and not bias,
         "qk_layernorm": bool(arg(args, "qk_layernorm", False)),
-        "position_embedding_type": arg(args, "position_embedding_type", "learned_absolute"),
-        "rope_scaling": "llama3" if arg(args, "use_rope_scaling", False) else None,
+        "position_embedding_type": "rope" if _gpt_yarn(args) else arg(args, "position_embedding_type",
+                                                                         "learned_absolute"),
+        "rope_scaling": "llama3" if arg(args, "use_rope_scaling", False) else "yarn" if _gpt_yarn(args) else None,
         "tie_word_embeddings": not arg(args, "untie_embeddings_and_output_weights", False),
         # Megatron-LM builds the gate only with a shared expert (and experts): without one the flag means nothing
         "moe_shared_expert_gate": bool(arg(args, "moe_shared_expert_gate", False))
@@ -229,7 +245,43 @@ def features_of(args) -> dict:
         if arg(args, "num_experts", None) else "softmax",
         "moe_router_enable_expert_bias": bool(arg(args, "moe_router_enable_expert_bias", False))
         and bool(arg(args, "num_experts", None)),
+        "softmax_type": arg(args, "softmax_type", "vanilla"),
     }
+
+
+def _gpt_yarn(args) -> bool:
+    """GPTModel's own YaRN rotary embedding (--position-embedding-type yarn; MLA has its own, mla_fields)."""
+    return arg(args, "position_embedding_type", None) == "yarn" and not arg(args, "multi_latent_attention", False)
+
+
+GPT_YARN = ("original_max_position_embeddings", "beta_fast", "beta_slow")  # GPTModel's YaRN: `yarn_` + these
+
+
+def attention_fields(args) -> dict:
+    """GPTModel's YaRN parameters, the sliding window and the experts' clamped GLU (GPT-OSS) as ModelSpec fields."""
+    out: dict = {}
+    if _gpt_yarn(args):
+        out["rope_scaling_factor"] = float(arg(args, "rotary_scaling_factor", 1.0))
+        out.update({YARN_ARGS[k][0]: type(YARN_ARGS[k][1])(arg(args, f"yarn_{k}", YARN_ARGS[k][1])) for k in GPT_YARN})
+        out.update(rope_mscale=float(arg(args, "mscale", 1.0)), rope_mscale_all_dim=float(arg(args, "mscale_all_dim", 0.0)),
+                   rope_truncate=bool(arg(args, "yarn_correction_range_round_to_int", True)))
+    window = arg(args, "window_size", None)
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or window[1] != 0 or int(window[0]) < 0:
+            raise ConfigError(f"window_size {window!r}: this version reads causal windows (W - 1, 0) only")
+        out["sliding_window"] = int(window[0]) + 1
+        freq = arg(args, "window_attn_skip_freq", None)
+        if isinstance(freq, list):  # 1 windowed, 0 full, per layer: an every-N-th-full pattern, or refused
+            n = freq.index(0) + 1 if 0 in freq else None
+            if n is not None and freq != [0 if (i + 1) % n == 0 else 1 for i in range(len(freq))]:
+                raise ConfigError(f"window_attn_skip_freq {freq!r:.80}: this version reads every-N-th-layer-full "
+                                  f"patterns only")
+            freq = n
+        out["window_attn_skip_freq"] = freq
+    out["glu_linear_offset"] = float(arg(args, "glu_linear_offset", 0.0))
+    clamp = arg(args, "activation_func_clamp_value", None)
+    out["activation_clamp"] = float(clamp) if clamp is not None else None
+    return out
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # both sides' names
@@ -294,7 +346,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
                           f"so that padding rows are not kept")
     heads = args.num_attention_heads
     eps = getattr(args, "norm_epsilon", None)
-    scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} if found["rope_scaling"] else {}
+    scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} \
+        if found["rope_scaling"] == "llama3" else {}
     mla = mla_fields(args)
     found["rope_scaling"] = mla.pop("rope_scaling", found["rope_scaling"])
     if moe or mla:
@@ -312,7 +365,7 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         norm_epsilon=float(eps if eps is not None else arg(args, "layernorm_epsilon", 1e-5)),
         rotary_base=float(arg(args, "rotary_base", 10000)), rotary_percent=float(arg(args, "rotary_percent", 1.0)),
         make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla,
-        mtp_num_layers=mtp or None)
+        mtp_num_layers=mtp or None, **attention_fields(args))
 
 
 def _moe_pattern(args, pattern: hybrid.Pattern | None, mla: bool, moe: bool) -> str:

@@ -216,17 +216,33 @@ def _write_archive(path: Path, group: list[Entry], bar, job: Job, source: ByteSo
 
     from ckpt_tools.writers import TorchFileWriter
     writer, state = TorchFileWriter(path), {}
+    slices: list[torch.Tensor] = []  # a stacked tensor's slices so far (hf.part_of), written as one when complete
+    counts = {name: shape[0] for name, _, shape in job.tensors(group)}
     for e in group:
         target = getattr(torch, job.entry_dtype(e))
         for name, shape, data in source.data(e, job.entry_dtype(e)):
-            if isinstance(data, memoryview):
-                t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-                state[name] = writer.tensor(t.view(target).view(shape))
+            base, part = hf.part_of(name)
+            if part is not None:
+                slices.append(_in_memory(data, target, shape).clone())
+                if len(slices) == counts[base]:
+                    state[base] = writer.tensor(torch.stack(slices))
+                    slices = []
+            elif isinstance(data, memoryview):
+                state[name] = writer.tensor(_in_memory(data, target, shape))
             else:
                 state[name] = writer.tensor_from_files(target, shape, data)
         source.release()
         bar.update(job.entry_bytes(e))
     writer.close(state)
+
+
+def _in_memory(data: Data, dtype, shape: tuple[int, ...]):
+    """An output tensor's bytes (in memory, or file ranges read) as a tensor of `dtype` and `shape`."""
+    import torch
+    if not isinstance(data, memoryview):
+        data = memoryview(b"".join(os.pread(fd, n, offset) for fd, offset, n in data))
+    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return t.view(dtype).view(shape)
 
 
 def _pwrite(fd: int, data: memoryview, pos: int) -> int:

@@ -47,7 +47,7 @@ class Entry:
 def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
     """Every output tensor, in megatron-core order, with its shape (from the rows each is made of)."""
     if fmt in (HF, HF_BIN, TORCH):
-        rows = [(key, row.kind, names) for key, row, names in hf.hf_keys(spec)]
+        rows = _stacks_together([(key, row.kind, names) for key, row, names in hf.hf_keys(spec)])
         rows += [(key, row.kind, [name]) for key, row, name in hf.hf_copies(spec)]  # MTP layers' copies
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
         rows = [(key, hf.VOCAB if layout.has_padded_rows(key, spec, 1) else hf.SAME, [key])
@@ -57,14 +57,37 @@ def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
             for key, kind, names in rows]
 
 
+def _stacks_together(rows: list[tuple]) -> list[tuple]:
+    """(key, kind, names) rows in order, those whose one name is a slice of a stacked tensor (hf.part_of) moved to its
+    first slice's row: each stacked tensor's slices one after another, as the file holds them."""
+    groups: list[list[tuple]] = []
+    stacks: dict[str, list[tuple]] = {}
+    for row in rows:
+        base, e = hf.part_of(row[2][0]) if len(row[2]) == 1 else (None, None)
+        if e is None:
+            groups.append([row])
+        elif base in stacks:
+            stacks[base].append(row)
+        else:
+            stacks[base] = [row]
+            groups.append(stacks[base])
+    return [row for group in groups for row in group]
+
+
+def _stack_of(e: Entry) -> str | None:
+    return hf.part_of(e.names[0])[0] if len(e.names) == 1 and hf.part_of(e.names[0])[1] is not None else None
+
+
 def split_files(entries: list[Entry], dtype: str | torch.dtype, max_bytes: int,
                 nbytes: Callable[[Entry], int] | None = None) -> list[list[Entry]]:
-    """Entries in order, packed into files of at most max_bytes (a tensor bigger than that gets its own)."""
+    """Entries in order, packed into files of at most max_bytes (a tensor bigger than that gets its own; a stacked
+    tensor's slices stay in one file)."""
     files: list[list[Entry]] = [[]]
     size = 0
-    for e in entries:
+    for i, e in enumerate(entries):
         n = e.nbytes(dtype) if nbytes is None else nbytes(e)
-        if files[-1] and size + n > max_bytes:
+        stack = _stack_of(e)
+        if files[-1] and size + n > max_bytes and (stack is None or stack != _stack_of(entries[i - 1])):
             files.append([])
             size = 0
         files[-1].append(e)
@@ -127,8 +150,8 @@ class Job:
         return [f"{stem}.{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
 
     def tensors(self, group: list[Entry]) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of each tensor of one output file, in order."""
-        return [t for e in group for t in self.outputs(e)]
+        """(name, dtype, shape) of each tensor of one output file, in order (a stacked tensor's slices as one)."""
+        return hf.stacked([t for e in group for t in self.outputs(e)])
 
     def metadata(self) -> dict[str, str]:
         """The safetensors header's __metadata__."""
@@ -153,13 +176,13 @@ class Job:
                 write_file(tmp / self.names[i] if self.fmt in DIRS else tmp, self.files[i], bar)
             bar.close()
             if extras is not None and team.lead:
-                _write_hf_extras(tmp, *extras, tok_dir, [[n for e in group for n, _, _ in self.outputs(e)]
+                _write_hf_extras(tmp, *extras, tok_dir, [[n for n, _, _ in self.tensors(group)]
                                                          for group in self.files], self.names, self.total)
 
     def summary(self, out: Path, seconds: float, *notes: str | None) -> str:
         meta, spec = self.meta, self.meta.spec
         line = (f"merged {meta.dir} ({spec.architecture}, {meta.grid}, iteration "
-                f"{meta.iteration}) -> {out}: {sum(len(self.outputs(e)) for e in self.entries)} tensors, "
+                f"{meta.iteration}) -> {out}: {sum(len(self.tensors(group)) for group in self.files)} tensors, "
                 f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
                 + (f" (decoder linear weights in {self.fp8[0]}x{self.fp8[1]} FP8 blocks)" if self.fp8 else "")
                 + f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "

@@ -44,7 +44,8 @@ class ModelSpec:
     make_vocab_size_divisible_by: int = 128
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
     # values it cannot express (families.FEATURES lists them).
-    activation: str | None = None  # swiglu (gated silu) | geglu_tanh (gated tanh-GELU) | gelu | gelu_tanh
+    activation: str | None = None  # swiglu (gated silu) | geglu_tanh (gated tanh-GELU) | gelu | gelu_tanh |
+    # quick_geglu (gated x * sigmoid(1.702 x): megatron-core's quick_gelu, GPT-OSS's experts)
     normalization: str | None = None  # RMSNorm | LayerNorm
     add_bias_linear: bool | None = None  # biases on every linear layer
     add_qkv_bias: bool | None = None  # biases on the QKV projection only (Qwen2)
@@ -97,6 +98,18 @@ class ModelSpec:
     # Multi-token prediction (DeepSeek-V3; megatron-core's mtp_num_layers, transformers' num_nextn_predict_layers):
     # that many MTP layers after the decoder, each predicting one token further. None: none.
     mtp_num_layers: int | None = None
+    # GPT-OSS's attention and experts (megatron-core's names where it has them):
+    softmax_type: str | None = None  # vanilla | learnable: a learned logit per head in each softmax's denominator (a
+    # feature: megatron-core's core_attention.softmax_offset, transformers' GPT-OSS `sinks`)
+    sliding_window: int | None = None  # windowed layers attend the last W positions, their own included (transformers'
+    # sliding_window; megatron-core's window_size (W - 1, 0)); None: every layer attends to every earlier position
+    window_attn_skip_freq: int | None = None  # with a window: every N-th layer (counted from 1) attends fully, the
+    # others by the window (megatron-core's window_attn_skip_freq); None: every layer by the window
+    glu_linear_offset: float = 0.0  # a gated MLP's act(gate) * (up + offset) (megatron-core's glu_linear_offset)
+    activation_clamp: float | None = None  # the gate clamped above, the up half on both sides, at this value
+    # (megatron-core's activation_func_clamp_value, transformers' swiglu_limit)
+    rope_truncate: bool = True  # YaRN's correction range rounded outwards to whole dims (transformers' truncate,
+    # megatron-core's yarn_correction_range_round_to_int)
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -182,6 +195,17 @@ class ModelSpec:
                               f"{self.moe_router_num_groups}: every group holds as many experts")
         if self.layer_pattern is not None:
             self._check_pattern(family)
+        if self.sliding_window is not None and not family.windows:
+            raise ConfigError(f"sliding_window {self.sliding_window} given, but {self.architecture} attends to every "
+                              f"earlier position (the families with windows: " + ", ".join(
+                                  f.name for f in _families().all_families() if f.windows) + ")")
+        if self.window_attn_skip_freq is not None and self.sliding_window is None:
+            raise ConfigError(f"window_attn_skip_freq {self.window_attn_skip_freq} without a sliding_window: give the "
+                              f"window or drop the frequency")
+        offset = self.glu_linear_offset != 0.0 or self.activation_clamp is not None
+        if offset and self.activation != "quick_geglu":
+            raise ConfigError(f"glu_linear_offset / activation_clamp with activation {self.activation!r}: only "
+                              f"quick_geglu (GPT-OSS's clamped SwiGLU) has them")
         if self.mtp_num_layers is not None and not family.mtp_layers:
             raise ConfigError(f"mtp_num_layers {self.mtp_num_layers} given, but {self.architecture} has no multi-token "
                               f"prediction layers (the families with them: " + ", ".join(
@@ -230,7 +254,7 @@ class ModelSpec:
 
     @property
     def gated_linear_unit(self) -> bool:
-        return self.activation in ("swiglu", "geglu_tanh")
+        return self.activation in ("swiglu", "geglu_tanh", "quick_geglu")
 
     @property
     def qkv_bias(self) -> bool:
@@ -249,6 +273,12 @@ class ModelSpec:
     def pattern(self) -> str:
         """The layer pattern, a pair of symbols per layer (see `layer_pattern`), derived where not given."""
         return self.layer_pattern or self.uniform_pattern
+
+    def windowed(self, i: int) -> bool:
+        """Whether global layer i attends by the sliding window (megatron-core's is_layer_window_attention)."""
+        if self.sliding_window is None:
+            return False
+        return self.window_attn_skip_freq is None or (i + 1) % self.window_attn_skip_freq != 0
 
     def moe_layer(self, i: int) -> bool:
         """Whether global layer i's MLP is the MoE layer (else a dense MLP of ffn_hidden_size)."""

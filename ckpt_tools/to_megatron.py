@@ -90,6 +90,10 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
         raise ConfigError(f"{where}: multi-token prediction layers at PP {len(counts)} in Megatron-LM's {form} form (its "
                           f"last stage keeps an embedding copy of its own): not written by this version; pass --format "
                           f"torch_dist, or --pp 1")
+    if spec.is_moe and spec.add_bias_linear and tp > 1 and form != TORCH_DIST:
+        raise ConfigError(f"{where}: biased experts at TP {tp} in Megatron-LM's {form} form: megatron-core keeps them "
+                          f"whole (expert_tensor_parallel_size 1), which this version writes in torch_dist only; pass "
+                          f"--format torch_dist, or --tp 1")
     args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern)
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
@@ -155,6 +159,8 @@ def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep:
         if spec.rope_scaling == "yarn":
             where += (f" --rotary-scaling-factor {spec.rope_scaling_factor:g} --mscale {spec.rope_mscale:g} "
                       f"--mscale-all-dim {spec.rope_mscale_all_dim:g}")
+    if spec is not None:
+        where += _not_restored(spec)
     if resume:
         where += " --use-distributed-optimizer"
     if form == megatron_lm.TORCH:
@@ -162,6 +168,29 @@ def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep:
         if ep > 1:
             where += f" --expert-model-parallel-size {ep}"
     return where
+
+
+def _not_restored(spec: ModelSpec) -> str:
+    """The flags of GPT-OSS's features, which --use-checkpoint-args does not restore."""
+    flags = ""
+    if spec.rope_scaling == "yarn" and not spec.multi_latent_attention:
+        flags += (f" --rotary-scaling-factor {spec.rope_scaling_factor:g} --yarn-original-max-position-embeddings "
+                  f"{spec.rope_original_max_position_embeddings} --yarn-beta-fast {spec.rope_beta_fast:g} "
+                  f"--yarn-beta-slow {spec.rope_beta_slow:g} --mscale {spec.rope_mscale:g} --mscale-all-dim "
+                  f"{spec.rope_mscale_all_dim:g} --" + ("" if spec.rope_truncate else "no-")
+                  + "yarn-correction-range-round-to-int")
+    if spec.activation == "quick_geglu":
+        flags += " --quick-geglu --no-bias-gelu-fusion"
+        flags += f" --glu-linear-offset {spec.glu_linear_offset:g}" if spec.glu_linear_offset else ""
+        flags += f" --activation-func-clamp-value {spec.activation_clamp:g}" if spec.activation_clamp else ""
+    if spec.softmax_type not in (None, "vanilla"):
+        flags += f" --softmax-type {spec.softmax_type}"
+    if spec.sliding_window is not None:
+        flags += f" --window-size {spec.sliding_window - 1},0"
+        flags += f" --window-attn-skip-freq {spec.window_attn_skip_freq}" if spec.window_attn_skip_freq else ""
+    if spec.is_moe and spec.add_bias_linear:
+        flags += " --expert-tensor-parallel-size 1"
+    return flags
 
 
 def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: ResumeState | None, fresh: bool,

@@ -139,7 +139,7 @@ def tier1(src: Reader, other: Path | None, team: Team = SOLO) -> Tier:
         for e in (e for e, owner in zip(entries, owners) if owner == team.rank):
             converted = hf.to_hf(e.kind, src.full(e.key), spec)
             for name, a in zip(e.names, converted):
-                if name not in tensors.where:
+                if not tensors.holds(name):
                     continue
                 compared += 1
                 b = tensors.get(name)
@@ -151,8 +151,8 @@ def tier1(src: Reader, other: Path | None, team: Team = SOLO) -> Tier:
                     mismatched.append(f"{e.key} -> {name}: {_diff(a, b)}")
             src.release()
         wanted = {n for e in entries for n in e.names}
-        missing = sorted(wanted - set(tensors.where))
-        extra = sorted(set(tensors.where) - wanted)
+        missing = sorted(n for n in wanted if not tensors.holds(n))
+        extra = sorted(set(tensors.where) - {hf.part_of(n)[0] for n in wanted})
     found = team.share(lambda: (compared, exact, mismatched))  # in the tensors' order: the processes' runs in turn
     compared, exact = sum(c for c, _, _ in found), sum(x for _, x, _ in found)
     mismatched = [m for _, _, part in found for m in part]

@@ -166,11 +166,14 @@ def yarn_mscale(scale: float, mscale: float) -> float:
 def yarn_scaling(inv_freq: torch.Tensor, d: int, spec: ModelSpec) -> torch.Tensor:
     """YaRN's frequencies (megatron-core's YarnRotaryEmbedding, transformers' yarn rope type): the interpolated
     (divided by the factor) and the original ones blended by a linear ramp over the dims between the beta_fast and
-    beta_slow rotations of the original context (the range rounded outwards)."""
+    beta_slow rotations of the original context (the range rounded outwards unless rope_truncate is false)."""
     def dim_of(rotations: float) -> float:
         return d * math.log(spec.rope_original_max_position_embeddings / (rotations * 2 * math.pi)) / (
             2 * math.log(spec.rotary_base))
-    low, high = max(math.floor(dim_of(spec.rope_beta_fast)), 0), min(math.ceil(dim_of(spec.rope_beta_slow)), d - 1)
+    low, high = dim_of(spec.rope_beta_fast), dim_of(spec.rope_beta_slow)
+    if spec.rope_truncate:  # rounded outwards to whole dims (GPT-OSS keeps the range as it is)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low)
             / ((high + 0.001 if low == high else high) - low)).clamp(0, 1)
     keep = 1.0 - ramp  # the share of the original frequency
@@ -206,12 +209,45 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
 
 
-class SelfAttention(nn.Module):
+class CoreAttention(nn.Module):
+    """GPT-OSS's learned softmax offset (megatron-core's DotProductAttention with softmax_type learnable): a sink
+    logit per head, this rank's heads', in each softmax's denominator."""
+
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int):
+        super().__init__()
+        self.softmax_offset = nn.Parameter(torch.zeros(spec.num_attention_heads // tp_size, dtype=config.params_dtype))
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                    sink: torch.Tensor | None) -> torch.Tensor:
+    """Causal softmax attention on [b, heads, s, d] (keys and values [b, groups, s, d]) in fp32, as megatron-core's
+    local DotProductAttention computes it: the keys more than `window - 1` positions back masked too, and with a
+    `sink` [heads] one more logit per head in the denominator (its SoftmaxOne; transformers' GPT-OSS alike)."""
+    hpg, s = q.shape[1] // k.shape[1], q.shape[2]
+    k, v = k.repeat_interleave(hpg, dim=1), v.repeat_interleave(hpg, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    i = torch.arange(s, device=q.device)
+    back = i[:, None] - i[None, :]
+    hidden = (back < 0) if window is None else (back < 0) | (back >= window)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)
+    if sink is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, index: int = 0):
+        """`index`: the layer's global number (whether it attends by the sliding window)."""
         super().__init__()
         self.spec = spec
         self.groups = spec.num_query_groups // tp_size
+        self.window = spec.sliding_window if spec.windowed(index) else None
         qkv_rows = (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels
+        # megatron-core builds the core attention (its softmax offset) first
+        self.core_attention = CoreAttention(spec, config, tp_size) if spec.softmax_type == "learnable" else None
         # Registration order = megatron-core's state-dict order: linear_proj before linear_qkv.
         self.linear_proj = RowParallelLinear(
             spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
@@ -248,6 +284,9 @@ class SelfAttention(nn.Module):
             q, k = self.rotate(q, rope), self.rotate(k, rope)
         q, k, v = (t.reshape(s, b, -1, d) for t in (q, k, v))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.window is not None or self.core_attention is not None:
+            sink = self.core_attention.softmax_offset if self.core_attention is not None else None
+            return eager_attention(q, k, v, self.window, sink).permute(2, 0, 1, 3).reshape(s, b, -1)
         with sdpa_kernel(ATTENTION_BACKENDS, set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hpg > 1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -260,6 +299,11 @@ class SelfAttention(nn.Module):
         return out
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's quick_gelu: x * sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 class MLP(nn.Module):
     """The dense MLP, or one expert of an MoE layer (`width` its ffn size)."""
 
@@ -267,7 +311,9 @@ class MLP(nn.Module):
         super().__init__()
         width = width or spec.ffn_hidden_size
         self.gated = spec.gated_linear_unit
-        self.gate_act = F.silu if spec.activation == "swiglu" else partial(F.gelu, approximate="tanh")
+        self.gate_act = {"swiglu": F.silu, "quick_geglu": quick_gelu}.get(spec.activation,
+                                                                          partial(F.gelu, approximate="tanh"))
+        self.clamp, self.offset = spec.activation_clamp, spec.glu_linear_offset
         self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         fc1_rows = width * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
@@ -280,7 +326,9 @@ class MLP(nn.Module):
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = x.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
-            return self.gate_act(gate) * up
+            if self.clamp is not None:  # GPT-OSS: the gate clamped above, the up half on both sides
+                gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
+            return self.gate_act(gate) * (up + self.offset) if self.offset else self.gate_act(gate) * up
         return F.gelu(x, approximate=self.approximate)
 
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
@@ -303,7 +351,7 @@ class TransformerLayer(nn.Module):
             from trainer.mla import MLASelfAttention  # it builds on this module's layers
             self.self_attention = MLASelfAttention(spec, config, tp_size)
         else:
-            self.self_attention = SelfAttention(spec, config, tp_size)
+            self.self_attention = SelfAttention(spec, config, tp_size, index)
         self.pre_mlp_layernorm = _norm(spec, config)
         if not spec.moe_layer(index):
             self.mlp = MLP(spec, config)

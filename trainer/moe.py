@@ -96,6 +96,9 @@ class Router(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.num_moe_experts, spec.hidden_size, dtype=config.params_dtype))
+        # GPT-OSS's router bias (megatron-core's, with add_bias_linear): replicated over TP like the weight
+        self.bias = nn.Parameter(torch.empty(spec.num_moe_experts, dtype=config.params_dtype)) \
+            if spec.add_bias_linear else None
         # DeepSeek-V3's expert bias: a persistent fp32 buffer, as megatron-core's; it steers the choice only. This
         # trainer keeps it as loaded (megatron-core moves it by the experts' load with moe_router_bias_update_rate).
         self.register_buffer("expert_bias", torch.zeros(spec.num_moe_experts, dtype=torch.float32)
@@ -233,8 +236,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs, index, scores = route(F.linear(tokens, self.router.weight), self.topk, self.pre_softmax, self.spec,
-                                     self.router.expert_bias)
+        logits = F.linear(tokens, self.router.weight, self.router.bias)
+        probs, index, scores = route(logits, self.topk, self.pre_softmax, self.spec, self.router.expert_bias)
         aux = load_balancing_loss(index, scores, self.aux_loss_coeff) if self.training and self.aux_loss_coeff \
             else None
         if self.training:

@@ -21,12 +21,13 @@ from ckpt_tools.errors import ConfigError
 
 # Conversion kinds (full megatron-core tensor <-> HF tensors; see ckpt_tools/hf.py):
 SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "gated", "conv1d", "c_attn", "qkv_fused"
+GATE_UP_T = "gate_up_t"
 
 # ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
 FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
             "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings",
             "moe_shared_expert_gate", "multi_latent_attention", "moe_router_score_function",
-            "moe_router_enable_expert_bias")
+            "moe_router_enable_expert_bias", "softmax_type")
 
 
 @dataclass(frozen=True)
@@ -134,19 +135,28 @@ class Rope:
     default_theta: float = 10000.0
     partial: bool = False
     partial_default: float = 1.0  # transformers' partial_rotary_factor where config.json gives none (GLM-4.5: 0.5)
+    truncate: bool = False  # YaRN's `truncate` may be false (ModelSpec.rope_truncate; written where it may)
+    default_params: Mapping[str, Any] | None = None  # transformers' rope_parameters where config.json gives none
 
     def read(self, c: dict, out: dict, refuse: Callable[[str], None]) -> None:
         params = c.get("rope_parameters") or {}
         scaling = c.get("rope_scaling") or {}
+        if not params and not scaling and self.default_params is not None:
+            params = dict(self.default_params)
         if not isinstance(params, dict) or not isinstance(scaling, dict):
             raise TypeError("rope_parameters / rope_scaling is not an object")
         merged = {**scaling, **params}
         kind = merged.get("rope_type", merged.get("type", "default"))
         if kind not in ("default", "llama3", "yarn"):
             refuse(f"rope scaling {kind} is not supported (only default, llama3 and yarn)")
-        if kind == "yarn" and (merged.get("truncate", True) is not True or merged.get("attention_factor") is not None):
-            refuse("yarn with truncate false or an explicit attention_factor is not supported (megatron-core's YaRN "
-                   "rounds the correction range and derives the factor from mscale and mscale_all_dim)")
+        truncate = merged.get("truncate", True)
+        if kind == "yarn" and (truncate not in (True, False) or (not truncate and not self.truncate)
+                               or merged.get("attention_factor") is not None):
+            refuse(f"yarn with truncate {json.dumps(truncate)} or an explicit attention_factor is not supported for "
+                   f"this family (megatron-core's MLA YaRN rounds the correction range and derives the factor from "
+                   f"mscale and mscale_all_dim)")
+        if kind == "yarn" and self.truncate:
+            out["rope_truncate"] = truncate
         partial = merged.get("partial_rotary_factor", c.get("partial_rotary_factor", self.partial_default))
         if partial not in (None, 1, 1.0) and not self.partial:
             refuse(f"partial_rotary_factor {partial!r} is not supported (rotary embeddings on the whole head only)")
@@ -186,6 +196,8 @@ class Rope:
             params.update({theirs: getattr(spec, ours) for theirs, ours in ROPE_FIELDS.items()})
         if spec.rope_scaling == "yarn":
             params.update({theirs: getattr(spec, ours) for theirs, ours in YARN_FIELDS.items()})
+            if self.truncate:
+                params["truncate"] = spec.rope_truncate
         if self.partial:
             params["partial_rotary_factor"] = spec.rotary_percent
         out["rope_parameters"] = params
@@ -208,6 +220,7 @@ class Family:
     partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
     dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
     fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
+    windows: bool = False  # its layers may attend by a sliding window (ModelSpec.sliding_window)
     mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
     # (megatron-core key, HF name with `{i}` the MTP layer's number) of each tensor an HF MTP layer holds a copy of
     mtp_copies: tuple[tuple[str, str], ...] = ()
@@ -265,11 +278,11 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import (deepseek_v3, gemma, glm4_moe, gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2,
-                                     qwen2_moe, qwen3, qwen3_moe)
+    from ckpt_tools.families import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, mistral, mixtral, olmoe, phi3,
+                                     qwen2, qwen2_moe, qwen3, qwen3_moe)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
             mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY,
-            deepseek_v3.FAMILY)
+            deepseek_v3.FAMILY, gpt_oss.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}
