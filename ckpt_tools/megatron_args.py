@@ -200,7 +200,7 @@ _ARG_OF = {
     "multi_latent_attention": ("multi_latent_attention", None),
     "moe_router_score_function": ("moe_router_score_function", None),
     "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", None),
-    "softmax_type": ("softmax_type", None),
+    "softmax_type": ("softmax_type", None), "glu_linear_offset": ("glu_linear_offset", None),
 }
 
 
@@ -246,6 +246,7 @@ def features_of(args) -> dict:
         "moe_router_enable_expert_bias": bool(arg(args, "moe_router_enable_expert_bias", False))
         and bool(arg(args, "num_experts", None)),
         "softmax_type": arg(args, "softmax_type", "vanilla"),
+        "glu_linear_offset": float(arg(args, "glu_linear_offset", 0.0)),
     }
 
 
@@ -258,7 +259,7 @@ GPT_YARN = ("original_max_position_embeddings", "beta_fast", "beta_slow")  # GPT
 
 
 def attention_fields(args) -> dict:
-    """GPTModel's YaRN parameters, the sliding window and the experts' clamped GLU (GPT-OSS) as ModelSpec fields."""
+    """GPTModel's YaRN parameters, the sliding window and the experts' GLU clamp (GPT-OSS) as ModelSpec fields."""
     out: dict = {}
     if _gpt_yarn(args):
         out["rope_scaling_factor"] = float(arg(args, "rotary_scaling_factor", 1.0))
@@ -278,7 +279,6 @@ def attention_fields(args) -> dict:
                                   f"patterns only")
             freq = n
         out["window_attn_skip_freq"] = freq
-    out["glu_linear_offset"] = float(arg(args, "glu_linear_offset", 0.0))
     clamp = arg(args, "activation_func_clamp_value", None)
     out["activation_clamp"] = float(clamp) if clamp is not None else None
     return out

@@ -105,7 +105,8 @@ class ModelSpec:
     # sliding_window; megatron-core's window_size (W - 1, 0)); None: every layer attends to every earlier position
     window_attn_skip_freq: int | None = None  # with a window: every N-th layer (counted from 1) attends fully, the
     # others by the window (megatron-core's window_attn_skip_freq); None: every layer by the window
-    glu_linear_offset: float = 0.0  # a gated MLP's act(gate) * (up + offset) (megatron-core's glu_linear_offset)
+    glu_linear_offset: float | None = None  # a gated MLP's act(gate) * (up + offset) (a feature: megatron-core's
+    # glu_linear_offset; GPT-OSS's experts 1)
     activation_clamp: float | None = None  # the gate clamped above, the up half on both sides, at this value
     # (megatron-core's activation_func_clamp_value, transformers' swiglu_limit)
     rope_truncate: bool = True  # YaRN's correction range rounded outwards to whole dims (transformers' truncate,
@@ -202,7 +203,7 @@ class ModelSpec:
         if self.window_attn_skip_freq is not None and self.sliding_window is None:
             raise ConfigError(f"window_attn_skip_freq {self.window_attn_skip_freq} without a sliding_window: give the "
                               f"window or drop the frequency")
-        offset = self.glu_linear_offset != 0.0 or self.activation_clamp is not None
+        offset = self.glu_linear_offset not in (None, 0.0) or self.activation_clamp is not None
         if offset and self.activation != "quick_geglu":
             raise ConfigError(f"glu_linear_offset / activation_clamp with activation {self.activation!r}: only "
                               f"quick_geglu (GPT-OSS's clamped SwiGLU) has them")

@@ -50,6 +50,18 @@ def _shim_cuda(torch) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
+def shim_masks() -> None:
+    """megatron-core's sliding-window mask is made on "cuda": the same mask made on the CPU (after megatron-core is
+    imported)."""
+    import torch
+    from megatron.core.fusions import fused_softmax
+
+    def mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+    fused_softmax.get_sliding_window_causal_mask = mask
+
+
 def _perturb(model, torch) -> None:
     """Norm weights and biases are ones and zeros at init: give them values (the same on every TP rank,
     seeded by the parameter's global layer and name), so that a misplaced one changes the logits."""
@@ -171,13 +183,14 @@ def main(config_path: str, out: str) -> None:
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from mcore_reference_child import _build_model
+    from mcore_reference_child import _build_model, expert_tp
 
     from ckpt_tools.spec import ModelSpec
+    shim_masks()
     cfg = json.loads(Path(config_path).read_text())
     tp, pp, iteration, ep = cfg["tp"], cfg["pp"], cfg.get("iteration", 5), cfg.get("ep", 1)
-    etp = cfg.get("etp", tp)  # --expert-tensor-parallel-size (an MoE model's experts split over ETP ranks)
     spec = ModelSpec.from_dict(cfg["model"])
+    etp = cfg.get("etp", expert_tp(spec, tp))  # --expert-tensor-parallel-size (an MoE model's experts over ETP ranks)
     padded = spec.padded_vocab_size(tp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)

@@ -23,7 +23,7 @@ from pathlib import Path
 def main(config_path: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
-    from mcore_checkpoints import _forward, _shim_cuda, sharding_metadata
+    from mcore_checkpoints import _forward, _shim_cuda, sharding_metadata, shim_masks
     _shim_cuda(torch)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -31,7 +31,8 @@ def main(config_path: str) -> None:
     import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
-    from mcore_reference_child import _build_model
+    from mcore_reference_child import _build_model, expert_tp
+    shim_masks()
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
         moe_utils.te_general_gemm = None
@@ -42,7 +43,7 @@ def main(config_path: str) -> None:
     ep = cfg.get("ep", 1)
     spec = ModelSpec.from_dict(cfg["model"])
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=expert_tp(spec, tp))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     torch.manual_seed(99)  # other weights than the checkpoint's: only a complete load gives its logits
     model = _build_model({**spec.to_dict(), "padded_vocab_size": cfg["padded_vocab"], "ep": ep}, tp, pp)

@@ -20,6 +20,12 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def expert_tp(spec, tp: int) -> int:
+    """megatron-core's expert tensor-parallel size for a model: TP, or 1 for biased experts (its TransformerConfig
+    asserts it: GPT-OSS)."""
+    return 1 if spec.is_moe and spec.add_bias_linear else tp
+
+
 def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     """megatron-core's GPTModel, local spec; an MoE model's experts are SequentialMLP, or with `grouped` the
     GroupedMLP of --moe-grouped-gemm without Transformer Engine (built on CPU for its state dicts only: its
@@ -35,9 +41,15 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
 
     fields = {k: v for k, v in model.items() if k not in ("padded_vocab_size", "ep", "etp") and v is not None}
     s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features
-    activation = {"swiglu": F.silu, "gelu": F.gelu,
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    activation = {"swiglu": F.silu, "gelu": F.gelu, "quick_geglu": quick_gelu,
                   "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[s.activation]
     mla = {}
+    if s.softmax_type == "learnable":  # GPT-OSS: sinks, windows, the clamped GLU of +1 (megatron-core's names)
+        mla.update(softmax_type="learnable", glu_linear_offset=s.glu_linear_offset,
+                   activation_func_clamp_value=s.activation_clamp,
+                   window_size=(s.sliding_window - 1, 0) if s.sliding_window else None,
+                   window_attn_skip_freq=s.window_attn_skip_freq)
     if s.multi_latent_attention:  # DeepSeek-V3: MLATransformerConfig, plain RoPE (its default is YaRN), routing
         from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
         mla = dict(multi_latent_attention=True, q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
@@ -68,11 +80,19 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
             "expert_model_parallel_size": int(model.get("ep", 1)),
             "moe_shared_expert_intermediate_size": s.moe_shared_expert_intermediate_size,
             "moe_shared_expert_gate": bool(s.moe_shared_expert_gate),
-            "expert_tensor_parallel_size": int(model.get("etp") or tp)} if s.is_moe else {}),
+            "expert_tensor_parallel_size": int(model.get("etp") or expert_tp(s, tp))} if s.is_moe else {}),
         **mla, **({"mtp_num_layers": s.mtp_num_layers} if s.mtp_num_layers else {}),
     )
     tied = s.tie_word_embeddings
-    if s.position_embedding_type == "rope":
+    if s.rope_scaling == "yarn" and not s.multi_latent_attention:  # GPTModel's own YaRN reads these attributes
+        for ours, theirs in (("rope_scaling_factor", "rotary_scaling_factor"),
+                             ("rope_original_max_position_embeddings", "original_max_position_embeddings"),
+                             ("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
+                             ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
+                             ("rope_truncate", "correction_range_round_to_int")):
+            setattr(config, f"yarn_{theirs}", getattr(s, ours))
+        pos_kw = dict(position_embedding_type="yarn", rotary_base=s.rotary_base)
+    elif s.position_embedding_type == "rope":
         pos_kw = dict(position_embedding_type="rope", rotary_base=s.rotary_base, rotary_percent=s.rotary_percent,
                       rope_scaling=s.rope_scaling == "llama3", rope_scaling_factor=s.rope_scaling_factor)
     else:

@@ -32,6 +32,8 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_
           "bos_token_id": 1, "eos_token_id": 2}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 32}
 # case -> (transformers config class, its arguments beyond COMMON, our family)
 CASES = {
     "llama3_tied": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}, "llama"),
@@ -72,6 +74,10 @@ CASES = {
                                    "n_routed_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
                                    "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
                                    "first_k_dense_replace": 1, "num_nextn_predict_layers": 0}, "glm4_moe"),
+    # GPT-OSS: biased attention with a sink logit per head, an 8-position window on layers 0 and 2, YaRN with its
+    # correction range unrounded, top-2 of 4 biased experts with a clamped GLU, stacked in transformers' tensors
+    "gpt_oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                                 "rope_parameters": GPT_OSS_YARN}, "gpt_oss"),
 }
 
 
@@ -135,8 +141,8 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3",
-           "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe",
+           "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
 @pytest.mark.slow
@@ -154,7 +160,10 @@ OWN_FIELDS = {  # the sizes a family's blocks need beyond the common ones
                     "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "moe_ffn_hidden_size": 24, "layer_pattern": "+-+E",
                     "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
     "glm4_moe": {"moe_ffn_hidden_size": 24, "layer_pattern": "*-*E", "rotary_percent": 0.5, "add_qkv_bias": True,
-                 "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5}}
+                 "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
+    "gpt_oss": {"sliding_window": 8, "window_attn_skip_freq": 2, "activation_clamp": 7.0, "rope_scaling": "yarn",
+                "rope_scaling_factor": 4.0,
+                "rope_original_max_position_embeddings": 32, "rope_truncate": False, "rope_mscale_all_dim": 0.0}}
 
 
 def test_family_records_map_their_config_both_ways():
@@ -197,6 +206,11 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "qwen3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling 'yarn' is not"),
     ({"model_type": "glm4_moe", "norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"model_type": "gpt_oss", "attention_bias": False}, "attention_bias=false is not supported (attention without"),
+    ({"model_type": "gpt_oss", "swiglu_alpha": 1.5}, "swiglu_alpha 1.5 is not supported"),
+    ({"model_type": "gpt_oss", "layer_types": ["full_attention", "sliding_attention"]},
+     "megatron-core's window_attn_skip_freq makes every N-th layer full"),
+    ({"model_type": "gpt_oss", "sliding_window": 0}, "sliding_window 0 (a number of positions"),
 ])
 def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
     moe = {"num_moe_experts": 4} if families.get(changes["model_type"]).moe else {}
@@ -222,6 +236,10 @@ MCORE = {  # ModelSpec fields of megatron-core GPTModels whose features the Llam
     "qwen2_tied": {"architecture": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"architecture": "qwen3", "kv_channels": 24},
     "llama3": {"architecture": "llama", "rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rotary_base": 500000.0},
+    # GPT-OSS: sinks, windows on alternate layers, GPTModel's YaRN unrounded, biased experts (ETP 1) with the clamped
+    # GLU of +1
+    "gpt_oss": {"architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16, "num_moe_experts": 4,
+                "moe_router_topk": 2, **{k: v for k, v in OWN_FIELDS["gpt_oss"].items()}, "rotary_base": 150000.0},
 }
 
 

@@ -77,7 +77,9 @@ def test_olmoe_norm_over_all_heads_split_over_tp_equals_transformers(tmp_path):
                                                       ("qwen2_moe", "torch_dist", (1, 2, 1), (2, 1, 2)),
                                                       ("mixtral", "torch", (1, 2, 2), (1, 2, 2)),
                                                       ("deepseek_v3", "torch_dist", (2, 2, 1), (2, 1, 2)),
-                                                      ("deepseek_v3", "torch", (2, 2, 1), (2, 2, 1))])
+                                                      ("deepseek_v3", "torch", (2, 2, 1), (2, 2, 1)),
+                                                      ("gpt_oss", "torch_dist", (2, 2, 1), (2, 1, 2)),
+                                                      ("gpt_oss", "torch", (1, 2, 2), (1, 2, 2))])
 def test_megatron_core_loads_the_moe_checkpoints_we_write(case, form, written, loaded, hf_dirs, tmp_path):
     """`ckpt import --format torch_dist|torch` of an MoE model: megatron-core's own MoE GPTModel loads it the way
     Megatron-LM does (torch_dist at another TP x PP and with EP2; torch per rank, strict, with EP2 from the

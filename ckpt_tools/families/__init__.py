@@ -27,7 +27,7 @@ GATE_UP_T = "gate_up_t"
 FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
             "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings",
             "moe_shared_expert_gate", "multi_latent_attention", "moe_router_score_function",
-            "moe_router_enable_expert_bias", "softmax_type")
+            "moe_router_enable_expert_bias", "softmax_type", "glu_linear_offset")
 
 
 @dataclass(frozen=True)

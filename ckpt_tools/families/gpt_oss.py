@@ -83,7 +83,6 @@ def _read_alpha(c: dict, out: dict, refuse) -> None:
     alpha = c.get("swiglu_alpha", 1.702)
     if alpha != 1.702:
         refuse(f"swiglu_alpha {alpha!r} is not supported (megatron-core's quick_gelu fixes it at 1.702)")
-    out["glu_linear_offset"] = 1.0  # transformers' experts: gate * sigmoid(alpha * gate) * (up + 1)
 
 
 def check(spec) -> None:
@@ -93,14 +92,14 @@ def check(spec) -> None:
     if spec.moe_router_pre_softmax:
         raise ConfigError("moe_router_pre_softmax true is not GPT-OSS's router (a softmax over the top-k logits): set "
                           "it false")
-    if spec.glu_linear_offset != 1.0:
-        raise ConfigError(f"glu_linear_offset {spec.glu_linear_offset}: GPT-OSS's experts compute (up + 1)")
 
 
 FAMILY = Family(
     name="gpt_oss", model_type="gpt_oss", hf_class="GptOssForCausalLM", moe=True, windows=True,
     features={**llama.FEATURES, "activation": ("quick_geglu",), "add_bias_linear": (True,),
-              "rope_scaling": ("yarn", None), "tie_word_embeddings": (False,), "softmax_type": ("learnable",)},
+              "rope_scaling": ("yarn", None), "tie_word_embeddings": (False,), "softmax_type": ("learnable",),
+              # transformers' experts: gate * sigmoid(alpha * gate) * (up + 1)
+              "glu_linear_offset": (1.0,)},
     names=NAMES, check=check,
     config=llama.config(
         1e-5, 64, 131072,
