@@ -157,6 +157,9 @@ def _safety_opts(fn):
 @click.option("--fp8-blocks", default=None, metavar="ROWSxCOLS",
               help="Write the decoder layers' linear weights as block-scaled FP8 (e4m3 + weight_scale_inv per block, "
                    "DeepSeek-V3's published layout), e.g. 128x128; the other tensors in --dtype.")
+@click.option("--mxfp4", is_flag=True,
+              help="Write the experts' weights in MXFP4 (_blocks and _scales, GPT-OSS's published layout); the other "
+                   "tensors in --dtype.")
 @click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
               help="Tokenizer dir to include (default: the checkpoint's own tokenizer files).")
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
@@ -166,7 +169,7 @@ def _safety_opts(fn):
 @_team_opts
 @_handle_errors
 def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: bool, max_shard_size: str,
-          fp8_blocks: str | None, tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool,
+          fp8_blocks: str | None, mxfp4: bool, tokenizer: str | None, vocab_size: int | None, force: bool, check_hashes: bool,
           no_preflight: bool, quiet: bool, **launcher) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
     # no torch imported here: a merge that needs none never imports it (a team of processes does, for its rendezvous)
@@ -179,7 +182,7 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
     summary = m.merge(src, out, fmt=fmt, dtype=dtype, from_master=from_master_weights,
                       max_shard_size=parse_size(max_shard_size), tokenizer=tokenizer, vocab_size=vocab_size,
                       force=force, quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight,
-                      torch_threads=1, team=team, fp8_blocks=_blocks(fp8_blocks))
+                      torch_threads=1, team=team, fp8_blocks=_blocks(fp8_blocks), mxfp4=mxfp4)
     if team.lead:
         click.echo(summary)
 

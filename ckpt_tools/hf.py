@@ -30,7 +30,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import families, layout, shard_ops
+from ckpt_tools import families, layout, mxfp4, shard_ops
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.families import C_ATTN, CONV1D, GATE_UP_T, GATED, QKV, QKV_FUSED, SAME, VOCAB, Name  # noqa: F401
 from ckpt_tools.spec import ModelSpec
@@ -86,20 +86,23 @@ def slice_counts(names) -> dict[str, int]:
 
 
 def stacked(tensors: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of the tensors a file holds, the slices of a stacked tensor (consecutive, from 0, one dtype
-    and shape) as the one tensor they make: [slices, *shape]."""
+    """(name, dtype, shape) of the tensors a file holds, the slices of a stacked tensor (0, 1, ... in order, of one
+    dtype and shape) as the one tensor they make, [slices, *shape], where its first slice is."""
     out: list[tuple[str, str, tuple[int, ...]]] = []
+    at: dict[str, int] = {}
     for name, dtype, shape in tensors:
         base, e = part_of(name)
         if e is None:
-            out.append((name, dtype, shape))
-        elif e == 0:
-            out.append((base, dtype, (1,) + tuple(shape)))
-        elif out and out[-1][0] == base and out[-1][2][0] == e and (out[-1][1], out[-1][2][1:]) == (dtype, tuple(shape)):
-            out[-1] = (base, dtype, (e + 1,) + tuple(shape))
-        else:
+            out.append((name, dtype, tuple(shape)))
+            continue
+        if base not in at:
+            at[base] = len(out)
+            out.append((base, dtype, (0,) + tuple(shape)))
+        _, d, s = out[at[base]]
+        if e != s[0] or (d, s[1:]) != (dtype, tuple(shape)):
             raise LayoutError(f"{name}: a slice of a stacked tensor out of order (slices 0, 1, ... of one shape and "
-                              f"dtype, one after another)")
+                              f"dtype)")
+        out[at[base]] = (base, d, (e + 1,) + s[1:])
     return out
 
 
@@ -294,9 +297,9 @@ QUANTIZATION = "quantization_config"
 def fp8_blocks(config: dict, where: Path) -> tuple[int, int] | None:
     """The weight block of a block-scaled FP8 checkpoint's config.json (DeepSeek-V3's and Kimi K2's published form:
     quant_method fp8, e4m3 weights, `weight_block_size` [128, 128], dynamic activation scales); None for an
-    unquantized one. Any other quantization is refused in one line."""
+    unquantized one (or an MXFP4 one: ckpt_tools.mxfp4). Any other quantization is refused in one line."""
     q = config.get(QUANTIZATION)
-    if q is None:
+    if q is None or mxfp4.is_mxfp4(config):
         return None
     block = q.get("weight_block_size") if isinstance(q, dict) else None
     fmt, act = (q.get("fmt", "e4m3"), q.get("activation_scheme", "dynamic")) if isinstance(q, dict) else (None, None)
@@ -304,7 +307,8 @@ def fp8_blocks(config: dict, where: Path) -> tuple[int, int] | None:
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise FormatError(f"{where}: quantization_config {json.dumps(q)[:120]} is not read: this version reads "
                           f"block-scaled FP8 weights (quant_method fp8, fmt e4m3, activation_scheme dynamic, "
-                          f"weight_block_size [rows, cols]); dequantize the model with transformers first")
+                          f"weight_block_size [rows, cols]) and MXFP4 ones (quant_method mxfp4); dequantize the model "
+                          f"with transformers first")
     return block[0], block[1]
 
 
@@ -398,7 +402,11 @@ class HFTensors:
                 self.where[key] = name
         self._file_of = dict(self.where)  # every tensor, the scales too
         config = hf_dir / "config.json"
-        self.block = fp8_blocks(json.loads(config.read_text()), config) if config.is_file() else None
+        settings = json.loads(config.read_text()) if config.is_file() else {}
+        self.block = fp8_blocks(settings, config) if config.is_file() else None
+        self.packed: dict[str, tuple[str, str]] = {}  # an MXFP4 weight -> its blocks and scales
+        if mxfp4.is_mxfp4(settings):
+            self._pack(hf_dir)
         self.scales: dict[str, str] = {}  # an FP8 weight -> its scales
         if self.block is not None:
             self.scales = {key[:-len(SCALE)]: key for key in self.where if key.endswith(SCALE)}
@@ -419,6 +427,21 @@ class HFTensors:
                                   ": this version reads FP8 weights with their block scales only; dequantize the "
                                   "model with transformers first")
 
+    def _pack(self, hf_dir: Path) -> None:
+        """MXFP4 weights (`<name>_blocks` + `<name>_scales`) listed under their name, dequantized when read."""
+        for key in [k for k in self.where if k.endswith(mxfp4.BLOCKS)]:
+            name = key[:-len(mxfp4.BLOCKS)]
+            if name + mxfp4.SCALES not in self.where:
+                raise FormatError(f"{hf_dir}: MXFP4 blocks {key} without their scales {name}{mxfp4.SCALES}: the "
+                                  f"checkpoint is incomplete; download it again")
+            self.packed[name] = (key, name + mxfp4.SCALES)
+            self.where[name] = self.where.pop(key)
+            del self.where[name + mxfp4.SCALES]
+        lost = sorted(k for k in self.where if k.endswith(mxfp4.SCALES) and k[:-len(mxfp4.SCALES)] in self.where)
+        if lost:
+            raise FormatError(f"{hf_dir}: MXFP4 scales {lost[0]} without their blocks: the checkpoint is incomplete; "
+                              f"download it again")
+
     def holds(self, name: str) -> bool:
         """Whether the weights hold the tensor (or, for a slice `name[e]`, the stacked tensor it is a slice of)."""
         base, e = part_of(name)
@@ -428,6 +451,10 @@ class HFTensors:
         """The tensor (an FP8 weight dequantized by its block scales, fp32); `name[e]`: slice e of a stacked tensor,
         read alone."""
         base, e = part_of(name)
+        if base in self.packed:
+            blocks, scales = self.packed[base]
+            return mxfp4.dequantize(self._get(blocks, e), self._get(scales, e), f"{self._paths[self._file_of[blocks]]}: "
+                                                                               f"{base}")
         if e is not None:
             return self._get(base, e)
         if name not in self.scales:
@@ -472,6 +499,8 @@ class HFTensors:
     def dtype_name(self, name: str) -> str:
         """The dtype name of the tensor as `get` gives it ("float32" for an FP8 block weight, dequantized)."""
         name = part_of(name)[0]
+        if name in self.packed:
+            return "bfloat16"
         if name in self.scales:
             return "float32"
         file = self._file_of[name]
@@ -482,7 +511,11 @@ class HFTensors:
 
     def shape(self, name: str) -> tuple[int, ...]:
         base, e = part_of(name)
-        shape = tuple(self._handles[self.where[base]].get_slice(base).get_shape())
+        if base in self.packed:
+            key = self.packed[base][0]
+            shape = mxfp4.hf_shape(tuple(self._handles[self.where[base]].get_slice(key).get_shape()))
+        else:
+            shape = tuple(self._handles[self.where[base]].get_slice(base).get_shape())
         return shape if e is None else shape[1:]
 
 

@@ -124,18 +124,19 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
           from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
           no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None, team: Team = SOLO,
-          fp8_blocks: tuple[int, int] | None = None) -> str:
+          fp8_blocks: tuple[int, int] | None = None, mxfp4: bool = False) -> str:
     """Write the merged model; returns the one-line summary. `via` picks the source (AUTO: the byte source when
     it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used; `team`: the processes that
     write the output files between them (ckpt_tools.team); `fp8_blocks`: the decoder layers' linear weights in
-    block-scaled FP8 (DeepSeek-V3's published layout, hf.quantize_blocks), read through torch."""
+    block-scaled FP8 (DeepSeek-V3's published layout, hf.quantize_blocks), read through torch; `mxfp4`: the experts'
+    weights in MXFP4 (GPT-OSS's, ckpt_tools.mxfp4), read through torch."""
     start = time.perf_counter()
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    source = open_source(src, vocab_size, from_master, check_hashes, TENSORS if fp8_blocks else via, torch_threads,
-                         team)
+    source = open_source(src, vocab_size, from_master, check_hashes, TENSORS if fp8_blocks or mxfp4 else via,
+                         torch_threads, team)
     try:
-        job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size, fp8_blocks)
+        job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size, fp8_blocks, mxfp4)
         tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None
         output.preflight(out, job.total, no_preflight)
         job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source),
@@ -152,17 +153,20 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         return
     from ckpt_tools.writers import safetensors_header
     header = safetensors_header(job.tensors(group), job.metadata())
+    offsets = job.offsets(group)
     with open(path, "wb") as f:
         f.write(header)
         f.flush()
         dst = f.fileno()
-        pos = written = len(header)
+        high = written = len(header)
         worker = io.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
         try:
             for e in group:
                 dtype = job.entry_dtype(e)
-                for name, shape, data in _fp8(source.data(e, "float32"), job, e) if job.fp8 else source.data(e, dtype):
-                    itemsize = ELEMENT_SIZES[dtype]
+                quantized = job.fp8 or job.mxfp4
+                for name, shape, data in _quantized(source.data(e, "float32"), job, e) if quantized else \
+                        source.data(e, dtype):
+                    itemsize, pos = ELEMENT_SIZES[dtype], len(header) + offsets[name]
                     if isinstance(data, _Bytes):  # the FP8 path's tensors, each of its own dtype
                         data, itemsize = data.view, ELEMENT_SIZES[data.dtype_name]
                     if isinstance(data, memoryview):
@@ -174,12 +178,12 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
                             n += nbytes
                     if n != math.prod(shape) * itemsize:
                         raise LayoutError(f"{name}: wrote {n} bytes, planned {math.prod(shape) * itemsize}")
-                    pos += n
+                    high = max(high, pos + n)
                 source.release()
                 bar.update(job.entry_bytes(e))
-                if pos - written >= WRITEBACK:
-                    worker.writeback(dst, written, pos - written)
-                    written = pos
+                if high - written >= WRITEBACK:
+                    worker.writeback(dst, written, high - written)
+                    written = high
             worker.submit(os.fsync, dst)
         except BaseException:
             worker.abandon()
@@ -187,17 +191,24 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         worker.finish()
 
 
-def _fp8(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job, e: Entry) -> Iterator[tuple[str, tuple[int, ...], Data]]:
-    """The entry's fp32 output tensors, the FP8-block ones as their e4m3 weight and fp32 scales (others in job.dtype)."""
+def _quantized(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job,
+               e: Entry) -> Iterator[tuple[str, tuple[int, ...], Data]]:
+    """The entry's fp32 output tensors, the FP8-block ones as their e4m3 weight and fp32 scales, the MXFP4 ones as
+    their blocks and scales (others in job.dtype)."""
     import torch
 
+    from ckpt_tools.mxfp4 import quantize, quantized
+    from ckpt_tools.plan import packed_names
     from ckpt_tools.writers import contiguous_bytes
     for name, shape, data in tensors:
         t = torch.frombuffer(data, dtype=torch.float32).view(shape) if len(data) else torch.empty(shape)
-        if hf.fp8_quantized(name, shape):
+        if job.fp8 and hf.fp8_quantized(name, shape):
             q, inv = hf.quantize_blocks(t, job.fp8)
             yield name, shape, _Bytes(contiguous_bytes(q), hf.FP8)
             yield name + hf.SCALE, tuple(inv.shape), _Bytes(contiguous_bytes(inv), "float32")
+        elif job.mxfp4 and quantized(name):
+            for packed, part in zip(packed_names(name), quantize(t)):
+                yield packed, tuple(part.shape), _Bytes(contiguous_bytes(part), "uint8")
         else:
             dtype = job.entry_dtype(e)
             yield name, shape, _Bytes(contiguous_bytes(t.to(getattr(torch, dtype))), dtype)

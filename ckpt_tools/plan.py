@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import families, hf, io, layout, output
+from ckpt_tools import families, hf, io, layout, mxfp4, output
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
@@ -105,20 +105,27 @@ class Job:
     entries: list[Entry]
     files: list[list[Entry]]  # the entries of each output file
     fp8: tuple[int, int] | None = None  # the decoder layers' linear weights in FP8 blocks of this size (hf.fp8_quantized)
+    mxfp4: bool = False  # the experts' weights in MXFP4 (ckpt_tools.mxfp4)
 
     @classmethod
     def make(cls, meta: Meta, fmt: str, dtype: str | None, from_master: bool, max_shard_size: int,
-             fp8: tuple[int, int] | None = None) -> Job:
+             fp8: tuple[int, int] | None = None, packed: bool = False) -> Job:
         target = DTYPE_OPTIONS[dtype] if dtype else ("float32" if from_master else meta.params_dtype)
-        if fp8 is not None and fmt != HF:
-            raise ConfigError(f"--fp8-blocks writes a HuggingFace model dir (--format hf), not {fmt}: drop one of them")
+        for option, given in (("--fp8-blocks", fp8 is not None), ("--mxfp4", packed)):
+            if given and fmt != HF:
+                raise ConfigError(f"{option} writes a HuggingFace model dir (--format hf), not {fmt}: drop one of them")
+        if fp8 is not None and packed:
+            raise ConfigError("--fp8-blocks and --mxfp4 together: choose one")
         family = families.get(meta.spec.architecture)
+        if packed and not family.mxfp4:
+            raise ConfigError(f"--mxfp4: {family.name}'s HF weights have no MXFP4 form (the families with one: "
+                              f"{', '.join(f.name for f in families.all_families() if f.mxfp4)}): drop --mxfp4")
         if fp8 is not None and not family.fp8_blocks:
             raise ConfigError(f"--fp8-blocks: {family.name}'s HF weights have no block-scaled FP8 form (the families "
                               f"with one: {', '.join(f.name for f in families.all_families() if f.fp8_blocks)}): drop "
                               f"--fp8-blocks")
         entries = plan(meta.spec, meta.padded_vocab, fmt)
-        job = cls(meta, fmt, target, from_master, entries, [], fp8)
+        job = cls(meta, fmt, target, from_master, entries, [], fp8, packed)
         job.files = split_files(entries, target, max_shard_size, job.entry_bytes) if fmt in DIRS else [entries]
         return job
 
@@ -132,9 +139,23 @@ class Job:
         for n, s in zip(e.names, e.shapes):
             if self.fp8 is not None and hf.fp8_quantized(n, s):
                 out += [(n, hf.FP8, s), (n + hf.SCALE, "float32", hf.scale_grid(s, self.fp8))]
+            elif self.mxfp4 and mxfp4.quantized(n):
+                out += [(name, "uint8", shape) for name, shape in zip(packed_names(n), mxfp4.packed_shapes(s))]
             else:
                 out.append((n, self.entry_dtype(e), s))
         return out
+
+    def offsets(self, group: list[Entry]) -> dict[str, int]:
+        """Where each output tensor of one file (a stacked tensor's slices each) starts in its data section."""
+        at, pos = {}, 0
+        for name, dtype, shape in self.tensors(group):
+            at[name] = pos
+            pos += math.prod(shape) * ELEMENT_SIZES[dtype]
+        for name, dtype, shape in (t for e in group for t in self.outputs(e)):
+            base, part = hf.part_of(name)
+            if part is not None:
+                at[name] = at[base] + part * math.prod(shape) * ELEMENT_SIZES[dtype]
+        return at
 
     def entry_bytes(self, e: Entry) -> int:
         return sum(math.prod(s) * ELEMENT_SIZES[d] for _, d, s in self.outputs(e))
@@ -167,7 +188,7 @@ class Job:
         """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
         file (updating the progress bar per entry), then config, index and tokenizer files for HF. In a team each
         process writes its run of the files (team.split by bytes), process 0 the files beside them."""
-        extras = _hf_json(self.meta.spec, self.dtype, tok_dir, self.fp8) if self.fmt in DIRS else None
+        extras = _hf_json(self.meta.spec, self.dtype, tok_dir, self.fp8, self.mxfp4) if self.fmt in DIRS else None
         owners = team.split([sum(self.entry_bytes(e) for e in group) for group in self.files])
         with output.staged(out, force, directory=self.fmt in DIRS, team=team) as tmp:
             mine = [i for i, owner in enumerate(owners) if owner == team.rank]
@@ -185,9 +206,17 @@ class Job:
                 f"{meta.iteration}) -> {out}: {sum(len(self.tensors(group)) for group in self.files)} tensors, "
                 f"{self.total / 2**20:,.1f} MiB in {len(self.files)} file(s), {self.dtype}"
                 + (f" (decoder linear weights in {self.fp8[0]}x{self.fp8[1]} FP8 blocks)" if self.fp8 else "")
+                + (" (experts' weights in MXFP4)" if self.mxfp4 else "")
                 + f"{', from fp32 master weights' if self.from_master else ''}, vocab {meta.padded_vocab} -> "
                 f"{spec.vocab_size} rows, {seconds:.1f}s")
         return "\n".join(x for x in (line, *notes) if x)
+
+
+def packed_names(name: str) -> tuple[str, str]:
+    """The blocks' and scales' names of an MXFP4 weight (a slice `name[e]`: the slices of theirs)."""
+    base, part = hf.part_of(name)
+    suffix = "" if part is None else f"[{part}]"
+    return base + mxfp4.BLOCKS + suffix, base + mxfp4.SCALES + suffix
 
 
 def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | None:
@@ -210,13 +239,15 @@ def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | Non
     return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes, team)
 
 
-def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None,
-             fp8: tuple[int, int] | None = None) -> tuple[dict, dict | None]:
+def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None, fp8: tuple[int, int] | None = None,
+             packed: bool = False) -> tuple[dict, dict | None]:
     """(config.json, generation_config.json) contents; None: the carried generation_config.json is copied."""
     bos, eos = hf.special_ids(tok_dir)
     ours = hf.hf_config(spec, dtype, bos, eos)
     if fp8 is not None:
         ours[hf.QUANTIZATION] = hf.fp8_config(fp8)
+    if packed:
+        ours[hf.QUANTIZATION] = mxfp4.config()
     config = hf.merged_config(ours, spec, tok_dir)
     if tok_dir is not None and (tok_dir / hf.GENERATION_CONFIG).is_file():
         return config, None

@@ -220,6 +220,7 @@ class Family:
     partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
     dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
     fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
+    mxfp4: bool = False  # its HF experts may be MXFP4 (GPT-OSS's layout; ckpt_tools.mxfp4)
     windows: bool = False  # its layers may attend by a sliding window (ModelSpec.sliding_window)
     mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
     # (megatron-core key, HF name with `{i}` the MTP layer's number) of each tensor an HF MTP layer holds a copy of

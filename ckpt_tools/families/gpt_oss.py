@@ -95,7 +95,7 @@ def check(spec) -> None:
 
 
 FAMILY = Family(
-    name="gpt_oss", model_type="gpt_oss", hf_class="GptOssForCausalLM", moe=True, windows=True,
+    name="gpt_oss", model_type="gpt_oss", hf_class="GptOssForCausalLM", moe=True, windows=True, mxfp4=True,
     features={**llama.FEATURES, "activation": ("quick_geglu",), "add_bias_linear": (True,),
               "rope_scaling": ("yarn", None), "tie_word_embeddings": (False,), "softmax_type": ("learnable",),
               # transformers' experts: gate * sigmoid(alpha * gate) * (up + 1)
