@@ -42,6 +42,12 @@ def deepseek(**kw) -> ModelSpec:
     return llama(**d)
 
 
+def gpt_oss(**kw) -> ModelSpec:
+    """Sinks (one per head), biased attention, biased router and experts (4 of width 32), windows."""
+    return llama(**{**dict(architecture="gpt_oss", num_moe_experts=4, moe_router_topk=2, sliding_window=8,
+                           window_attn_skip_freq=2, activation_clamp=7.0, rope_scaling="yarn"), **kw})
+
+
 SPECS = {
     "llama_untied": llama(tie=False),
     "llama_tied": llama(tie=True),
@@ -50,6 +56,7 @@ SPECS = {
     "qwen3": llama(architecture="qwen3", kv_channels=8),  # per-head q/k norms, head_dim x heads != hidden
     "mixtral": llama(architecture="mixtral", num_moe_experts=4, moe_router_topk=2),  # router and experts
     "deepseek_v3": deepseek(),  # MLA, dense then MoE layers, a shared expert, an expert bias
+    "gpt_oss": gpt_oss(),  # sinks split over TP by heads, biased router and experts
 }
 
 

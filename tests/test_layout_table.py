@@ -18,6 +18,7 @@ from layout_cases import (
     all_cases,
     assert_bitwise,
     gpt2,
+    gpt_oss,
     layer0,
     llama,
     random_full,
@@ -143,6 +144,7 @@ COVERAGE = {
     "qwen2_moe_pp2": (llama(architecture="qwen2_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48), 2),
     "deepseek_v3_pp2": (deepseek(), 2),  # MLA; layer 0 dense, layers 1-3 MoE
     "deepseek_v3_plain_q_pp1": (deepseek(q_lora_rank=None), 1),  # one query projection
+    "gpt_oss_pp2": (gpt_oss(), 2),  # sinks, biased router and experts
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
