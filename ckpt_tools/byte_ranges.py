@@ -108,6 +108,8 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
     if meta.raw.get(megatron_lm.VIRTUAL, 1) > 1:
         raise Declined("an interleaved pipeline's model chunks")
+    if meta.raw.get(megatron_lm.WHOLE_EXPERTS):
+        raise Declined("experts held whole in every TP rank's file (ETP 1), to cut")
     shards: Shards = {}
     held = False
     for rank in meta.grid.ranks():

@@ -194,7 +194,7 @@ _ARG_OF = {
     "activation": ("swiglu", lambda v: v == "swiglu"), "normalization": ("normalization", None),
     "position_embedding_type": ("position_embedding_type", None), "add_bias_linear": ("add_bias_linear", None),
     "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
-    "rope_scaling": ("use_rope_scaling", lambda v: v is not None),
+    "rope_scaling": ("position_embedding_type", lambda v: {"llama3": "rope + use_rope_scaling"}.get(v, v or "rope")),
     "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
     "moe_shared_expert_gate": ("moe_shared_expert_gate", None),
     "multi_latent_attention": ("multi_latent_attention", None),

@@ -283,11 +283,11 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     args = args_of(first, state)
     spec, tp, pp, counts = layout_of(first, args, vocab_size)
     ep = expert_parallel(args)
-    if expert_tensor_parallel(args) != tp:
+    if expert_tensor_parallel(args) not in (tp, 1):
         raise ConfigError(f"{first}: expert_tensor_parallel_size {expert_tensor_parallel(args)} differs from "
-                          f"tensor_model_parallel_size {tp}: this version reads experts split over TP other than the "
-                          f"dense layers' from torch_dist only (Megatron-LM's legacy form saves such a run from "
-                          f"expert-data-parallel rank 0 alone); save the run with --ckpt-format torch_dist")
+                          f"tensor_model_parallel_size {tp} and from 1: this version reads the legacy form's experts "
+                          f"split over TP as the dense layers, or whole (ETP 1); save the run with --ckpt-format "
+                          f"torch_dist")
     _check_rank_dirs(iter_dir, tp, pp, ep)
     vpp, counts = virtual_stages(first, args, counts)
     _check_model_keys(first, chunk(state, 0, vpp, first))
@@ -302,7 +302,12 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     meta = meta_of(first, iter_dir, args, state, spec, tp, pp * vpp, counts, padded, "megatron-lm", ep)
     if vpp > 1:  # an interleaved pipeline, read as PP x VPP stages in layer order (virtual_file gives each one's file)
         meta.raw[VIRTUAL] = vpp
+    if expert_tensor_parallel(args) != tp:  # experts whole in every TP rank's file (ETP 1)
+        meta.raw[WHOLE_EXPERTS] = True
     return meta
+
+
+WHOLE_EXPERTS = "experts_whole"  # in Meta.raw: a legacy file holds its experts whole (ETP 1 at TP > 1)
 
 
 VIRTUAL = "virtual_pipeline_model_parallel_size"  # in an interleaved pipeline's Meta.raw: its VPP

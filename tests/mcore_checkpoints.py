@@ -67,11 +67,13 @@ def _perturb(model, torch) -> None:
     seeded by the parameter's global layer and name), so that a misplaced one changes the logits."""
     offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
     for name, p in model.named_parameters():
-        if not (name.endswith("bias") or "norm" in name):
+        if not (name.endswith(("bias", "softmax_offset")) or "norm" in name):
             continue
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
             parts[2] = str(int(parts[2]) + offset)
+        if name.endswith("softmax_offset"):  # GPT-OSS's sinks: split over TP by heads, each rank its own
+            parts.append(str(_tp_rank()))
         g = torch.Generator().manual_seed(_stable(".".join(parts)))
         full = torch.randn(p.shape, generator=g) * 0.2
         with torch.no_grad():
@@ -81,6 +83,11 @@ def _perturb(model, torch) -> None:
             g = torch.Generator().manual_seed(_stable(name))
             with torch.no_grad():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_rank()
 
 
 def _stable(text: str) -> int:

@@ -252,10 +252,12 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
              **MCORE[case]}
     (tmp_path / "config.json").write_text(json.dumps({"model": model, "tp": 2, "pp": 2, "iteration": 5}))
     torchrun(4, ["tests/mcore_checkpoints.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
-    merge(tmp_path / "torch_dist", tmp_path / "merged", vocab_size=VOCAB, quiet=True)
     tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
-    _, ours = logits(tmp_path / "merged", tokens)
-    assert rel(ours, expected) < 1e-5
+    # GPT-OSS's biased experts are whole in each TP rank's legacy file (megatron-core's ETP 1): that form too
+    for form in ("torch_dist", "torch") if case == "gpt_oss" else ("torch_dist",):
+        merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
+        _, ours = logits(tmp_path / f"merged_{form}", tokens)
+        assert rel(ours, expected) < 1e-5, form
 
 
 # ---------------------------------------------------------------- the trainer trains each family

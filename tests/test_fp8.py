@@ -101,7 +101,7 @@ def test_partial_fp8_blocks_dequantize_as_transformers_does(tmp_path):
 
 
 @pytest.mark.parametrize("quantization,expected", [
-    ({"quant_method": "mxfp4"}, "quantization_config {\"quant_method\": \"mxfp4\"} is not read"),
+    ({"quant_method": "awq", "bits": 4}, "quantization_config {\"quant_method\": \"awq\", \"bits\": 4} is not read"),
     ({"quant_method": "fp8", "weight_block_size": [8, 8], "activation_scheme": "static"}, "activation_scheme dynamic"),
 ])
 def test_other_quantizations_are_refused(quantization, expected, tmp_path):

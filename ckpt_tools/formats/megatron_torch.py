@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_tools import io, layout, megatron_lm
+from ckpt_tools import io, layout, megatron_lm, shard_ops
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import megatron_optim as mo
 from ckpt_tools.ranks import Rank
@@ -40,6 +40,12 @@ class LegacyShards(ShardSet):
             for key in [k for k in model if k.endswith(("linear_qkv.weight", "linear_qkv.bias"))]:
                 model[key] = megatron_lm.reorder_qkv(model[key], order, spec.num_attention_heads // self.meta.tp_size,
                                                      spec.kv_channels)
+        if self.meta.raw.get(megatron_lm.WHOLE_EXPERTS):
+            if kind != MODEL:
+                raise FormatError(f"{path}: the optimizer state of experts held whole at TP {self.meta.tp_size} "
+                                  f"(expert_tensor_parallel_size 1) is not read from the legacy form by this version: "
+                                  f"pass --no-optimizer, or save the run with --ckpt-format torch_dist")
+            model = self._experts_split(path, model, rank)
         if kind == MODEL:
             return {**obj, MODEL: model}
         if megatron_lm.grouped_experts(obj[MODEL]):  # its parameters are not the table's, one by one
@@ -47,6 +53,21 @@ class LegacyShards(ShardSet):
                               f"--moe-use-legacy-grouped-gemm) is not read by this version: pass --no-optimizer to "
                               f"convert the weights")
         return {OPTIMIZER: self._decode(path, obj, model, rank.pp)}
+
+    def _experts_split(self, path: Path, model: dict, rank: Rank) -> dict:
+        """A file of an ETP 1 run holds each expert whole: the TP shard of this rank cut from it, as the layout table
+        splits experts (a copy of each), so that every tensor reads as TP-split."""
+        spec, tp, pp = self.meta.spec, self.meta.tp_size, self.meta.pp_size
+        out = dict(model)
+        for key, t in model.items():
+            if layout.expert_index(key) is None or not layout.holds_weights(key, spec, None):
+                continue
+            want = layout.full_shape(key, spec, self.meta.padded_vocab, None)
+            if tuple(t.shape) != tuple(want):
+                raise FormatError(f"{path}: {key} {list(t.shape)}, expected the whole expert {list(want)} (the args "
+                                  f"say expert_tensor_parallel_size 1): the file and its args disagree")
+            out[key] = shard_ops.split(key, t, spec, tp, pp)[rank.tp].clone()
+        return out
 
     def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
         params = mo.params_of(model, layout.tied_copies(self.meta.spec, self.meta.pp_size, pp_rank))
