@@ -51,7 +51,7 @@ def _is_iter_dir(path: Path) -> bool:
     return (path.name == RELEASE or bool(_ITER_DIR.match(path.name))) and path.is_dir()
 
 
-TORCH, TORCH_DIST = "torch", "torch_dist"
+TORCH, TORCH_DIST, TORCH_DCP = "torch", "torch_dist", "torch_dcp"
 DIST_MARKERS = ("metadata.json", ".metadata")  # metadata.json: dist_checkpointing; .metadata: DCP
 
 
@@ -65,20 +65,28 @@ def is_megatron_lm(path) -> bool:
 
 
 def form(iter_dir: Path) -> str:
-    """Which `--ckpt-format` wrote an iter dir (Megatron-LM tells them apart the same way)."""
+    """Which `--ckpt-format` wrote an iter dir (Megatron-LM tells them apart the same way; torch_dcp from
+    fsdp_dtensor by their keys: Megatron-FSDP's are `model.module.<name>`)."""
     if (iter_dir / "metadata.json").is_file():
         return TORCH_DIST
     if (iter_dir / ".metadata").is_file() and not any(iter_dir.glob("mp_rank_*")):
-        raise FormatError(f"{iter_dir}: a .metadata without metadata.json: Megatron-LM's torch_dcp / fsdp_dtensor "
-                          f"form, which is not read; save with --ckpt-format torch_dist (or convert with "
-                          f"--ckpt-convert-format torch_dist)")
+        from ckpt_tools.formats import dcp
+        index = dcp.read_metadata(iter_dir)
+        if any(k.startswith("model.module.") for k in index.tensors):
+            raise FormatError(f"{iter_dir}: Megatron-FSDP's fsdp_dtensor form (model.module.* keys), which is not read "
+                              f"by this version; save with --ckpt-format torch_dist (or convert with --ckpt-convert-format "
+                              f"torch_dist)")
+        if not any(k.startswith("model.") for k in index.tensors) or "args" not in index.blobs:
+            raise FormatError(f"{iter_dir}: a .metadata without metadata.json, but no model.* tensors and args: not a "
+                              f"Megatron-LM torch_dcp checkpoint; restore it from the source")
+        return TORCH_DCP
     return TORCH
 
 
 def open_reader(path: Path, vocab_size: int | None = None):
     """The reader of a Megatron-LM save dir or iter dir, in whichever form it was saved."""
     iter_dir = _iter_dir(Path(path))
-    if form(iter_dir) == TORCH_DIST:
+    if form(iter_dir) in (TORCH_DIST, TORCH_DCP):
         from ckpt_tools.formats.torch_dist_tensors import open_torch_dist
         return open_torch_dist(iter_dir, vocab_size)
     from ckpt_tools.formats.megatron_torch import LegacyShards

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -264,15 +265,23 @@ def test_not_megatron_dir(tmp_path):
         mlm.read_meta(tmp_path)
 
 
-def test_torch_dcp_checkpoint_is_named(tmp_path):
-    """A DCP dir without dist_checkpointing's metadata.json is Megatron-LM's torch_dcp / fsdp_dtensor form."""
-    iter_dir = tmp_path / "iter_0000010"
-    iter_dir.mkdir()
-    (iter_dir / ".metadata").write_bytes(b"")
-    (tmp_path / mlm.TRACKER).write_text("10")
-    with pytest.raises(FormatError, match="torch_dcp / fsdp_dtensor form, which is not read; save with "
-                                          "--ckpt-format torch_dist"):
-        mlm.open_reader(tmp_path)
+def test_dcp_forms_megatron_lm_wrote_are_told_apart(tmp_path):
+    """A DCP dir without dist_checkpointing's metadata.json: Megatron-LM's torch_dcp (the model's keys under `model.`),
+    read; Megatron-FSDP's fsdp_dtensor (`model.module.`), refused in one line; anything else named as not Megatron-LM's."""
+    import torch.distributed.checkpoint as dcp
+    for prefix, expected in (("model.module.", "Megatron-FSDP's fsdp_dtensor form (model.module.* keys), which is not "
+                                               "read by this version; save with --ckpt-format torch_dist"),
+                             ("weights.", "no model.* tensors and args: not a Megatron-LM torch_dcp checkpoint")):
+        save = tmp_path / prefix.strip(".") / "iter_0000010"
+        dcp.save({f"{prefix}embedding.word_embeddings.weight": torch.zeros(4, 2), "args": {"num_layers": 1}},
+                 storage_writer=dcp.FileSystemWriter(str(save)), no_dist=True)
+        (save.parent / mlm.TRACKER).write_text("10")
+        with pytest.raises(FormatError, match=re.escape(expected)):
+            mlm.open_reader(save.parent)
+    (tmp_path / "damaged" / "iter_0000010").mkdir(parents=True)
+    (tmp_path / "damaged" / "iter_0000010" / ".metadata").write_bytes(b"")
+    with pytest.raises(FormatError, match="unreadable"):
+        mlm.open_reader(tmp_path / "damaged" / "iter_0000010")
 
 
 @pytest.mark.parametrize("changes,expected", [

@@ -73,6 +73,8 @@ class _Unpickler(pickle.Unpickler):
             return name
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
+        if module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return lambda *parts: "/".join(map(str, parts))  # StorageMeta's checkpoint_id (torch's FileSystemWriter)
         if (module, name) in (("builtins", "set"), ("builtins", "frozenset")):
             return {"set": set, "frozenset": frozenset}[name]
         raise _Refused(f"global {f'{module}.{name}'!r:.100} is not one of a DCP checkpoint's metadata")

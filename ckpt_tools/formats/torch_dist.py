@@ -79,6 +79,26 @@ def lead_shape(spec, lead: Lead | None) -> tuple[int, ...]:
 Placed = tuple[tuple[int, int], ...]  # a stored tensor's (index, size) on each stacked leading axis; () for none
 
 
+def dcp_candidates(key: str, spec) -> list[tuple[str, Placed]]:
+    """The names a global layout-table key may have in Megatron-LM's torch_dcp form: the model's own state dict under
+    `model.` (TP = PP = 1: every layer and expert by its global index), the local spec's names or Transformer
+    Engine's (TEGroupedMLP's experts: `mlp.experts.linear_fc1.weight<e>`)."""
+    i = layout.layer_index(key)
+    prefix = f"{_LAYERS}{i}." if i is not None else _MTP_LAYER.match(key).group(1) if _MTP_LAYER.match(key) else None
+    if prefix is None:
+        return [(DCP_MODEL + key, ())]
+    name, e = key[len(prefix):], layout.expert_index(key)
+    if e is not None:
+        rest = name[len(f"{_EXPERTS}{e}."):]
+        grouped = "mlp.experts." + re.sub(r"\.(weight|bias)$", rf".\g<1>{e}", rest)
+        return [(DCP_MODEL + key, ()), (DCP_MODEL + prefix + grouped, ())]
+    return [(DCP_MODEL + prefix + n, ()) for n in dict.fromkeys((name, names.to_te(name)))]
+
+
+DCP_MODEL = "model."  # torch_dcp: the model's state dict under this key
+DCP_COMMON = ("args", "iteration", "checkpoint_version")  # torch_dcp: its common state, each a bytes entry
+
+
 def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[str, Placed]]:
     """The names a global layout-table key may have in megatron-core's sharded state dict, each with its place on
     the stacked leading axes. GPTModel: stacked layers (`decoder.layers.<name>` [L, ...]), or per layer in a
@@ -166,6 +186,7 @@ class DistCheckpoint:
         self.meta, self.index, self.common = meta, index, common or {}
         self.common_path = common_path or meta.dir / COMMON  # common.pt, or the .distcp holding the embedded entry
         self._by_pattern = hybrid.of_meta(meta) is not None  # a HybridModel's keys: one per layer index
+        self.dcp = meta.source == megatron_lm.TORCH_DCP  # Megatron-LM's torch_dcp: the model's own keys
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
         self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
         # the optimizer entries, sorted once: which form, and the dp_reshardable buckets by (group, bucket, field)
@@ -188,15 +209,23 @@ class DistCheckpoint:
         """`load` reads common.pt, `load_embedded` (path, offset, length) the embedded common state: torch's
         allow-listed loader (the default), or the torch-free torchfile.read for both."""
         index = dcp.read_metadata(iter_dir)
-        common_path, common = read_common(iter_dir, index, load, load_embedded)
+        source = megatron_lm.form(iter_dir)
+        if source == megatron_lm.TORCH_DCP:
+            common_path, common = read_dcp_common(iter_dir, index, load_embedded)
+        else:
+            common_path, common = read_common(iter_dir, index, load, load_embedded)
         args = megatron_lm.args_of(common_path, common)
         spec, tp, pp, counts = megatron_args.layout_of(common_path, args, vocab_size)
-        emb = index.tensors.get("embedding.word_embeddings.weight")
+        if source == megatron_lm.TORCH_DCP and (tp, pp) != (1, 1):
+            raise FormatError(f"{common_path}: a torch_dcp checkpoint whose args say TP {tp} x PP {pp}: Megatron-LM saves "
+                              f"torch_dcp (FSDP2) at TP = PP = 1 only; the args are damaged, restore the checkpoint")
+        emb = index.tensors.get(("model." if source == megatron_lm.TORCH_DCP else "") +
+                                "embedding.word_embeddings.weight")
         padded = getattr(args, "padded_vocab_size", None) or (emb.shape[0] if emb is not None else None)
         if padded is None:
             raise FormatError(f"{iter_dir / dcp.METADATA}: no embedding.word_embeddings.weight and no "
                               f"padded_vocab_size in args: not a GPT model checkpoint")
-        meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, "torch_dist")
+        meta = megatron_lm.meta_of(common_path, iter_dir, args, common, spec, tp, pp, counts, padded, source)
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
         ckpt = cls(meta, index, common, common_path)
@@ -207,10 +236,12 @@ class DistCheckpoint:
     def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, Placed]:
         """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its place
         on the stacked leading axes."""
-        tied = "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
+        prefix = DCP_MODEL if self.dcp else ""
+        tied = prefix + "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
         if key == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
-        candidates = stored_candidates(key, self.meta.spec, self._by_pattern)
+        candidates = dcp_candidates(key, self.meta.spec) if self.dcp else \
+            stored_candidates(key, self.meta.spec, self._by_pattern)
         if field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
@@ -421,6 +452,33 @@ class DistCheckpoint:
             raise FormatError(f"{self.common_path}: the optimizer's param groups are malformed "
                               f"({type(e).__name__}): restore the checkpoint from the source") from None
         return max(steps) if steps else None
+
+
+def read_dcp_common(iter_dir: Path, index: dcp.Index, load_embedded: Callable | None = None) -> tuple[Path, dict]:
+    """(where its args are, the common state) of a torch_dcp checkpoint: args, iteration and checkpoint_version, each
+    a bytes entry of the .distcp files (a torch.save of the object), through the allow-listed loader."""
+    common: dict = {}
+    where = iter_dir / dcp.METADATA
+    for name in DCP_COMMON:
+        if name not in index.blobs:
+            if name == "checkpoint_version":
+                continue
+            raise FormatError(f"{where}: no {name!r} entry: Megatron-LM saves args and iteration in every torch_dcp "
+                              f"checkpoint; restore it from the source")
+        file, offset, length = index.blobs[name]
+        path = iter_dir / file
+        if not path.is_file() or path.stat().st_size < offset + length:
+            raise FormatError(f"{path}: {'missing' if not path.is_file() else 'truncated'}, but .metadata places the "
+                              f"{name!r} entry ({length} bytes at byte {offset}) in it: restore the file from the source")
+        if name == "args":
+            where = path
+        if load_embedded is None:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                common[name] = io.load_bytes(f.read(length), f"{path}: the {name!r} entry at byte {offset}")
+        else:
+            common[name] = load_embedded(path, offset, length)
+    return where, common
 
 
 def read_common(iter_dir: Path, index: dcp.Index, load: Callable = io.load_file,

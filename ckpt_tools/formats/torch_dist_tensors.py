@@ -187,7 +187,7 @@ class TorchDistShards(Reader):
 
     def unread_optimizer(self) -> str | None:
         n = sum(1 for f in self.ckpt.index.tensors if f.startswith("optimizer."))
-        return f"torch_dist optimizer state ({n} optimizer.* tensors)" if n and not self.has_optimizer() else None
+        return f"{self.meta.source} optimizer state ({n} optimizer.* tensors)" if n and not self.has_optimizer() else None
 
     def close(self) -> None:
         self._chunks.clear()

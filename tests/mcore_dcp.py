@@ -1,0 +1,84 @@
+"""A Megatron-LM `--ckpt-format torch_dcp` checkpoint, written as Megatron-LM writes one, and megatron-core's own
+logits. Run under torchrun with DP processes (gloo, CPU; Megatron-LM's torch_dcp is its FSDP2 form, at TP = PP = 1):
+
+    torchrun --nproc-per-node DP tests/mcore_dcp.py CONFIG.json OUT
+
+CONFIG.json: {"model": ModelSpec fields, "iteration": N}. Each rank builds megatron-core's `GPTModel` (local spec, as
+tests/mcore_checkpoints.py does, norms and biases made non-trivial), runs its forward on fixed tokens (rank 0 saves
+OUT/tokens.pt and OUT/logits.pt), wraps it in megatron-core's own `TorchFullyShardedDataParallel` (torch's FSDP2
+`fully_shard` over the data-parallel ranks: every parameter a DTensor sharded on dim 0) and saves what Megatron-LM's
+`save_checkpoint` saves for torch_dcp (`generate_state_dict`: args, checkpoint_version, iteration, the unwrapped
+model's `state_dict_for_save_checkpoint()`, rng_state) with `torch.distributed.checkpoint.save` into
+OUT/torch_dcp/iter_NNNNNNN, and the tracker. CPU shim beyond tests/mcore_checkpoints.py's: megatron-core's wrapper
+builds its device mesh on "cuda"; here on "cpu".
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+
+def main(config_path: str, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    from mcore_checkpoints import BATCH, SEQ, _args, _forward, _perturb, _shim_cuda, shim_masks
+    _shim_cuda(torch)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
+    from mcore_reference_child import _build_model
+
+    from ckpt_tools.spec import ModelSpec
+    shim_masks()
+    cfg = json.loads(Path(config_path).read_text())
+    iteration = cfg.get("iteration", 5)
+    spec = ModelSpec.from_dict(cfg["model"])
+    padded = spec.padded_vocab_size(1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
+        moe_utils.te_general_gemm = None
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    torch.manual_seed(1234)
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, 1).eval()
+    _perturb(model, torch)
+    out_dir = Path(out)
+    tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    logits = _forward(model, tokens, torch)
+    if dist.get_rank() == 0:
+        torch.save(tokens, out_dir / "tokens.pt")
+        torch.save(logits, out_dir / "logits.pt")
+
+    from_group = fsdp.DeviceMesh.from_group
+    fsdp.DeviceMesh.from_group = staticmethod(lambda group, device, *a, **k: from_group(group, "cpu", *a, **k))
+    model.config.transformer_impl = "local"  # the local spec's layers, as --transformer-impl local sets it
+    wrapped = fsdp.TorchFullyShardedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    args = _args(spec, 1, 1, padded, iteration, "float32")
+    vars(args).update(ckpt_format="torch_dcp", use_torch_fsdp2=True, data_parallel_size=dist.get_world_size())
+    rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": None, "rng_tracker_states": {}}]
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": wrapped.module.state_dict_for_save_checkpoint(), "rng_state": rng,
+             "num_floating_point_operations_so_far": 0}
+    iter_dir = out_dir / "torch_dcp" / f"iter_{iteration:07d}"
+    if dist.get_rank() == 0:
+        iter_dir.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(iter_dir)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (out_dir / "torch_dcp" / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,59 @@
+"""Megatron-LM's `--ckpt-format torch_dcp` (its FSDP2 form: TP = PP = 1, every parameter a DTensor sharded on dim 0
+over the data-parallel ranks, saved by torch.distributed.checkpoint under the model's own keys `model.<name>`, args
+and iteration as bytes entries). megatron-core's own GPTModel, wrapped in megatron-core's own
+TorchFullyShardedDataParallel and saved as Megatron-LM's `generate_state_dict` + `dcp.save` do (tests/mcore_dcp.py),
+is the reference: merged, its logits are transformers'; resharded into Megatron-LM's torch_dist, megatron-core loads
+it strict with the same logits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import torchrun
+from safetensors.torch import load_file as load_safetensors
+from test_families import VOCAB, logits, rel
+
+from ckpt_tools import megatron_lm
+from ckpt_tools.merge import merge
+from ckpt_tools.reshard import reshard
+from ckpt_tools.spec import ModelSpec
+
+BASE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 96,
+        "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-5}
+MODELS = {
+    "llama": {"architecture": "llama"},
+    # experts inside the FSDP-wrapped layers; GPT-OSS's sinks, windows, biased router and experts
+    "gpt_oss": {"architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16, "num_moe_experts": 4,
+                "moe_router_topk": 2, "sliding_window": 8, "window_attn_skip_freq": 2, "activation_clamp": 7.0,
+                "rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_position_embeddings": 32,
+                "rope_truncate": False, "rotary_base": 150000.0},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_megatron_lm_torch_dcp_checkpoint_merges_and_reshards(case, tmp_path):
+    model = {**BASE, **MODELS[case]}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model, "iteration": 5}))
+    torchrun(2, ["tests/mcore_dcp.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
+    src = tmp_path / "torch_dcp"
+    assert megatron_lm.form(megatron_lm.resolve_iter_dir(src)) == megatron_lm.TORCH_DCP
+    tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    merge(src, tmp_path / "merged", vocab_size=VOCAB, quiet=True)  # the byte path
+    _, ours = logits(tmp_path / "merged", tokens)
+    assert rel(ours, expected) < 1e-5
+    merge(src, tmp_path / "via_torch", vocab_size=VOCAB, via="tensors", quiet=True)
+    a, b = (load_safetensors(tmp_path / d / "model.safetensors") for d in ("merged", "via_torch"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # into Megatron-LM's torch_dist at TP2 x PP2: megatron-core loads it strict, with its own logits
+    reshard(src, tmp_path / "dist", tp=2, pp=2, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    spec = ModelSpec.from_dict(model)
+    torch.save(tokens, tmp_path / "tokens_in.pt")
+    cfg = {"model": spec.to_dict(), "tp": 2, "pp": 2, "form": "torch_dist", "load": str(tmp_path / "dist"),
+           "padded_vocab": spec.padded_vocab_size(1), "tokens": str(tmp_path / "tokens_in.pt"),
+           "out": str(tmp_path / "loaded.pt")}
+    (tmp_path / "load.json").write_text(json.dumps(cfg))
+    torchrun(4, ["tests/mcore_load.py", str(tmp_path / "load.json")], timeout=600)
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)["logits"][..., :VOCAB]
+    assert rel(loaded, expected) < 1e-5
