@@ -3,7 +3,8 @@ logits. Run under torchrun with DP processes (gloo, CPU; Megatron-LM's torch_dcp
 
     torchrun --nproc-per-node DP tests/mcore_dcp.py CONFIG.json OUT
 
-CONFIG.json: {"model": ModelSpec fields, "iteration": N}. Each rank builds megatron-core's `GPTModel` (local spec, as
+CONFIG.json: {"model": ModelSpec fields, "iteration": N, "optimizer": true (megatron-core's optimizer after one step,
+saved as Megatron-LM saves it: `optimizer.state_dict()`)}. Each rank builds megatron-core's `GPTModel` (local spec, as
 tests/mcore_checkpoints.py does, norms and biases made non-trivial), runs its forward on fixed tokens (rank 0 saves
 OUT/tokens.pt and OUT/logits.pt), wraps it in megatron-core's own `TorchFullyShardedDataParallel` (torch's FSDP2
 `fully_shard` over the data-parallel ranks: every parameter a DTensor sharded on dim 0) and saves what Megatron-LM's
@@ -69,6 +70,17 @@ def main(config_path: str, out: str) -> None:
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": wrapped.module.state_dict_for_save_checkpoint(), "rng_state": rng,
              "num_floating_point_operations_so_far": 0}
+    if cfg.get("optimizer"):  # megatron-core's own optimizer (FSDP2: not the distributed one), one step taken
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0,
+                                                           params_dtype=torch.float32), [wrapped])
+        torch.manual_seed(99)
+        for p in wrapped.parameters():  # gradients of their own per parameter: the moments tell parameters apart
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        args.no_save_optim = False
+        state["optimizer"] = optimizer.state_dict()
+        state["model"] = wrapped.module.state_dict_for_save_checkpoint()
     iter_dir = out_dir / "torch_dcp" / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
         iter_dir.mkdir(parents=True)

@@ -7,6 +7,7 @@ it strict with the same logits."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +58,33 @@ def test_megatron_lm_torch_dcp_checkpoint_merges_and_reshards(case, tmp_path):
     torchrun(4, ["tests/mcore_load.py", str(tmp_path / "load.json")], timeout=600)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)["logits"][..., :VOCAB]
     assert rel(loaded, expected) < 1e-5
+
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_torch_dcp"  # tests/mcore_dcp_optimizer.py
+
+
+def _same_state(reader, reference: dict) -> list[str]:
+    """The (key, field) pairs whose optimizer state differs from megatron-core's own (reference.pt)."""
+    return [f"{key} [{field}]" for key, fields in reference.items() for field, want in fields.items()
+            if not torch.equal((reader.full(key, field) if field != "step" else torch.tensor(reader.step())).float(),
+                               want.float())]
+
+
+def test_torch_dcp_optimizer_state_is_megatron_cores_own(tmp_path):
+    """A `--use-torch-fsdp2 --bf16` run's torch_dcp save (two data-parallel ranks on 2 GPUs, three Adam steps; made
+    by tests/mcore_dcp_optimizer.py): every parameter's fp32 master, moments and step, found by its index in
+    megatron-core's param groups, are megatron-core's own optimizer object's, bit for bit; resharded into our format
+    (TP2 x PP2) and into Megatron-LM's torch_dist (TP2, with its param groups and scheduler), they read back the same."""
+    from ckpt_tools.shards import open_checked
+    reference = torch.load(FIXTURE / "reference.pt", weights_only=True)
+    src = FIXTURE / "torch_dcp"
+    reader = megatron_lm.open_reader(src, vocab_size=120)
+    assert reader.has_optimizer() and len(reference) == 15
+    assert _same_state(reader, reference) == []
+    reshard(src, tmp_path / "ours", tp=2, pp=2, vocab_size=120, quiet=True)
+    assert _same_state(open_checked(tmp_path / "ours", None, True), reference) == []
+    reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=120, form="torch_dist", quiet=True)
+    written = megatron_lm.open_reader(tmp_path / "dist", vocab_size=120)
+    assert _same_state(written, reference) == []
+    scheduler = written.megatron_optimizer()[3]
+    assert scheduler["num_steps"] == 3 and scheduler["lr_decay_style"] == "cosine"

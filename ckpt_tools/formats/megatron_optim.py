@@ -158,19 +158,15 @@ def _step(path: Path, groups: list[dict]):
     return torch.tensor(max(steps))
 
 
-def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dict[str, dict]:
-    """The legacy non-distributed form (Float16OptimizerWithFloat16Params or FP32Optimizer)."""
-    inner = opt.get("optimizer") if "param_groups" not in opt else opt  # FP32Optimizer: Adam's own state_dict
-    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-        raise _refuse(path, "['optimizer'] holds no Adam state_dict with param_groups")
-    groups, state = inner["param_groups"], inner.get("state", {})
+def plain_order(path: Path, groups: list, params: list[Param],
+                masters: list[int] | None) -> list[tuple[Param, int, int, int]]:
+    """Where megatron-core's non-distributed optimizer (Float16OptimizerWithFloat16Params or FP32Optimizer) keeps each
+    parameter's state: (param, its param group, its place in the group, its Adam state index). `groups`: Adam's
+    param_groups; `masters`: how many fp32 masters each group holds (None: fp32 weights, no masters). megatron-core's
+    default groups: weight decay on the 2-D weights, none on biases and 1-D parameters, in the model's order."""
     by_wd = {1.0: [p for p in params if len(p.shape) > 1 and not p.key.endswith(".bias")]}
     by_wd[0.0] = [p for p in params if p not in by_wd[1.0]]
-    masters = opt.get("fp32_from_fp16_params")
-    if masters is None and any(t.dtype != torch.float32 for t in (model[p.key] for p in params)):
-        raise _refuse(path, "no fp32_from_fp16_params beside the Adam state of 16-bit weights (the fp32 masters "
-                            "are missing)")
-    out: dict[str, dict] = {}
+    out = []
     for g_index, group in enumerate(groups):
         mult = float(group.get("wd_mult", 1.0 if group.get("weight_decay", 0) else 0.0))
         if group.get("lr_mult", 1.0) != 1.0 or group.get("is_expert_parallel") or group.get("is_decoupled_lr") \
@@ -181,27 +177,44 @@ def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dic
         if len(members) != len(indices):
             raise _refuse(path, f"param group {g_index} lists {len(indices)} parameters, the model has {len(members)} "
                                 f"{'with' if mult else 'without'} weight decay")
-        if masters is not None and len(masters[g_index]) != len(indices):
-            raise _refuse(path, f"param group {g_index} has {len(masters[g_index])} fp32 masters for {len(indices)} "
+        if masters is not None and masters[g_index] != len(indices):
+            raise _refuse(path, f"param group {g_index} has {masters[g_index]} fp32 masters for {len(indices)} "
                                 f"parameters (some weights are not 16-bit)")
-        for j, (p, index) in enumerate(zip(members, indices)):
-            s = state.get(index, {})
-            if masters is not None:
-                master = masters[g_index][j]
-            else:  # fp32 training: the weight is the master
-                master = model[p.key]
-            fields = {"master": master, "exp_avg": s.get("exp_avg"), "exp_avg_sq": s.get("exp_avg_sq")}
-            for name, t in fields.items():
-                if not torch.is_tensor(t) or tuple(t.shape) != p.shape:
-                    raise _refuse(path, f"{p.key}: its {name} (param {index} of group {g_index}) is "
-                                        f"{tuple(t.shape) if torch.is_tensor(t) else t!r}, expected {p.shape}")
-            if not same_as_weight(master, model[p.key]):
-                raise _refuse(path, f"{p.key}: its fp32 master (param {index} of group {g_index}) rounded to "
-                                    f"{model[p.key].dtype} is not the weight: the parameter numbering differs")
-            step = s.get("step", group.get("step"))
-            if step is None:
-                raise _refuse(path, f"{p.key}: no Adam step (neither per parameter nor per group)")
-            out[p.key] = {**{k: v.float() for k, v in fields.items()}, "step": torch.tensor(float(step))}
+        out += [(p, g_index, j, index) for j, (p, index) in enumerate(zip(members, indices))]
+    return out
+
+
+def decode_plain(path: Path, opt: dict, params: list[Param], model: dict) -> dict[str, dict]:
+    """The legacy non-distributed form (Float16OptimizerWithFloat16Params or FP32Optimizer)."""
+    inner = opt.get("optimizer") if "param_groups" not in opt else opt  # FP32Optimizer: Adam's own state_dict
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        raise _refuse(path, "['optimizer'] holds no Adam state_dict with param_groups")
+    groups, state = inner["param_groups"], inner.get("state", {})
+    masters = opt.get("fp32_from_fp16_params")
+    if masters is None and any(t.dtype != torch.float32 for t in (model[p.key] for p in params)):
+        raise _refuse(path, "no fp32_from_fp16_params beside the Adam state of 16-bit weights (the fp32 masters "
+                            "are missing)")
+    out: dict[str, dict] = {}
+    for p, g_index, j, index in plain_order(path, groups, params, None if masters is None else
+                                            [len(m) for m in masters]):
+        group = groups[g_index]
+        s = state.get(index, {})
+        if masters is not None:
+            master = masters[g_index][j]
+        else:  # fp32 training: the weight is the master
+            master = model[p.key]
+        fields = {"master": master, "exp_avg": s.get("exp_avg"), "exp_avg_sq": s.get("exp_avg_sq")}
+        for name, t in fields.items():
+            if not torch.is_tensor(t) or tuple(t.shape) != p.shape:
+                raise _refuse(path, f"{p.key}: its {name} (param {index} of group {g_index}) is "
+                                    f"{tuple(t.shape) if torch.is_tensor(t) else t!r}, expected {p.shape}")
+        if not same_as_weight(master, model[p.key]):
+            raise _refuse(path, f"{p.key}: its fp32 master (param {index} of group {g_index}) rounded to "
+                                f"{model[p.key].dtype} is not the weight: the parameter numbering differs")
+        step = s.get("step", group.get("step"))
+        if step is None:
+            raise _refuse(path, f"{p.key}: no Adam step (neither per parameter nor per group)")
+        out[p.key] = {**{k: v.float() for k, v in fields.items()}, "step": torch.tensor(float(step))}
     missing = [p.key for p in params if p.key not in out]
     if missing:
         raise _refuse(path, f"no state for {', '.join(missing[:3])}")

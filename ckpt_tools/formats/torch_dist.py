@@ -38,6 +38,11 @@ COMMON = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.19: the common state as a ShardedObject's byte entry
 OPT_STATE, OPT_BUCKETS = "optimizer.state.", "optimizer.distributed."
 PER_PARAM, BUCKETS = "per-parameter", "dp_reshardable buckets"
+DCP_PLAIN = "optimizer.state_dict()"  # torch_dcp: megatron-core's non-distributed optimizer's, Adam state by index
+# torch_dcp: Float16OptimizerWithFloat16Params' Adam state dict (under `optimizer.optimizer.`, its fp32 masters under
+# `optimizer.fp32_from_fp16_params.<group>.<i>`) or FP32Optimizer's (under `optimizer.`)
+DCP_STATE = re.compile(r"^(optimizer\.(?:optimizer\.)?)state\.(\d+)\.(exp_avg|exp_avg_sq|step)$")
+DCP_MASTERS = "optimizer.fp32_from_fp16_params."
 # our optimizer field -> its names in the per-parameter forms (non-distributed optimizer; fully_reshardable)
 PER_PARAM_NAMES = {"master": ("fp32_param", "param"), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
 _LAYERS = "decoder.layers."
@@ -187,6 +192,7 @@ class DistCheckpoint:
         self.common_path = common_path or meta.dir / COMMON  # common.pt, or the .distcp holding the embedded entry
         self._by_pattern = hybrid.of_meta(meta) is not None  # a HybridModel's keys: one per layer index
         self.dcp = meta.source == megatron_lm.TORCH_DCP  # Megatron-LM's torch_dcp: the model's own keys
+        self.dcp_fields: dict[str, dict[str, str]] | None = None  # torch_dcp: each parameter's optimizer entries
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
         self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
         # the optimizer entries, sorted once: which form, and the dp_reshardable buckets by (group, bucket, field)
@@ -194,6 +200,11 @@ class DistCheckpoint:
             BUCKETS if any(f.startswith(OPT_BUCKETS) for f in index.tensors) else None
         self.has_masters = any(f.startswith(tuple(f"{OPT_STATE}{n}." for n in PER_PARAM_NAMES["master"]))
                                for f in index.tensors)
+        if self.dcp:
+            found = [m for m in map(DCP_STATE.match, index.tensors) if m]
+            self.optimizer_form = DCP_PLAIN if found else None
+            self.dcp_prefix = found[0].group(1) if found else None
+            self.has_masters = any(f.startswith(DCP_MASTERS) for f in index.tensors)
         self._buckets: dict[tuple[int, int, str], list[dcp.Entry]] = {}
         self._buffers: dict[int, set[str]] = {}  # group -> its grad buffers' names (gbuf_idx_g)
         for f, e in index.tensors.items():
@@ -242,7 +253,9 @@ class DistCheckpoint:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
         candidates = dcp_candidates(key, self.meta.spec) if self.dcp else \
             stored_candidates(key, self.meta.spec, self._by_pattern)
-        if field is not None:
+        if field is not None and self.dcp:  # by the parameter's index (TorchDistShards maps them)
+            candidates = [(self.dcp_fields.get(key, {}).get(field, f"(no {field} of {key})"), ())]
+        elif field is not None:
             candidates = [(f"{OPT_STATE}{name}.{fqn}", layer) for name in PER_PARAM_NAMES[field]
                           for fqn, layer in candidates]
         for fqn, layer in candidates:

@@ -14,7 +14,7 @@ from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 from ckpt_tools.formats import megatron_optim as mo
-from ckpt_tools.formats.torch_dist import BUCKETS, OPT_BUCKETS, Box, DistCheckpoint
+from ckpt_tools.formats.torch_dist import BUCKETS, DCP_MASTERS, DCP_PLAIN, DCP_STATE, OPT_BUCKETS, Box, DistCheckpoint
 from ckpt_tools.shards import Reader
 
 
@@ -68,6 +68,8 @@ class TorchDistShards(Reader):
             raise FormatError(f"{meta.dir}: no optimizer state (no {field!r} for {global_key}): use the model weights")
         if field == "step":
             return [torch.tensor(self.step())] * meta.tp_size
+        if form == DCP_PLAIN and self.ckpt.dcp_fields is None:
+            self.ckpt.dcp_fields = self._dcp_fields()
         if form == BUCKETS:
             out = [self._bucket_shard(global_key, field, rank) for rank in range(meta.tp_size)]
         else:
@@ -83,6 +85,11 @@ class TorchDistShards(Reader):
                 parts = [self._box(entry, box) for box in boxes]
                 parts = [p[(0,) * stacked] for p in parts]  # the stacked leading axes (size 1) dropped
                 out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim))
+            if form == DCP_PLAIN and field == "master" and not mo.same_as_weight(out[0], self.shards(global_key)[0]):
+                raise FormatError(f"{meta.dir / dcp.METADATA}: {global_key}: its fp32 master "
+                                  f"({self.ckpt.dcp_fields[global_key]['master']}) rounded to the weights' dtype is not "
+                                  f"the weight: the optimizer's parameter numbering is not this model's; restore the "
+                                  f"checkpoint from the source")
         self._handed += out
         return out
 
@@ -91,6 +98,8 @@ class TorchDistShards(Reader):
         return self.ckpt.optimizer_form is not None
 
     def step(self) -> float:
+        if self.ckpt.optimizer_form == DCP_PLAIN:
+            return self._dcp_step()
         step = self.ckpt.step()
         if step is None:  # dp_reshardable: in each model-parallel rank's optimizer object (the same step)
             where, groups = self._blob_groups()
@@ -99,6 +108,56 @@ class TorchDistShards(Reader):
                 raise FormatError(f"{where}: holds no param_groups with a step: restore it")
             step = float(max(steps))
         return step
+
+    # ------------------------------------------------------------ torch_dcp: optimizer.state_dict(), by index
+    def _blob(self, name: str):
+        file, offset, length = self.ckpt.index.blobs[name]
+        return io.load_bytes(self._file(file)[offset:offset + length], f"{self.meta.dir / file} ({name})")
+
+    def _dcp_groups(self) -> list[dict]:
+        """Adam's param groups, each field a bytes entry `<prefix>param_groups.<g>.<field>`."""
+        prefix = f"{self.ckpt.dcp_prefix}param_groups."
+        groups: dict[int, dict] = {}
+        for name in self.ckpt.index.blobs:
+            if name.startswith(prefix):
+                g, field = name[len(prefix):].split(".", 1)
+                groups.setdefault(int(g), {})[field] = self._blob(name)
+        if not groups or any("params" not in g for g in groups.values()):
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: no {prefix}<g>.params entries: the optimizer state "
+                              f"cannot be mapped to the model's parameters; restore the checkpoint from the source")
+        return [groups[g] for g in sorted(groups)]
+
+    def _dcp_fields(self) -> dict[str, dict[str, str]]:
+        """Each parameter's optimizer entries in a torch_dcp checkpoint: megatron-core's default param groups over the
+        model's parameters in named_parameters() order (TP = PP = 1), mapped by formats/megatron_optim.plain_order."""
+        meta, tensors = self.meta, self.ckpt.index.tensors
+        params = [mo.Param(key, shape, False) for key, shape, _ in self.ckpt.stage_params(0)]
+        if any(f.endswith(".layer_norm_weight") for f in tensors):  # Transformer Engine's order
+            params = mo.te_order(params)
+        groups = self._dcp_groups()
+        masters = None
+        if self.ckpt.has_masters:
+            masters = [sum(1 for f in tensors if f.startswith(f"{DCP_MASTERS}{g}.")) for g in range(len(groups))]
+        prefix = self.ckpt.dcp_prefix
+        out = {}
+        for p, g, j, index in mo.plain_order(meta.dir / dcp.METADATA, groups, params, masters):
+            fields = {name: f"{prefix}state.{index}.{name}" for name in ("exp_avg", "exp_avg_sq")}
+            if masters is not None:
+                fields["master"] = f"{DCP_MASTERS}{g}.{j}"
+            out[p.key] = fields
+        return out
+
+    def _dcp_step(self) -> float:
+        """Adam's step: per parameter (torch's Adam: `<prefix>state.<i>.step`, the same for all) or per group."""
+        steps = [f for f in self.ckpt.index.tensors if (m := DCP_STATE.match(f)) and m.group(3) == "step"]
+        if steps:
+            entry = self.ckpt.index.tensors[steps[0]]
+            return float(self._chunk(entry, entry.chunks[0]).reshape(()).item())
+        found = [float(g["step"]) for g in self._dcp_groups() if isinstance(g.get("step"), (int, float))]
+        if not found:
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: no Adam step (per parameter or per param group): the "
+                              f"optimizer state is incomplete; restore the checkpoint from the source")
+        return max(found)
 
     def _blob_groups(self) -> tuple[str, list]:
         """The param groups in the dp_reshardable optimizer object (model-parallel rank 0's)."""
@@ -113,6 +172,12 @@ class TorchDistShards(Reader):
         return where, obj.get("param_groups", []) if isinstance(obj, dict) else []
 
     def megatron_optimizer(self):
+        if self.ckpt.dcp:  # Adam's param groups and the scheduler, each field a bytes entry
+            where = self.meta.dir / dcp.METADATA
+            prefix = "opt_param_scheduler."
+            scheduler = {name[len(prefix):]: self._blob(name) for name in self.ckpt.index.blobs
+                         if name.startswith(prefix)}
+            return where, self._dcp_groups() if self.has_optimizer() else None, where, scheduler or None
         opt = self.ckpt.common.get("optimizer")
         inner = opt.get("optimizer") if isinstance(opt, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
