@@ -253,8 +253,10 @@ def torchrun(argv: list[str], quiet_errors: bool = False) -> int:
     except ChildFailedError as e:
         failures = sorted(e.failures.items())
         if quiet_errors:  # a process that exited with 1 printed why (or stopped as another failed), and torchrun
-            failures = [(r, f) for r, f in failures if f.exitcode != 1]  # ends the others with SIGTERM
-            failures = [(r, f) for r, f in failures if f.exitcode != -15] or failures
+            printed = any(f.exitcode == 1 for _, f in failures)  # ends the others with SIGTERM: not news, unless
+            failures = [(r, f) for r, f in failures if f.exitcode != 1]  # nothing else explains the end
+            rest = [(r, f) for r, f in failures if f.exitcode != -15]
+            failures = rest if rest or printed else failures
         for rank, failure in failures:
             how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else \
                 f"exited with code {failure.exitcode}"
