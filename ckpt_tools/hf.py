@@ -437,7 +437,7 @@ class HFTensors:
             self.packed[name] = (key, name + mxfp4.SCALES)
             self.where[name] = self.where.pop(key)
             del self.where[name + mxfp4.SCALES]
-        lost = sorted(k for k in self.where if k.endswith(mxfp4.SCALES) and k[:-len(mxfp4.SCALES)] in self.where)
+        lost = sorted(k for k in self.where if k.endswith(mxfp4.SCALES) and k[:-len(mxfp4.SCALES)] not in self.packed)
         if lost:
             raise FormatError(f"{hf_dir}: MXFP4 scales {lost[0]} without their blocks: the checkpoint is incomplete; "
                               f"download it again")

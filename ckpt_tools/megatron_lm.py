@@ -291,6 +291,10 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     args = args_of(first, state)
     spec, tp, pp, counts = layout_of(first, args, vocab_size)
     ep = expert_parallel(args)
+    if expert_tensor_parallel(args) == 1 and tp > 1 and ep > 1:
+        raise ConfigError(f"{first}: experts whole (expert_tensor_parallel_size 1) at TP {tp} with EP {ep} in the legacy "
+                          f"form: megatron-core then spreads the experts over the TP ranks too, which this version does "
+                          f"not read; save the run with --ckpt-format torch_dist")
     if expert_tensor_parallel(args) not in (tp, 1):
         raise ConfigError(f"{first}: expert_tensor_parallel_size {expert_tensor_parallel(args)} differs from "
                           f"tensor_model_parallel_size {tp} and from 1: this version reads the legacy form's experts "

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import hf, io, layout, output, shard_ops
+from ckpt_tools import families, hf, io, layout, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.team import SOLO, Team
@@ -200,13 +200,14 @@ def _quantized(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job,
     from ckpt_tools.mxfp4 import quantize, quantized
     from ckpt_tools.plan import packed_names
     from ckpt_tools.writers import contiguous_bytes
+    family = families.get(job.meta.spec.architecture)
     for name, shape, data in tensors:
         t = torch.frombuffer(data, dtype=torch.float32).view(shape) if len(data) else torch.empty(shape)
         if job.fp8 and hf.fp8_quantized(name, shape):
             q, inv = hf.quantize_blocks(t, job.fp8)
             yield name, shape, _Bytes(contiguous_bytes(q), hf.FP8)
             yield name + hf.SCALE, tuple(inv.shape), _Bytes(contiguous_bytes(inv), "float32")
-        elif job.mxfp4 and quantized(name):
+        elif job.mxfp4 and quantized(name, family):
             for packed, part in zip(packed_names(name), quantize(t)):
                 yield packed, tuple(part.shape), _Bytes(contiguous_bytes(part), "uint8")
         else:

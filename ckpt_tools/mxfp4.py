@@ -14,10 +14,9 @@ rounded to the nearest FP4 value, ties to even. Values that were MXFP4 come back
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
-from ckpt_tools.errors import FormatError
+from ckpt_tools.errors import ConfigError, FormatError
 
 if TYPE_CHECKING:
     import torch
@@ -26,9 +25,6 @@ BLOCKS, SCALES = "_blocks", "_scales"
 GROUP = 32  # inputs per scale
 VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
 MAX_SCALE = 252  # 6 x 2 ** (252 - 127) is the largest bfloat16 power-of-two multiple of an FP4 value
-# the HF tensors GPT-OSS's checkpoints hold in MXFP4: its experts' weights (biases, router, attention unquantized)
-QUANTIZED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
 def is_mxfp4(config: dict) -> bool:
@@ -36,14 +32,15 @@ def is_mxfp4(config: dict) -> bool:
     return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
 
 
-def quantized(name: str) -> bool:
-    """Whether GPT-OSS's checkpoints hold this HF tensor (or a slice `name[e]` of it) in MXFP4."""
-    return name.split("[")[0].endswith(QUANTIZED)
+def quantized(name: str, family) -> bool:
+    """Whether a family's checkpoints hold this HF tensor (or a slice `name[e]` of it) in MXFP4 (Family.mxfp4: the
+    names' endings)."""
+    return bool(family.mxfp4) and name.split("[")[0].endswith(family.mxfp4)
 
 
-def config() -> dict:
-    """config.json's quantization_config for MXFP4 experts (GPT-OSS's published one)."""
-    return {"quant_method": "mxfp4", "modules_to_not_convert": list(NOT_CONVERTED)}
+def config(family) -> dict:
+    """config.json's quantization_config for a family's MXFP4 tensors (GPT-OSS's published one)."""
+    return {"quant_method": "mxfp4", "modules_to_not_convert": list(family.mxfp4_unconverted)}
 
 
 def hf_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -70,13 +67,19 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> torch.
     return values.flatten(-2).transpose(-1, -2).to(torch.bfloat16)
 
 
+def check_shape(name: str, shape: tuple[int, ...]) -> None:
+    """A weight as transformers holds it ([.., in, out]) can be MXFP4 only with its inputs a multiple of 32."""
+    if len(shape) < 2 or shape[-2] % GROUP:
+        raise ConfigError(f"{name} {list(shape)}: MXFP4 packs runs of {GROUP} inputs, and its {shape[-2] if shape else 0} "
+                          f"inputs are not a multiple of {GROUP}: drop --mxfp4")
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight as transformers holds it ([.., in, out], in a multiple of 32) -> (blocks, scales) (see the module)."""
     import torch
+    check_shape("a weight", tuple(weight.shape))
     w = weight.transpose(-1, -2).float()  # [.., out, in]
     *lead, out, inputs = w.shape
-    if inputs % GROUP:
-        raise FormatError(f"a weight of {inputs} inputs in MXFP4: the inputs must be a multiple of {GROUP}")
     runs = w.reshape(*lead, out, inputs // GROUP, GROUP)
     amax = runs.abs().amax(dim=-1)
     # the smallest exponent e with amax / 2**e <= 6 (zero runs: the smallest scale)
@@ -106,4 +109,4 @@ def _even_of(ties: torch.Tensor) -> torch.Tensor:
 def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(blocks shape, scales shape) of a weight as transformers holds it ([.., in, out])."""
     *lead, inputs, out = shape
-    return (*lead, out, math.ceil(inputs / GROUP), GROUP // 2), (*lead, out, math.ceil(inputs / GROUP))
+    return (*lead, out, inputs // GROUP, GROUP // 2), (*lead, out, inputs // GROUP)

@@ -67,6 +67,16 @@ _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\
 _TE_GROUPED_EXTRA = re.compile(r"^.*\.mlp\.experts\.linear_fc[12]\._extra_state$")
 
 
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def to_te_grouped(name: str) -> str:
+    """The table's (SequentialMLP's) expert key -> TEGroupedMLP's (`mlp.experts.linear_fc1.weight<e>`); any other key
+    unchanged (the inverse of from_te_grouped)."""
+    m = _LOCAL_EXPERT.match(name)
+    return f"{m.group(1)}{m.group(3)}.{m.group(4)}{m.group(2)}" if m else name
+
+
 def from_te_grouped(name: str) -> str | None:
     """A TEGroupedMLP expert's key -> the table's (SequentialMLP's), any other key unchanged; None for the grouped
     linears' shared extra state, which holds no weights."""

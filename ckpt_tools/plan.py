@@ -125,6 +125,10 @@ class Job:
                               f"with one: {', '.join(f.name for f in families.all_families() if f.fp8_blocks)}): drop "
                               f"--fp8-blocks")
         entries = plan(meta.spec, meta.padded_vocab, fmt)
+        for e in entries if packed else ():
+            for name, shape in zip(e.names, e.shapes):
+                if mxfp4.quantized(name, family):
+                    mxfp4.check_shape(name, shape)
         job = cls(meta, fmt, target, from_master, entries, [], fp8, packed)
         job.files = split_files(entries, target, max_shard_size, job.entry_bytes) if fmt in DIRS else [entries]
         return job
@@ -139,7 +143,7 @@ class Job:
         for n, s in zip(e.names, e.shapes):
             if self.fp8 is not None and hf.fp8_quantized(n, s):
                 out += [(n, hf.FP8, s), (n + hf.SCALE, "float32", hf.scale_grid(s, self.fp8))]
-            elif self.mxfp4 and mxfp4.quantized(n):
+            elif self.mxfp4 and mxfp4.quantized(n, families.get(self.meta.spec.architecture)):
                 out += [(name, "uint8", shape) for name, shape in zip(packed_names(n), mxfp4.packed_shapes(s))]
             else:
                 out.append((n, self.entry_dtype(e), s))
@@ -247,7 +251,7 @@ def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None, fp8: tuple[int, 
     if fp8 is not None:
         ours[hf.QUANTIZATION] = hf.fp8_config(fp8)
     if packed:
-        ours[hf.QUANTIZATION] = mxfp4.config()
+        ours[hf.QUANTIZATION] = mxfp4.config(families.get(spec.architecture))
     config = hf.merged_config(ours, spec, tok_dir)
     if tok_dir is not None and (tok_dir / hf.GENERATION_CONFIG).is_file():
         return config, None

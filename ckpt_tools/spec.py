@@ -200,6 +200,12 @@ class ModelSpec:
             raise ConfigError(f"sliding_window {self.sliding_window} given, but {self.architecture} attends to every "
                               f"earlier position (the families with windows: " + ", ".join(
                                   f.name for f in _families().all_families() if f.windows) + ")")
+        if not self.rope_truncate and (self.rope_scaling != "yarn" or not any(
+                getattr(f, "truncate", False) for f in family.config)):
+            raise ConfigError(f"rope_truncate false (YaRN's correction range unrounded) with rope_scaling "
+                              f"{self.rope_scaling!r} for {self.architecture}: only YaRN in the families whose config "
+                              f"says so (" + ", ".join(f.name for f in _families().all_families() if any(
+                                  getattr(c, "truncate", False) for c in f.config)) + ") has it; set it true")
         if self.window_attn_skip_freq is not None and self.sliding_window is None:
             raise ConfigError(f"window_attn_skip_freq {self.window_attn_skip_freq} without a sliding_window: give the "
                               f"window or drop the frequency")

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import train
 from safetensors.torch import load_file as load_safetensors
 
 from ckpt_tools import families, hf
+from ckpt_tools.errors import ConfigError
 from ckpt_tools.merge import merge
 from ckpt_tools.importer import import_hf
 from ckpt_tools.reshard import reshard
@@ -224,6 +226,22 @@ def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
     with pytest.raises(Exception) as e:
         hf.spec_from_hf(path)
     assert expected in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({"architecture": "gpt_oss", "num_moe_experts": 4, "rope_scaling": "yarn"},
+     "activation_clamp unset: transformers' GPT-OSS always clamps"),
+    ({"architecture": "gpt_oss", "num_moe_experts": 4, "activation_clamp": 7.0, "rope_scaling": None,
+      "rope_truncate": False}, "rope_truncate false (YaRN's correction range unrounded) with rope_scaling None"),
+    ({"architecture": "deepseek_v3", "rope_truncate": False, "rope_scaling": "yarn", **OWN_FIELDS["deepseek_v3"],
+      "num_moe_experts": 4, "moe_shared_expert_intermediate_size": 48}, "only YaRN in the families whose config says so"),
+    ({"architecture": "llama", "sliding_window": 8}, "sliding_window 8 given, but llama attends to every earlier"),
+    ({"architecture": "llama", "activation_clamp": 7.0}, "glu_linear_offset / activation_clamp with activation 'swiglu'"),
+])
+def test_model_fields_a_family_cannot_hold_are_refused(fields, expected):
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 96, "vocab_size": VOCAB}
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        ModelSpec(**{**base, **fields})
 
 
 # ---------------------------------------------------------------- megatron-core's own model of each family

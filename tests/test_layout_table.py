@@ -227,7 +227,8 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
             if family.shared_experts:
                 moe["moe_shared_expert_intermediate_size"] = 48
             specs = [gpt2()] if family.name == "gpt2" else [deepseek(tie_word_embeddings=tie, q_lora_rank=q) for q in (
-                32, None)] if family.name == "deepseek_v3" else [llama(architecture=family.name, tie=tie, **moe)]
+                32, None)] if family.name == "deepseek_v3" else [gpt_oss()] if family.name == "gpt_oss" else \
+                [llama(architecture=family.name, tie=tie, **moe)]
             for spec in specs:
                 for pp in (1, 2):
                     reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}

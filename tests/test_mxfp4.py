@@ -12,7 +12,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 from test_families import TOKENS, hf_model, rel
 
-from ckpt_tools import mxfp4
+from ckpt_tools import families, mxfp4
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.importer import import_hf
@@ -20,11 +20,14 @@ from ckpt_tools.merge import merge
 
 
 def packed(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random blocks (every FP4 code, -0 included) and scales around 2 ** 0 of a weight [.., in, out]."""
+    """Random blocks (every FP4 code, -0 included) and scales around 2 ** 0 of a weight [.., in, out]; each run's
+    first code +-6, so that its scale is the one the quantizer picks (a run whose largest value is 3 or less would be
+    written back at a smaller scale: the same values in other bytes)."""
     g = torch.Generator().manual_seed(seed)
     blocks_shape, scales_shape = mxfp4.packed_shapes(shape)
-    return (torch.randint(0, 256, blocks_shape, dtype=torch.uint8, generator=g),
-            torch.randint(118, 134, scales_shape, dtype=torch.uint8, generator=g))
+    blocks = torch.randint(0, 256, blocks_shape, dtype=torch.uint8, generator=g)
+    blocks[..., 0] = (blocks[..., 0] & 0xF0) | torch.randint(0, 2, blocks_shape[:-1], dtype=torch.uint8, generator=g) * 8 | 7
+    return blocks, torch.randint(118, 134, scales_shape, dtype=torch.uint8, generator=g)
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +39,15 @@ def mxfp4_dir(tmp_path_factory):
     tensors = load_safetensors(root / "bf16" / "model.safetensors")
     out = {}
     for i, (name, t) in enumerate(sorted(tensors.items())):
-        if mxfp4.quantized(name):
+        if mxfp4.quantized(name, families.get("gpt_oss")):
             out[name + mxfp4.BLOCKS], out[name + mxfp4.SCALES] = packed(tuple(t.shape), i)
         else:
             out[name] = t
     (root / "mxfp4").mkdir()
     save_file(out, root / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((root / "bf16" / "config.json").read_text())
-    (root / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": mxfp4.config()}))
+    (root / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config":
+                                                                          mxfp4.config(families.get("gpt_oss"))}))
     return root / "mxfp4"
 
 
@@ -111,6 +115,12 @@ def test_mxfp4_refusals(mxfp4_dir, tmp_path):
     (tmp_path / "lost" / "config.json").write_text((mxfp4_dir / "config.json").read_text())
     with pytest.raises(FormatError, match="without their scales"):
         HFTensors(tmp_path / "lost")
+    blocks = name[:-len(mxfp4.SCALES)] + mxfp4.BLOCKS
+    (tmp_path / "alone").mkdir()
+    save_file({k: v for k, v in raw.items() if k != blocks}, tmp_path / "alone" / "model.safetensors")
+    (tmp_path / "alone" / "config.json").write_text((mxfp4_dir / "config.json").read_text())
+    with pytest.raises(FormatError, match="without their blocks"):
+        HFTensors(tmp_path / "alone")
     hf_model("mixtral").save_pretrained(tmp_path / "mixtral")
     import_hf(tmp_path / "mixtral", tmp_path / "dense", tp=1, pp=1, quiet=True)
     with pytest.raises(ConfigError, match="--mxfp4: mixtral's HF weights have no MXFP4 form"):

@@ -105,6 +105,10 @@ class TrainConfig:
         if self.sequence_parallelism and moe and self.moe_layer == "ours":
             raise ConfigError("sequence_parallelism with the trainer's own MoE layer is not supported: set it to false, "
                               "or set moe_layer: megatron_core")
+        if moe and self.moe_layer == "megatron_core" and (self.model.get("activation") == "quick_geglu"
+                                                        or self.model.get("architecture") == "gpt_oss"):
+            raise ConfigError("moe_layer: megatron_core with GPT-OSS's biased, clamped quick-GeGLU experts is not "
+                              "supported by this trainer: use moe_layer: ours")
         if moe and self.moe_layer == "megatron_core" and self.tp_degree > 1 and not self.sequence_parallelism:
             raise ConfigError("megatron-core's MoE layer trains under tensor parallelism only with sequence "
                               "parallelism: set sequence_parallelism: true (or tp_degree: 1)")

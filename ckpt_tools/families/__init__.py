@@ -153,7 +153,7 @@ class Rope:
         if kind == "yarn" and (truncate not in (True, False) or (not truncate and not self.truncate)
                                or merged.get("attention_factor") is not None):
             refuse(f"yarn with truncate {json.dumps(truncate)} or an explicit attention_factor is not supported for "
-                   f"this family (megatron-core's MLA YaRN rounds the correction range and derives the factor from "
+                   f"this family (its megatron-core YaRN rounds the correction range and derives the factor from "
                    f"mscale and mscale_all_dim)")
         if kind == "yarn" and self.truncate:
             out["rope_truncate"] = truncate
@@ -220,7 +220,8 @@ class Family:
     partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
     dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
     fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
-    mxfp4: bool = False  # its HF experts may be MXFP4 (GPT-OSS's layout; ckpt_tools.mxfp4)
+    mxfp4: tuple[str, ...] = ()  # the endings of the HF names its checkpoints may hold in MXFP4 (ckpt_tools.mxfp4)
+    mxfp4_unconverted: tuple[str, ...] = ()  # its MXFP4 quantization_config's modules_to_not_convert
     windows: bool = False  # its layers may attend by a sliding window (ModelSpec.sliding_window)
     mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
     # (megatron-core key, HF name with `{i}` the MTP layer's number) of each tensor an HF MTP layer holds a copy of

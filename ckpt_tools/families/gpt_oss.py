@@ -62,11 +62,8 @@ def _read_layer_types(c: dict, out: dict, refuse) -> None:
     types = c.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
     if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
         refuse(f"layer_types {types!r:.80} is not {n} entries of {SLIDING!r} or {FULL!r}")
-    if out.get("sliding_window") is None or FULL not in types:
+    if out.get("sliding_window") is None or FULL not in types:  # no window (windowed layers attend fully), or all
         out["window_attn_skip_freq"] = None
-        if out.get("sliding_window") is not None or SLIDING not in types:
-            return
-        out["sliding_window"] = None  # windowed layers without a window attend fully
         return
     freq = types.index(FULL) + 1
     if types != [FULL if (i + 1) % freq == 0 else SLIDING for i in range(n)]:
@@ -92,10 +89,16 @@ def check(spec) -> None:
     if spec.moe_router_pre_softmax:
         raise ConfigError("moe_router_pre_softmax true is not GPT-OSS's router (a softmax over the top-k logits): set "
                           "it false")
+    if spec.activation_clamp is None:
+        raise ConfigError("activation_clamp unset: transformers' GPT-OSS always clamps its experts' GLU (swiglu_limit; "
+                          "megatron-core's --activation-func-clamp-value): give it")
 
 
 FAMILY = Family(
-    name="gpt_oss", model_type="gpt_oss", hf_class="GptOssForCausalLM", moe=True, windows=True, mxfp4=True,
+    name="gpt_oss", model_type="gpt_oss", hf_class="GptOssForCausalLM", moe=True, windows=True,
+    # the published checkpoints' MXFP4: the experts' weights (biases, router, attention, embeddings, head unquantized)
+    mxfp4=(".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"),
+    mxfp4_unconverted=("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"),
     features={**llama.FEATURES, "activation": ("quick_geglu",), "add_bias_linear": (True,),
               "rope_scaling": ("yarn", None), "tie_word_embeddings": (False,), "softmax_type": ("learnable",),
               # transformers' experts: gate * sigmoid(alpha * gate) * (up + 1)

@@ -35,6 +35,8 @@ _RECORDS = {
     f"{_DCP}.filesystem": {"_StorageInfo"},
     f"{_DCP}.planner": {"SavePlan", "WriteItem", "TensorWriteData", "WriteItemType", "BytesIOWriteData"},
     "megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata", "MCoreSavePlan"},
+    # StorageMeta's checkpoint_id as torch's FileSystemWriter records it (torch_dcp saves): an inert record
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
 }
 
 

@@ -92,11 +92,9 @@ def dcp_candidates(key: str, spec) -> list[tuple[str, Placed]]:
     prefix = f"{_LAYERS}{i}." if i is not None else _MTP_LAYER.match(key).group(1) if _MTP_LAYER.match(key) else None
     if prefix is None:
         return [(DCP_MODEL + key, ())]
-    name, e = key[len(prefix):], layout.expert_index(key)
-    if e is not None:
-        rest = name[len(f"{_EXPERTS}{e}."):]
-        grouped = "mlp.experts." + re.sub(r"\.(weight|bias)$", rf".\g<1>{e}", rest)
-        return [(DCP_MODEL + key, ()), (DCP_MODEL + prefix + grouped, ())]
+    name = key[len(prefix):]
+    if layout.expert_index(key) is not None:
+        return [(DCP_MODEL + key, ()), (DCP_MODEL + names.to_te_grouped(key), ())]
     return [(DCP_MODEL + prefix + n, ()) for n in dict.fromkeys((name, names.to_te(name)))]
 
 
@@ -220,7 +218,8 @@ class DistCheckpoint:
         """`load` reads common.pt, `load_embedded` (path, offset, length) the embedded common state: torch's
         allow-listed loader (the default), or the torch-free torchfile.read for both."""
         index = dcp.read_metadata(iter_dir)
-        source = megatron_lm.form(iter_dir)
+        # torch_dist has dist_checkpointing's metadata.json; a dir without is torch_dcp (megatron_lm.form said so)
+        source = megatron_lm.TORCH_DIST if (iter_dir / "metadata.json").is_file() else megatron_lm.TORCH_DCP
         if source == megatron_lm.TORCH_DCP:
             common_path, common = read_dcp_common(iter_dir, index, load_embedded)
         else:

@@ -75,9 +75,10 @@ class TorchDistShards(Reader):
         else:
             if field == "master" and not self.ckpt.has_masters:  # fp32 training: the weights are the masters
                 if self.meta.params_dtype != "float32":
-                    raise FormatError(f"{meta.dir / dcp.METADATA}: no fp32 masters (optimizer.state.fp32_param.* or "
-                                      f".param.*) beside {self.meta.params_dtype} weights: the optimizer state is "
-                                      f"incomplete; restore the checkpoint from the source")
+                    held = f"{DCP_MASTERS}*" if self.ckpt.dcp else "optimizer.state.fp32_param.* or .param.*"
+                    raise FormatError(f"{meta.dir / dcp.METADATA}: no fp32 masters ({held}) beside "
+                                      f"{self.meta.params_dtype} weights: the optimizer state is incomplete; restore the "
+                                      f"checkpoint from the source")
                 return [t.float() for t in self.shards(global_key)]
             out = []
             for rank in range(meta.tp_size):
