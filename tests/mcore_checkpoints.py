@@ -278,6 +278,21 @@ def main(config_path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def save_dcp(state: dict, root: Path, form: str, iteration: int) -> None:
+    """What Megatron-LM's save_checkpoint does for its DCP forms (torch_dcp, fsdp_dtensor): `torch.distributed.
+    checkpoint.save` of the state dict into ROOT/FORM/iter_NNNNNNN, then the tracker (rank 0). Every rank calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    iter_dir = root / form / f"iter_{iteration:07d}"
+    if dist.get_rank() == 0:
+        iter_dir.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(iter_dir)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / form / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
 def run_as_script(main, *args) -> None:
     """Run a torchrun script's main, then leave at once: dist_checkpointing's results-queue manager process would
     outlive us, holding the pipes torchrun waits on. tests/ goes last on sys.path: its helpers import, but nothing

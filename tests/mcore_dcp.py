@@ -25,13 +25,12 @@ from pathlib import Path
 def main(config_path: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
-    from mcore_checkpoints import BATCH, SEQ, _args, _forward, _perturb, _shim_cuda, shim_masks
+    from mcore_checkpoints import BATCH, SEQ, _args, _forward, _perturb, _shim_cuda, save_dcp, shim_masks
     _shim_cuda(torch)
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo")
     import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
-    import torch.distributed.checkpoint as dcp
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -81,14 +80,7 @@ def main(config_path: str, out: str) -> None:
         args.no_save_optim = False
         state["optimizer"] = optimizer.state_dict()
         state["model"] = wrapped.module.state_dict_for_save_checkpoint()
-    iter_dir = out_dir / "torch_dcp" / f"iter_{iteration:07d}"
-    if dist.get_rank() == 0:
-        iter_dir.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(iter_dir)))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (out_dir / "torch_dcp" / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    save_dcp(state, out_dir, "torch_dcp", iteration)
     dist.destroy_process_group()
 
 

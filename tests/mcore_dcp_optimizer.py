@@ -32,7 +32,6 @@ def main(out: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     from megatron.core import parallel_state as ps
@@ -41,7 +40,7 @@ def main(out: str) -> None:
     from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.transformer.module import Float16Module
-    from mcore_checkpoints import _args, _perturb
+    from mcore_checkpoints import _args, _perturb, save_dcp
     from mcore_reference_child import _build_model
 
     from ckpt_tools.spec import ModelSpec
@@ -85,14 +84,9 @@ def main(out: str) -> None:
              "opt_param_scheduler": scheduler.state_dict(), "rng_state": rng,
              "num_floating_point_operations_so_far": 0}
     root = Path(out)
-    iter_dir = root / "torch_dcp" / f"iter_{ITERATION:07d}"
-    if dist.get_rank() == 0:
-        iter_dir.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(iter_dir)))
+    save_dcp(state, root, "torch_dcp", ITERATION)
     reference = _reference(opt, gpt)
     if dist.get_rank() == 0:
-        (root / "torch_dcp" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
         torch.save(reference, root / "reference.pt")
     dist.barrier()
     dist.destroy_process_group()

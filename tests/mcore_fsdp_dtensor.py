@@ -36,7 +36,6 @@ def main(config_path: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     from megatron.core import parallel_state as ps
@@ -48,7 +47,7 @@ def main(config_path: str, out: str) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.transformer import fsdp_dtensor_checkpoint as handlers
     from megatron.core.transformer.module import Float16Module
-    from mcore_checkpoints import BATCH, SEQ, _args, _perturb
+    from mcore_checkpoints import BATCH, SEQ, _args, _perturb, save_dcp
     from mcore_reference_child import _build_model
 
     from ckpt_tools.spec import ModelSpec
@@ -113,14 +112,7 @@ def main(config_path: str, out: str) -> None:
     if args.num_experts:
         state["model"] = handlers.handle_experts_in_state_dict(state["model"], args.num_experts)
     preprocess_state_dict_for_uneven_dtensor(state)
-    iter_dir = root / "fsdp_dtensor" / f"iter_{iteration:07d}"
-    if dist.get_rank() == 0:
-        iter_dir.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(iter_dir)))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (root / "fsdp_dtensor" / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    save_dcp(state, root, "fsdp_dtensor", iteration)
     dist.destroy_process_group()
 
 
