@@ -179,7 +179,9 @@ def _te_grouped_names(state: dict) -> dict:
     return out
 
 
-def main(config_path: str, out: str) -> None:
+def on_cpu(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """A torchrun process ready to build megatron-core's models on the CPU (gloo, the shims above) at TP x PP (x EP,
+    experts over ETP ranks)."""
     warnings.filterwarnings("ignore")
     import torch
     _shim_cuda(torch)
@@ -187,24 +189,32 @@ def main(config_path: str, out: str) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo")
     import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
-    from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from mcore_reference_child import _build_model, expert_tp
-
-    from ckpt_tools.spec import ModelSpec
+    from megatron.core import tensor_parallel
     shim_masks()
-    cfg = json.loads(Path(config_path).read_text())
-    tp, pp, iteration, ep = cfg["tp"], cfg["pp"], cfg.get("iteration", 5), cfg.get("ep", 1)
-    spec = ModelSpec.from_dict(cfg["model"])
-    etp = cfg.get("etp", expert_tp(spec, tp))  # --expert-tensor-parallel-size (an MoE model's experts over ETP ranks)
-    padded = spec.padded_vocab_size(tp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
         moe_utils.te_general_gemm = None
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def main(config_path: str, out: str) -> None:
+    from ckpt_tools.spec import ModelSpec
+    cfg = json.loads(Path(config_path).read_text())
+    tp, pp, iteration, ep = cfg["tp"], cfg["pp"], cfg.get("iteration", 5), cfg.get("ep", 1)
+    spec = ModelSpec.from_dict(cfg["model"])
+    from mcore_reference_child import expert_tp
+    etp = cfg.get("etp", expert_tp(spec, tp))  # --expert-tensor-parallel-size (an MoE model's experts over ETP ranks)
+    on_cpu(tp, pp, ep, etp)
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from mcore_reference_child import _build_model
+    padded = spec.padded_vocab_size(tp)
     torch.manual_seed(1234)
     model = _build_model({**spec.to_dict(), "padded_vocab_size": padded, "ep": ep, "etp": etp}, tp, pp).eval()
     _perturb(model, torch)

@@ -15,39 +15,25 @@ builds its device mesh on "cuda"; here on "cpu".
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-import warnings
 from pathlib import Path
 
 
 def main(config_path: str, out: str) -> None:
-    warnings.filterwarnings("ignore")
+    from mcore_checkpoints import BATCH, SEQ, _args, _forward, _perturb, on_cpu, save_dcp
+    on_cpu(1, 1)  # Megatron-LM's torch_dcp: TP = PP = 1, every process a data-parallel rank
     import torch
-    from mcore_checkpoints import BATCH, SEQ, _args, _forward, _perturb, _shim_cuda, save_dcp, shim_masks
-    _shim_cuda(torch)
-    torch.set_num_threads(1)
     import torch.distributed as dist
-    dist.init_process_group("gloo")
-    import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
     from mcore_reference_child import _build_model
 
     from ckpt_tools.spec import ModelSpec
-    shim_masks()
     cfg = json.loads(Path(config_path).read_text())
     iteration = cfg.get("iteration", 5)
     spec = ModelSpec.from_dict(cfg["model"])
     padded = spec.padded_vocab_size(1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    from megatron.core.transformer.moe import moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
-        moe_utils.te_general_gemm = None
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     torch.manual_seed(1234)
     model = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, 1).eval()
     _perturb(model, torch)
@@ -85,4 +71,5 @@ def main(config_path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    from mcore_checkpoints import run_as_script
+    run_as_script(main, *sys.argv[1:])
