@@ -280,7 +280,7 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), OLMoE's norms over all heads
     sum their squares over TP and keep each rank's weight slice, Gemma's zero-centred norms start at zero; a
@@ -302,6 +302,10 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
                      qk_pos_emb_head_dim=8, v_head_dim=12, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                      moe_shared_expert_intermediate_size=32, moe_router_num_groups=2, moe_router_group_topk=1,
                      moe_router_topk_scaling_factor=2.5, layer_pattern="+-+E+E+E", moe_aux_loss_coeff=0.01)
+    if arch == "gpt_oss":  # sinks split over TP by heads, an 8-position window on layers 0 and 2 (seq 64), biased
+        # router and experts with the clamped GLU, YaRN unrounded
+        extra.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, ffn_hidden_size=32, kv_channels=16,
+                     **OWN_FIELDS["gpt_oss"], rotary_base=150000.0)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}
