@@ -74,7 +74,7 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
              form: str = TORCH_DIST, team: Team = SOLO, ep: int | None = None,
              model: str | None = None) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
-    meta, spec = source.meta, source.meta.spec
+    meta = source.meta
     with_opt = optimizer and _has_optimizer(meta)
     if with_opt and form != TORCH_DIST:
         return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
