@@ -5,7 +5,7 @@ megatron-core's own local modules, run, saved by its own `dist_checkpointing.sav
 
     torchrun --nproc-per-node TP*PP tests/mcore_newest.py save CONFIG.json OUT
     torchrun --nproc-per-node TP*PP tests/mcore_newest.py load CONFIG.json
-    python tests/mcore_newest.py make fixtures/megatron_019      # every case of CASES, saved (the committed fixtures)
+    python tests/mcore_newest.py make fixtures/megatron_019 [CASE...]  # each case of CASES saved (the fixtures)
 
 CONFIG.json: {"kind": "gpt" | "hybrid", "model": ModelSpec fields, "tp": T, "pp": P, "iteration": N,
 "pattern": the hybrid layer pattern ("*-*-", "*E*E"), "tokens"/"load"/"out" (load: the save dir, tokens.pt, and where
@@ -47,6 +47,14 @@ CASES = {
     "hybrid_gpt2_pp2": {"kind": "hybrid", "pattern": "*-|*-", "tp": 1, "pp": 2, "model": _GPT2},
     "hybrid_mixtral_tp2": {"kind": "hybrid", "pattern": "*E*E", "tp": 2, "pp": 1,
                            "model": {**_LLAMA, "architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2}},
+    # GPT-OSS: sinks, an 8-position window on layer 0 (16 tokens), GPTModel's YaRN unrounded, biased experts (ETP 1)
+    # with the clamped GLU of +1
+    "gpt_gpt_oss_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
+                        "model": {**_LLAMA, "architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16,
+                                  "num_moe_experts": 4, "moe_router_topk": 2, "sliding_window": 8,
+                                  "window_attn_skip_freq": 2, "activation_clamp": 7.0, "rope_scaling": "yarn",
+                                  "rope_scaling_factor": 4.0, "rope_original_max_position_embeddings": 8,
+                                  "rope_truncate": False, "rotary_base": 150000.0}},
 }
 
 
@@ -137,14 +145,19 @@ def build(cfg: dict, padded: int):
 def _start(cfg: dict):
     activate()
     import torch
-    from mcore_checkpoints import _shim_cuda
+    from mcore_checkpoints import _shim_cuda, shim_masks
+    from mcore_reference_child import expert_tp
+
+    from ckpt_tools.spec import ModelSpec
     _shim_cuda(torch)
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"])
+    shim_masks()
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"],
+                                 expert_tensor_parallel_size=expert_tp(ModelSpec.from_dict(cfg["model"]), cfg["tp"]))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -228,12 +241,15 @@ def load(cfg: dict) -> None:
     dist.destroy_process_group()
 
 
-def make(out: str) -> None:
-    """Save every case of CASES under `out` (each with megatron-core 0.19 under torchrun), replacing what is there."""
+def make(out: str, *only: str) -> None:
+    """Save every case of CASES (or those named) under `out` (each with megatron-core 0.19 under torchrun), replacing
+    what is there."""
     import shutil
     import subprocess
     import tempfile
     for name, case in CASES.items():
+        if only and name not in only:
+            continue
         target = Path(out) / name
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
@@ -254,7 +270,7 @@ def main(mode: str, config_path: str, out: str | None = None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
-        make(sys.argv[2])
+        make(*sys.argv[2:])
     else:
         from mcore_checkpoints import run_as_script
         run_as_script(main, *sys.argv[1:])

@@ -75,14 +75,15 @@ def mcore_019_logits(tmp_path: Path, case: dict, load: Path, tokens: torch.Tenso
 
 
 @pytest.mark.slow
-def test_megatron_core_019_loads_our_torch_dist_at_another_layout(tmp_path):
-    """A 0.19 GPTModel save (TP2, embedded common state) resharded by ckpt to TP1 x PP2 torch_dist: megatron-core
-    0.19.2 loads it strictly at TP1 x PP2 and gives the saving model's logits."""
+@pytest.mark.parametrize("name", ["gpt_llama_tp2", "gpt_gpt_oss_tp2"])
+def test_megatron_core_019_loads_our_torch_dist_at_another_layout(name, tmp_path):
+    """A 0.19 GPTModel save (TP2, embedded common state; Llama, and GPT-OSS with sinks, windows, YaRN and biased experts
+    at ETP 1) resharded by ckpt to TP1 x PP2 torch_dist: megatron-core 0.19.2 loads it strictly at TP1 x PP2 and gives
+    the saving model's logits."""
     mcore_newest = newest_or_skip()
-    reshard(SAVES / "gpt_llama_tp2" / "torch_dist", tmp_path / "out", tp=1, pp=2, vocab_size=VOCAB,
-            form="torch_dist", quiet=True)
-    reference = torch.load(SAVES / "gpt_llama_tp2" / "reference.pt", weights_only=True)
-    case = {**mcore_newest.CASES["gpt_llama_tp2"], "tp": 1, "pp": 2}
+    reshard(SAVES / name / "torch_dist", tmp_path / "out", tp=1, pp=2, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
+    case = {**mcore_newest.CASES[name], "tp": 1, "pp": 2}
     got = mcore_019_logits(tmp_path, case, tmp_path / "out", reference["tokens"], "gpt")
     assert rel_err(got["logits"][..., :VOCAB], reference["logits"][..., :VOCAB]) < 1e-5
 
