@@ -179,16 +179,20 @@ def _te_grouped_names(state: dict) -> dict:
     return out
 
 
-def on_cpu(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+def on_cpu(tp: int, pp: int, ep: int = 1, etp: int | None = None, newest: bool = False) -> None:
     """A torchrun process ready to build megatron-core's models on the CPU (gloo, the shims above) at TP x PP (x EP,
-    experts over ETP ranks)."""
+    experts over ETP ranks); `newest`: megatron-core 0.19 (tests/mcore_newest.py), else the installed 0.16."""
     warnings.filterwarnings("ignore")
+    if newest:
+        from mcore_newest import activate
+        activate()
     import torch
     _shim_cuda(torch)
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
+    if not newest:
+        import trainer  # noqa: F401 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     shim_masks()

@@ -3,7 +3,8 @@ logits. Run under torchrun with DP processes (gloo, CPU; Megatron-LM's torch_dcp
 
     torchrun --nproc-per-node DP tests/mcore_dcp.py CONFIG.json OUT
 
-CONFIG.json: {"model": ModelSpec fields, "iteration": N, "optimizer": true (megatron-core's optimizer after one step,
+CONFIG.json: {"model": ModelSpec fields, "iteration": N, "newest": true (megatron-core 0.19, tests/mcore_newest.py),
+"optimizer": true (megatron-core's optimizer after one step,
 saved as Megatron-LM saves it: `optimizer.state_dict()`)}. Each rank builds megatron-core's `GPTModel` (local spec, as
 tests/mcore_checkpoints.py does, norms and biases made non-trivial), runs its forward on fixed tokens (rank 0 saves
 OUT/tokens.pt and OUT/logits.pt), wraps it in megatron-core's own `TorchFullyShardedDataParallel` (torch's FSDP2
@@ -22,7 +23,8 @@ from pathlib import Path
 
 def main(config_path: str, out: str) -> None:
     from mcore_checkpoints import BATCH, SEQ, _args, _forward, _perturb, on_cpu, save_dcp
-    on_cpu(1, 1)  # Megatron-LM's torch_dcp: TP = PP = 1, every process a data-parallel rank
+    cfg = json.loads(Path(config_path).read_text())
+    on_cpu(1, 1, newest=cfg.get("newest", False))  # Megatron-LM's torch_dcp: TP = PP = 1, every process a DP rank
     import torch
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -30,7 +32,6 @@ def main(config_path: str, out: str) -> None:
     from mcore_reference_child import _build_model
 
     from ckpt_tools.spec import ModelSpec
-    cfg = json.loads(Path(config_path).read_text())
     iteration = cfg.get("iteration", 5)
     spec = ModelSpec.from_dict(cfg["model"])
     padded = spec.padded_vocab_size(1)
@@ -43,6 +44,8 @@ def main(config_path: str, out: str) -> None:
     if dist.get_rank() == 0:
         torch.save(tokens, out_dir / "tokens.pt")
         torch.save(logits, out_dir / "logits.pt")
+        import megatron.core
+        (out_dir / "megatron_core_version.txt").write_text(megatron.core.__version__)
 
     from_group = fsdp.DeviceMesh.from_group
     fsdp.DeviceMesh.from_group = staticmethod(lambda group, device, *a, **k: from_group(group, "cpu", *a, **k))
