@@ -2,7 +2,9 @@
 written by megatron-core's own modules after real training steps. Needs CUDA (megatron-core's optimizers allocate on
 "cuda"); two GPUs (FSDP2 over two data-parallel ranks):
 
-    torchrun --nproc-per-node 2 tests/mcore_dcp_optimizer.py OUT
+    torchrun --nproc-per-node 2 tests/mcore_dcp_optimizer.py OUT [fp32]
+
+(`fp32`: an fp32 run instead, megatron-core's FP32Optimizer: no separate masters, Adam's own state dict.)
 
 A tiny Llama (tests/mcore_optimizer_checkpoints.py's) is built by megatron-core, wrapped as Megatron-LM wraps it for
 FSDP2 (`Float16Module`, then megatron-core's `TorchFullyShardedDataParallel`), given megatron-core's optimizer
@@ -28,7 +30,7 @@ from mcore_optimizer_checkpoints import SPEC
 STEPS, ITERATION = 3, 3
 
 
-def main(out: str) -> None:
+def main(out: str, precision: str = "bf16") -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
@@ -53,10 +55,13 @@ def main(out: str) -> None:
     _perturb(gpt, torch)
     gpt = gpt.cuda()
     config = gpt.config
-    config.bf16, config.params_dtype, config.transformer_impl = True, torch.bfloat16, "local"
-    wrapped = TorchFullyShardedDataParallel(config, DistributedDataParallelConfig(), Float16Module(config, gpt))
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, bf16=True,
-                                 params_dtype=torch.bfloat16,
+    bf16 = precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config.bf16, config.params_dtype, config.transformer_impl = bf16, dtype, "local"
+    wrapped = TorchFullyShardedDataParallel(config, DistributedDataParallelConfig(),
+                                            Float16Module(config, gpt) if bf16 else gpt)
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, bf16=bf16,
+                                 params_dtype=dtype,
                                  use_distributed_optimizer=False, clip_grad=1.0)
     opt = get_megatron_optimizer(opt_config, [wrapped], config_overrides=get_standard_config_overrides(opt_config))
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -74,7 +79,7 @@ def main(out: str) -> None:
         scheduler.step(increment=1)
         if dist.get_rank() == 0:
             print(f"loss {loss.item():.4f} grad norm {grad_norm} ok {ok}")
-    args = _args(spec, 1, 1, padded, ITERATION, "bfloat16")
+    args = _args(spec, 1, 1, padded, ITERATION, "bfloat16" if bf16 else "float32")
     vars(args).update(ckpt_format="torch_dcp", use_torch_fsdp2=True, data_parallel_size=dist.get_world_size(),
                       no_save_optim=False, use_distributed_optimizer=False)
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
@@ -99,7 +104,9 @@ def _reference(opt, gpt) -> dict:
     names = {id(p): n for n, p in gpt.named_parameters()}
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     out = {}
-    for model_group, main_group in zip(inner.float16_groups, inner.fp32_from_float16_groups):
+    pairs = zip(inner.float16_groups, inner.fp32_from_float16_groups) if hasattr(inner, "float16_groups") else \
+        ((g["params"], g["params"]) for g in inner.optimizer.param_groups)  # FP32Optimizer: the weights are the masters
+    for model_group, main_group in pairs:
         for p, main in zip(model_group, main_group):
             s = inner.optimizer.state[main]
             out[names[id(p)]] = {k: t.full_tensor().detach().float().cpu().clone() if hasattr(t, "full_tensor")
@@ -114,4 +121,4 @@ def _reference(opt, gpt) -> dict:
 
 if __name__ == "__main__":
     from mcore_checkpoints import run_as_script
-    run_as_script(main, sys.argv[1])
+    run_as_script(main, *sys.argv[1:])

@@ -67,7 +67,7 @@ def test_megatron_lm_torch_dcp_checkpoint_merges_and_reshards(case, version, tmp
     assert rel(loaded, expected) < 1e-5
 
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_torch_dcp"  # tests/mcore_dcp_optimizer.py
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # made by tests/mcore_dcp_optimizer.py OUT [fp32]
 
 
 def _same_state(reader, reference: dict) -> list[str]:
@@ -77,14 +77,17 @@ def _same_state(reader, reference: dict) -> list[str]:
                                want.float())]
 
 
-def test_torch_dcp_optimizer_state_is_megatron_cores_own(tmp_path):
-    """A `--use-torch-fsdp2 --bf16` run's torch_dcp save (two data-parallel ranks on 2 GPUs, three Adam steps; made
-    by tests/mcore_dcp_optimizer.py): every parameter's fp32 master, moments and step, found by its index in
-    megatron-core's param groups, are megatron-core's own optimizer object's, bit for bit; resharded into our format
-    (TP2 x PP2) and into Megatron-LM's torch_dist (TP2, with its param groups and scheduler), they read back the same."""
+@pytest.mark.parametrize("fixture", ["megatron_torch_dcp", "megatron_torch_dcp_fp32"])
+def test_torch_dcp_optimizer_state_is_megatron_cores_own(fixture, tmp_path):
+    """A `--use-torch-fsdp2` run's torch_dcp save (two data-parallel ranks on 2 GPUs, three Adam steps; made by
+    tests/mcore_dcp_optimizer.py): `--bf16` (Float16OptimizerWithFloat16Params: fp32 masters beside the Adam state)
+    and fp32 (FP32Optimizer: Adam's own state dict, the weights the masters). Every parameter's master, moments and
+    step, found by its index in megatron-core's param groups, are megatron-core's own optimizer object's, bit for bit;
+    resharded into our format (TP2 x PP2) and into Megatron-LM's torch_dist (TP2, with its param groups and
+    scheduler), they read back the same."""
     from ckpt_tools.shards import open_checked
-    reference = torch.load(FIXTURE / "reference.pt", weights_only=True)
-    src = FIXTURE / "torch_dcp"
+    reference = torch.load(FIXTURES / fixture / "reference.pt", weights_only=True)
+    src = FIXTURES / fixture / "torch_dcp"
     reader = megatron_lm.open_reader(src, vocab_size=120)
     assert reader.has_optimizer() and len(reference) == 15
     assert _same_state(reader, reference) == []
