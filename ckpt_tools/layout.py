@@ -13,6 +13,8 @@ Split kinds:
   qkv          dim 0; full rows are grouped per query group [q heads of the group; k; v] and the
                groups are dealt to ranks in order, so a rank's shard is a contiguous run of groups
   gated        dim 0 of a SwiGLU fc1 whose full tensor is [gate; up]; rank r holds [gate_r; up_r]
+  blocked      dim 0 made of parts (the row's `parts`), each split in TP equal chunks; rank r holds [part0_r;
+               part1_r; ...] (gated is blocked in two halves; Mamba's in_proj [z; x; B; C; dt], its conv1d [x; B; C])
   vocab        dim 0 over the padded vocab; rows beyond the true vocab are padding (zeros when made here)
   extra_state  `_extra_state` (None or bytes in megatron-core); carried as is, never split
 
@@ -30,9 +32,9 @@ from ckpt_tools.errors import ConfigError, LayoutError
 from ckpt_tools.ranks import EP, PP, TP
 from ckpt_tools.spec import ModelSpec
 
-REPLICATED, COLUMN, ROW, QKV, GATED, VOCAB, EXTRA = (
-    "replicated", "column", "row", "qkv", "gated", "vocab", "extra_state")
-SPLIT_DIM = {COLUMN: 0, ROW: 1, QKV: 0, GATED: 0, VOCAB: 0}
+REPLICATED, COLUMN, ROW, QKV, GATED, BLOCKED, VOCAB, EXTRA = (
+    "replicated", "column", "row", "qkv", "gated", "blocked", "vocab", "extra_state")
+SPLIT_DIM = {COLUMN: 0, ROW: 1, QKV: 0, GATED: 0, BLOCKED: 0, VOCAB: 0}
 
 FIRST, LAYER, LAST, MTP_STAGE = "first", "layer", "last", "mtp"  # MTP_STAGE: the last stage's MTP layers
 
@@ -42,21 +44,31 @@ When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
 
 # Blocks: the parts a layer is made of (ModelSpec.pattern says which each layer has). A row of no block is in
 # every layer (its norms).
-ATTENTION, MLA, DENSE, MOE, SHARED, MTP = "attention", "mla", "dense", "moe", "shared", "mtp"
+ATTENTION, MLA, DENSE, MOE, SHARED, MTP, MAMBA = "attention", "mla", "dense", "moe", "shared", "mtp", "mamba"
+_SYMBOLS = {"*": ATTENTION, "+": MLA, "-": DENSE, "E": MOE, "M": MAMBA}  # the layer pattern's symbols' blocks
 
 
 @dataclass(frozen=True)
 class Rule:
     """One row of the table. `name` uses `{i}` for the stage-local layer index; `block` the layer part it belongs
-    to (None: every layer's, or not a layer's); `when` the features it needs."""
+    to (None: every layer's, or not a layer's; a tuple: a part of any of those blocks, a norm several share); `when`
+    the features it needs."""
     name: str
     split: str
     stage: str
     shape: Shape | None
     when: When
-    block: str | None = None
+    block: str | tuple[str, ...] | None = None
     buffer: bool = False  # a tensor no optimizer trains (megatron-core's persistent buffer): no optimizer state
     dtype: str | None = None  # kept in this dtype whatever the weights' (None: the weights' dtype)
+    parts: Callable[[ModelSpec], tuple[int, ...]] | None = None  # a blocked row's parts' sizes along dim 0
+
+    def part_sizes(self, spec: ModelSpec, size: int) -> tuple[int, ...]:
+        """The parts of dim 0 that are each split over TP: a gated row's halves, a blocked row's parts, else the
+        whole dim."""
+        if self.split == GATED:
+            return (size // 2, size // 2)
+        return self.parts(spec) if self.split == BLOCKED else (size,)
 
     @property
     def dim(self) -> int | None:
@@ -79,17 +91,21 @@ class Rule:
 def layer_blocks(spec: ModelSpec, i: int) -> frozenset[str]:
     """The blocks global layer i holds: its attention's kind and its MLP's (a dense MLP, or an MoE layer and, where
     the family has one, its shared expert)."""
-    attention = MLA if spec.multi_latent_attention else ATTENTION
-    if not spec.moe_layer(i):
-        return frozenset((attention, DENSE))
-    return frozenset((attention, MOE) + ((SHARED,) if spec.moe_shared_expert_intermediate_size is not None else ()))
+    return _blocks_of(spec, spec.layer_symbols(i))
+
+
+def _blocks_of(spec: ModelSpec, symbols: str) -> frozenset[str]:
+    blocks = {_SYMBOLS[c] for c in symbols}
+    if MOE in blocks and spec.moe_shared_expert_intermediate_size is not None:
+        blocks.add(SHARED)
+    return frozenset(blocks)
 
 
 def model_blocks(spec: ModelSpec) -> frozenset[str]:
     """The blocks any layer of the model holds."""
-    kinds = set(spec.pattern[1::2])  # the MLPs' symbols: one layer of each kind stands for all
+    kinds = {spec.layer_symbols(i) for i in range(spec.num_layers)}
     mtp = frozenset((MTP,)) if spec.mtp_num_layers is not None else frozenset()
-    return mtp.union(*(layer_blocks(spec, spec.pattern.index(k, 1) // 2) for k in kinds))
+    return mtp.union(*(_blocks_of(spec, k) for k in kinds))
 
 
 def mtp_blocks(spec: ModelSpec) -> frozenset[str]:
@@ -98,8 +114,15 @@ def mtp_blocks(spec: ModelSpec) -> frozenset[str]:
     return layer_blocks(spec, spec.num_layers - 1)
 
 
+def _in_blocks(block: str | tuple[str, ...] | None, blocks: Container[str]) -> bool:
+    """A row of `block` belongs to a layer of `blocks` (a row of no block to every layer)."""
+    if block is None:
+        return True
+    return any(b in blocks for b in block) if isinstance(block, tuple) else block in blocks
+
+
 def _present(rule: Rule, spec: ModelSpec, pp: int, blocks: Container[str]) -> bool:
-    return (rule.block is None or rule.block in blocks) and rule.when(spec, pp)
+    return _in_blocks(rule.block, blocks) and rule.when(spec, pp)
 
 
 def _always(s: ModelSpec, pp: int) -> bool:
@@ -150,8 +173,27 @@ def _q_head(s: ModelSpec) -> int:
     return s.qk_head_dim + s.qk_pos_emb_head_dim
 
 
+def _mamba_inner(s: ModelSpec) -> int:
+    return s.mamba_num_heads * s.mamba_head_dim
+
+
+def _mamba_in_parts(s: ModelSpec) -> tuple[int, ...]:
+    """Mamba-2's in_proj rows: [z; x; B; C; dt] (gate, input, the state's in and out projections per group, a step
+    per head), each split over TP by heads and groups."""
+    gn = s.mamba_num_groups * s.mamba_state_dim
+    return (_mamba_inner(s), _mamba_inner(s), gn, gn, s.mamba_num_heads)
+
+
+def _mamba_conv_parts(s: ModelSpec) -> tuple[int, ...]:
+    """Mamba-2's convolution channels: [x; B; C]."""
+    return _mamba_in_parts(s)[1:4]
+
+
+MAMBA_CONV = 4  # the convolution's width (megatron-core's MambaMixer d_conv, which Megatron-LM does not set)
+_ATTENTIONS, _MLPS = (ATTENTION, MLA), (DENSE, MOE)  # the blocks a layer's input norm / pre-MLP norm serves
 _L = "decoder.layers.{i}."
 _A = _L + "self_attention."
+_X = _L + "mixer."  # megatron-core's MambaLayer: its mixer (MambaMixer) and its own norm
 _E = _L + "mlp.experts.local_experts.{e}."  # megatron-core's SequentialMLP; `{e}` the expert (local in a file)
 _S = _L + "mlp.shared_experts."
 _M = "mtp.layers.{m}."  # `{m}` the multi-token prediction depth (0 first)
@@ -161,8 +203,8 @@ TABLE: tuple[Rule, ...] = (
     Rule("embedding.position_embeddings.weight", REPLICATED, FIRST,
          lambda s, v: (s.max_position_embeddings, s.hidden_size),
          lambda s, pp: s.position_embedding_type == "learned_absolute"),
-    Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, _h, _always),
-    Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
+    Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, _h, _always, _ATTENTIONS),
+    Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, _h, _layernorm, _ATTENTIONS),
     # grouped-query attention (megatron-core's SelfAttention); GPT-OSS's learned softmax offset (a sink logit per head)
     # first: megatron-core builds the core attention before the projections
     Rule(_A + "core_attention.softmax_offset", COLUMN, LAYER, lambda s, v: (s.num_attention_heads,),
@@ -209,8 +251,8 @@ TABLE: tuple[Rule, ...] = (
     Rule(_A + "linear_kv_up_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
     Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.q_lora_rank,), _q_lora, MLA),
     Rule(_A + "kv_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.kv_lora_rank,), _always, MLA),
-    Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always),
-    Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm),
+    Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always, _MLPS),
+    Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm, _MLPS),
     # a dense MLP
     Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,
          lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: s.gated_linear_unit, DENSE),
@@ -245,6 +287,23 @@ TABLE: tuple[Rule, ...] = (
     Rule(_S + "linear_fc2.weight", ROW, LAYER,
          lambda s, v: (s.hidden_size, s.moe_shared_expert_intermediate_size), _always, SHARED),
     Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, SHARED),
+    # a Mamba-2 layer (megatron-core's MambaLayer, in its state-dict order): the layer's norm (Transformer Engine fuses
+    # it into in_proj), the mixer's own parameters (a value per head: split over TP by heads), in_proj, the depthwise
+    # convolution [channels, 1, kernel], the gated norm over d_inner (its groups whole on a rank), out_proj
+    Rule(_L + "norm.weight", REPLICATED, LAYER, _h, _always, MAMBA),
+    Rule(_X + "dt_bias", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
+    Rule(_X + "A_log", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
+    Rule(_X + "D", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
+    Rule(_X + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(_mamba_in_parts(s)), s.hidden_size), _always,
+         MAMBA, parts=_mamba_in_parts),
+    Rule(_X + "in_proj._extra_state", EXTRA, LAYER, None, _always, MAMBA),
+    Rule(_X + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_mamba_conv_parts(s)), 1, MAMBA_CONV), _always, MAMBA,
+         parts=_mamba_conv_parts),
+    Rule(_X + "conv1d.bias", BLOCKED, LAYER, lambda s, v: (sum(_mamba_conv_parts(s)),), _always, MAMBA,
+         parts=_mamba_conv_parts),
+    Rule(_X + "norm.weight", COLUMN, LAYER, lambda s, v: (_mamba_inner(s),), _always, MAMBA),
+    Rule(_X + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, _mamba_inner(s)), _always, MAMBA),
+    Rule(_X + "out_proj._extra_state", EXTRA, LAYER, None, _always, MAMBA),
     Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
     Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
     # multi-token prediction layers (megatron-core's MultiTokenPredictionBlock, on the last stage; DeepSeek-V3's MTP):
@@ -271,10 +330,10 @@ def _in_mtp(rule: Rule) -> Rule:
     with MTP layers: the MTP rows above are gated by their block, MTP, which model_blocks gives only such a model)."""
     return Rule(_MT + rule.name[len(_L):], rule.split, MTP_STAGE, rule.shape,
                 lambda s, pp, when=rule.when: s.mtp_num_layers is not None and when(s, pp), rule.block, rule.buffer,
-                rule.dtype)
+                rule.dtype, rule.parts)
 
 
-MTP_LAYER_ROWS = tuple(_in_mtp(r) for r in TABLE if r.stage == LAYER)
+MTP_LAYER_ROWS = tuple(_in_mtp(r) for r in TABLE if r.stage == LAYER and r.block != MAMBA)
 TABLE += MTP_LAYER_ROWS
 _BUFFERS = frozenset(r.name for r in TABLE if r.buffer)
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -459,7 +518,7 @@ def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: in
 def _layer_keys(layer: list[Rule], expert: list[Rule], shared: list[Rule], blocks: Container[str],
                 experts: list[tuple[int, int]], local: dict, glob: dict) -> list[tuple[str, str]]:
     """One layer's (local, global) keys: its rows of its blocks, then an MoE layer's experts and shared expert."""
-    out = [(r.name.format(**local), r.name.format(**glob)) for r in layer if r.block is None or r.block in blocks]
+    out = [(r.name.format(**local), r.name.format(**glob)) for r in layer if _in_blocks(r.block, blocks)]
     if MOE in blocks:
         out += [(r.name.format(**local, e=j), r.name.format(**glob, e=e)) for j, e in experts for r in expert]
         out += [(r.name.format(**local), r.name.format(**glob)) for r in shared]
@@ -515,6 +574,9 @@ def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: in
     if rule.split == GATED and (size // 2) % tp_size:
         raise LayoutError(f"{key}: ffn_hidden_size {size // 2} is not divisible by TP {tp_size}: "
                           f"choose a TP that divides it")
+    if rule.split == BLOCKED and any(p % tp_size for p in rule.part_sizes(spec, size)):
+        raise LayoutError(f"{key}: its parts of {', '.join(map(str, rule.part_sizes(spec, size)))} rows are not all "
+                          f"divisible by TP {tp_size}: choose a TP that divides the heads and groups")
     if size % tp_size:
         raise LayoutError(f"{key}: dim {rule.dim} of size {size} is not divisible by TP {tp_size}: "
                           f"choose a TP that divides it")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import LayoutError
-from ckpt_tools.layout import EXTRA, GATED, REPLICATED, VOCAB, _check_divides, find_rule
+from ckpt_tools.layout import EXTRA, REPLICATED, VOCAB, _check_divides, find_rule
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -30,9 +30,10 @@ def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> li
     if rule.split == REPLICATED:
         return [full] * tp_size
     _check_divides(key, rule, spec, full.shape[rule.dim], tp_size)
-    if rule.split == GATED:
-        gate, up = full.chunk(2, dim=0)
-        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp_size, 0), up.chunk(tp_size, 0))]
+    parts = rule.part_sizes(spec, full.shape[rule.dim])
+    if len(parts) > 1:  # gated / blocked: rank r holds its chunk of each part, in part order
+        chunks = [p.chunk(tp_size, 0) for p in full.split(parts, dim=0)]
+        return [torch.cat([c[r] for c in chunks], dim=0) for r in range(tp_size)]
     return list(full.chunk(tp_size, dim=rule.dim))
 
 
@@ -57,9 +58,11 @@ def join(key: str, shards: Sequence, spec: ModelSpec, pp_size: int = 1, check_re
                     raise LayoutError(f"{key}: replicated tensor differs between TP rank 0 and TP rank {rank}: "
                                       f"the shards do not come from one consistent checkpoint")
         return shards[0]
-    if rule.split == GATED:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    parts = rule.part_sizes(spec, sum(s.shape[rule.dim] for s in shards))
+    if len(parts) > 1:
+        local = [p // len(shards) for p in parts]
+        pieces = [s.split(local, dim=0) for s in shards]
+        return torch.cat([p[j] for j in range(len(parts)) for p in pieces], dim=0)
     return torch.cat(list(shards), dim=rule.dim)
 
 
@@ -98,10 +101,14 @@ def reshard_pieces(key: str, spec: ModelSpec, src_tp: int, src_padded: int, tp: 
     dim, size = rule.dim, rule.shape(spec, padded)[rule.dim]
     _check_divides(key, rule, spec, size, tp)
     _check_divides(key, rule, spec, src_shape[dim], src_tp)
-    if rule.split == GATED:
-        half, src_half = size // 2 // tp, src_shape[0] // 2 // src_tp
-        return (_runs(rank * half, (rank + 1) * half, src_half, 0, 0)
-                + _runs(rank * half, (rank + 1) * half, src_half, src_half, 0))
+    parts = rule.part_sizes(spec, size)
+    if len(parts) > 1:  # each part's run of the target rank, from the same part of the source shards
+        out, src_offset = [], 0
+        for part in parts:
+            mine, src_local = part // tp, part // src_tp
+            out += _runs(rank * mine, (rank + 1) * mine, src_local, src_offset, 0)
+            src_offset += src_local
+        return out
     begin, end = rank * size // tp, (rank + 1) * size // tp
     if rule.split == VOCAB and padded != src_padded:  # rows beyond the true vocab become zeros
         keep = min(end, spec.vocab_size)

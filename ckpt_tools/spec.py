@@ -26,6 +26,11 @@ def build_dataclass(cls, d: dict, what: str, hint: str):
         raise ConfigError(f"bad {what}: {e}") from None
 
 
+# a hybrid family's layer symbols (megatron-core's HybridModel pattern; 'E' where the model has experts)
+HYBRID_SYMBOLS = "M*-"
+HYBRID_NAMES = {"M": "a Mamba-2 mixer", "*": "attention", "-": "an MLP", "E": "an MoE layer"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str  # the family (ckpt_tools/families): llama, mistral, qwen2, qwen3, phi3, gpt2
@@ -45,13 +50,14 @@ class ModelSpec:
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
     # values it cannot express (families.FEATURES lists them).
     activation: str | None = None  # swiglu (gated silu) | geglu_tanh (gated tanh-GELU) | gelu | gelu_tanh |
-    # quick_geglu (gated x * sigmoid(1.702 x): megatron-core's quick_gelu, GPT-OSS's experts)
+    # quick_geglu (gated x * sigmoid(1.702 x): megatron-core's quick_gelu, GPT-OSS's experts) | squared_relu
+    # (relu(x)^2, not gated: megatron-core's squared_relu, Nemotron-H's relu2)
     normalization: str | None = None  # RMSNorm | LayerNorm
     add_bias_linear: bool | None = None  # biases on every linear layer
     add_qkv_bias: bool | None = None  # biases on the QKV projection only (Qwen2)
     qk_layernorm: bool | None = None  # a norm on queries and keys (Qwen3, OLMoE)
     qk_norm_across_heads: bool | None = None  # that norm spans all heads at once, not each head (OLMoE)
-    position_embedding_type: str | None = None  # rope | learned_absolute
+    position_embedding_type: str | None = None  # rope | learned_absolute | none (Nemotron-H: no positions at all)
     rope_scaling: str | None = None  # None, llama3 (Llama 3.1 frequency scaling) or yarn (DeepSeek-V3, Kimi K2)
     rope_scaling_factor: float = 8.0  # llama3 scaling parameters (megatron-core's defaults)
     rope_low_freq_factor: float = 1.0
@@ -84,7 +90,9 @@ class ModelSpec:
     moe_router_topk_scaling_factor: float | None = None  # None: 1 (DeepSeek-V3's routed_scaling_factor)
     # The blocks of each layer, in megatron-core HybridModel's symbols, a pair per layer: attention ('*', or '+' for
     # multi-latent attention) then its MLP ('-' dense, 'E' MoE). None: every layer alike (the features say which);
-    # DeepSeek-V3's first dense layers are "*-" pairs before "*E" ones (megatron-core's moe_layer_freq).
+    # DeepSeek-V3's first dense layers are "*-" pairs before "*E" ones (megatron-core's moe_layer_freq). A hybrid
+    # family's layer is one block, a symbol per layer ('M' a Mamba-2 mixer, '*' attention, '-' an MLP): its pattern
+    # is always given (HF's hybrid_override_pattern / layers_block_type).
     layer_pattern: str | None = None
     # Multi-latent attention (DeepSeek-V2/V3; megatron-core's MLATransformerConfig): queries through a low-rank
     # projection (q_lora_rank; None: one projection), keys and values through a shared latent of kv_lora_rank; each
@@ -111,6 +119,12 @@ class ModelSpec:
     # (megatron-core's activation_func_clamp_value, transformers' swiglu_limit)
     rope_truncate: bool = True  # YaRN's correction range rounded outwards to whole dims (transformers' truncate,
     # megatron-core's yarn_correction_range_round_to_int)
+    # Mamba-2 mixers (megatron-core's MambaMixer; a hybrid family's 'M' layers): heads of mamba_head_dim channels
+    # (d_inner = heads x head dim), a state of mamba_state_dim per group of heads, a causal depthwise convolution
+    mamba_num_heads: int | None = None
+    mamba_head_dim: int | None = None
+    mamba_state_dim: int | None = None
+    mamba_num_groups: int | None = None
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -194,7 +208,10 @@ class ModelSpec:
         if self.moe_router_num_groups is not None and self.num_moe_experts % self.moe_router_num_groups:
             raise ConfigError(f"num_moe_experts {self.num_moe_experts} is not divisible by moe_router_num_groups "
                               f"{self.moe_router_num_groups}: every group holds as many experts")
-        if self.layer_pattern is not None:
+        self._check_mamba(family)
+        if family.hybrid:
+            self._check_hybrid_pattern()
+        elif self.layer_pattern is not None:
             self._check_pattern(family)
         if self.sliding_window is not None and not family.windows:
             raise ConfigError(f"sliding_window {self.sliding_window} given, but {self.architecture} attends to every "
@@ -220,6 +237,41 @@ class ModelSpec:
         if self.mtp_num_layers is not None and self.tie_word_embeddings:
             raise ConfigError("multi-token prediction layers with tied embeddings are not converted (DeepSeek-V3's and "
                               "GLM-4.5's are untied): set tie_word_embeddings false")
+
+    MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups")
+
+    def _check_mamba(self, family) -> None:
+        """Mamba-2's sizes: all given in a hybrid family (its pattern may hold 'M' layers), none elsewhere; the heads
+        in whole groups."""
+        given = [k for k in self.MAMBA_FIELDS if getattr(self, k) is not None]
+        if not family.hybrid:
+            if given:
+                raise ConfigError(f"{', '.join(given)} given, but {self.architecture} has no Mamba layers (the hybrid "
+                                  f"families: " + ", ".join(f.name for f in _families().all_families() if f.hybrid)
+                                  + ")")
+            return
+        missing = [k for k in self.MAMBA_FIELDS if getattr(self, k) is None]
+        if missing:
+            raise ConfigError(f"a Mamba-2 mixer needs {', '.join(missing)}: give them (HF's mamba_num_heads, "
+                              f"mamba_head_dim, ssm_state_size, n_groups)")
+        if self.mamba_num_heads % self.mamba_num_groups:
+            raise ConfigError(f"mamba_num_heads {self.mamba_num_heads} is not divisible by mamba_num_groups "
+                              f"{self.mamba_num_groups}: every group holds as many heads")
+
+    def _check_hybrid_pattern(self) -> None:
+        """A hybrid family's pattern: a symbol per layer, each a block this version holds."""
+        text = self.layer_pattern
+        if not isinstance(text, str) or len(text) != self.num_layers:
+            raise ConfigError(f"layer_pattern {text!r:.80} is not {self.num_layers} symbols (a hybrid model gives one "
+                              f"per layer: 'M' Mamba-2, '*' attention, '-' MLP)")
+        allowed = HYBRID_SYMBOLS + ("E" if self.is_moe else "")
+        bad = sorted(set(text) - set(allowed))
+        if bad:
+            raise ConfigError(f"layer_pattern {text!r:.80}: symbol(s) {', '.join(map(repr, bad))} not read for "
+                              f"{self.architecture} (its layers: " + ", ".join(
+                                  f"{k!r} {HYBRID_NAMES[k]}" for k in allowed) + ")")
+        if self.is_moe and "E" not in text:
+            raise ConfigError(f"layer_pattern {text!r:.80} has no MoE layer ('E') but the model has experts")
 
     def _check_pattern(self, family) -> None:
         text, n = self.layer_pattern, self.num_layers
@@ -273,6 +325,15 @@ class ModelSpec:
         return self.num_moe_experts is not None
 
     @property
+    def hybrid(self) -> bool:
+        """A layer is one block (megatron-core HybridModel's index), not an attention + MLP pair."""
+        return _families().get(self.architecture).hybrid
+
+    def layer_symbols(self, i: int) -> str:
+        """The pattern's symbols of global layer i: its attention's and its MLP's, or a hybrid layer's one."""
+        return self.pattern[i] if self.hybrid else self.pattern[2 * i:2 * i + 2]
+
+    @property
     def uniform_pattern(self) -> str:
         return (("+" if self.multi_latent_attention else "*") + ("E" if self.is_moe else "-")) * self.num_layers
 
@@ -289,7 +350,7 @@ class ModelSpec:
 
     def moe_layer(self, i: int) -> bool:
         """Whether global layer i's MLP is the MoE layer (else a dense MLP of ffn_hidden_size)."""
-        return self.pattern[2 * i + 1] == "E"
+        return self.layer_symbols(i)[-1] == "E"
 
     @property
     def heads_per_group(self) -> int:
@@ -323,7 +384,9 @@ class ModelSpec:
         for what, n in (("num_attention_heads", self.num_attention_heads),
                         ("num_query_groups", self.num_query_groups),
                         ("ffn_hidden_size", self.ffn_hidden_size),
-                        ("moe_ffn_hidden_size", self.moe_ffn_hidden_size or tp_size)):
+                        ("moe_ffn_hidden_size", self.moe_ffn_hidden_size or tp_size),
+                        ("mamba_num_heads", self.mamba_num_heads or tp_size),
+                        ("mamba_num_groups", self.mamba_num_groups or tp_size)):
             if n % tp_size:
                 problems.append(f"{what} {n} is not divisible by TP {tp_size}")
         if problems:

@@ -48,6 +48,12 @@ def gpt_oss(**kw) -> ModelSpec:
                            window_attn_skip_freq=2, activation_clamp=7.0, rope_scaling="yarn"), **kw})
 
 
+def nemotron_h(**kw) -> ModelSpec:
+    """Mamba-2 (16 heads of 4 in 8 groups, a state of 8), attention and squared-ReLU MLP layers, one block each."""
+    return llama(**{**dict(architecture="nemotron_h", num_layers=6, layer_pattern="M*-M*-", mamba_num_heads=16,
+                           mamba_head_dim=4, mamba_state_dim=8, mamba_num_groups=8), **kw})
+
+
 SPECS = {
     "llama_untied": llama(tie=False),
     "llama_tied": llama(tie=True),
@@ -57,6 +63,7 @@ SPECS = {
     "mixtral": llama(architecture="mixtral", num_moe_experts=4, moe_router_topk=2),  # router and experts
     "deepseek_v3": deepseek(),  # MLA, dense then MoE layers, a shared expert, an expert bias
     "gpt_oss": gpt_oss(),  # sinks split over TP by heads, biased router and experts
+    "nemotron_h": nemotron_h(),  # Mamba-2's in_proj and conv1d blocked by parts, its per-head values by heads
 }
 
 

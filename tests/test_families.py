@@ -80,6 +80,12 @@ CASES = {
     # correction range unrounded, top-2 of 4 biased experts with a clamped GLU, stacked in transformers' tensors
     "gpt_oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                                  "rope_parameters": GPT_OSS_YARN}, "gpt_oss"),
+    # Nemotron-H: a block per layer (Mamba-2, attention without positions, a squared-ReLU MLP), Mamba's 8 heads of 16
+    # in 2 groups with a state of 16, scanned by transformers in chunks of 16 (seq 48: three)
+    "nemotron_h": ("NemotronHConfig", {"layers_block_type": ["linear_attention", "full_attention", "linear_attention",
+                                                             "mlp"], "head_dim": 16, "mamba_num_heads": 8,
+                                       "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16},
+                   "nemotron_h"),
 }
 
 

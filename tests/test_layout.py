@@ -65,6 +65,15 @@ def expected_rows(rule: layout.Rule, spec: ModelSpec, full_rows: int, tp: int, r
         f = full_rows // 2
         c = f // tp
         return list(range(r * c, (r + 1) * c)) + list(range(f + r * c, f + (r + 1) * c))
+    if rule.split == layout.BLOCKED:  # megatron-core's MambaMixer: in_proj [z; x; B; C; dt], conv1d [x; B; C]
+        inner, gn = spec.mamba_num_heads * spec.mamba_head_dim, spec.mamba_num_groups * spec.mamba_state_dim
+        parts = [inner, inner, gn, gn, spec.mamba_num_heads] if "in_proj" in rule.name else [inner, gn, gn]
+        assert sum(parts) == full_rows, rule.name
+        out, start = [], 0
+        for p in parts:
+            out += list(range(start + r * p // tp, start + (r + 1) * p // tp))
+            start += p
+        return out
     c = full_rows // tp
     return list(range(r * c, (r + 1) * c))
 

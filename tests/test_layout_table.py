@@ -21,6 +21,7 @@ from layout_cases import (
     gpt_oss,
     layer0,
     llama,
+    nemotron_h,
     random_full,
 )
 
@@ -145,6 +146,7 @@ COVERAGE = {
     "deepseek_v3_pp2": (deepseek(), 2),  # MLA; layer 0 dense, layers 1-3 MoE
     "deepseek_v3_plain_q_pp1": (deepseek(q_lora_rank=None), 1),  # one query projection
     "gpt_oss_pp2": (gpt_oss(), 2),  # sinks, biased router and experts
+    "nemotron_h_pp2": (nemotron_h(), 2),  # a block per layer: Mamba-2, attention, MLP
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -153,6 +155,19 @@ def present_matches(key: str, spec: ModelSpec, pp: int) -> list[layout.Rule]:
     m = _LAYER_RE.match(key)
     pattern = re.sub(r"\.local_experts\.\d+\.", ".local_experts.{e}.", f"decoder.layers.{{i}}.{m.group(2)}") if m else key
     return [r for r in layout.rules_for(spec, pp) if r.name == pattern]
+
+
+_BLOCKS = {"*": layout.ATTENTION, "+": layout.MLA, "-": layout.DENSE, "E": layout.MOE, "M": layout.MAMBA}
+
+
+def _holds(spec: ModelSpec, i: int, block) -> bool:
+    """Whether global layer i holds a row of `block` (None: every layer; a tuple: any of them), by its symbols."""
+    if block is None:
+        return True
+    held = {_BLOCKS[c] for c in spec.layer_symbols(i)}
+    if layout.MOE in held and spec.moe_shared_expert_intermediate_size is not None:
+        held.add(layout.SHARED)
+    return bool(held & set(block if isinstance(block, tuple) else (block,)))
 
 
 DENSE_FIRST = {"deepseek_v3_pp2": 1, "deepseek_v3_plain_q_pp1": 1}  # their pattern +-+E+E+E: layer 0 dense
@@ -201,11 +216,9 @@ def test_table_coverage() -> None:
         suffixes = {s for _, s in global_layers}
         for s in suffixes:
             idx = sorted(i for i, t in global_layers if t == s)
-            want, dense = list(range(spec.num_layers)), DENSE_FIRST.get(name)
-            if dense is not None and blocks[s] == layout.DENSE:
-                want = list(range(dense))
-            elif dense is not None and blocks[s] in (layout.MOE, layout.SHARED):
-                want = list(range(dense, spec.num_layers))
+            want = [i for i in range(spec.num_layers) if _holds(spec, i, blocks[s])]
+            if name in DENSE_FIRST and blocks[s] in (layout.DENSE, layout.MOE):  # the pattern splits them
+                assert 0 < len(want) < spec.num_layers, (name, s, want)
             assert idx == want, f"{name}: {s} global layers {idx}, expected {want}"
         assert all(c == 1 for c in global_layers.values()), f"{name}: a global layer key repeats"
     # the multi-token prediction layers' rows are the decoder's (test_mtp_layers_are_the_last_decoder_layers)
@@ -228,6 +241,7 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
                 moe["moe_shared_expert_intermediate_size"] = 48
             specs = [gpt2()] if family.name == "gpt2" else [deepseek(tie_word_embeddings=tie, q_lora_rank=q) for q in (
                 32, None)] if family.name == "deepseek_v3" else [gpt_oss()] if family.name == "gpt_oss" else \
+                [nemotron_h(tie_word_embeddings=tie)] if family.name == "nemotron_h" else \
                 [llama(architecture=family.name, tie=tie, **moe)]
             for spec in specs:
                 for pp in (1, 2):

@@ -223,6 +223,8 @@ class Family:
     mxfp4: tuple[str, ...] = ()  # the endings of the HF names its checkpoints may hold in MXFP4 (ckpt_tools.mxfp4)
     mxfp4_unconverted: tuple[str, ...] = ()  # its MXFP4 quantization_config's modules_to_not_convert
     windows: bool = False  # its layers may attend by a sliding window (ModelSpec.sliding_window)
+    hybrid: bool = False  # a layer is one block by its layer pattern (megatron-core's HybridModel): Mamba-2, attention
+    # or an MLP ('M', '*', '-'), its norm the block's own
     mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
     # (megatron-core key, HF name with `{i}` the MTP layer's number) of each tensor an HF MTP layer holds a copy of
     mtp_copies: tuple[tuple[str, str], ...] = ()
@@ -280,11 +282,11 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.families import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, mistral, mixtral, olmoe, phi3,
-                                     qwen2, qwen2_moe, qwen3, qwen3_moe)
+    from ckpt_tools.families import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, mistral, mixtral, nemotron_h,
+                                     olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
             mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY,
-            deepseek_v3.FAMILY, gpt_oss.FAMILY)
+            deepseek_v3.FAMILY, gpt_oss.FAMILY, nemotron_h.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}
