@@ -97,6 +97,9 @@ def hf_model(case: str):
     with torch.no_grad():  # every tensor distinct from its neighbours: norms 1 and biases 0 hide mis-orderings
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for name, p in model.named_parameters():  # transformers' Nemotron-H clamps each Mamba step at
+            if name.endswith("mixer.dt_bias"):  # time_step_min, megatron-core's does not: steps stay above it here
+                p.clamp_(min=-2.0)
         for name, b in model.named_buffers():  # DeepSeek-V3's expert bias (zeros at init) steers the routing
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.1)
@@ -149,7 +152,8 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "olmoe", "phi3", "qwen2", "qwen2_moe",
+FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "nemotron_h", "olmoe", "phi3", "qwen2",
+           "qwen2_moe",
            "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
@@ -171,7 +175,9 @@ OWN_FIELDS = {  # the sizes a family's blocks need beyond the common ones
                  "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
     "gpt_oss": {"sliding_window": 8, "window_attn_skip_freq": 2, "activation_clamp": 7.0, "rope_scaling": "yarn",
                 "rope_scaling_factor": 4.0,
-                "rope_original_max_position_embeddings": 32, "rope_truncate": False, "rope_mscale_all_dim": 0.0}}
+                "rope_original_max_position_embeddings": 32, "rope_truncate": False, "rope_mscale_all_dim": 0.0},
+    "nemotron_h": {"layer_pattern": "M*", "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_state_dim": 16,
+                   "mamba_num_groups": 2}}
 
 
 def test_family_records_map_their_config_both_ways():
@@ -219,6 +225,13 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "gpt_oss", "layer_types": ["full_attention", "sliding_attention"]},
      "megatron-core's window_attn_skip_freq makes every N-th layer full"),
     ({"model_type": "gpt_oss", "sliding_window": 0}, "sliding_window 0 (a number of positions"),
+    ({"model_type": "nemotron_h", "layers_block_type": ["linear_attention", "moe"]}, "MoE layers ('E' in 'ME'"),
+    ({"model_type": "nemotron_h", "conv_kernel": 2}, "conv_kernel 2 is not supported (a convolution of another"),
+    ({"model_type": "nemotron_h", "mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu' is not supported"),
+    ({"model_type": "nemotron_h", "layer_norm_epsilon": 1e-6}, "megatron-core's gated norm inside each mixer fixes"),
+    ({"model_type": "nemotron_h", "mamba_num_heads": 3}, "mamba_num_heads 3 is not divisible by mamba_num_groups 2"),
+    ({"model_type": "nemotron_h", "layers_block_type": ["linear_attention", "convolution"]},
+     "layers_block_type ['linear_attention', 'convolution']"),
 ])
 def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
     moe = {"num_moe_experts": 4} if families.get(changes["model_type"]).moe else {}
@@ -243,6 +256,13 @@ def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
       "num_moe_experts": 4, "moe_shared_expert_intermediate_size": 48}, "only YaRN in the families whose config says so"),
     ({"architecture": "llama", "sliding_window": 8}, "sliding_window 8 given, but llama attends to every earlier"),
     ({"architecture": "llama", "activation_clamp": 7.0}, "glu_linear_offset / activation_clamp with activation 'swiglu'"),
+    ({"architecture": "llama", "mamba_num_heads": 8}, "mamba_num_heads given, but llama has no Mamba layers"),
+    ({"architecture": "nemotron_h", **OWN_FIELDS["nemotron_h"], "mamba_state_dim": None},
+     "a Mamba-2 mixer needs mamba_state_dim"),
+    ({"architecture": "nemotron_h", **OWN_FIELDS["nemotron_h"], "layer_pattern": "M*-"},
+     "layer_pattern 'M*-' is not 2 symbols"),
+    ({"architecture": "nemotron_h", **OWN_FIELDS["nemotron_h"], "layer_pattern": "M+"},
+     "symbol(s) '+' not read for nemotron_h"),
 ])
 def test_model_fields_a_family_cannot_hold_are_refused(fields, expected):
     base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 96, "vocab_size": VOCAB}
@@ -286,7 +306,8 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss",
+                                  "nemotron_h"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), OLMoE's norms over all heads
     sum their squares over TP and keep each rank's weight slice, Gemma's zero-centred norms start at zero; a
@@ -312,6 +333,10 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
         # router and experts with the clamped GLU, YaRN unrounded
         extra.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, ffn_hidden_size=32, kv_channels=16,
                      **OWN_FIELDS["gpt_oss"], rotary_base=150000.0)
+    if arch == "nemotron_h":  # a block per layer: Mamba-2 (its heads, groups and channels split over TP), attention
+        # without positions, a squared-ReLU MLP; resumed at PP2, a Mamba layer on each stage
+        extra.update(layer_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16, mamba_state_dim=16,
+                     mamba_num_groups=2)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}

@@ -315,6 +315,7 @@ class MLP(nn.Module):
                                                                           partial(F.gelu, approximate="tanh"))
         self.clamp, self.offset = spec.activation_clamp, spec.glu_linear_offset
         self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
+        self.squared = spec.activation == "squared_relu"
         fc1_rows = width * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             spec.hidden_size, fc1_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.add_bias_linear,
@@ -329,6 +330,8 @@ class MLP(nn.Module):
             if self.clamp is not None:  # GPT-OSS: the gate clamped above, the up half on both sides
                 gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
             return self.gate_act(gate) * (up + self.offset) if self.offset else self.gate_act(gate) * up
+        if self.squared:
+            return F.relu(x).square()
         return F.gelu(x, approximate=self.approximate)
 
     def forward(self, x: torch.Tensor, selective: bool = False) -> torch.Tensor:
@@ -366,12 +369,40 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.pre_mlp_layernorm(x), selective)
 
 
+class HybridLayer(nn.Module):
+    """A hybrid model's layer: one block by its pattern symbol (megatron-core HybridModel's MambaLayer, or a
+    TransformerLayer of attention or of an MLP only), behind its own norm, added to the residual."""
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, index: int):
+        super().__init__()
+        self.symbol = spec.layer_symbols(index)
+        if self.symbol == "M":
+            from trainer.mamba import MambaMixer
+            self.norm = _norm(spec, config)
+            self.mixer = MambaMixer(spec, config, tp_size, _tp_group(), _no_init)
+        elif self.symbol == "*":
+            self.input_layernorm = _norm(spec, config)
+            self.self_attention = SelfAttention(spec, config, tp_size, index)
+        else:
+            self.pre_mlp_layernorm = _norm(spec, config)
+            self.mlp = MLP(spec, config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                selective: bool = False) -> torch.Tensor:
+        if self.symbol == "M":
+            return x + self.mixer(self.norm(x))
+        if self.symbol == "*":
+            return x + self.self_attention(self.input_layernorm(x), rope, selective)
+        return x + self.mlp(self.pre_mlp_layernorm(x), selective)
+
+
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, tp_size: int, num_layers: int, post_process: bool,
                  ep: tuple[int, int] | None = None, moe_layer: str = "ours", first: int = 0):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(spec, config, tp_size, ep, moe_layer, first + i)
-                                    for i in range(num_layers))
+        self.layers = nn.ModuleList(
+            HybridLayer(spec, config, tp_size, first + i) if spec.hybrid else
+            TransformerLayer(spec, config, tp_size, ep, moe_layer, first + i) for i in range(num_layers))
         self.final_layernorm = _norm(spec, config) if post_process else None
 
 
@@ -464,9 +495,9 @@ def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
     """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L), norms 1, biases 0."""
     if key.endswith((".bias", ".expert_bias")):
         return None
-    if "layernorm" in key:
+    if "layernorm" in key or key.endswith(".norm.weight"):
         return None if spec.zero_centered_norm else -1.0  # a scale of one: ones, or zeros when zero-centred
-    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")):
         return std / (2.0 * spec.num_layers) ** 0.5
     return std
 
@@ -474,6 +505,11 @@ def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
 def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: float = 0.02) -> torch.Tensor:
     """The full (TP=1) fp32 initial tensor of a global key, the same whatever the TP/PP layout."""
     shape = layout.full_shape(key, spec, padded_vocab, pp_size=None)
+    if ".mixer." in key:
+        from trainer.mamba import full_init as mamba_init
+        own = mamba_init(key, spec)
+        if own is not None:
+            return own
     kind = _init_std(key, spec, std)
     if kind is None:
         return torch.zeros(shape)
