@@ -82,11 +82,15 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
              f"{s.qk_head_dim} + {s.qk_pos_emb_head_dim} rotary, v {s.v_head_dim})" if s.multi_latent_attention
              else f"query groups {s.num_query_groups}, head dim {s.kv_channels}"
              + (f", rotary on {s.rotary_percent:g} of it" if s.rotary_percent != 1 else ""))
-    dense = s.pattern[1::2].count("-")
-    arch = (f"{s.architecture}: {s.num_layers} layers, hidden {s.hidden_size}, heads {s.num_attention_heads} "
-            f"({heads}), ffn {s.ffn_hidden_size}, "
-            f"{s.normalization} (eps {s.norm_epsilon:g}), {'SwiGLU' if s.gated_linear_unit else 'GELU'}, "
+    dense = 0 if s.hybrid else s.pattern[1::2].count("-")
+    act = {"swiglu": "SwiGLU", "quick_geglu": "clamped SwiGLU", "geglu_tanh": "GeGLU", "squared_relu": "squared ReLU"}
+    arch = (f"{s.architecture}: {s.num_layers} layers"
+            + (f" ({s.pattern}: M Mamba-2, * attention, - MLP; Mamba {s.mamba_num_heads} heads of "
+               f"{s.mamba_head_dim}, {s.mamba_num_groups} groups, state {s.mamba_state_dim})" if s.hybrid else "")
+            + f", hidden {s.hidden_size}, heads {s.num_attention_heads} ({heads}), ffn {s.ffn_hidden_size}, "
+            f"{s.normalization} (eps {s.norm_epsilon:g}), {act.get(s.activation, 'GELU')}, "
             + (f"RoPE (base {s.rotary_base:g})" if s.position_embedding_type == "rope"
+               else "no positions" if s.position_embedding_type == "none"
                else f"learned positions ({s.max_position_embeddings})")
             + f", {'tied' if s.tie_word_embeddings else 'untied'} embeddings"
             + (", biases" if s.add_bias_linear else "")

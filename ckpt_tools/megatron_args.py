@@ -44,7 +44,10 @@ def pipeline_split(counts: list[int]) -> dict:
 
 def check_expressible(spec: ModelSpec) -> None:
     """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's, Gemma's scaled
-    embeddings and zero-centred norms, OLMoE's q/k norms over all heads)."""
+    embeddings and zero-centred norms, OLMoE's q/k norms over all heads, a hybrid model's Mamba-2 layers)."""
+    if spec.hybrid:
+        raise ConfigError(f"{spec.architecture}: its Mamba-2 layers are megatron-core HybridModel blocks, which this "
+                          f"version does not write in Megatron-LM's forms yet: keep the model in our format or HF")
     if spec.qk_norm_across_heads:
         raise ConfigError(f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises "
                           f"each head: Megatron-LM's forms cannot hold this model; keep it in our format or HF")
