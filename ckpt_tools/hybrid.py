@@ -3,7 +3,9 @@ pattern (Megatron-LM's `--hybrid-layer-pattern`, `hybrid_override_pattern` in ol
 
     *  attention (self_attention.*, its norm input_layernorm)     -  dense MLP (mlp.*, its norm pre_mlp_layernorm)
     E  MoE MLP (mlp.router, mlp.experts, pre_mlp_layernorm)      |  a pipeline segment ends   /  MTP depths follow
-    M  Mamba-2   G  gated DeltaNet   D  DeepSeek sparse attention   +  MLA
+    M  Mamba-2 (mixer.*, its norm)   G  gated DeltaNet   D  DeepSeek sparse attention   +  MLA
+
+A pattern with Mamba-2 layers is a hybrid family's (Nemotron-H): each of its indices is one layer of the layout table.
 
 A GPTModel layer is the pair "attention + MLP": the layout table's layer i is the pattern's pair i, its attention at
 index 2i and its MLP at 2i+1 (`*-*-...` is a Llama, `*E*E...` a mixture of experts). This module is the one place
@@ -18,9 +20,9 @@ from dataclasses import dataclass
 
 from ckpt_tools.errors import ConfigError
 
-ATTENTION, MLP, MOE, PIPE, MTP = "*", "-", "E", "|", "/"
+ATTENTION, MLP, MOE, PIPE, MTP, MAMBA = "*", "-", "E", "|", "/", "M"
 PATTERN = "hybrid_layer_pattern"  # Megatron-LM's argument; a Megatron-LM source's Meta.raw keeps it under this key
-_UNSUPPORTED = {"M": "Mamba-2", "G": "gated DeltaNet", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
+_UNSUPPORTED = {"G": "gated DeltaNet", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
 # a layer tensor's block, by its name within the layer (the layout table's local-spec names)
 _ATTENTION_PARTS = ("input_layernorm.", "self_attention.")
 _MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")
@@ -31,10 +33,12 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 @dataclass(frozen=True)
 class Pattern:
     """A parsed layer pattern of attention + MLP pairs: `text` as recorded, `moe` whether the MLPs are MoE layers,
-    `segments` the pipeline segments' lengths in layer indices (None: the pattern has no '|')."""
+    `segments` the pipeline segments' lengths in layer indices (None: the pattern has no '|'). `single`: a Mamba
+    hybrid's pattern (it holds 'M'), each index one layer of the layout table (a hybrid family's: 'M', '*', '-')."""
     text: str
     moe: bool
     segments: tuple[int, ...] | None
+    single: bool = False
 
     @classmethod
     def parse(cls, text: str, where: str = "hybrid_layer_pattern") -> Pattern:
@@ -44,6 +48,8 @@ class Pattern:
             raise ConfigError(f"{where} {text!r}: multi-token prediction depths ('{MTP}') are not read by this "
                               f"version: convert the checkpoint without them (a pattern of '*', '-', 'E' and '|')")
         main = text.replace(PIPE, "")
+        if MAMBA in main:
+            return cls._single(text, where)
         known = {ATTENTION, MLP, MOE}
         for symbol in main:
             if symbol not in known:
@@ -72,9 +78,27 @@ class Pattern:
         return cls(text, MOE in kinds, segments)
 
     @classmethod
-    def for_layers(cls, counts: list[int], layers: str) -> Pattern:
-        """The pattern of a GPT model of these per-stage layer counts and layer pattern (ModelSpec.pattern): its pairs,
-        a segment per pipeline stage."""
+    def _single(cls, text: str, where: str) -> Pattern:
+        """A Mamba hybrid's pattern: Mamba-2, attention and MLP layers, one per index."""
+        bad = sorted(set(text) - set(MAMBA + ATTENTION + MLP + PIPE))
+        if bad:
+            what = {MOE: "MoE layers in a Mamba hybrid (Nemotron 3's), not read by this version",
+                    **{k: f"{v} blocks, not read by this version" for k, v in _UNSUPPORTED.items()}}
+            raise ConfigError(f"{where} {text!r:.80}: layer symbol {bad[0]!r} ({what.get(bad[0], 'not a layer symbol')})"
+                              f": this version reads Mamba hybrids of 'M', '*' and '-' layers")
+        segments = tuple(len(s) for s in text.split(PIPE)) if PIPE in text else None
+        if segments is not None and 0 in segments:
+            raise ConfigError(f"{where} {text!r:.80}: a pipeline segment is empty (a stage without layers), which this "
+                              f"version does not read")
+        return cls(text, False, segments, True)
+
+    @classmethod
+    def for_layers(cls, counts: list[int], layers: str, single: bool = False) -> Pattern:
+        """The pattern of a model of these per-stage layer counts and layer pattern (ModelSpec.pattern): a GPT model's
+        pairs, or a hybrid model's layers (`single`), a segment per pipeline stage."""
+        if single:
+            starts = [sum(counts[:p]) for p in range(len(counts) + 1)]
+            return cls.parse(PIPE.join(layers[starts[p]:starts[p + 1]] for p in range(len(counts))))
         pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
         starts = [sum(counts[:p]) for p in range(len(counts) + 1)]
         return cls.parse(PIPE.join("".join(pairs[starts[p]:starts[p + 1]]) for p in range(len(counts))))
@@ -86,8 +110,8 @@ class Pattern:
 
     @property
     def num_layers(self) -> int:
-        """The layout table's layers (attention + MLP pairs)."""
-        return self.num_indices // 2
+        """The layout table's layers (attention + MLP pairs; a Mamba hybrid's indices)."""
+        return self.num_indices if self.single else self.num_indices // 2
 
     def stage_counts(self, pp_size: int, first: int | None = None, last: int | None = None) -> list[int]:
         """Layout-table layers on each PP stage: the pattern's segments, or, when it has none, megatron-core's split
@@ -101,7 +125,7 @@ class Pattern:
             if first is not None or last is not None:
                 raise ConfigError(f"hybrid_layer_pattern {self.text!r} has '|' segments and the args set "
                                   f"decoder_first/last_pipeline_num_layers too: megatron-core refuses both at once")
-            return [n // 2 for n in self.segments]
+            return list(self.segments) if self.single else [n // 2 for n in self.segments]
         n = self.num_indices
         ends = [x for x in (first, last) if x is not None]
         middle = pp_size - len(ends)
@@ -114,6 +138,11 @@ class Pattern:
             counts[0] = first
         if last is not None:
             counts[-1] = last
+        if self.single:
+            if 0 in counts:
+                raise ConfigError(f"hybrid_layer_pattern {self.text!r}: its {n} layer indices split into stages of "
+                                  f"{counts}, a stage without layers, which this version does not read")
+            return counts
         if any(c % 2 or c == 0 for c in counts):
             raise ConfigError(f"hybrid_layer_pattern {self.text!r}: its {n} layer indices split into stages of "
                               f"{counts} indices, not whole attention + MLP pairs on every stage, which this version "
@@ -121,20 +150,21 @@ class Pattern:
         return [c // 2 for c in counts]
 
 
-def to_hybrid(key: str) -> str:
-    """A layout-table key (layer i: GPTModel's numbering) -> its HybridModel key (index 2i or 2i+1)."""
+def to_hybrid(key: str, single: bool = False) -> str:
+    """A layout-table key (layer i: GPTModel's numbering) -> its HybridModel key (index 2i or 2i+1; a Mamba hybrid's
+    layer i is index i, `single`)."""
     m = _LAYER.match(key)
-    if m is None:
+    if m is None or single:
         return FINAL[1] + key[len(FINAL[0]):] if key.startswith(FINAL[0]) else key
     i, name = int(m.group(1)), m.group(2)
     return f"decoder.layers.{2 * i + _block(key, name)}.{name}"
 
 
-def from_hybrid(key: str) -> str:
+def from_hybrid(key: str, single: bool = False) -> str:
     """A HybridModel key -> the layout table's (the inverse of to_hybrid); a tensor of one block at an index the
     pattern gives the other (an MLP's at an attention index) is a ConfigError naming both."""
     m = _LAYER.match(key)
-    if m is None:
+    if m is None or single:
         return FINAL[0] + key[len(FINAL[1]):] if key.startswith(FINAL[1]) else key
     j, name = int(m.group(1)), m.group(2)
     block = _block(key, name)

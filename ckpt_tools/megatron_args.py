@@ -44,10 +44,7 @@ def pipeline_split(counts: list[int]) -> dict:
 
 def check_expressible(spec: ModelSpec) -> None:
     """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's, Gemma's scaled
-    embeddings and zero-centred norms, OLMoE's q/k norms over all heads, a hybrid model's Mamba-2 layers)."""
-    if spec.hybrid:
-        raise ConfigError(f"{spec.architecture}: its Mamba-2 layers are megatron-core HybridModel blocks, which this "
-                          f"version does not write in Megatron-LM's forms yet: keep the model in our format or HF")
+    embeddings and zero-centred norms, OLMoE's q/k norms over all heads)."""
     if spec.qk_norm_across_heads:
         raise ConfigError(f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises "
                           f"each head: Megatron-LM's forms cannot hold this model; keep it in our format or HF")
@@ -113,7 +110,13 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     if pattern is not None:
         vars(args).update(num_layers=pattern.num_indices, is_hybrid_model=True, decoder_first_pipeline_num_layers=None,
                           decoder_last_pipeline_num_layers=None, **{hybrid.PATTERN: pattern.text})
+    if spec.hybrid:  # Megatron-LM's Mamba-2 arguments (pretrain_hybrid.py)
+        vars(args).update({k: getattr(spec, k) for k in MAMBA_ARGS})
     return args
+
+
+MAMBA_ARGS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")  # both sides' names
+MAMBA_DEFAULTS = {"mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8}  # Megatron-LM's
 
 
 def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
@@ -137,7 +140,7 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         rope_scaling_factor=spec.rope_scaling_factor,
         normalization=spec.normalization, norm_epsilon=spec.norm_epsilon, apply_layernorm_1p=False,
         qk_layernorm=spec.qk_layernorm, apply_residual_connection_post_layernorm=False,
-        swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=False,
+        swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=spec.activation == "squared_relu",
         quick_geglu=spec.activation == "quick_geglu", glu_linear_offset=spec.glu_linear_offset,
         activation_func_clamp_value=spec.activation_clamp,
         # quick_geglu's fused kernel clamps before the bias is added (megatron-core's SequentialMLP): off
@@ -183,7 +186,6 @@ _REFUSED = {
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
     "rotary_interleaved": "interleaved rotary embeddings",
     "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
-    "squared_relu": "the squared-ReLU activation",
 }
 
 
@@ -227,6 +229,8 @@ def features_of(args) -> dict:
         activation = "swiglu"
     elif arg(args, "quick_geglu", False):
         activation = "quick_geglu"
+    elif arg(args, "squared_relu", False):
+        activation = "squared_relu"
     else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
         # openai_gelu (tanh as well) switches only the legacy model
         tanh = arg(args, "bias_gelu_fusion", True) or (arg(args, "use_legacy_models", False)
@@ -355,6 +359,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
     found["rope_scaling"] = mla.pop("rope_scaling", found["rope_scaling"])
     if moe or mla:
         moe["layer_pattern"] = _moe_pattern(args, pattern, bool(mla), bool(moe))
+    if pattern is not None and pattern.single:
+        moe.update(layer_pattern=pattern.text.replace(hybrid.PIPE, ""), **mamba_fields(args))
     mtp = arg(args, "mtp_num_layers", 0)
     if mtp and pattern is not None:
         raise ConfigError(f"mtp_num_layers={mtp} in a HybridModel (its multi-token prediction layers follow its own "
@@ -369,6 +375,15 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         rotary_base=float(arg(args, "rotary_base", 10000)), rotary_percent=float(arg(args, "rotary_percent", 1.0)),
         make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla,
         mtp_num_layers=mtp or None, **attention_fields(args))
+
+
+def mamba_fields(args) -> dict:
+    """A Mamba hybrid's Mamba-2 sizes (Megatron-LM's defaults where unset; its heads d_inner / head dim, d_inner twice
+    the hidden size, where mamba_num_heads is unset)."""
+    out = {k: int(arg(args, k, v)) for k, v in MAMBA_DEFAULTS.items()}
+    heads = arg(args, "mamba_num_heads", None)
+    out["mamba_num_heads"] = int(heads) if heads is not None else 2 * args.hidden_size // out["mamba_head_dim"]
+    return out
 
 
 def _moe_pattern(args, pattern: hybrid.Pattern | None, mla: bool, moe: bool) -> str:

@@ -247,8 +247,9 @@ def model_state(obj, where: object = None, split: bool = True) -> dict | None:
     state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items()}
     state.pop(None, None)
     try:
-        if hybrid.pattern_of(obj.get("args")) is not None:  # a HybridModel's: per layer index, each stage's from 0
-            state = {hybrid.from_hybrid(k): v for k, v in state.items()}
+        pattern = hybrid.pattern_of(obj.get("args"))
+        if pattern is not None:  # a HybridModel's: per layer index, each stage's from 0
+            state = {hybrid.from_hybrid(names.from_mamba(k), pattern.single): v for k, v in state.items()}
     except ConfigError as e:
         raise FormatError(f"{where}: {e}; restore the checkpoint from the source") from None
     if split and grouped_experts(model):

@@ -50,13 +50,32 @@ def is_mla_te(name: str) -> bool:
     return any(te in name for local, te in MLA_TE_NAMES.items() if "_layernorm" in local and "pre_mlp" not in local)
 
 
+# A Mamba layer's own norm (megatron-core's MambaLayer `norm`) as Transformer Engine fuses it into the mixer's in_proj;
+# only at the layer's top (the mixer's gated `mixer.norm` keeps its name)
+_MAMBA_NORM = re.compile(r"^((?:decoder\.layers\.\d+\.)?)norm\.")
+_MAMBA_NORM_TE = re.compile(r"^((?:decoder\.layers\.\d+\.)?)mixer\.in_proj\.layer_norm_")
+
+
+_MAMBA_CONV = re.compile(r"\.mixer\.conv1d_(weight|bias)$")
+
+
+def from_mamba(name: str) -> str:
+    """megatron-core 0.19's MambaMixer holds its convolution as parameters of its own (`mixer.conv1d_weight`), which its
+    legacy state dict names so; the layout table's name (and torch_dist's, and 0.16's) is `mixer.conv1d.weight`."""
+    return _MAMBA_CONV.sub(r".mixer.conv1d.\1", name)
+
+
 def to_te(name: str) -> str:
     """A layer's key (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
+    if _MAMBA_NORM.match(name):
+        return _MAMBA_NORM.sub(r"\1mixer.in_proj.layer_norm_", name, count=1)
     return _renamed(name, TE_NAMES)
 
 
 def from_te(name: str) -> str:
     """The inverse of to_te: a Transformer Engine name -> the layout table's (local spec) name."""
+    if _MAMBA_NORM_TE.match(name):
+        return _MAMBA_NORM_TE.sub(r"\1norm.", name, count=1)
     return _renamed(name, {te: local for local, te in TE_NAMES.items()})
 
 

@@ -66,7 +66,7 @@ def model_of(model: str | None, meta=None) -> str:
     HybridModel's checkpoint stays one), else GPTModel."""
     if model is not None:
         return model
-    return HYBRID if meta is not None and hybrid.of_meta(meta) is not None else GPT
+    return HYBRID if meta is not None and (hybrid.of_meta(meta) is not None or meta.spec.hybrid) else GPT
 
 
 def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
@@ -77,6 +77,8 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
     if resume is not None:
         check_optimizer_form(form, where)
     pattern = None
+    if spec.hybrid:  # Mamba-2 layers: only a HybridModel holds them
+        model = HYBRID
     if model == HYBRID:
         if form != TORCH_DIST:
             raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's torch_dist form only by "
@@ -85,7 +87,7 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
         if spec.mtp_num_layers:
             raise ConfigError(f"{where}: multi-token prediction layers in a HybridModel (its own MTP pattern) are not "
                               f"written by this version: pass --model gpt")
-        pattern = hybrid.Pattern.for_layers(counts, spec.pattern)
+        pattern = hybrid.Pattern.for_layers(counts, spec.pattern, single=spec.hybrid)
     if spec.mtp_num_layers and len(counts) > 1 and form != TORCH_DIST:
         raise ConfigError(f"{where}: multi-token prediction layers at PP {len(counts)} in Megatron-LM's {form} form (its "
                           f"last stage keeps an embedding copy of its own): not written by this version; pass --format "

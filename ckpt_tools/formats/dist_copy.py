@@ -192,14 +192,16 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
         stop = min(p.stop, spec.vocab_size) if repad else p.stop
         if stop > p.start:
             ranges = shard.byte_ranges(at, at + stop - p.start) if p.dim == 0 else shard.whole
-            offsets, sizes, shape = writer.placed(key, layer, full, shard_ops.Piece(p.rank, p.dim, p.start, stop))
-            writer.put_chunk(rank, fqn, shard.dtype, shape, offsets, sizes,
+            stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
+                                                          shard_ops.Piece(p.rank, p.dim, p.start, stop))
+            writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes,
                              [(source.files.fd(path), offset, n) for path, offset, n in ranges])
         at += p.stop - p.start
     if repad and rank.tp == 0:  # the new padding rows: zeros, as pad_vocab makes them
-        offsets, sizes, shape = writer.placed(key, layer, full, shard_ops.Piece(None, 0, spec.vocab_size, padded))
+        stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
+                                                      shard_ops.Piece(None, 0, spec.vocab_size, padded))
         row = full[1] * ELEMENT_SIZES[shard.dtype]
-        writer.put_chunk(rank, fqn, shard.dtype, shape, offsets, sizes, bytes((padded - spec.vocab_size) * row))
+        writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes, bytes((padded - spec.vocab_size) * row))
 
 
 def _has_optimizer(meta: checkpoint.Meta) -> bool:
@@ -348,8 +350,8 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
         for r, lo, hi in shards:
             lo, hi = max(a, lo), min(b, hi)
             if lo < hi:
-                offsets, sizes, gshape = writer.placed(key, layer, full, shard_ops.Piece(0, 0, lo, hi))
-                writer.put_chunk(Rank(r, stage), fqn, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
+                stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
+                writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
     for name, runs in zip(names, hf.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
-from ckpt_tools.formats.torch_dist import Placed, stored_candidates, te_alias
+from ckpt_tools.formats.torch_dist import Placed, part_of, stored_candidates, te_alias
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -158,8 +158,8 @@ class DistWriter:
             length = p.stop - p.start
             part = shard.narrow(p.dim, at, length) if len(pieces) > 1 else shard
             at += length
-            offsets, sizes, shape = self.placed(key, layer, full, p)
-            self.put_chunk(rank, fqn, dtype_name(shard.dtype), shape, offsets, sizes, contiguous_bytes(part))
+            stored, offsets, sizes, shape = self.placed(key, fqn, layer, full, p)
+            self.put_chunk(rank, stored, dtype_name(shard.dtype), shape, offsets, sizes, contiguous_bytes(part))
 
     def saves(self, key: str, rank: Rank) -> bool:
         """Whether `rank` saves (a part of) key: megatron-core saves a tied output layer (and its optimizer state)
@@ -173,15 +173,18 @@ class DistWriter:
         axes (GPTModel: layer, expert; HybridModel: an MoE layer's expert)."""
         return stored_candidates(key, self.spec, self.by_pattern)[0]
 
-    def placed(self, key: str, layer: Placed, full: tuple[int, ...],
-               p: shard_ops.Piece) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """(offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key` (layer: its
-        (index, size) on the stacked leading axes, as `stored` gives it)."""
+    def placed(self, key: str, fqn: str, layer: Placed, full: tuple[int, ...], p: shard_ops.Piece
+               ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(stored tensor, offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key`,
+        stored as `fqn` (layer: its (index, size) on the stacked leading axes, as `stored` gives it). A tensor
+        megatron-core saves in parts (Mamba's in_proj, conv1d): the piece's part, `<fqn>.<part>`."""
+        name, start, size = part_of(key, self.spec, full, p.dim, p.start, p.stop)
+        full = tuple(size if d == p.dim else n for d, n in enumerate(full))
         lead = tuple(i for i, _ in layer)
         shape = tuple(n for _, n in layer) + full
-        offsets = lead + tuple(p.start if d == p.dim else 0 for d in range(len(full)))
+        offsets = lead + tuple(start if d == p.dim else 0 for d in range(len(full)))
         sizes = (1,) * len(lead) + tuple(p.stop - p.start if d == p.dim else n for d, n in enumerate(full))
-        return offsets, sizes, shape
+        return (f"{fqn}.{name}" if name else fqn), offsets, sizes, shape
 
     def put_extra(self, pp_rank: int, key: str) -> None:
         """A layer's `_extra_state` (None for megatron-core's own layers): one object per layer, TP rank 0's."""

@@ -108,7 +108,7 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
     non-uniform stack; Transformer Engine's fused norm names, or an unfused norm's own. HybridModel (`by_pattern`):
     one key per layer index (hybrid.py), an MoE layer's experts on a leading global expert axis."""
     if by_pattern:
-        key = hybrid.to_hybrid(key)
+        key = hybrid.to_hybrid(key, spec.hybrid)
         j = layout.layer_index(key)
         if j is None:
             return [(key, ())]
@@ -117,7 +117,7 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
         if e is not None:
             return [(f"{_LAYERS}{j}.{_experts(name, e)}", ((e, spec.num_moe_experts),))]
         fused = names.to_te(name)
-        if spec.moe_layer(j // 2) and name.startswith("pre_mlp_layernorm."):  # an MoE layer's norm: its own module
+        if spec.moe_layer(j if spec.hybrid else j // 2) and name.startswith("pre_mlp_layernorm."):  # an MoE layer's norm: its own module
             return [(f"{_LAYERS}{j}.{name}", ()), (f"{_LAYERS}{j}.{fused}", ())]
         return [(f"{_LAYERS}{j}.{fused}", ())] + ([(f"{_LAYERS}{j}.{name}", ())] if fused != name else [])
     i = layout.layer_index(key)
@@ -143,6 +143,29 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
 
 
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+# megatron-core's MambaMixer saves these tensors as one global tensor per part (its `_split_tensor_factory`:
+# `<key>.<part>`, each split over TP on dim 0), in the order of the layout table's `blocked` parts
+_PARTS = {"mixer.in_proj.weight": ("z", "x", "B", "C", "dt"), "mixer.conv1d.weight": ("x", "B", "C"),
+          "mixer.conv1d.bias": ("x", "B", "C")}
+
+
+def part_names(key: str) -> tuple[str, ...] | None:
+    """The names of the stored parts of a key that megatron-core saves in parts (None: saved whole)."""
+    return next((names for end, names in _PARTS.items() if key.endswith("." + end)), None)
+
+
+def part_of(key: str, spec, full: tuple[int, ...], dim: int, start: int, stop: int) -> tuple[str, int, int]:
+    """(the stored part's name, start, size in it) of rows [start, stop) on dim `dim` of a key's full tensor, which a
+    piece never crosses ('' for a key saved whole)."""
+    names = part_names(key)
+    if names is None:
+        return "", start, full[dim]
+    at = 0
+    for name, size in zip(names, layout.find_rule(key, spec, None).part_sizes(spec, full[dim])):
+        if at <= start and stop <= at + size:
+            return name, start - at, size
+        at += size
+    raise FormatError(f"{key}: rows {start}-{stop} cross its parts {names}: not a piece megatron-core saves")
 
 
 def _mtp_candidates(key: str, spec) -> list[tuple[str, Placed]]:
@@ -193,6 +216,7 @@ class DistCheckpoint:
         self.dcp_fields: dict[str, dict[str, str]] | None = None  # torch_dcp: each parameter's optimizer entries
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
         self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
+        self._joins: dict[str, tuple[dcp.Entry, list[str]]] = {}  # tensors saved in parts: joined entry, parts
         # the optimizer entries, sorted once: which form, and the dp_reshardable buckets by (group, bucket, field)
         self.optimizer_form = PER_PARAM if any(f.startswith(OPT_STATE) for f in index.tensors) else \
             BUCKETS if any(f.startswith(OPT_BUCKETS) for f in index.tensors) else None
@@ -241,6 +265,8 @@ class DistCheckpoint:
         ckpt = cls(meta, index, common, common_path)
         if ckpt.optimizer_form == BUCKETS and megatron_args.virtual_stages(common_path, args, counts)[0] > 1:
             ckpt.optimizer_form = None  # an interleaved pipeline's grad buffers are per model chunk: not decoded
+        if ckpt.optimizer_form == BUCKETS and spec.hybrid:
+            ckpt.optimizer_form = None  # a Mamba mixer's parameter order in the buckets differs by version: not decoded
         return ckpt
 
     def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, Placed]:
@@ -260,8 +286,33 @@ class DistCheckpoint:
         for fqn, layer in candidates:
             if fqn in self.index.tensors:
                 return self.index.tensors[fqn], layer
+            joined = self._joined(key, fqn, len(layer))
+            if joined is not None:
+                return joined, layer
         raise FormatError(f"{self.meta.dir / dcp.METADATA}: no tensor {' or '.join(f for f, _ in candidates)} "
                           f"(for {key}): the checkpoint is not the model its args describe; restore it from the source")
+
+    def _joined(self, key: str, fqn: str, lead: int) -> dcp.Entry | None:
+        """A tensor megatron-core saves in parts (`<fqn>.<part>`) as the one global tensor of the layout table: the
+        parts' chunks placed after each other on the first dim after the `lead` stacked axes (no bytes move)."""
+        names = part_names(key)
+        if names is None or any(f"{fqn}.{n}" not in self.index.tensors for n in names):
+            return None
+        if fqn not in self._joins:
+            parts = [self.index.tensors[f"{fqn}.{n}"] for n in names]
+            chunks, at = [], 0
+            for part in parts:
+                if part.dtype != parts[0].dtype or part.shape[:lead] + part.shape[lead + 1:] != \
+                        parts[0].shape[:lead] + parts[0].shape[lead + 1:]:
+                    raise FormatError(f"{self.meta.dir / dcp.METADATA}: {part.fqn} is {part.dtype} "
+                                      f"{list(part.shape)}, {parts[0].fqn} {parts[0].dtype} {list(parts[0].shape)}: the "
+                                      f"parts of {fqn} do not fit together; restore the checkpoint from the source")
+                chunks += [dcp.Chunk(c.offsets[:lead] + (c.offsets[lead] + at,) + c.offsets[lead + 1:], c.sizes,
+                                     c.file, c.blob_offset, c.blob_length) for c in part.chunks]
+                at += part.shape[lead]
+            shape = parts[0].shape[:lead] + (at,) + parts[0].shape[lead + 1:]
+            self._joins[fqn] = (dcp.Entry(fqn, shape, parts[0].dtype, tuple(chunks)), [p.fqn for p in parts])
+        return self._joins[fqn][0]
 
     def expected_shape(self, key: str, placed: Placed) -> tuple[int, ...]:
         full = layout.full_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.pp_size)
@@ -334,6 +385,7 @@ class DistCheckpoint:
             if entry.fqn in used:
                 continue
             used.add(entry.fqn)
+            used.update(self._joins.get(entry.fqn, (None, []))[1])  # the parts it was joined from
             alias = te_alias(entry.fqn, meta.spec)  # the same tensor under the other spec's name, where written
             if alias in self.index.tensors:
                 used.add(alias)
