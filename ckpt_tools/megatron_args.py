@@ -333,7 +333,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} has MoE layers ('E') but the args set no num_experts: "
                           f"the args are damaged; restore them from the source")
     found = features_of(args)
-    family, misfits = families.for_features(found, moe=bool(moe))
+    single = pattern is not None and pattern.single  # Mamba-2 layers: a hybrid family's
+    family, misfits = families.for_features(found, moe=bool(moe), hybrid=single)
     named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
     if family is not None and named in families.names() and named != family.name:
         candidate = families.get(named)
@@ -343,7 +344,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         grouped: dict[str, list[str]] = {}  # families that miss in the same way are named together
         for name, bad in misfits.items():
             grouped.setdefault(", ".join(_as_args(bad)), []).append(name)
-        raise ConfigError("Megatron-LM arguments fit no supported architecture: " + "; ".join(
+        raise ConfigError((f"hybrid_layer_pattern {pattern.text!r} has Mamba-2 layers ('M'), but its " if single
+                           else "") + "Megatron-LM arguments fit no supported architecture: " + "; ".join(
             f"for {', '.join(names)}: {text}" for text, names in grouped.items()) + f" ({supported})")
     if vocab_size is None:
         vocab_size = getattr(args, "vocab_size", None)

@@ -208,7 +208,8 @@ def test_pattern_disagreeing_with_the_keys_is_one_line_naming_both(tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
-@pytest.mark.parametrize("pattern,symbol", [("M-M-", "'M'"), ("*-G-", "'G'"), ("*-D-", "'D'"), ("*-*-/*-", "'/'")])
+@pytest.mark.parametrize("pattern,symbol", [("M-M-", "Mamba-2 layers ('M'), but its Megatron-LM arguments fit no"),
+                                            ("MEM-", "'E'"), ("*-G-", "'G'"), ("*-D-", "'D'"), ("*-*-/*-", "'/'")])
 def test_blocks_not_read_yet_are_refused_naming_the_symbol(pattern, symbol, tmp_path):
     _with_args(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "src", hybrid_layer_pattern=pattern)
     for verb in (["merge", tmp_path / "src", tmp_path / "out"], ["reshard", tmp_path / "src", tmp_path / "out",
