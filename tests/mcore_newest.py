@@ -38,6 +38,8 @@ _LLAMA = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_atte
           "ffn_hidden_size": 96, "vocab_size": 127, "max_position_embeddings": 16}
 _GPT2 = {"architecture": "gpt2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
          "vocab_size": 127, "max_position_embeddings": 16}
+_NEMOTRON_H = {**_LLAMA, "architecture": "nemotron_h", "num_layers": 4, "kv_channels": 16, "layer_pattern": "M*M-",
+               "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_state_dim": 16, "mamba_num_groups": 2}
 # the committed fixtures (fixtures/megatron_019): megatron-core 0.19.2's GPTModel and HybridModel, TP and PP, tied and
 # untied, dense and MoE
 CASES = {
@@ -49,6 +51,9 @@ CASES = {
                            "model": {**_LLAMA, "architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2}},
     # GPT-OSS: sinks, an 8-position window on layer 0 (16 tokens), GPTModel's YaRN unrounded, biased experts (ETP 1)
     # with the clamped GLU of +1
+    # Nemotron-H: a HybridModel of Mamba-2 (8 heads of 16 in 2 groups, a state of 16), attention without positions
+    # and squared-ReLU MLP layers, megatron-core's own MambaMixer (its forward needs GPU kernels: no logits here)
+    "hybrid_nemotron_h_tp2": {"kind": "hybrid", "pattern": "M*M-", "tp": 2, "pp": 1, "model": _NEMOTRON_H},
     "gpt_gpt_oss_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
                         "model": {**_LLAMA, "architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16,
                                   "num_moe_experts": 4, "moe_router_topk": 2, "sliding_window": 8,
@@ -103,6 +108,17 @@ def _hybrid_spec(spec, torch):
 
     dense = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm).submodules
     hybrid_block.TENorm = dense.input_layernorm  # the final norm: megatron-core's torch norm, not TE's
+    mamba = {}
+    if spec.hybrid:  # megatron-core's MambaLayer and MambaMixer, its in_proj / out_proj the local parallel linears, the
+        # layer's norm its own module, saved under the name Transformer Engine's fused in_proj gives it
+        from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+        from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        mamba["mamba_layer"] = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=dense.input_layernorm, mamba_bda=dense.self_attn_bda,
+            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                                                out_proj=RowParallelLinear)),
+            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=dense.input_layernorm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda,
         sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
@@ -116,7 +132,7 @@ def _hybrid_spec(spec, torch):
         moe = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        attention_layer=attention, mlp_layer=mlp, **({"moe_layer": moe} if moe is not None else {})))
+        attention_layer=attention, mlp_layer=mlp, **({"moe_layer": moe} if moe is not None else {}), **mamba))
 
 
 def build(cfg: dict, padded: int):
@@ -128,6 +144,8 @@ def build(cfg: dict, padded: int):
     from ckpt_tools.spec import ModelSpec
     spec = ModelSpec.from_dict(cfg["model"])
     tp, pp = cfg["tp"], cfg["pp"]
+    if spec.hybrid:
+        return _mamba_hybrid(spec, cfg, padded)
     gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, tp, pp)
     if cfg["kind"] == "gpt":
         return gpt
@@ -142,8 +160,66 @@ def build(cfg: dict, padded: int):
                        position_embedding_type=spec.position_embedding_type, rotary_base=int(spec.rotary_base))
 
 
+def _mamba_hybrid(spec, cfg: dict, padded: int):
+    """megatron-core 0.19's HybridModel of a Mamba hybrid (its config from the spec, as Megatron-LM's arguments give
+    it: squared-ReLU MLPs, no positions, the Mamba-2 sizes)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.activations import squared_relu
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(
+        num_layers=len(cfg["pattern"].replace("|", "")), hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels, layernorm_epsilon=spec.norm_epsilon,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"], hidden_dropout=0.0,
+        attention_dropout=0.0, normalization=spec.normalization, gated_linear_unit=False, activation_func=squared_relu,
+        add_bias_linear=False, bias_activation_fusion=False, mamba_state_dim=spec.mamba_state_dim,
+        mamba_head_dim=spec.mamba_head_dim, mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
+    return HybridModel(config=config, hybrid_stack_spec=_hybrid_spec(spec, torch), vocab_size=padded,
+                       max_sequence_length=spec.max_position_embeddings, hybrid_layer_pattern=cfg["pattern"],
+                       pre_process=parallel_state.is_pipeline_first_stage(),
+                       post_process=parallel_state.is_pipeline_last_stage(),
+                       share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="none")
+
+
+def stub_mamba_ssm() -> None:
+    """The `mamba_ssm` package megatron-core's MambaMixer imports (its GPU kernels): the gated norm as a module of its
+    weight, the scans refusing to run. megatron-core then builds, saves and loads its Mamba layers on the CPU; their
+    forward needs the real kernels."""
+    import torch
+
+    class RMSNorm(torch.nn.Module):  # mamba_ssm.ops.triton.layernorm_gated.RMSNorm's parameters
+        def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+            self.register_parameter("bias", None)
+
+    def kernel(*args, **kwargs):
+        raise RuntimeError("Mamba-2's scan needs mamba_ssm's GPU kernels")
+
+    names = ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.layernorm_gated",
+             "mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.selective_state_update")
+    for name in names:
+        module = types.ModuleType(name)
+        module.__spec__, module.__path__ = importlib.machinery.ModuleSpec(name, None), []
+        sys.modules[name] = module
+    sys.modules["mamba_ssm.ops.triton.layernorm_gated"].RMSNorm = RMSNorm
+    for name in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined"):
+        setattr(sys.modules["mamba_ssm.ops.triton.ssd_combined"], name, kernel)
+    sys.modules["mamba_ssm.ops.triton.selective_state_update"].selective_state_update = kernel
+
+
+def _local_state(model) -> dict:
+    """megatron-core's own shards of this rank: its model's state dict, tensors only (`_extra_state` is None)."""
+    import torch
+    return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
 def _start(cfg: dict):
     activate()
+    stub_mamba_ssm()
     import torch
     from mcore_checkpoints import _shim_cuda, shim_masks
     from mcore_reference_child import expert_tp
@@ -179,15 +255,23 @@ def save(cfg: dict, out: Path) -> None:
     model = build(cfg, padded).eval()
     _perturb(model, torch)
     tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
-    logits = _forward(model, tokens, torch)
+    logits = None if spec.hybrid else _forward(model, tokens, torch)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if logits is not None and tp_rank == 0:
         torch.save({"tokens": tokens, "logits": logits}, out / "reference.pt")
+    if spec.hybrid:  # what each rank holds, by megatron-core's own modules
+        torch.save(_local_state(model), out / f"local_tp{tp_rank}_pp{pp_rank}.pt")
     args = _args(spec, tp, pp, padded, iteration, "float32")
     if cfg["kind"] == "hybrid":  # what Megatron-LM's parser records for --hybrid-layer-pattern
         vars(args).update(hybrid_layer_pattern=cfg["pattern"], num_layers=len(cfg["pattern"].replace("|", "")),
                           is_hybrid_model=True, spec=["megatron.core.models.hybrid.hybrid_layer_specs",
                                                       "hybrid_stack_spec"])
+    if spec.hybrid:  # what pretrain_hybrid.py's command line for Nemotron-H records
+        vars(args).pop("hf_family", None)
+        vars(args).update(squared_relu=True, swiglu=False, position_embedding_type="none",
+                          use_rotary_position_embeddings=False, normalization="RMSNorm",
+                          **{k: getattr(spec, k) for k in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+                                                           "mamba_num_heads")})
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": None, "rng_tracker_states": {}}]
     name = f"iter_{iteration:07d}"
@@ -231,12 +315,36 @@ def load(cfg: dict) -> None:
     model = build(cfg, padded).eval()
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
     model.load_state_dict(loaded["model"], strict=True)
+    if spec.hybrid:  # no forward on the CPU: what each rank loaded, and megatron-core's own save of it
+        _dump_and_save(cfg, model, common, iter_dir.name, torch, dist, ps)
+        return
     tokens = torch.load(cfg["tokens"], weights_only=True)
     logits = _forward(model, tokens, torch)
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
         args = common["args"]
         torch.save({"logits": logits, "pattern": getattr(args, "hybrid_layer_pattern", None),
                     "num_layers": args.num_layers}, cfg["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dump_and_save(cfg: dict, model, common: dict, name: str, torch, dist, ps) -> None:
+    """Each rank's loaded shards to OUT/local_tp<t>_pp<p>.pt, and megatron-core's own torch_dist save of the loaded
+    model (the args it loaded with) to OUT/torch_dist."""
+    from megatron.core import dist_checkpointing
+    out = Path(cfg["out"])
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    torch.save(_local_state(model), out / f"local_tp{tp_rank}_pp{pp_rank}.pt")
+    if dist.get_rank() == 0:
+        (out / "torch_dist" / name).mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"args": common["args"], "iteration": common.get("iteration", 0),
+                             "checkpoint_version": 3.0, "model": model.sharded_state_dict()},
+                            str(out / "torch_dist" / name))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (out / "torch_dist" / "latest_checkpointed_iteration.txt").write_text(
+            "release" if name == "release" else str(int(name.split("_")[1])))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -303,3 +303,92 @@ def test_the_verbs_import_no_megatron_core(tmp_path):
         imported = [line for line in proc.stderr.splitlines() if "| " in line and " megatron" in line]
         assert not imported, (args[0], imported[:3])
         env.pop("CKPT_MERGE_TORCH", None)
+
+
+# ---------------------------------------------------------------- a Mamba hybrid (Nemotron-H) as megatron-core 0.19.2 saves it
+MAMBA = SAVES / "hybrid_nemotron_h_tp2"  # 'M*M-' at TP2; local_tp<r>_pp0.pt: each rank's own shards, in memory
+
+
+def megatron_core_names(state: dict) -> dict:
+    """megatron-core 0.19's local state dict in the layout table's names: its MambaMixer's convolution parameters
+    (`conv1d_weight`), HybridStack's final norm."""
+    return {re.sub(r"conv1d_(weight|bias)$", r"conv1d.\1", k).replace("decoder.final_norm.", "decoder.final_layernorm."): v
+            for k, v in state.items()}
+
+
+@pytest.mark.parametrize("form", ["torch_dist", "torch"])
+def test_megatron_core_mamba_hybrid_reads_as_its_own_shards(form, tmp_path):
+    """megatron-core's HybridModel of Mamba-2, attention and MLP layers, saved by itself at TP2 in both forms: every
+    rank's shard the reader gives (Mamba's in_proj joined from its five stored parts, its convolution from three, its
+    norm from Transformer Engine's fused name) is the tensor megatron-core held on that rank, bit for bit."""
+    reshard(MAMBA / form, tmp_path / "ours", tp=2, pp=1, vocab_size=VOCAB, quiet=True)
+    for r in range(2):
+        held = megatron_core_names(torch.load(MAMBA / f"local_tp{r}_pp0.pt", weights_only=True))
+        ours = torch.load(next((tmp_path / "ours").glob(f"checkpoint-*/pytorch_model_tp_{r}_pp_0.bin")),
+                          weights_only=True)["model"]
+        ours = {k: v for k, v in ours.items() if torch.is_tensor(v)}
+        assert sorted(ours) == sorted(held), set(ours) ^ set(held)
+        for k, v in held.items():
+            assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), (r, k)
+
+
+def _hf_tensor(hf: dict, key: str, spec) -> torch.Tensor:
+    """A layer-table key's full tensor made from transformers' NemotronH tensors by their own definitions: QKV grouped
+    per query group [q heads; k; v], the vocab padded with zeros."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", key)
+    if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return hf["backbone.embeddings.weight" if key.startswith("embedding") else "lm_head.weight"]
+    if key == "decoder.final_layernorm.weight":
+        return hf["backbone.norm_f.weight"]
+    i, name = m.group(1), m.group(2)
+    h = f"backbone.layers.{i}."
+    if name.endswith(("norm.weight", "layernorm.weight")) and not name.startswith("mixer."):
+        return hf[h + "norm.weight"]
+    if name.startswith("mixer."):
+        return hf[h + name]
+    if name == "self_attention.linear_qkv.weight":
+        q, k, v = (hf[h + f"mixer.{p}_proj.weight"] for p in "qkv")
+        g, d = spec.num_query_groups, spec.kv_channels
+        q, k, v = q.view(g, -1, q.shape[-1]), k.view(g, d, -1), v.view(g, d, -1)
+        return torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+    return hf[h + {"self_attention.linear_proj.weight": "mixer.o_proj.weight", "mlp.linear_fc1.weight":
+                   "mixer.up_proj.weight", "mlp.linear_fc2.weight": "mixer.down_proj.weight"}[name]]
+
+
+@pytest.mark.slow
+def test_megatron_core_019_loads_our_mamba_hybrid_and_saves_it_back(tmp_path):
+    """megatron-core's TP2 save resharded by `ckpt reshard --format torch_dist` to TP1 x PP2 (its in_proj and
+    convolution re-cut into parts per rank): megatron-core 0.19.2 loads it strict, and at TP1 each of its tensors is
+    transformers' own (merged from the TP2 save): the split of every Mamba part over TP is megatron-core's. Its own
+    save of what it loaded merges back to the same HF tensors, bit for bit; `ckpt import` of that HF model to the same
+    layout gives the same checkpoint."""
+    import json
+    from ckpt_tools.hf import spec_from_hf
+    from ckpt_tools.importer import import_hf
+    mcore_newest = newest_or_skip()
+    merge(MAMBA / "torch_dist", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    reshard(MAMBA / "torch_dist", tmp_path / "w", tp=1, pp=2, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    cfg = {**mcore_newest.CASES["hybrid_nemotron_h_tp2"], "tp": 1, "pp": 2, "load": str(tmp_path / "w"),
+           "out": str(tmp_path / "loaded")}
+    (tmp_path / "loaded").mkdir()
+    (tmp_path / "load.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           mcore_newest.__file__, "load", str(tmp_path / "load.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    hf, spec = load_file(tmp_path / "hf" / "model.safetensors"), spec_from_hf(tmp_path / "hf" / "config.json")
+    first = 0
+    for p in range(2):  # at TP1 each rank holds whole tensors; a stage numbers its layers from 0
+        held = megatron_core_names(torch.load(tmp_path / "loaded" / f"local_tp0_pp{p}.pt", weights_only=True))
+        layers = {int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, held) if m}
+        for k, v in held.items():
+            g = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + first}.", k)
+            want = _hf_tensor(hf, g, spec)
+            assert torch.equal(v[:want.shape[0]], want), (p, k)  # (a vocab's padding rows kept as they were)
+        first += len(layers)
+    assert first == 4
+    merge(tmp_path / "loaded" / "torch_dist", tmp_path / "back", quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "back")
+    import_hf(tmp_path / "hf", tmp_path / "imported", tp=1, pp=2, form="torch_dist", quiet=True)
+    merge(tmp_path / "imported", tmp_path / "imported_hf", quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "imported_hf")
