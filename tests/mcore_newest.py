@@ -40,6 +40,10 @@ _GPT2 = {"architecture": "gpt2", "num_layers": 2, "hidden_size": 64, "num_attent
          "vocab_size": 127, "max_position_embeddings": 16}
 _NEMOTRON_H = {**_LLAMA, "architecture": "nemotron_h", "num_layers": 4, "kv_channels": 16, "layer_pattern": "M*M-",
                "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_state_dim": 16, "mamba_num_groups": 2}
+# megatron-core 0.16.1's MambaModel (Megatron-LM's pretrain_mamba.py before the HybridModel; `--hybrid-override-pattern`)
+# of the same Nemotron-H: run with the installed 0.16.1 ("mcore": "0.16"), saved into fixtures/megatron_mamba_016
+OLDER = {"mamba_nemotron_h_tp2": {"kind": "hybrid", "mcore": "0.16", "pattern": "M*M-", "tp": 2, "pp": 1,
+                                  "model": _NEMOTRON_H}}
 # the committed fixtures (fixtures/megatron_019): megatron-core 0.19.2's GPTModel and HybridModel, TP and PP, tied and
 # untied, dense and MoE
 CASES = {
@@ -77,6 +81,14 @@ def activate() -> None:
         with contextlib.suppress(ImportError):
             __import__(name)
 
+    stand_in_triton()
+    sys.path.insert(0, str(location()))
+    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
+        del sys.modules[name]
+
+
+def stand_in_triton() -> None:
+    """A stand-in `triton` for megatron-core's module-level GPU-kernel imports (none of them runs on the CPU)."""
     class Stand(types.ModuleType):
         __version__ = "3.4.0"
 
@@ -90,18 +102,20 @@ def activate() -> None:
         module.__spec__, module.__path__ = importlib.machinery.ModuleSpec(name, None), []
         sys.modules[name] = module
     sys.modules["triton"].language = sys.modules["triton.language"]
-    sys.path.insert(0, str(location()))
-    for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
-        del sys.modules[name]
 
 
-def _hybrid_spec(spec, torch):
+def _hybrid_spec(spec, torch, older: bool = False):
     """HybridStack's submodules from megatron-core's local GPT layer spec: '*' its attention half, '-' its MLP half,
     'E' its MoE MLP; each with the key map the local spec declares (torch_dist then holds Transformer Engine's names,
     as a GPU run's TE layers save them)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.hybrid import hybrid_block
-    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    if older:  # megatron-core 0.16's MambaStack (its layers the same classes)
+        from megatron.core.ssm import mamba_block as hybrid_block
+        from megatron.core.ssm.mamba_block import MambaStack as HybridStack
+        from megatron.core.ssm.mamba_block import MambaStackSubmodules as HybridStackSubmodules
+    else:
+        from megatron.core.models.hybrid import hybrid_block
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -166,8 +180,9 @@ def _mamba_hybrid(spec, cfg: dict, padded: int):
     import torch
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.transformer_config import TransformerConfig
+    if cfg.get("mcore") != "0.16":
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
     config = TransformerConfig(
         num_layers=len(cfg["pattern"].replace("|", "")), hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
@@ -177,11 +192,16 @@ def _mamba_hybrid(spec, cfg: dict, padded: int):
         attention_dropout=0.0, normalization=spec.normalization, gated_linear_unit=False, activation_func=squared_relu,
         add_bias_linear=False, bias_activation_fusion=False, mamba_state_dim=spec.mamba_state_dim,
         mamba_head_dim=spec.mamba_head_dim, mamba_num_groups=spec.mamba_num_groups, mamba_num_heads=spec.mamba_num_heads)
+    stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                  post_process=parallel_state.is_pipeline_last_stage(),
+                  share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="none")
+    if cfg.get("mcore") == "0.16":
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        return MambaModel(config=config, mamba_stack_spec=_hybrid_spec(spec, torch, older=True), vocab_size=padded,
+                          max_sequence_length=spec.max_position_embeddings, hybrid_override_pattern=cfg["pattern"],
+                          **stages)
     return HybridModel(config=config, hybrid_stack_spec=_hybrid_spec(spec, torch), vocab_size=padded,
-                       max_sequence_length=spec.max_position_embeddings, hybrid_layer_pattern=cfg["pattern"],
-                       pre_process=parallel_state.is_pipeline_first_stage(),
-                       post_process=parallel_state.is_pipeline_last_stage(),
-                       share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="none")
+                       max_sequence_length=spec.max_position_embeddings, hybrid_layer_pattern=cfg["pattern"], **stages)
 
 
 def stub_mamba_ssm() -> None:
@@ -218,7 +238,11 @@ def _local_state(model) -> dict:
 
 
 def _start(cfg: dict):
-    activate()
+    if cfg.get("mcore") == "0.16":  # the installed megatron-core, imported as the trainer imports it
+        import trainer  # noqa: F401
+        stand_in_triton()
+    else:
+        activate()
     stub_mamba_ssm()
     import torch
     from mcore_checkpoints import _shim_cuda, shim_masks
@@ -266,6 +290,10 @@ def save(cfg: dict, out: Path) -> None:
         vars(args).update(hybrid_layer_pattern=cfg["pattern"], num_layers=len(cfg["pattern"].replace("|", "")),
                           is_hybrid_model=True, spec=["megatron.core.models.hybrid.hybrid_layer_specs",
                                                       "hybrid_stack_spec"])
+    if cfg.get("mcore") == "0.16":  # pretrain_mamba.py's: the pattern under its older name
+        vars(args).pop("hybrid_layer_pattern")
+        vars(args).update(hybrid_override_pattern=cfg["pattern"], hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0,
+                          spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"])
     if spec.hybrid:  # what pretrain_hybrid.py's command line for Nemotron-H records
         vars(args).pop("hf_family", None)
         vars(args).update(squared_relu=True, swiglu=False, position_embedding_type="none",
@@ -311,7 +339,8 @@ def load(cfg: dict) -> None:
     common = dist_checkpointing.load_common_state_dict(str(iter_dir))
     padded = common["args"].padded_vocab_size
     if cfg["kind"] == "hybrid":  # the pattern the checkpoint records, as --use-checkpoint-args takes it
-        cfg = {**cfg, "pattern": common["args"].hybrid_layer_pattern}
+        args = common["args"]
+        cfg = {**cfg, "pattern": getattr(args, "hybrid_layer_pattern", None) or args.hybrid_override_pattern}
     model = build(cfg, padded).eval()
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
     model.load_state_dict(loaded["model"], strict=True)
@@ -355,7 +384,7 @@ def make(out: str, *only: str) -> None:
     import shutil
     import subprocess
     import tempfile
-    for name, case in CASES.items():
+    for name, case in {**CASES, **{k: v for k, v in OLDER.items() if k in only}}.items():
         if only and name not in only:
             continue
         target = Path(out) / name

@@ -3,7 +3,8 @@
 files (no common.pt), its GPTModel and its HybridModel (`*-*-`, `*-|*-`, `*E*E`), HybridModel also in the legacy form.
 Merged to HF they give megatron-core 0.19.2's own logits, by both paths (tests/test_megatron_lm_saves.py, with the other
 Megatron-LM saves); here megatron-core 0.19.2's own loader takes what `ckpt reshard/import --format torch_dist` writes
-from them, and the pattern's refusals."""
+from them, and the pattern's refusals. A Mamba hybrid (Nemotron-H) saved by megatron-core 0.19.2's HybridModel and by
+0.16.1's MambaModel (fixtures/megatron_mamba_016) is proven against each rank's own shards and megatron-core's loader."""
 from __future__ import annotations
 
 import pickle
@@ -307,6 +308,9 @@ def test_the_verbs_import_no_megatron_core(tmp_path):
 
 # ---------------------------------------------------------------- a Mamba hybrid (Nemotron-H) as megatron-core 0.19.2 saves it
 MAMBA = SAVES / "hybrid_nemotron_h_tp2"  # 'M*M-' at TP2; local_tp<r>_pp0.pt: each rank's own shards, in memory
+# the same model as megatron-core 0.16.1's MambaModel saves it (Megatron-LM's pretrain_mamba.py, --hybrid-override-pattern)
+MAMBA_016 = SAVES.parent / "megatron_mamba_016" / "mamba_nemotron_h_tp2"
+MAMBA_SAVES = {"0.19": MAMBA, "0.16": MAMBA_016}
 
 
 def megatron_core_names(state: dict) -> dict:
@@ -316,14 +320,17 @@ def megatron_core_names(state: dict) -> dict:
             for k, v in state.items()}
 
 
+@pytest.mark.parametrize("version", sorted(MAMBA_SAVES))
 @pytest.mark.parametrize("form", ["torch_dist", "torch"])
-def test_megatron_core_mamba_hybrid_reads_as_its_own_shards(form, tmp_path):
-    """megatron-core's HybridModel of Mamba-2, attention and MLP layers, saved by itself at TP2 in both forms: every
-    rank's shard the reader gives (Mamba's in_proj joined from its five stored parts, its convolution from three, its
-    norm from Transformer Engine's fused name) is the tensor megatron-core held on that rank, bit for bit."""
-    reshard(MAMBA / form, tmp_path / "ours", tp=2, pp=1, vocab_size=VOCAB, quiet=True)
+def test_megatron_core_mamba_hybrid_reads_as_its_own_shards(form, version, tmp_path):
+    """megatron-core's HybridModel (0.19.2; 0.16.1's MambaModel) of Mamba-2, attention and MLP layers, saved by itself
+    at TP2 in both forms: every rank's shard the reader gives (Mamba's in_proj joined from its five stored parts, its
+    convolution from three, its norm from Transformer Engine's fused name) is the tensor megatron-core held on that
+    rank, bit for bit."""
+    save = MAMBA_SAVES[version]
+    reshard(save / form, tmp_path / "ours", tp=2, pp=1, vocab_size=VOCAB, quiet=True)
     for r in range(2):
-        held = megatron_core_names(torch.load(MAMBA / f"local_tp{r}_pp0.pt", weights_only=True))
+        held = megatron_core_names(torch.load(save / f"local_tp{r}_pp0.pt", weights_only=True))
         ours = torch.load(next((tmp_path / "ours").glob(f"checkpoint-*/pytorch_model_tp_{r}_pp_0.bin")),
                           weights_only=True)["model"]
         ours = {k: v for k, v in ours.items() if torch.is_tensor(v)}
@@ -356,29 +363,33 @@ def _hf_tensor(hf: dict, key: str, spec) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_megatron_core_019_loads_our_mamba_hybrid_and_saves_it_back(tmp_path):
-    """megatron-core's TP2 save resharded by `ckpt reshard --format torch_dist` to TP1 x PP2 (its in_proj and
-    convolution re-cut into parts per rank): megatron-core 0.19.2 loads it strict, and at TP1 each of its tensors is
-    transformers' own (merged from the TP2 save): the split of every Mamba part over TP is megatron-core's. Its own
-    save of what it loaded merges back to the same HF tensors, bit for bit; `ckpt import` of that HF model to the same
-    layout gives the same checkpoint."""
+@pytest.mark.parametrize("version,pp", [("0.19", 2), ("0.16", 1)])
+def test_megatron_core_loads_our_mamba_hybrid_and_saves_it_back(version, pp, tmp_path):
+    """megatron-core's TP2 save resharded by `ckpt reshard --format torch_dist` to TP1 x PP (its in_proj and
+    convolution re-cut into parts per rank): megatron-core (0.19.2's HybridModel at PP2; 0.16.1's MambaModel, whose
+    pattern has no pipeline segments, at PP1) loads it strict, and at TP1 each of its tensors is transformers' own
+    (merged from the TP2 save): the split of every Mamba part over TP is megatron-core's. Its own save of what it
+    loaded merges back to the same HF tensors, bit for bit; `ckpt import` of that HF model to the same layout gives the
+    same checkpoint."""
     import json
     from ckpt_tools.hf import spec_from_hf
     from ckpt_tools.importer import import_hf
     mcore_newest = newest_or_skip()
-    merge(MAMBA / "torch_dist", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
-    reshard(MAMBA / "torch_dist", tmp_path / "w", tp=1, pp=2, vocab_size=VOCAB, form="torch_dist", quiet=True)
-    cfg = {**mcore_newest.CASES["hybrid_nemotron_h_tp2"], "tp": 1, "pp": 2, "load": str(tmp_path / "w"),
-           "out": str(tmp_path / "loaded")}
+    save = MAMBA_SAVES[version]
+    merge(save / "torch_dist", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    reshard(save / "torch_dist", tmp_path / "w", tp=1, pp=pp, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    case = mcore_newest.CASES["hybrid_nemotron_h_tp2"] if version == "0.19" else mcore_newest.OLDER[
+        "mamba_nemotron_h_tp2"]
+    cfg = {**case, "tp": 1, "pp": pp, "load": str(tmp_path / "w"), "out": str(tmp_path / "loaded")}
     (tmp_path / "loaded").mkdir()
     (tmp_path / "load.json").write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(pp),
                            mcore_newest.__file__, "load", str(tmp_path / "load.json")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     hf, spec = load_file(tmp_path / "hf" / "model.safetensors"), spec_from_hf(tmp_path / "hf" / "config.json")
     first = 0
-    for p in range(2):  # at TP1 each rank holds whole tensors; a stage numbers its layers from 0
+    for p in range(pp):  # at TP1 each rank holds whole tensors; a stage numbers its layers from 0
         held = megatron_core_names(torch.load(tmp_path / "loaded" / f"local_tp0_pp{p}.pt", weights_only=True))
         layers = {int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, held) if m}
         for k, v in held.items():
@@ -389,6 +400,6 @@ def test_megatron_core_019_loads_our_mamba_hybrid_and_saves_it_back(tmp_path):
     assert first == 4
     merge(tmp_path / "loaded" / "torch_dist", tmp_path / "back", quiet=True)
     same_files(tmp_path / "hf", tmp_path / "back")
-    import_hf(tmp_path / "hf", tmp_path / "imported", tp=1, pp=2, form="torch_dist", quiet=True)
+    import_hf(tmp_path / "hf", tmp_path / "imported", tp=1, pp=pp, form="torch_dist", quiet=True)
     merge(tmp_path / "imported", tmp_path / "imported_hf", quiet=True)
     same_files(tmp_path / "hf", tmp_path / "imported_hf")
