@@ -359,13 +359,16 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
             assert f"optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight.{part}" in index.tensors
         reshard(tmp_path / "mlm", tmp_path / "back", tp=2, pp=1, quiet=True)
         for t in range(2):
-            name = f"checkpoint-3/optimizer_tp_{t}_pp_0.bin"
-            a = torch.load(run / name, weights_only=True)["optimizer"]
-            b = torch.load(tmp_path / "back" / name, weights_only=True)["optimizer"]
-            assert sorted(a) == sorted(b)
-            for key in a:
-                for field in ("master", "exp_avg", "exp_avg_sq", "step"):
-                    assert torch.equal(a[key][field], b[key][field]), (name, key, field)
+            same_optimizer(run, tmp_path / "back", f"checkpoint-3/optimizer_tp_{t}_pp_0.bin")
+
+
+def same_optimizer(a: Path, b: Path, name: str) -> None:
+    """The optimizer file `name` of two runs' save dirs holds the same tensors, bit for bit."""
+    x, y = (torch.load(d / name, weights_only=True)["optimizer"] for d in (a, b))
+    assert sorted(x) == sorted(y)
+    for key in x:
+        for field in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(x[key][field], y[key][field]), (name, key, field)
 
 
 @pytest.mark.parametrize("case,why", [("gemma", "no embedding scaling"), ("olmoe", "norms span all heads")])
