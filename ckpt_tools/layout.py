@@ -44,8 +44,10 @@ When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
 
 # Blocks: the parts a layer is made of (ModelSpec.pattern says which each layer has). A row of no block is in
 # every layer (its norms).
-ATTENTION, MLA, DENSE, MOE, SHARED, MTP, MAMBA = "attention", "mla", "dense", "moe", "shared", "mtp", "mamba"
-_SYMBOLS = {"*": ATTENTION, "+": MLA, "-": DENSE, "E": MOE, "M": MAMBA}  # the layer pattern's symbols' blocks
+ATTENTION, MLA, DENSE, MOE, SHARED, MTP, MAMBA, GDN = (
+    "attention", "mla", "dense", "moe", "shared", "mtp", "mamba", "gdn")
+_SYMBOLS = {"*": ATTENTION, "+": MLA, "-": DENSE, "E": MOE, "M": MAMBA, "G": GDN}  # the layer pattern's symbols'
+# blocks
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,31 @@ def _mamba_conv_parts(s: ModelSpec) -> tuple[int, ...]:
 
 
 MAMBA_CONV = 4  # the convolution's width (megatron-core's MambaMixer d_conv, which Megatron-LM does not set)
-_ATTENTIONS, _MLPS = (ATTENTION, MLA), (DENSE, MOE)  # the blocks a layer's input norm / pre-MLP norm serves
+_ATTENTIONS, _MLPS = (ATTENTION, MLA, GDN), (DENSE, MOE)  # the blocks a layer's input norm / pre-MLP norm serves
+
+
+def _gdn_qk(s: ModelSpec) -> int:
+    return s.linear_num_key_heads * s.linear_key_head_dim
+
+
+def _gdn_v(s: ModelSpec) -> int:
+    return s.linear_num_value_heads * s.linear_value_head_dim
+
+
+def _gdn_in_parts(s: ModelSpec) -> tuple[int, ...]:
+    """Gated DeltaNet's in_proj rows: [q; k; v; z; b; a] (each head-major), each split over TP by heads."""
+    return (_gdn_qk(s), _gdn_qk(s), _gdn_v(s), _gdn_v(s), s.linear_num_value_heads, s.linear_num_value_heads)
+
+
+def _gdn_conv_parts(s: ModelSpec) -> tuple[int, ...]:
+    """Gated DeltaNet's convolution channels: [q; k; v]."""
+    return _gdn_in_parts(s)[:3]
+
+
+def _qkv_rows(s: ModelSpec) -> int:
+    """linear_qkv's rows: per query group its q heads (and, with an output gate, as many gate heads), k and v."""
+    gate = s.num_attention_heads if s.attention_output_gate else 0
+    return (s.num_attention_heads + gate + 2 * s.num_query_groups) * s.kv_channels
 _L = "decoder.layers.{i}."
 _A = _L + "self_attention."
 _X = _L + "mixer."  # megatron-core's MambaLayer: its mixer (MambaMixer) and its own norm
@@ -213,12 +239,8 @@ TABLE: tuple[Rule, ...] = (
          lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), _always, ATTENTION),
     Rule(_A + "linear_proj.bias", REPLICATED, LAYER, _h, _bias, ATTENTION),
     Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, _always, ATTENTION),
-    Rule(_A + "linear_qkv.weight", QKV, LAYER,
-         lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels, s.hidden_size),
-         _always, ATTENTION),
-    Rule(_A + "linear_qkv.bias", QKV, LAYER,
-         lambda s, v: ((s.num_attention_heads + 2 * s.num_query_groups) * s.kv_channels,),
-         lambda s, pp: s.qkv_bias, ATTENTION),
+    Rule(_A + "linear_qkv.weight", QKV, LAYER, lambda s, v: (_qkv_rows(s), s.hidden_size), _always, ATTENTION),
+    Rule(_A + "linear_qkv.bias", QKV, LAYER, lambda s, v: (_qkv_rows(s),), lambda s, pp: s.qkv_bias, ATTENTION),
     Rule(_A + "linear_qkv._extra_state", EXTRA, LAYER, None, _always, ATTENTION),
     Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm, ATTENTION),
     Rule(_A + "k_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm, ATTENTION),
@@ -251,6 +273,19 @@ TABLE: tuple[Rule, ...] = (
     Rule(_A + "linear_kv_up_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
     Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.q_lora_rank,), _q_lora, MLA),
     Rule(_A + "kv_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.kv_lora_rank,), _always, MLA),
+    # a gated DeltaNet (megatron-core's GatedDeltaNet, in its state-dict order): a step bias and A per value head, in_proj
+    # [q; k; v; z; b; a] and the convolution [q; k; v] split part by part over TP (by key and value heads), the gated
+    # norm over each value head (replicated), out_proj row-parallel
+    Rule(_A + "dt_bias", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
+    Rule(_A + "A_log", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
+    Rule(_A + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_in_parts(s)), s.hidden_size), _always, GDN,
+         parts=_gdn_in_parts),
+    Rule(_A + "in_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
+    Rule(_A + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_conv_parts(s)), 1, s.linear_conv_kernel_dim),
+         _always, GDN, parts=_gdn_conv_parts),
+    Rule(_A + "out_norm.weight", REPLICATED, LAYER, lambda s, v: (s.linear_value_head_dim,), _always, GDN),
+    Rule(_A + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, _gdn_v(s)), _always, GDN),
+    Rule(_A + "out_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
     Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always, _MLPS),
     Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm, _MLPS),
     # a dense MLP
@@ -568,6 +603,10 @@ def rank_numel(spec: ModelSpec, counts: Sequence[int], padded_vocab: int, tp_siz
 
 
 def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: int) -> None:
+    if rule.split == BLOCKED and rule.name.endswith("self_attention.in_proj.weight") and \
+            spec.linear_num_key_heads % tp_size:
+        raise LayoutError(f"{key}: linear_num_key_heads {spec.linear_num_key_heads} is not divisible by TP {tp_size}: "
+                          f"choose a TP that divides the key heads")
     if rule.split == QKV and spec.num_query_groups % tp_size:
         raise LayoutError(f"{key}: num_query_groups {spec.num_query_groups} is not divisible by TP {tp_size}: "
                           f"choose a TP that divides the query groups")

@@ -48,6 +48,9 @@ def check_expressible(spec: ModelSpec) -> None:
     if spec.qk_norm_across_heads:
         raise ConfigError(f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises "
                           f"each head: Megatron-LM's forms cannot hold this model; keep it in our format or HF")
+    if spec.linear_num_key_heads is not None or spec.attention_output_gate:
+        raise ConfigError(f"{spec.architecture}: its gated DeltaNet layers and gated attention are not written in "
+                          f"Megatron-LM's forms by this version: keep the model in our format or HF")
     if spec.scale_embeddings or spec.zero_centered_norm:
         raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
                           f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "
@@ -196,7 +199,8 @@ def arg(args, name: str, default=None):
 
 # Each feature as the Megatron-LM argument that sets it: (argument, feature value -> argument value).
 _ARG_OF = {
-    "activation": ("swiglu", lambda v: v == "swiglu"), "normalization": ("normalization", None),
+    "activation": ("activation (--swiglu, --squared-relu, --quick-geglu)", None),
+    "normalization": ("normalization", None),
     "position_embedding_type": ("position_embedding_type", None), "add_bias_linear": ("add_bias_linear", None),
     "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
     "rope_scaling": ("position_embedding_type", lambda v: {"llama3": "rope + use_rope_scaling"}.get(v, v or "rope")),
@@ -225,12 +229,12 @@ def _as_args(bad: dict) -> list[str]:
 def features_of(args) -> dict:
     """Megatron-LM's arguments -> ModelSpec feature fields (families.FEATURES)."""
     bias = bool(arg(args, "add_bias_linear", True))
-    if arg(args, "swiglu", False):
+    if arg(args, "squared_relu", False):
+        activation = "squared_relu"
+    elif arg(args, "swiglu", False):
         activation = "swiglu"
     elif arg(args, "quick_geglu", False):
         activation = "quick_geglu"
-    elif arg(args, "squared_relu", False):
-        activation = "squared_relu"
     else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
         # openai_gelu (tanh as well) switches only the legacy model
         tanh = arg(args, "bias_gelu_fusion", True) or (arg(args, "use_legacy_models", False)

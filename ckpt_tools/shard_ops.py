@@ -184,11 +184,17 @@ def qkv_head_rows(spec: ModelSpec) -> tuple[Rows, Rows, Rows]:
     group its q heads, then its k, then its v. HF's q_proj / k_proj / v_proj are these rows concatenated.
     The one place that knows the grouping: the torch functions below and the torch-free merge use it."""
     g, hpg, d = spec.num_query_groups, spec.heads_per_group, spec.kv_channels
-    group = (hpg + 2) * d
+    gate = hpg * d if spec.attention_output_gate else 0  # a gated attention's gate heads follow each group's q heads
+    group = (2 * hpg + 2) * d if gate else (hpg + 2) * d
     q = [(i * group, i * group + hpg * d) for i in range(g)]
-    k = [(stop, stop + d) for _, stop in q]
+    k = [(stop + gate, stop + gate + d) for _, stop in q]
     v = [(stop, stop + d) for _, stop in k]
     return q, k, v
+
+
+def qkv_gate_rows(spec: ModelSpec) -> Rows:
+    """A gated attention's gate rows in the full QKV tensor, head by head (after each group's q heads)."""
+    return [(stop, stop + spec.heads_per_group * spec.kv_channels) for _, stop in qkv_head_rows(spec)[0]]
 
 
 def take_rows(full: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -125,6 +125,16 @@ class ModelSpec:
     mamba_head_dim: int | None = None
     mamba_state_dim: int | None = None
     mamba_num_groups: int | None = None
+    # Gated DeltaNet mixers (megatron-core's GatedDeltaNet; a 'G' attention half of a layer, Qwen3-Next's linear
+    # attention): key heads of linear_key_head_dim, value heads of linear_value_head_dim (each key head serves
+    # value heads / key heads of them), a causal depthwise convolution of linear_conv_kernel_dim over [q; k; v]
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
+    attention_output_gate: bool | None = None  # each head's attention output times sigmoid(a gate projected with q) (a
+    # feature: megatron-core's attention_output_gate, Qwen3-Next's full attention)
 
     def __post_init__(self) -> None:
         from ckpt_tools import families
@@ -209,6 +219,7 @@ class ModelSpec:
             raise ConfigError(f"num_moe_experts {self.num_moe_experts} is not divisible by moe_router_num_groups "
                               f"{self.moe_router_num_groups}: every group holds as many experts")
         self._check_mamba(family)
+        self._check_linear_attention(family)
         if family.hybrid:
             self._check_hybrid_pattern()
         elif self.layer_pattern is not None:
@@ -258,6 +269,27 @@ class ModelSpec:
             raise ConfigError(f"mamba_num_heads {self.mamba_num_heads} is not divisible by mamba_num_groups "
                               f"{self.mamba_num_groups}: every group holds as many heads")
 
+    LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim")
+
+    def _check_linear_attention(self, family) -> None:
+        """Gated DeltaNet's sizes: all given in a family with such layers, none elsewhere; value heads in whole groups
+        per key head."""
+        given = [k for k in self.LINEAR_FIELDS if getattr(self, k) is not None]
+        if not family.linear_attention:
+            if given:
+                raise ConfigError(f"{', '.join(given)} given, but {self.architecture} has no gated DeltaNet layers "
+                                  f"(the families with them: " + ", ".join(
+                                      f.name for f in _families().all_families() if f.linear_attention) + ")")
+            return
+        missing = [k for k in self.LINEAR_FIELDS if getattr(self, k) is None]
+        if missing:
+            raise ConfigError(f"a gated DeltaNet layer needs {', '.join(missing)}: give them (HF's names)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads {self.linear_num_value_heads} is not divisible by "
+                              f"linear_num_key_heads {self.linear_num_key_heads}: each key head serves as many value "
+                              f"heads")
+
     def _check_hybrid_pattern(self) -> None:
         """A hybrid family's pattern: a symbol per layer, each a block this version holds."""
         text = self.layer_pattern
@@ -275,12 +307,12 @@ class ModelSpec:
 
     def _check_pattern(self, family) -> None:
         text, n = self.layer_pattern, self.num_layers
-        attention = "+" if self.multi_latent_attention else "*"
+        attention = "+" if self.multi_latent_attention else "*G" if family.linear_attention else "*"
         mlps = ("-", "E") if self.is_moe else ("-",)
         pairs = [text[i:i + 2] for i in range(0, len(text), 2)] if isinstance(text, str) else []
-        bad = [i for i, p in enumerate(pairs) if len(p) != 2 or p[0] != attention or p[1] not in mlps]
+        bad = [i for i, p in enumerate(pairs) if len(p) != 2 or p[0] not in attention or p[1] not in mlps]
         if len(pairs) != n or bad:
-            raise ConfigError(f"layer_pattern {text!r:.80} is not {n} pairs of {attention!r} and "
+            raise ConfigError(f"layer_pattern {text!r:.80} is not {n} pairs of {' or '.join(map(repr, attention))} and "
                               f"{' or '.join(map(repr, mlps))} (one per layer: attention, then its MLP)")
         if self.is_moe and "E" not in text:
             raise ConfigError(f"layer_pattern {text!r:.80} has no MoE layer ('E') but the model has experts")
@@ -386,7 +418,9 @@ class ModelSpec:
                         ("ffn_hidden_size", self.ffn_hidden_size),
                         ("moe_ffn_hidden_size", self.moe_ffn_hidden_size or tp_size),
                         ("mamba_num_heads", self.mamba_num_heads or tp_size),
-                        ("mamba_num_groups", self.mamba_num_groups or tp_size)):
+                        ("mamba_num_groups", self.mamba_num_groups or tp_size),
+                        ("linear_num_key_heads", self.linear_num_key_heads or tp_size),
+                        ("linear_num_value_heads", self.linear_num_value_heads or tp_size)):
             if n % tp_size:
                 problems.append(f"{what} {n} is not divisible by TP {tp_size}")
         if problems:

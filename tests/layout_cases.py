@@ -54,6 +54,14 @@ def nemotron_h(**kw) -> ModelSpec:
                            mamba_head_dim=4, mamba_state_dim=8, mamba_num_groups=8), **kw})
 
 
+def qwen3_next(**kw) -> ModelSpec:
+    """Gated DeltaNet layers (8 key heads of 4, 16 value heads of 4) and gated attention, MoE with a shared expert."""
+    return llama(**{**dict(architecture="qwen3_next", layer_pattern="GE*EGE*E", kv_channels=8, rotary_percent=0.5,
+                           linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=4,
+                           linear_value_head_dim=4, linear_conv_kernel_dim=4, num_moe_experts=4,
+                           moe_shared_expert_intermediate_size=32), **kw})
+
+
 SPECS = {
     "llama_untied": llama(tie=False),
     "llama_tied": llama(tie=True),
@@ -64,6 +72,7 @@ SPECS = {
     "deepseek_v3": deepseek(),  # MLA, dense then MoE layers, a shared expert, an expert bias
     "gpt_oss": gpt_oss(),  # sinks split over TP by heads, biased router and experts
     "nemotron_h": nemotron_h(),  # Mamba-2's in_proj and conv1d blocked by parts, its per-head values by heads
+    "qwen3_next": qwen3_next(),  # gated DeltaNet's in_proj and conv1d by parts, gated attention's QKV by groups
 }
 
 

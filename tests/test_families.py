@@ -86,6 +86,12 @@ CASES = {
                                                              "mlp"], "head_dim": 16, "mamba_num_heads": 8,
                                        "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16},
                    "nemotron_h"),
+    # Qwen3-Next: gated DeltaNet layers (2 key heads of 8, 4 value heads of 8) and a gated attention layer (per-head
+    # q/k norms, a quarter of each head rotated), zero-centred norms, top-2 of 4 experts and a gated shared expert
+    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 48}, "qwen3_next"),
 }
 
 
@@ -153,8 +159,7 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
 
 
 FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "nemotron_h", "olmoe", "phi3", "qwen2",
-           "qwen2_moe",
-           "qwen3", "qwen3_moe")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
+           "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")  # mistral's head_dim path is qwen3's, qwen2_tied's is qwen2's
 
 
 @pytest.mark.slow
@@ -177,7 +182,10 @@ OWN_FIELDS = {  # the sizes a family's blocks need beyond the common ones
                 "rope_scaling_factor": 4.0,
                 "rope_original_max_position_embeddings": 32, "rope_truncate": False, "rope_mscale_all_dim": 0.0},
     "nemotron_h": {"layer_pattern": "M*", "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_state_dim": 16,
-                   "mamba_num_groups": 2}}
+                   "mamba_num_groups": 2},
+    "qwen3_next": {"layer_pattern": "GE*E", "rotary_percent": 0.25, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                   "linear_conv_kernel_dim": 4, "moe_ffn_hidden_size": 32}}
 
 
 def test_family_records_map_their_config_both_ways():
@@ -232,6 +240,11 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "nemotron_h", "mamba_num_heads": 3}, "mamba_num_heads 3 is not divisible by mamba_num_groups 2"),
     ({"model_type": "nemotron_h", "layers_block_type": ["linear_attention", "convolution"]},
      "layers_block_type ['linear_attention', 'convolution']"),
+    ({"model_type": "qwen3_next", "mlp_only_layers": [1]}, "mlp_only_layers [1] is not supported (layers with a dense"),
+    ({"model_type": "qwen3_next", "attention_bias": True}, "attention_bias=true is not supported"),
+    ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "sliding_attention"]},
+     "layer_types ['linear_attention', 'sliding_attention'] is not 2 entries"),
+    ({"model_type": "qwen3_next", "linear_num_value_heads": 3}, "linear_num_value_heads 3 is not divisible by"),
 ])
 def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
     moe = {"num_moe_experts": 4} if families.get(changes["model_type"]).moe else {}
@@ -263,6 +276,9 @@ def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
      "layer_pattern 'M*-' is not 2 symbols"),
     ({"architecture": "nemotron_h", **OWN_FIELDS["nemotron_h"], "layer_pattern": "M+"},
      "symbol(s) '+' not read for nemotron_h"),
+    ({"architecture": "qwen3", "linear_num_key_heads": 2}, "linear_num_key_heads given, but qwen3 has no gated"),
+    ({"architecture": "qwen3_next", **OWN_FIELDS["qwen3_next"], "num_moe_experts": 4,
+      "moe_shared_expert_intermediate_size": 48, "layer_pattern": "GEG-"}, "layer_pattern 'GEG-': dense MLPs"),
 ])
 def test_model_fields_a_family_cannot_hold_are_refused(fields, expected):
     base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 96, "vocab_size": VOCAB}
@@ -307,7 +323,7 @@ def test_megatron_core_model_merges_to_the_same_transformers_model(case, tmp_pat
 # ---------------------------------------------------------------- the trainer trains each family
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss",
-                                  "nemotron_h"])
+                                  "nemotron_h", "qwen3_next"])
 def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     """TP2: the q/k norms' gradients are summed over TP (each rank saw only its heads), OLMoE's norms over all heads
     sum their squares over TP and keep each rank's weight slice, Gemma's zero-centred norms start at zero; a
@@ -337,6 +353,13 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
         # without positions, a squared-ReLU MLP; resumed at PP2, a Mamba layer on each stage
         extra.update(layer_pattern="M*M-", mamba_num_heads=8, mamba_head_dim=16, mamba_state_dim=16,
                      mamba_num_groups=2)
+    if arch == "qwen3_next":  # gated DeltaNet layers (key and value heads split over TP, the recurrence per rank) and a
+        # gated attention layer with zero-centred q/k norms and a quarter of each head rotated, MoE with a gated shared
+        # expert
+        extra.update(layer_pattern="GEGEGE*E", kv_channels=16, rotary_percent=0.25, linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                     num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                     moe_shared_expert_intermediate_size=48, moe_aux_loss_coeff=0.01)
     if arch == "llama3":  # Llama 3.1 frequency scaling, short original context so that it bites at seq 64
         extra = {"architecture": "llama", "rope_scaling": "llama3", "rotary_base": 500000.0,
                  "rope_original_max_position_embeddings": 32}
@@ -371,7 +394,8 @@ def same_optimizer(a: Path, b: Path, name: str) -> None:
             assert torch.equal(x[key][field], y[key][field]), (name, key, field)
 
 
-@pytest.mark.parametrize("case,why", [("gemma", "no embedding scaling"), ("olmoe", "norms span all heads")])
+@pytest.mark.parametrize("case,why", [("gemma", "no embedding scaling"), ("olmoe", "norms span all heads"),
+                                      ("qwen3_next", "gated DeltaNet layers and gated attention are not written")])
 def test_models_megatron_core_cannot_build_are_not_written_in_megatron_lm_forms(case, why, hf_dirs, tmp_path):
     from ckpt_tools.errors import ConfigError
     for form in ("torch_dist", "torch"):

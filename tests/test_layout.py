@@ -57,17 +57,23 @@ def test_split_join_roundtrip_bitwise(spec: ModelSpec, pp: int, tp: int, dtype: 
 # ---------------------------------------------------------------- split against index arithmetic
 def expected_rows(rule: layout.Rule, spec: ModelSpec, full_rows: int, tp: int, r: int) -> list[int]:
     """The full-tensor rows (dim 0) that rank r holds, from the docstring, without calling layout."""
-    if rule.split == layout.QKV:
-        gs = (spec.num_attention_heads // spec.num_query_groups + 2) * spec.kv_channels
+    if rule.split == layout.QKV:  # whole query groups, each [q heads; gate heads (gated attention); k; v]
+        hpg = spec.num_attention_heads // spec.num_query_groups
+        gs = ((2 * hpg if spec.attention_output_gate else hpg) + 2) * spec.kv_channels
         per = spec.num_query_groups // tp
         return list(range(r * per * gs, (r + 1) * per * gs))
     if rule.split == layout.GATED:
         f = full_rows // 2
         c = f // tp
         return list(range(r * c, (r + 1) * c)) + list(range(f + r * c, f + (r + 1) * c))
-    if rule.split == layout.BLOCKED:  # megatron-core's MambaMixer: in_proj [z; x; B; C; dt], conv1d [x; B; C]
+    if rule.split == layout.BLOCKED and ".mixer." in rule.name:  # MambaMixer: in_proj [z; x; B; C; dt], conv1d [x; B; C]
         inner, gn = spec.mamba_num_heads * spec.mamba_head_dim, spec.mamba_num_groups * spec.mamba_state_dim
         parts = [inner, inner, gn, gn, spec.mamba_num_heads] if "in_proj" in rule.name else [inner, gn, gn]
+    elif rule.split == layout.BLOCKED:  # GatedDeltaNet: in_proj [q; k; v; z; b; a], conv1d [q; k; v]
+        qk = spec.linear_num_key_heads * spec.linear_key_head_dim
+        v, nv = spec.linear_num_value_heads * spec.linear_value_head_dim, spec.linear_num_value_heads
+        parts = [qk, qk, v, v, nv, nv] if "in_proj" in rule.name else [qk, qk, v]
+    if rule.split == layout.BLOCKED:
         assert sum(parts) == full_rows, rule.name
         out, start = [], 0
         for p in parts:

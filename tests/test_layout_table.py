@@ -22,6 +22,7 @@ from layout_cases import (
     layer0,
     llama,
     nemotron_h,
+    qwen3_next,
     random_full,
 )
 
@@ -147,6 +148,7 @@ COVERAGE = {
     "deepseek_v3_plain_q_pp1": (deepseek(q_lora_rank=None), 1),  # one query projection
     "gpt_oss_pp2": (gpt_oss(), 2),  # sinks, biased router and experts
     "nemotron_h_pp2": (nemotron_h(), 2),  # a block per layer: Mamba-2, attention, MLP
+    "qwen3_next_pp2": (qwen3_next(), 2),  # gated DeltaNet or gated attention, then MoE with a shared expert
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -157,7 +159,8 @@ def present_matches(key: str, spec: ModelSpec, pp: int) -> list[layout.Rule]:
     return [r for r in layout.rules_for(spec, pp) if r.name == pattern]
 
 
-_BLOCKS = {"*": layout.ATTENTION, "+": layout.MLA, "-": layout.DENSE, "E": layout.MOE, "M": layout.MAMBA}
+_BLOCKS = {"*": layout.ATTENTION, "+": layout.MLA, "-": layout.DENSE, "E": layout.MOE, "M": layout.MAMBA,
+           "G": layout.GDN}
 
 
 def _holds(spec: ModelSpec, i: int, block) -> bool:
@@ -242,6 +245,7 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
             specs = [gpt2()] if family.name == "gpt2" else [deepseek(tie_word_embeddings=tie, q_lora_rank=q) for q in (
                 32, None)] if family.name == "deepseek_v3" else [gpt_oss()] if family.name == "gpt_oss" else \
                 [nemotron_h(tie_word_embeddings=tie)] if family.name == "nemotron_h" else \
+                [qwen3_next(tie_word_embeddings=tie)] if family.name == "qwen3_next" else \
                 [llama(architecture=family.name, tie=tie, **moe)]
             for spec in specs:
                 for pp in (1, 2):

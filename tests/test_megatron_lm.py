@@ -285,7 +285,7 @@ def test_dcp_forms_megatron_lm_wrote_are_told_apart(tmp_path):
 
 
 @pytest.mark.parametrize("changes,expected", [
-    ({"squared_relu": True}, "squared_relu=True"),
+    ({"squared_relu": True}, "activation (--swiglu, --squared-relu, --quick-geglu)='squared_relu' (needs 'swiglu')"),
     ({"pipeline_model_parallel_layout": "Et|tL"}, "pipeline_model_parallel_layout='Et|tL' (a custom pipeline layout)"),
     ({"rotary_percent": 0.5}, "rotary_percent 0.5 (partial rotary embeddings) is not available for llama"),
     ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered norm weights)"),
@@ -323,7 +323,8 @@ def test_gpt2_untied_is_refused(tmp_path):
     msg = str(e.value)
     assert "fit no supported architecture" in msg
     assert "for gpt2: untie_embeddings_and_output_weights=True (needs False)" in msg
-    assert "for llama, mistral, phi3: swiglu=False (needs True), normalization='LayerNorm' (needs 'RMSNorm')" in msg
+    assert ("for llama, mistral, phi3: activation (--swiglu, --squared-relu, --quick-geglu)='gelu' (needs "
+            "'swiglu'), normalization='LayerNorm' (needs 'RMSNorm')") in msg
 
 
 def test_args_of_other_megatron_versions(tmp_path):

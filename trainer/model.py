@@ -245,7 +245,8 @@ class SelfAttention(nn.Module):
         self.spec = spec
         self.groups = spec.num_query_groups // tp_size
         self.window = spec.sliding_window if spec.windowed(index) else None
-        qkv_rows = (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels
+        gate = spec.num_attention_heads if spec.attention_output_gate else 0  # gate heads after each group's q heads
+        qkv_rows = (spec.num_attention_heads + gate + 2 * spec.num_query_groups) * spec.kv_channels
         # megatron-core builds the core attention (its softmax offset) first
         self.core_attention = CoreAttention(spec, config, tp_size) if spec.softmax_type == "learnable" else None
         # Registration order = megatron-core's state-dict order: linear_proj before linear_qkv.
@@ -274,7 +275,16 @@ class SelfAttention(nn.Module):
         """[s, b, this rank's (q, k, v) per group] -> attention output [s, b, this rank's heads x d]."""
         s, b = qkv.shape[:2]
         hpg, d = self.spec.heads_per_group, self.spec.kv_channels
+        if self.spec.attention_output_gate:  # megatron-core's per group [q heads; gate heads; k; v]
+            q, gate, k, v = qkv.view(s, b, self.groups, 2 * hpg + 2, d).split([hpg, hpg, 1, 1], dim=3)
+            return self.attend(q, k, v, rope) * torch.sigmoid(gate.float()).to(qkv.dtype).reshape(s, b, -1)
         q, k, v = qkv.view(s, b, self.groups, hpg + 2, d).split([hpg, 1, 1], dim=3)
+        return self.attend(q, k, v, rope)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """q [s, b, groups, heads per group, d], k and v [s, b, groups, 1, d] -> [s, b, this rank's heads x d]."""
+        s, b, _, hpg, d = q.shape
         if self.spec.qk_norm_across_heads:  # over all of this rank's heads at once, before the rotation
             q = self.q_layernorm(q.reshape(s, b, -1)).view(s, b, self.groups, hpg, d)
             k = self.k_layernorm(k.reshape(s, b, -1)).view(s, b, self.groups, 1, d)
@@ -353,6 +363,9 @@ class TransformerLayer(nn.Module):
         if spec.multi_latent_attention:
             from trainer.mla import MLASelfAttention  # it builds on this module's layers
             self.self_attention = MLASelfAttention(spec, config, tp_size)
+        elif spec.layer_symbols(index)[0] == "G":
+            from trainer.gdn import GatedDeltaNet  # it builds on this module's layers
+            self.self_attention = GatedDeltaNet(spec, config, tp_size)
         else:
             self.self_attention = SelfAttention(spec, config, tp_size, index)
         self.pre_mlp_layernorm = _norm(spec, config)
@@ -495,9 +508,9 @@ def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
     """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L), norms 1, biases 0."""
     if key.endswith((".bias", ".expert_bias")):
         return None
-    if "layernorm" in key or key.endswith(".norm.weight"):
+    if "layernorm" in key or key.endswith("norm.weight"):
         return None if spec.zero_centered_norm else -1.0  # a scale of one: ones, or zeros when zero-centred
-    if key.endswith(("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")):
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")):
         return std / (2.0 * spec.num_layers) ** 0.5
     return std
 
@@ -505,9 +518,10 @@ def _init_std(key: str, spec: ModelSpec, std: float) -> float | None:
 def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: float = 0.02) -> torch.Tensor:
     """The full (TP=1) fp32 initial tensor of a global key, the same whatever the TP/PP layout."""
     shape = layout.full_shape(key, spec, padded_vocab, pp_size=None)
-    if ".mixer." in key:
+    if ".mixer." in key or spec.linear_num_key_heads is not None:  # Mamba's and gated DeltaNet's own inits
+        from trainer.gdn import full_init as gdn_init
         from trainer.mamba import full_init as mamba_init
-        own = mamba_init(key, spec)
+        own = mamba_init(key, spec) if ".mixer." in key else gdn_init(key, spec)
         if own is not None:
             return own
     kind = _init_std(key, spec, std)

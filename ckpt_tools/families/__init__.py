@@ -22,12 +22,16 @@ from ckpt_tools.errors import ConfigError
 # Conversion kinds (full megatron-core tensor <-> HF tensors; see ckpt_tools/hf.py):
 SAME, VOCAB, QKV, GATED, CONV1D, C_ATTN, QKV_FUSED = "same", "vocab", "qkv", "gated", "conv1d", "c_attn", "qkv_fused"
 GATE_UP_T = "gate_up_t"
+# Qwen3-Next: q_proj's heads each [q; gate] (megatron-core's gated linear_qkv: per group [q heads; gate heads; k; v]);
+# a gated DeltaNet's in_proj_qkvz + in_proj_ba per key head (megatron-core's in_proj: [q; k; v; z; b; a] head-major);
+# a norm transformers scales by w where megatron-core's zero-centred one scales by 1 + w (megatron-core's = HF's - 1)
+QKV_GATED, GDN_IN, NORM_OFFSET = "qkv_gated", "gdn_in", "norm_offset"
 
 # ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
 FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
             "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings",
             "moe_shared_expert_gate", "multi_latent_attention", "moe_router_score_function",
-            "moe_router_enable_expert_bias", "softmax_type", "glu_linear_offset")
+            "moe_router_enable_expert_bias", "softmax_type", "glu_linear_offset", "attention_output_gate")
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,7 @@ class Family:
     mxfp4: tuple[str, ...] = ()  # the endings of the HF names its checkpoints may hold in MXFP4 (ckpt_tools.mxfp4)
     mxfp4_unconverted: tuple[str, ...] = ()  # its MXFP4 quantization_config's modules_to_not_convert
     windows: bool = False  # its layers may attend by a sliding window (ModelSpec.sliding_window)
+    linear_attention: bool = False  # its layers' attention may be a gated DeltaNet ('G' in the layer pattern)
     hybrid: bool = False  # a layer is one block by its layer pattern (megatron-core's HybridModel): Mamba-2, attention
     # or an MLP ('M', '*', '-'), its norm the block's own
     mtp_layers: bool = False  # its HF weights may hold multi-token prediction layers after the decoder layers
@@ -283,10 +288,10 @@ def kv_heads(c: dict) -> int:
 
 def _families() -> tuple[Family, ...]:
     from ckpt_tools.families import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, mistral, mixtral, nemotron_h,
-                                     olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)
+                                     olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
             mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY,
-            deepseek_v3.FAMILY, gpt_oss.FAMILY, nemotron_h.FAMILY)
+            deepseek_v3.FAMILY, gpt_oss.FAMILY, nemotron_h.FAMILY, qwen3_next.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}

@@ -41,7 +41,7 @@ FAMILY = Family(
               "rope_scaling": (None,), "tie_word_embeddings": (True,), "zero_centered_norm": (False,),
               "scale_embeddings": (False,), "moe_shared_expert_gate": (False,), "multi_latent_attention": (False,),
               "moe_router_score_function": ("softmax",), "moe_router_enable_expert_bias": (False,),
-              "softmax_type": ("vanilla",), "glu_linear_offset": (0.0,)},
+              "softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "attention_output_gate": (False,)},
     names=NAMES, check=_check,
     config=(
         Field("vocab_size", "vocab_size"),

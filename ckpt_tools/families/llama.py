@@ -27,7 +27,7 @@ FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_
             "rope_scaling": (None,), "tie_word_embeddings": (False, True), "zero_centered_norm": (False,),
             "scale_embeddings": (False,), "moe_shared_expert_gate": (False,), "multi_latent_attention": (False,),
             "moe_router_score_function": ("softmax",), "moe_router_enable_expert_bias": (False,),
-            "softmax_type": ("vanilla",), "glu_linear_offset": (0.0,)}
+            "softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "attention_output_gate": (False,)}
 
 
 def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,

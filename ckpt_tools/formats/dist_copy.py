@@ -274,7 +274,7 @@ def _copied(hf_dir: Path, dtype: str | None) -> tuple | None:
     if any(not _same_bytes(index[a], index[b]) for a, b in copies.items()):
         return None  # the torch path refuses it, naming both
     extra = set(index) - wanted - set(copies) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
-    if extra or wanted - set(index) or any(row.kind in hf.TRANSPOSED for row, _ in rows.values()):
+    if extra or wanted - set(index) or any(row.kind in hf.TRANSPOSED + hf.ARITHMETIC for row, _ in rows.values()):
         return None
     params = dtype or index[rows["embedding.word_embeddings.weight"][1][0]][1]
     planning_pad = spec.padded_vocab_size(1)  # HF shapes do not depend on the padding
