@@ -30,7 +30,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import families, layout, mxfp4, shard_ops
+from ckpt_tools import families, layout, mxfp4
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
 from ckpt_tools.families import (C_ATTN, CONV1D, GATE_UP_T, GATED, GDN_IN, NORM_OFFSET, QKV,  # noqa: F401
                                  QKV_FUSED, QKV_GATED, SAME, VOCAB, Name)
@@ -141,105 +141,8 @@ def check_copies(source, spec: ModelSpec, hf_dir: Path) -> set[str]:
     return held
 
 
-# HF GPT-2's Conv1D (and GPT-OSS's experts) store a weight [in, out]: these kinds' 2-D tensors are transposed
-TRANSPOSED = (CONV1D, C_ATTN, GATE_UP_T)
-
-
-def hf_rows(kind: str, spec: ModelSpec, rows: int) -> list[shard_ops.Rows]:
-    """For each HF tensor of a conversion kind, the row ranges of the full megatron-core tensor (of `rows`
-    rows) that it is made of, in order; a TRANSPOSED kind then transposes a 2-D result."""
-    if kind in (SAME, CONV1D, NORM_OFFSET):
-        return [[(0, rows)]]
-    if kind == QKV_GATED:  # q_proj head by head [q_h; gate_h], then k and v
-        q, k, v = shard_ops.qkv_head_rows(spec)
-        hpg, d = spec.heads_per_group, spec.kv_channels
-        heads = [(a + j * d, a + (j + 1) * d) for a, _ in q for j in range(hpg)]
-        gates = [(a + j * d, a + (j + 1) * d) for a, _ in shard_ops.qkv_gate_rows(spec) for j in range(hpg)]
-        return [[r for pair in zip(heads, gates) for r in pair], k, v]
-    if kind == GDN_IN:
-        return _gdn_in_rows(spec)
-    if kind == VOCAB:
-        return [[(0, spec.vocab_size)]]
-    if kind == QKV:
-        return list(shard_ops.qkv_head_rows(spec))
-    if kind == GATED:  # [gate; up]
-        return [[(0, rows // 2)], [(rows // 2, rows)]]
-    if kind == GATE_UP_T:  # gate 0, up 0, gate 1, up 1, ...
-        return [[(r, r + 1) for j in range(rows // 2) for r in (j, rows // 2 + j)]]
-    if kind in (C_ATTN, QKV_FUSED):
-        return [[r for part in shard_ops.qkv_head_rows(spec) for r in part]]
-    raise LayoutError(f"unknown conversion kind {kind}")
-
-
-def _gdn_in_rows(spec: ModelSpec) -> list[shard_ops.Rows]:
-    """transformers' in_proj_qkvz and in_proj_ba (per key head: [q; k; v; z] of its value heads, then [b; a]) as rows
-    of megatron-core's in_proj [q; k; v; z; b; a] (each head-major)."""
-    nk, dk, dv = spec.linear_num_key_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
-    per = spec.linear_num_value_heads // nk  # value heads per key head
-    qk, v, nv = nk * dk, spec.linear_num_value_heads * dv, spec.linear_num_value_heads
-    qkvz = [r for g in range(nk) for r in ((g * dk, (g + 1) * dk), (qk + g * dk, qk + (g + 1) * dk),
-                                             (2 * qk + g * per * dv, 2 * qk + (g + 1) * per * dv),
-                                             (2 * qk + v + g * per * dv, 2 * qk + v + (g + 1) * per * dv))]
-    ba = [r for g in range(nk) for r in ((2 * qk + 2 * v + g * per, 2 * qk + 2 * v + (g + 1) * per),
-                                           (2 * qk + 2 * v + nv + g * per, 2 * qk + 2 * v + nv + (g + 1) * per))]
-    return [qkvz, ba]
-
-
-# kinds whose HF values are not megatron-core's bytes (the byte-copy paths decline a model holding them)
-ARITHMETIC = (NORM_OFFSET,)
-
-
-def hf_shapes(kind: str, spec: ModelSpec, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The shapes of the tensors that to_hf makes of a full tensor of `full_shape`."""
-    shapes = [(sum(b - a for a, b in rows),) + tuple(full_shape[1:]) for rows in hf_rows(kind, spec, full_shape[0])]
-    return [s[::-1] if kind in TRANSPOSED and len(s) == 2 else s for s in shapes]
-
-
-def to_hf(kind: str, full: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-    """A full megatron-core tensor -> its HF tensor(s). Works on meta tensors (shape planning)."""
-    if kind == VOCAB:  # refuses a tensor with fewer rows than the true vocab
-        return [shard_ops.trim_vocab("embedding.word_embeddings.weight", full, spec)]
-    if kind == NORM_OFFSET:
-        return [full + 1]
-    parts = [full if rows == [(0, full.shape[0])] else shard_ops.take_rows(full, rows)
-             for rows in hf_rows(kind, spec, full.shape[0])]
-    return [t.t() if kind in TRANSPOSED and t.dim() == 2 else t for t in parts]
-
-
-def from_hf(kind: str, tensors: list[torch.Tensor], spec: ModelSpec, padded_vocab: int) -> torch.Tensor:
-    """Inverse of to_hf; vocab tensors come back padded to `padded_vocab` with zero rows."""
-    if kind == SAME:
-        return tensors[0]
-    if kind == NORM_OFFSET:  # exact for weights in [0.5, 2] (Sterbenz), as the way back is
-        return tensors[0] - 1
-    if kind in (QKV_GATED, GDN_IN):  # each HF tensor's rows to their places
-        layout_rows = hf_rows(kind, spec, sum(t.shape[0] for t in tensors))
-        full = tensors[0].new_empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]))
-        for t, rows in zip(tensors, layout_rows):
-            at = 0
-            for a, b in rows:
-                full[a:b] = t[at:at + b - a]
-                at += b - a
-        return full
-    if kind == VOCAB:
-        return shard_ops.pad_vocab("embedding.word_embeddings.weight", tensors[0], spec, padded_vocab)
-    if kind == QKV:
-        return shard_ops.qkv_join_heads(*tensors, spec)
-    if kind == GATED:
-        import torch
-        return torch.cat(tensors, dim=0)
-    if kind == CONV1D:
-        return tensors[0].t()
-    if kind == GATE_UP_T:
-        import torch
-        rows = tensors[0].t() if tensors[0].dim() == 2 else tensors[0]
-        return torch.cat([rows[0::2], rows[1::2]], dim=0)
-    if kind in (C_ATTN, QKV_FUSED):
-        whole = tensors[0].t() if kind == C_ATTN and tensors[0].dim() == 2 else tensors[0]
-        q_rows = spec.num_attention_heads * spec.kv_channels
-        q, k, v = whole.split([q_rows, (whole.shape[0] - q_rows) // 2, (whole.shape[0] - q_rows) // 2], dim=0)
-        return shard_ops.qkv_join_heads(q, k, v, spec)
-    raise LayoutError(f"unknown conversion kind {kind}")
+# the conversion kinds (a full megatron-core tensor <-> its HF tensors): ckpt_tools.conversions
+from ckpt_tools.conversions import ARITHMETIC, TRANSPOSED, from_hf, hf_rows, hf_shapes, to_hf  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- config.json
@@ -330,36 +233,6 @@ def data_offsets(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]
             for name, e in header.items()}
 
 
-SCALE = "_scale_inv"  # a block-scaled FP8 weight's companion: `<name>_scale_inv`, one fp32 scale per block
-QUANTIZATION = "quantization_config"
-
-
-def fp8_blocks(config: dict, where: Path) -> tuple[int, int] | None:
-    """The weight block of a block-scaled FP8 checkpoint's config.json (DeepSeek-V3's and Kimi K2's published form:
-    quant_method fp8, e4m3 weights, `weight_block_size` [128, 128], dynamic activation scales); None for an
-    unquantized one (or an MXFP4 one: ckpt_tools.mxfp4). Any other quantization is refused in one line."""
-    q = config.get(QUANTIZATION)
-    if q is None or mxfp4.is_mxfp4(config):
-        return None
-    block = q.get("weight_block_size") if isinstance(q, dict) else None
-    fmt, act = (q.get("fmt", "e4m3"), q.get("activation_scheme", "dynamic")) if isinstance(q, dict) else (None, None)
-    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or fmt != "e4m3" or act != "dynamic" or not (
-            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise FormatError(f"{where}: quantization_config {json.dumps(q)[:120]} is not read: this version reads "
-                          f"block-scaled FP8 weights (quant_method fp8, fmt e4m3, activation_scheme dynamic, "
-                          f"weight_block_size [rows, cols]) and MXFP4 ones (quant_method mxfp4); dequantize the model "
-                          f"with transformers first")
-    return block[0], block[1]
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """An FP8 weight [rows, cols] times its per-block scales [ceil(rows / b0), ceil(cols / b1)], in fp32 (the last
-    blocks may be partial): the values the weights stand for, as transformers dequantizes them in fp32."""
-    rows, cols = q.shape
-    full = scale.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return q.float() * full
-
-
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -369,41 +242,9 @@ def layer_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-E4M3_MAX = 448.0
-FP8 = "float8_e4m3fn"
-
-
-def fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether an HF tensor is one DeepSeek-V3's FP8 checkpoints hold in FP8 blocks: the decoder layers' linear
-    weights (attention projections, MLPs, experts, shared experts), not norms, the router, embeddings or the head (nor
-    a multi-token prediction layer's eh_proj or its copies of the embedding and head)."""
-    return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2 and "norm" not in name
-            and not name.endswith((".mlp.gate.weight", ".eh_proj.weight", ".embed_tokens.weight",
-                                   ".shared_head.head.weight")))
-
-
-def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
-
-
-def fp8_config(block: tuple[int, int]) -> dict:
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-
-
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 weight [rows, cols] -> (e4m3 weight, weight_scale_inv [ceil(rows / b0), ceil(cols / b1)] fp32) by
-    transformers' FP8 quantizer's rule: per block scale = 448 / amax (1 for an all-zero block), the weight times it
-    clamped to +-448 in e4m3, the stored inverse 1 / scale; the last blocks may be partial (DeepSeek's layout)."""
-    import torch
-    rows, cols = w.shape
-    grid = scale_grid(w.shape, block)
-    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
-    padded[:rows, :cols] = w
-    amax = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, E4M3_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
-    inv = (1.0 / scale).to(torch.float32)
-    full = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return torch.clamp(w.float() * full, min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn), inv
+# block-scaled FP8 weights (DeepSeek-V3's published form): ckpt_tools.fp8
+from ckpt_tools.fp8 import (E4M3_MAX, FP8, QUANTIZATION, SCALE, dequantize_blocks, fp8_blocks,  # noqa: E402,F401
+                            fp8_config, fp8_quantized, quantize_blocks, scale_grid)
 
 
 class HFTensors:

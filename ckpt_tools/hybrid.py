@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from ckpt_tools.errors import ConfigError
 
-ATTENTION, MLP, MOE, PIPE, MTP, MAMBA = "*", "-", "E", "|", "/", "M"
+ATTENTION, MLP, MOE, PIPE, MTP, MAMBA, GDN = "*", "-", "E", "|", "/", "M", "G"
 PATTERN = "hybrid_layer_pattern"  # Megatron-LM's argument; a Megatron-LM source's Meta.raw keeps it under this key
-_UNSUPPORTED = {"G": "gated DeltaNet", "D": "DeepSeek sparse attention", "+": "multi-latent attention"}
+_UNSUPPORTED = {"D": "DeepSeek sparse attention", "+": "multi-latent attention"}
 # a layer tensor's block, by its name within the layer (the layout table's local-spec names)
-_ATTENTION_PARTS = ("input_layernorm.", "self_attention.")
+_ATTENTION_PARTS = ("input_layernorm.", "self_attention.")  # attention's, or a gated DeltaNet's ('G')
 _MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")
 FINAL = ("decoder.final_layernorm.", "decoder.final_norm.")  # (GPTModel's, HybridModel's)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -50,7 +50,7 @@ class Pattern:
         main = text.replace(PIPE, "")
         if MAMBA in main:
             return cls._single(text, where)
-        known = {ATTENTION, MLP, MOE}
+        known = {ATTENTION, GDN, MLP, MOE}
         for symbol in main:
             if symbol not in known:
                 what = _UNSUPPORTED.get(symbol)
@@ -58,7 +58,7 @@ class Pattern:
                                   + (f"{what} blocks, not read by this version" if what else "not a layer symbol")
                                   + "): this version reads patterns of attention + MLP pairs ('*-', '*E')")
         pairs = [main[i:i + 2] for i in range(0, len(main), 2)]
-        bad = [i for i, p in enumerate(pairs) if len(p) != 2 or p[0] != ATTENTION or p[1] not in (MLP, MOE)]
+        bad = [i for i, p in enumerate(pairs) if len(p) != 2 or p[0] not in (ATTENTION, GDN) or p[1] not in (MLP, MOE)]
         if bad:
             i = bad[0]
             raise ConfigError(f"{where} {text!r}: layer indices {2 * i}-{2 * i + 1} are {pairs[i]!r}, expected an "

@@ -1,22 +1,27 @@
-"""Megatron-LM's `args`, both ways: the ModelSpec and layout a checkpoint's args describe (read), and the args a
-written Megatron-LM checkpoint carries for a model and layout (written).
+"""Megatron-LM's `args` a written Megatron-LM checkpoint carries for a model and layout (the other way, the ModelSpec
+and layout a checkpoint's args describe, is ckpt_tools.megatron_spec, re-exported here).
 
 Megatron-LM keeps its whole argparse.Namespace in every checkpoint. At load it compares a few fields with
 the run's own (`check_checkpoint_args`: num_layers, hidden_size, num_attention_heads, add_position_embedding,
 max_position_embeddings, make_vocab_size_divisible_by, padded_vocab_size, tokenizer_type, TP/PP for the legacy
 form), and `--use-checkpoint-args` copies the model's fields from it (`load_args_from_checkpoint`). This module
 writes the model's and the layout's fields under Megatron-LM's names, so that both work and the readers
-(spec_from_args, below) get the same ModelSpec back. Fields about training (batch sizes, schedule) are left
+(spec_from_args) get the same ModelSpec back. Fields about training (batch sizes, schedule) are left
 to the run that loads the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from ckpt_tools import families, hybrid, layout, torchsave
+from ckpt_tools import hybrid, torchsave
 from ckpt_tools.errors import ConfigError
+# reading: a checkpoint's args -> ModelSpec and layout (ckpt_tools.megatron_spec; its names re-exported here)
+from ckpt_tools.megatron_spec import (GPT_YARN, LINEAR_FIELDS, MAMBA_ARGS, MAMBA_DEFAULTS, MLA_FIELDS,  # noqa: F401
+                                      YARN_ARGS,
+                                      _layer_counts, arg, attention_fields, expert_parallel, expert_tensor_parallel,
+                                      features_of, layout_of, mamba_fields, mla_fields, moe_fields, spec_from_args,
+                                      virtual_stages)
 from ckpt_tools.spec import ModelSpec
 
 # megatron-core's MLA YaRN takes its original context and betas from MLATransformerConfig's defaults.
@@ -48,13 +53,9 @@ def check_expressible(spec: ModelSpec) -> None:
     if spec.qk_norm_across_heads:
         raise ConfigError(f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises "
                           f"each head: Megatron-LM's forms cannot hold this model; keep it in our format or HF")
-    if spec.linear_num_key_heads is not None or spec.attention_output_gate:
-        raise ConfigError(f"{spec.architecture}: its gated DeltaNet layers and gated attention are not written in "
-                          f"Megatron-LM's forms by this version: keep the model in our format or HF")
-    if spec.scale_embeddings or spec.zero_centered_norm:
-        raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling (and zero-centred "
-                          f"norms only with Transformer Engine): Megatron-LM's forms cannot hold this model; keep it "
-                          f"in our format or HF")
+    if spec.scale_embeddings:
+        raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling: Megatron-LM's forms "
+                          f"cannot hold this model; keep it in our format or HF")
     if spec.rope_scaling == "yarn" and spec.multi_latent_attention:
         odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MLA_YARN.items() if getattr(spec, k) != v]
         if odd:
@@ -95,6 +96,16 @@ def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
             "expert_model_parallel_size": ep}
 
 
+def linear_args(spec: ModelSpec) -> dict:
+    """Megatron-LM's gated DeltaNet arguments: --experimental-attention-variant gated_delta_net, its layers by
+    --linear-attention-freq (a list, 1 for a DeltaNet layer), its sizes ({} for a model without)."""
+    if spec.linear_num_key_heads is None:
+        return {"experimental_attention_variant": None, "linear_attention_freq": None}
+    return {"experimental_attention_variant": "gated_delta_net",
+            "linear_attention_freq": [int(spec.layer_symbols(i)[0] == "G") for i in range(spec.num_layers)],
+            **{k: getattr(spec, k) for k in LINEAR_FIELDS}}
+
+
 def _torch_dtype(dtype: str):
     """torch.<dtype> where torch is loaded; else its stand-in, which pickles as torch.<dtype> (torchsave.Global): a
     process that writes without torch does not import it for one constant."""
@@ -118,8 +129,6 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     return args
 
 
-MAMBA_ARGS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")  # both sides' names
-MAMBA_DEFAULTS = {"mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_groups": 8}  # Megatron-LM's
 
 
 def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
@@ -141,7 +150,9 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         else spec.rotary_base, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None, use_rope_scaling=spec.rope_scaling == "llama3",
         rope_scaling_factor=spec.rope_scaling_factor,
-        normalization=spec.normalization, norm_epsilon=spec.norm_epsilon, apply_layernorm_1p=False,
+        normalization=spec.normalization, norm_epsilon=spec.norm_epsilon,
+        apply_layernorm_1p=bool(spec.zero_centered_norm), attention_output_gate=bool(spec.attention_output_gate),
+        **linear_args(spec),
         qk_layernorm=spec.qk_layernorm, apply_residual_connection_post_layernorm=False,
         swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=spec.activation == "squared_relu",
         quick_geglu=spec.activation == "quick_geglu", glu_linear_offset=spec.glu_linear_offset,
@@ -164,7 +175,9 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         **({f"yarn_{k}": getattr(spec, YARN_ARGS[k][0]) for k in GPT_YARN}
            | {"yarn_correction_range_round_to_int": spec.rope_truncate} if gpt_yarn else {}),
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
-        transformer_impl="local", use_legacy_models=False, spec=None,
+        # Transformer Engine's where megatron-core has no local module (zero-centred norms, gated DeltaNet)
+        transformer_impl="transformer_engine" if spec.zero_centered_norm or spec.linear_num_key_heads else "local",
+        use_legacy_models=False, spec=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer,
         # the layout
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
@@ -179,331 +192,3 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         # arguments (Mistral and Phi-3 are Llama's); spec_from_args reads it back
         hf_family=spec.architecture,
     )
-
-
-# ---------------------------------------------------------------- reading: a checkpoint's args -> ModelSpec
-# Arguments that change the model beyond what the layout table and ModelSpec describe: refused when set.
-_REFUSED = {
-    "pipeline_model_parallel_layout": "a custom pipeline layout",
-    "apply_layernorm_1p": "zero-centered norm weights", "layernorm_zero_centered_gamma": "zero-centered norm weights",
-    "apply_residual_connection_post_layernorm": "post-layernorm residuals",
-    "rotary_interleaved": "interleaved rotary embeddings",
-    "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
-}
-
-
-def arg(args, name: str, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
-# Each feature as the Megatron-LM argument that sets it: (argument, feature value -> argument value).
-_ARG_OF = {
-    "activation": ("activation (--swiglu, --squared-relu, --quick-geglu)", None),
-    "normalization": ("normalization", None),
-    "position_embedding_type": ("position_embedding_type", None), "add_bias_linear": ("add_bias_linear", None),
-    "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
-    "rope_scaling": ("position_embedding_type", lambda v: {"llama3": "rope + use_rope_scaling"}.get(v, v or "rope")),
-    "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
-    "moe_shared_expert_gate": ("moe_shared_expert_gate", None),
-    "multi_latent_attention": ("multi_latent_attention", None),
-    "moe_router_score_function": ("moe_router_score_function", None),
-    "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", None),
-    "softmax_type": ("softmax_type", None), "glu_linear_offset": ("glu_linear_offset", None),
-}
-
-
-def _as_args(bad: dict) -> list[str]:
-    """Misfitting features {feature: (found, allowed values)} in Megatron-LM's argument terms."""
-    out = []
-    for feature, (arg, to_arg) in _ARG_OF.items():
-        if feature in bad:
-            found, allowed = bad[feature]
-            conv = to_arg or (lambda v: v)
-            wants = sorted({repr(conv(v)) for v in allowed})
-            if conv(found) not in {conv(v) for v in allowed}:
-                out.append(f"{arg}={conv(found)!r} (needs {' or '.join(wants)})")
-    return out
-
-
-def features_of(args) -> dict:
-    """Megatron-LM's arguments -> ModelSpec feature fields (families.FEATURES)."""
-    bias = bool(arg(args, "add_bias_linear", True))
-    if arg(args, "squared_relu", False):
-        activation = "squared_relu"
-    elif arg(args, "swiglu", False):
-        activation = "swiglu"
-    elif arg(args, "quick_geglu", False):
-        activation = "quick_geglu"
-    else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
-        # openai_gelu (tanh as well) switches only the legacy model
-        tanh = arg(args, "bias_gelu_fusion", True) or (arg(args, "use_legacy_models", False)
-                                                       and arg(args, "openai_gelu", False))
-        activation = "gelu_tanh" if tanh else "gelu"
-    return {
-        "normalization": arg(args, "normalization", "LayerNorm"), "activation": activation,
-        "add_bias_linear": bias, "add_qkv_bias": bool(arg(args, "add_qkv_bias", False)) and not bias,
-        "qk_layernorm": bool(arg(args, "qk_layernorm", False)),
-        "position_embedding_type": "rope" if _gpt_yarn(args) else arg(args, "position_embedding_type",
-                                                                         "learned_absolute"),
-        "rope_scaling": "llama3" if arg(args, "use_rope_scaling", False) else "yarn" if _gpt_yarn(args) else None,
-        "tie_word_embeddings": not arg(args, "untie_embeddings_and_output_weights", False),
-        # Megatron-LM builds the gate only with a shared expert (and experts): without one the flag means nothing
-        "moe_shared_expert_gate": bool(arg(args, "moe_shared_expert_gate", False))
-        and bool(arg(args, "moe_shared_expert_intermediate_size", None)) and bool(arg(args, "num_experts", None)),
-        "multi_latent_attention": bool(arg(args, "multi_latent_attention", False)),
-        "moe_router_score_function": arg(args, "moe_router_score_function", "softmax")
-        if arg(args, "num_experts", None) else "softmax",
-        "moe_router_enable_expert_bias": bool(arg(args, "moe_router_enable_expert_bias", False))
-        and bool(arg(args, "num_experts", None)),
-        "softmax_type": arg(args, "softmax_type", "vanilla"),
-        "glu_linear_offset": float(arg(args, "glu_linear_offset", 0.0)),
-    }
-
-
-def _gpt_yarn(args) -> bool:
-    """GPTModel's own YaRN rotary embedding (--position-embedding-type yarn; MLA has its own, mla_fields)."""
-    return arg(args, "position_embedding_type", None) == "yarn" and not arg(args, "multi_latent_attention", False)
-
-
-GPT_YARN = ("original_max_position_embeddings", "beta_fast", "beta_slow")  # GPTModel's YaRN: `yarn_` + these
-
-
-def attention_fields(args) -> dict:
-    """GPTModel's YaRN parameters, the sliding window and the experts' GLU clamp (GPT-OSS) as ModelSpec fields."""
-    out: dict = {}
-    if _gpt_yarn(args):
-        out["rope_scaling_factor"] = float(arg(args, "rotary_scaling_factor", 1.0))
-        out.update({YARN_ARGS[k][0]: type(YARN_ARGS[k][1])(arg(args, f"yarn_{k}", YARN_ARGS[k][1])) for k in GPT_YARN})
-        out.update(rope_mscale=float(arg(args, "mscale", 1.0)), rope_mscale_all_dim=float(arg(args, "mscale_all_dim", 0.0)),
-                   rope_truncate=bool(arg(args, "yarn_correction_range_round_to_int", True)))
-    window = arg(args, "window_size", None)
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2 or window[1] != 0 or int(window[0]) < 0:
-            raise ConfigError(f"window_size {window!r}: this version reads causal windows (W - 1, 0) only")
-        out["sliding_window"] = int(window[0]) + 1
-        freq = arg(args, "window_attn_skip_freq", None)
-        if isinstance(freq, list):  # 1 windowed, 0 full, per layer: an every-N-th-full pattern, or refused
-            n = freq.index(0) + 1 if 0 in freq else None
-            if n is not None and freq != [0 if (i + 1) % n == 0 else 1 for i in range(len(freq))]:
-                raise ConfigError(f"window_attn_skip_freq {freq!r:.80}: this version reads every-N-th-layer-full "
-                                  f"patterns only")
-            freq = n
-        out["window_attn_skip_freq"] = freq
-    clamp = arg(args, "activation_func_clamp_value", None)
-    out["activation_clamp"] = float(clamp) if clamp is not None else None
-    return out
-
-
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # both sides' names
-
-
-# YaRN's arguments (MLATransformerConfig's names) -> ModelSpec's, with megatron-core's defaults
-YARN_ARGS = {"rotary_scaling_factor": ("rope_scaling_factor", 1.0),
-             "original_max_position_embeddings": ("rope_original_max_position_embeddings", 4096),
-             "beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
-             "mscale": ("rope_mscale", 1.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0)}
-
-
-def mla_fields(args) -> dict:
-    """Multi-latent attention's sizes and rotary embedding ({} without it): megatron-core's MLA defaults to YaRN
-    (rope_type None or yarn), which is plain RoPE where rotary_scaling_factor <= 1."""
-    if not arg(args, "multi_latent_attention", False):
-        return {}
-    kind, factor = arg(args, "rope_type", "yarn"), float(arg(args, "rotary_scaling_factor", 1.0))
-    if kind not in ("rope", "yarn"):
-        raise ConfigError(f"multi-latent attention with rope_type={kind!r}: megatron-core's MLA takes rope or yarn")
-    if factor < 1 or (kind == "rope" and factor > 1 and float(arg(args, "mscale_all_dim", 0.0))):
-        raise ConfigError(f"multi-latent attention with rope_type={kind!r}, rotary_scaling_factor={factor}: megatron-"
-                          f"core scales its frequencies or softmax by YaRN's factors there, which this version does "
-                          f"not read")
-    out = {k: getattr(args, k, None) for k in MLA_FIELDS}
-    if kind == "yarn" and factor > 1:
-        out["rope_scaling"] = "yarn"
-        out.update({ours: type(default)(arg(args, theirs, default)) for theirs, (ours, default) in YARN_ARGS.items()})
-    return out
-
-
-def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None = None) -> ModelSpec:
-    """Megatron-LM's arguments -> ModelSpec (of the first family their features fit); anything the
-    toolkit cannot represent is a ConfigError. A HybridModel's `pattern` gives the layers and whether they are MoE."""
-    refused = [f"{k}={getattr(args, k)!r} ({why})" for k, why in _REFUSED.items()
-               if getattr(args, k, None) not in (None, False, 0)]
-    supported = f"supported: {', '.join(families.names())} (docs/families.md)"
-    if refused:
-        raise ConfigError(f"unsupported Megatron-LM arguments: {'; '.join(refused)}: {supported}")
-    moe = moe_fields(args, by_pattern=pattern is not None) if pattern is None or pattern.moe else {}
-    if pattern is not None and pattern.moe and not moe:
-        raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} has MoE layers ('E') but the args set no num_experts: "
-                          f"the args are damaged; restore them from the source")
-    found = features_of(args)
-    single = pattern is not None and pattern.single  # Mamba-2 layers: a hybrid family's
-    family, misfits = families.for_features(found, moe=bool(moe), hybrid=single)
-    named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
-    if family is not None and named in families.names() and named != family.name:
-        candidate = families.get(named)
-        if all(v in candidate.features[k] for k, v in found.items() if k in candidate.features):
-            family = candidate
-    if family is None:
-        grouped: dict[str, list[str]] = {}  # families that miss in the same way are named together
-        for name, bad in misfits.items():
-            grouped.setdefault(", ".join(_as_args(bad)), []).append(name)
-        raise ConfigError((f"hybrid_layer_pattern {pattern.text!r} has Mamba-2 layers ('M'), but its " if single
-                           else "") + "Megatron-LM arguments fit no supported architecture: " + "; ".join(
-            f"for {', '.join(names)}: {text}" for text, names in grouped.items()) + f" ({supported})")
-    if vocab_size is None:
-        vocab_size = getattr(args, "vocab_size", None)
-    if vocab_size is None:
-        raise ConfigError(f"the checkpoint does not record its true vocab size (only padded_vocab_size "
-                          f"{getattr(args, 'padded_vocab_size', None)}): pass --vocab-size (the tokenizer's size) "
-                          f"so that padding rows are not kept")
-    heads = args.num_attention_heads
-    eps = getattr(args, "norm_epsilon", None)
-    scaling = {"rope_scaling_factor": float(arg(args, "rope_scaling_factor", 8.0))} \
-        if found["rope_scaling"] == "llama3" else {}
-    mla = mla_fields(args)
-    found["rope_scaling"] = mla.pop("rope_scaling", found["rope_scaling"])
-    if moe or mla:
-        moe["layer_pattern"] = _moe_pattern(args, pattern, bool(mla), bool(moe))
-    if pattern is not None and pattern.single:
-        moe.update(layer_pattern=pattern.text.replace(hybrid.PIPE, ""), **mamba_fields(args))
-    mtp = arg(args, "mtp_num_layers", 0)
-    if mtp and pattern is not None:
-        raise ConfigError(f"mtp_num_layers={mtp} in a HybridModel (its multi-token prediction layers follow its own "
-                          f"pattern): not read by this version; convert a GPTModel checkpoint")
-    return ModelSpec(
-        architecture=family.name, num_layers=pattern.num_layers if pattern is not None else args.num_layers,
-        hidden_size=args.hidden_size, num_attention_heads=heads,
-        ffn_hidden_size=arg(args, "ffn_hidden_size", 4 * args.hidden_size), vocab_size=int(vocab_size),
-        num_query_groups=args.num_query_groups if arg(args, "group_query_attention", False) else heads,
-        kv_channels=arg(args, "kv_channels"), max_position_embeddings=arg(args, "max_position_embeddings", 2048),
-        norm_epsilon=float(eps if eps is not None else arg(args, "layernorm_epsilon", 1e-5)),
-        rotary_base=float(arg(args, "rotary_base", 10000)), rotary_percent=float(arg(args, "rotary_percent", 1.0)),
-        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128), **found, **scaling, **moe, **mla,
-        mtp_num_layers=mtp or None, **attention_fields(args))
-
-
-def mamba_fields(args) -> dict:
-    """A Mamba hybrid's Mamba-2 sizes (Megatron-LM's defaults where unset; its heads d_inner / head dim, d_inner twice
-    the hidden size, where mamba_num_heads is unset)."""
-    out = {k: int(arg(args, k, v)) for k, v in MAMBA_DEFAULTS.items()}
-    heads = arg(args, "mamba_num_heads", None)
-    out["mamba_num_heads"] = int(heads) if heads is not None else 2 * args.hidden_size // out["mamba_head_dim"]
-    return out
-
-
-def _moe_pattern(args, pattern: hybrid.Pattern | None, mla: bool, moe: bool) -> str:
-    """The layer pattern (ModelSpec.layer_pattern) of a GPTModel's moe_layer_freq (an int N: every N-th layer from
-    the first is MoE; a list: 1 for MoE) or of a HybridModel's pattern."""
-    attention = "+" if mla else "*"
-    if pattern is not None:
-        return "".join(attention + mlp for mlp in pattern.text.replace(hybrid.PIPE, "")[1::2])
-    n = args.num_layers
-    if not moe:
-        return (attention + "-") * n
-    freq = arg(args, "moe_layer_freq", 1)
-    flags = [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) and freq >= 1 else freq
-    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
-        raise ConfigError(f"moe_layer_freq {freq!r} does not give {n} layers 0 (dense) or 1 (MoE): the args are "
-                          f"damaged; restore them from the source")
-    return "".join(attention + ("E" if f else "-") for f in flags)
-
-
-# Megatron-LM MoE arguments whose non-default values change the weights or the routing beyond what the MoE families
-# hold: (argument, its harmless values, what it would mean)
-_MOE_REFUSED = (
-    ("moe_router_score_function", ("softmax", "sigmoid"), "a router score function other than softmax or sigmoid"),
-)
-
-
-def moe_fields(args, by_pattern: bool = False) -> dict:
-    """Megatron-LM's MoE arguments -> ModelSpec fields ({} for a dense model); what the families cannot hold is
-    refused. Every layer must be an MoE layer (moe_layer_freq 1; a HybridModel's pattern says it instead)."""
-    experts = arg(args, "num_experts", None)
-    if not experts:
-        return {}
-    refused = [f"{k}={arg(args, k, None)!r} ({why})" for k, ok, why in _MOE_REFUSED if arg(args, k, ok[0]) not in ok]
-    if refused:
-        raise ConfigError(f"unsupported Megatron-LM MoE arguments: {'; '.join(refused)}")
-    groups = arg(args, "moe_router_num_groups", None)
-    grouped = {"moe_router_num_groups": groups, "moe_router_group_topk": arg(args, "moe_router_group_topk", None)} \
-        if groups not in (None, 0, 1) else {}
-    scaling = arg(args, "moe_router_topk_scaling_factor", None)
-    return {"num_moe_experts": int(experts), "moe_router_topk": int(arg(args, "moe_router_topk", 2)),
-            "moe_ffn_hidden_size": arg(args, "moe_ffn_hidden_size", None),
-            "moe_router_pre_softmax": bool(arg(args, "moe_router_pre_softmax", False)),
-            "moe_shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size", None) or None,
-            **grouped, **({"moe_router_topk_scaling_factor": float(scaling)} if scaling is not None else {})}
-
-
-def _layer_counts(args, pp_size: int) -> list[int]:
-    """megatron-core's get_num_layers_to_build, for every PP stage."""
-    n = args.num_layers
-    first, last = (arg(args, "decoder_first_pipeline_num_layers"), arg(args, "decoder_last_pipeline_num_layers"))
-    if first is None and last is None:
-        emb, loss = (int(bool(arg(args, f"account_for_{w}_in_pipeline_split", False))) for w in ("embedding", "loss"))
-        if not emb and not loss:
-            return layout.layers_per_stage(n, pp_size)
-        if (n + emb + loss) % pp_size:
-            raise ConfigError(f"num_layers {n} + {emb + loss} (embedding/loss in the pipeline split) is not "
-                              f"divisible by pipeline_model_parallel_size {pp_size}: the args are inconsistent")
-        counts = [(n + emb + loss) // pp_size] * pp_size
-        counts[0] -= emb
-        counts[-1] -= loss
-        return layout.layers_per_stage(n, pp_size, counts)
-    middle = pp_size - (first is not None) - (last is not None)
-    rest = n - (first or 0) - (last or 0)
-    if middle > 0 and rest % middle:
-        raise ConfigError(f"num_layers {n} minus decoder_first/last_pipeline_num_layers {first}/{last} leaves {rest} "
-                          f"layers that do not divide over {middle} middle stages: the args are inconsistent")
-    counts = [rest // middle if middle > 0 else 0] * pp_size
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return layout.layers_per_stage(n, pp_size, counts)
-
-
-def virtual_stages(path: Path, args, counts: list[int]) -> tuple[int, list[int]]:
-    """(VPP, layers of each virtual stage in layer order) of an interleaved pipeline (Megatron-LM's
-    --num-layers-per-virtual-pipeline-stage): virtual stage s = v * PP + p is model chunk v of PP rank p, holding the
-    layers megatron-core's get_transformer_layer_offset gives it. (1, counts) without one. Even splits only."""
-    vpp = arg(args, "virtual_pipeline_model_parallel_size", 1) or 1
-    if vpp == 1:
-        return 1, counts
-    n, pp = sum(counts), len(counts)
-    if not isinstance(vpp, int) or vpp < 1 or len(set(counts)) != 1 or n % (pp * vpp):
-        raise ConfigError(f"{path}: virtual_pipeline_model_parallel_size {vpp!r} with layers per stage {counts}: this "
-                          f"version reads interleaved pipelines that split the {n} layers evenly over PP x VPP chunks")
-    return vpp, [n // (pp * vpp)] * (pp * vpp)
-
-
-def expert_parallel(args) -> int:
-    """The EP size the arguments describe (a legacy checkpoint has one file per EP rank)."""
-    return int(arg(args, "expert_model_parallel_size", 1) or 1) if arg(args, "num_experts", None) else 1
-
-
-def expert_tensor_parallel(args) -> int:
-    """The TP size of the experts (--expert-tensor-parallel-size; megatron-core's default: TP). torch_dist saves the
-    experts as global tensors whatever it is; a legacy file holds its rank's expert-TP shard."""
-    tp = int(arg(args, "tensor_model_parallel_size", 1) or 1)
-    return int(arg(args, "expert_tensor_parallel_size", tp) or tp) if arg(args, "num_experts", None) else tp
-
-
-def layout_of(path: Path, args, vocab_size: int | None) -> tuple[ModelSpec, int, int, list[int]]:
-    """(spec, TP, PP, layers per stage) the arguments describe; what cannot be represented is refused."""
-    try:
-        tp, pp = arg(args, "tensor_model_parallel_size", 1), arg(args, "pipeline_model_parallel_size", 1)
-        pattern = hybrid.pattern_of(args)
-        spec = spec_from_args(args, vocab_size, pattern)
-        spec.check_tp(tp)
-        if pattern is not None:
-            first, last = arg(args, "decoder_first_pipeline_num_layers"), arg(args, "decoder_last_pipeline_num_layers")
-            return spec, tp, pp, pattern.stage_counts(pp, first, last)
-        return spec, tp, pp, _layer_counts(args, pp)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:
-        raise ConfigError(f"{path}: Megatron-LM's args are incomplete or malformed ({type(e).__name__}: "
-                          f"{str(e)[:120]}): the file is damaged or not written by Megatron-LM's training loop; "
-                          f"restore it from the source") from None

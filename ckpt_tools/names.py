@@ -65,18 +65,23 @@ def from_mamba(name: str) -> str:
     return _MAMBA_CONV.sub(r".mixer.conv1d.\1", name)
 
 
-def to_te(name: str) -> str:
-    """A layer's key (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming."""
+# A gated DeltaNet layer's input norm, which Transformer Engine fuses into its in_proj
+GDN_TE_NAMES = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+
+
+def to_te(name: str, gdn: bool = False) -> str:
+    """A layer's key (or its part after `decoder.layers.<i>.`) in Transformer Engine's naming; `gdn`: of a gated
+    DeltaNet layer (its input norm fused into in_proj, not linear_qkv)."""
     if _MAMBA_NORM.match(name):
         return _MAMBA_NORM.sub(r"\1mixer.in_proj.layer_norm_", name, count=1)
-    return _renamed(name, TE_NAMES)
+    return _renamed(name, GDN_TE_NAMES if gdn else TE_NAMES)
 
 
 def from_te(name: str) -> str:
     """The inverse of to_te: a Transformer Engine name -> the layout table's (local spec) name."""
     if _MAMBA_NORM_TE.match(name):
         return _MAMBA_NORM_TE.sub(r"\1norm.", name, count=1)
-    return _renamed(name, {te: local for local, te in TE_NAMES.items()})
+    return _renamed(name, {te: local for names in (TE_NAMES, GDN_TE_NAMES) for local, te in names.items()})
 
 
 # Transformer Engine's GroupedLinear (TEGroupedMLP, --moe-grouped-gemm) holds a layer's local experts as the

@@ -97,6 +97,10 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
                           f"whole (expert_tensor_parallel_size 1), which this version writes in torch_dist only; pass "
                           f"--format torch_dist, or --tp 1")
     args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern)
+    if (spec.linear_num_key_heads is not None or spec.zero_centered_norm) and form != TORCH_DIST:
+        raise ConfigError(f"{where}: {spec.architecture}'s gated DeltaNet layers and zero-centred norms are Transformer "
+                          f"Engine modules in megatron-core, written in Megatron-LM's torch_dist form only by this "
+                          f"version, not in {form}: pass --format torch_dist")
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
         args.no_save_optim, args.use_distributed_optimizer = False, True

@@ -40,6 +40,10 @@ _GPT2 = {"architecture": "gpt2", "num_layers": 2, "hidden_size": 64, "num_attent
          "vocab_size": 127, "max_position_embeddings": 16}
 _NEMOTRON_H = {**_LLAMA, "architecture": "nemotron_h", "num_layers": 4, "kv_channels": 16, "layer_pattern": "M*M-",
                "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_state_dim": 16, "mamba_num_groups": 2}
+_QWEN3_NEXT = {**_LLAMA, "architecture": "qwen3_next", "num_layers": 4, "kv_channels": 16, "layer_pattern": "GEGEGE*E",
+               "rotary_percent": 0.25, "norm_epsilon": 1e-6, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_moe_experts": 4,
+               "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 48}
 # megatron-core 0.16.1's MambaModel (Megatron-LM's pretrain_mamba.py before the HybridModel; `--hybrid-override-pattern`)
 # of the same Nemotron-H: run with the installed 0.16.1 ("mcore": "0.16"), saved into fixtures/megatron_mamba_016
 OLDER = {"mamba_nemotron_h_tp2": {"kind": "hybrid", "mcore": "0.16", "pattern": "M*M-", "tp": 2, "pp": 1,
@@ -58,6 +62,10 @@ CASES = {
     # Nemotron-H: a HybridModel of Mamba-2 (8 heads of 16 in 2 groups, a state of 16), attention without positions
     # and squared-ReLU MLP layers, megatron-core's own MambaMixer (its forward needs GPU kernels: no logits here)
     "hybrid_nemotron_h_tp2": {"kind": "hybrid", "pattern": "M*M-", "tp": 2, "pp": 1, "model": _NEMOTRON_H},
+    # Qwen3-Next: gated DeltaNet layers (2 key heads of 8, 4 value heads of 8) and a gated attention layer, zero-centred
+    # norms, a quarter of each head rotated, top-2 of 4 experts and a gated shared expert (GPTModel, the layers
+    # Megatron-LM builds for --experimental-attention-variant gated_delta_net)
+    "gpt_qwen3_next_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _QWEN3_NEXT},
     "gpt_gpt_oss_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
                         "model": {**_LLAMA, "architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16,
                                   "num_moe_experts": 4, "moe_router_topk": 2, "sliding_window": 8,
@@ -160,6 +168,8 @@ def build(cfg: dict, padded: int):
     tp, pp = cfg["tp"], cfg["pp"]
     if spec.hybrid:
         return _mamba_hybrid(spec, cfg, padded)
+    if spec.linear_num_key_heads is not None:
+        return _qwen3_next(spec, cfg, padded)
     gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, tp, pp)
     if cfg["kind"] == "gpt":
         return gpt
@@ -204,6 +214,94 @@ def _mamba_hybrid(spec, cfg: dict, padded: int):
                        max_sequence_length=spec.max_position_embeddings, hybrid_layer_pattern=cfg["pattern"], **stages)
 
 
+class ZeroCenteredRMSNorm:
+    """Transformer Engine's RMSNorm with zero_centered_gamma (x / rms(x) * (1 + w), its weight starting at 0), which
+    megatron-core builds for --apply-layernorm-1p and has no local module for: a stand-in of the same parameters."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kw):
+        import torch
+
+        class Norm(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+                self.eps = eps
+
+            def forward(self, x):
+                y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+                return (y * (1 + self.weight.float())).to(x.dtype)
+        return Norm()
+
+
+def _qwen3_next(spec, cfg: dict, padded: int):
+    """megatron-core 0.19's GPTModel of Qwen3-Next (the layers Megatron-LM builds for --experimental-attention-variant
+    gated_delta_net, from its local modules): its GatedDeltaNet (deterministic mode: its own torch conv and chunked
+    delta rule), its gated attention (attention_output_gate) with per-head q/k norms and partial RoPE, its MoE with a
+    gated shared expert; every norm zero-centred (--apply-layernorm-1p), saved under Transformer Engine's names."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
+        layernorm_epsilon=spec.norm_epsilon, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"],
+        hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, bias_activation_fusion=False,
+        qk_layernorm=True, attention_output_gate=True, deterministic_mode=True,
+        num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_pre_softmax=spec.moe_router_pre_softmax,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size, moe_shared_expert_gate=True,
+        moe_layer_freq=[1] * spec.num_layers,
+        **{k: getattr(spec, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                         "linear_value_head_dim", "linear_conv_kernel_dim")})
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    block.layer_norm = ZeroCenteredRMSNorm
+    for i, layer in enumerate(block.layer_specs):
+        sub = layer.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        if spec.layer_symbols(i)[0] == "G":
+            sub.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear))
+            sub.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+        else:
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+            sub.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=padded,
+                    max_sequence_length=spec.max_position_embeddings,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
+                    rotary_percent=spec.rotary_percent, rotary_base=int(spec.rotary_base))
+
+
+def stub_fla() -> None:
+    """The `fla` (flash-linear-attention) modules megatron-core's GatedDeltaNet imports: its l2norm (x / sqrt(sum x^2 +
+    1e-6)), the GPU kernels refusing to run (deterministic mode runs megatron-core's own torch conv and delta rule)."""
+    import torch
+
+    def l2norm(x, dim: int = -1, eps: float = 1e-6, **kw):
+        return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+    def kernel(*args, **kwargs):
+        raise RuntimeError("fla's GPU kernels: deterministic mode does not call them")
+
+    for name in ("fla", "fla.modules", "fla.modules.convolution", "fla.modules.l2norm", "fla.ops",
+                 "fla.ops.gated_delta_rule"):
+        module = types.ModuleType(name)
+        module.__spec__, module.__path__ = importlib.machinery.ModuleSpec(name, None), []
+        sys.modules[name] = module
+    sys.modules["fla.modules.convolution"].causal_conv1d = kernel
+    sys.modules["fla.modules.l2norm"].l2norm = l2norm
+    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = kernel
+
+
 def stub_mamba_ssm() -> None:
     """The `mamba_ssm` package megatron-core's MambaMixer imports (its GPU kernels): the gated norm as a module of its
     weight, the scans refusing to run. megatron-core then builds, saves and loads its Mamba layers on the CPU; their
@@ -244,6 +342,7 @@ def _start(cfg: dict):
     else:
         activate()
     stub_mamba_ssm()
+    stub_fla()
     import torch
     from mcore_checkpoints import _shim_cuda, shim_masks
     from mcore_reference_child import expert_tp
@@ -294,6 +393,15 @@ def save(cfg: dict, out: Path) -> None:
         vars(args).pop("hybrid_layer_pattern")
         vars(args).update(hybrid_override_pattern=cfg["pattern"], hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0,
                           spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"])
+    if spec.linear_num_key_heads is not None:  # what pretrain_gpt.py's command line for Qwen3-Next records
+        vars(args).pop("hf_family", None)
+        vars(args).update(experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                          attention_output_gate=True, apply_layernorm_1p=True, qk_layernorm=True, swiglu=True,
+                          rotary_percent=spec.rotary_percent, moe_shared_expert_gate=True, moe_layer_freq=1,
+                          transformer_impl="transformer_engine",
+                          **{k: getattr(spec, k) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                           "linear_key_head_dim", "linear_value_head_dim",
+                                                           "linear_conv_kernel_dim")})
     if spec.hybrid:  # what pretrain_hybrid.py's command line for Nemotron-H records
         vars(args).pop("hf_family", None)
         vars(args).update(squared_relu=True, swiglu=False, position_embedding_type="none",

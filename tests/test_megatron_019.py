@@ -76,11 +76,11 @@ def mcore_019_logits(tmp_path: Path, case: dict, load: Path, tokens: torch.Tenso
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_llama_tp2", "gpt_gpt_oss_tp2"])
+@pytest.mark.parametrize("name", ["gpt_llama_tp2", "gpt_gpt_oss_tp2", "gpt_qwen3_next_tp2"])
 def test_megatron_core_019_loads_our_torch_dist_at_another_layout(name, tmp_path):
-    """A 0.19 GPTModel save (TP2, embedded common state; Llama, and GPT-OSS with sinks, windows, YaRN and biased experts
-    at ETP 1) resharded by ckpt to TP1 x PP2 torch_dist: megatron-core 0.19.2 loads it strictly at TP1 x PP2 and gives
-    the saving model's logits."""
+    """A 0.19 GPTModel save (TP2, embedded common state; Llama, GPT-OSS with sinks, windows, YaRN and biased experts
+    at ETP 1, and Qwen3-Next with gated DeltaNet layers, gated attention and zero-centred norms) resharded by ckpt to
+    TP1 x PP2 torch_dist: megatron-core 0.19.2 loads it strictly at TP1 x PP2 and gives the saving model's logits."""
     mcore_newest = newest_or_skip()
     reshard(SAVES / name / "torch_dist", tmp_path / "out", tp=1, pp=2, vocab_size=VOCAB, form="torch_dist", quiet=True)
     reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
@@ -210,7 +210,9 @@ def test_pattern_disagreeing_with_the_keys_is_one_line_naming_both(tmp_path):
 
 
 @pytest.mark.parametrize("pattern,symbol", [("M-M-", "Mamba-2 layers ('M'), but its Megatron-LM arguments fit no"),
-                                            ("MEM-", "'E'"), ("*-G-", "'G'"), ("*-D-", "'D'"), ("*-*-/*-", "'/'")])
+                                            ("MEM-", "'E'"),
+                                            ("*-G-", "gated DeltaNet layers ('G'), but its Megatron-LM arguments fit"),
+                                            ("*-D-", "'D'"), ("*-*-/*-", "'/'")])
 def test_blocks_not_read_yet_are_refused_naming_the_symbol(pattern, symbol, tmp_path):
     _with_args(SAVES / "hybrid_llama_tp2" / "torch", tmp_path / "src", hybrid_layer_pattern=pattern)
     for verb in (["merge", tmp_path / "src", tmp_path / "out"], ["reshard", tmp_path / "src", tmp_path / "out",

@@ -288,7 +288,7 @@ def test_dcp_forms_megatron_lm_wrote_are_told_apart(tmp_path):
     ({"squared_relu": True}, "activation (--swiglu, --squared-relu, --quick-geglu)='squared_relu' (needs 'swiglu')"),
     ({"pipeline_model_parallel_layout": "Et|tL"}, "pipeline_model_parallel_layout='Et|tL' (a custom pipeline layout)"),
     ({"rotary_percent": 0.5}, "rotary_percent 0.5 (partial rotary embeddings) is not available for llama"),
-    ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (zero-centered norm weights)"),
+    ({"apply_layernorm_1p": True}, "apply_layernorm_1p=True (needs False)"),
     ({"add_qkv_bias": True, "qk_layernorm": True}, "add_qkv_bias=True (needs False)"),  # neither qwen2 nor qwen3
     ({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),
     ({"position_embedding_type": "yarn"}, "position_embedding_type='yarn'"),

@@ -318,13 +318,13 @@ def by_model_type(model_type) -> Family | None:
     return next((f for f in all_families() if f.model_type == model_type), None)
 
 
-def for_features(found: Mapping[str, Any], moe: bool = False,
-                 hybrid: bool = False) -> tuple[Family | None, dict[str, dict[str, tuple]]]:
-    """The first family (dense, or with experts when `moe`; a hybrid one when `hybrid`) whose features allow every
-    value in `found` (Megatron-LM arguments read as features) and, when none does, for each family what does not fit:
-    {feature: (found, allowed)}."""
+def for_features(found: Mapping[str, Any], moe: bool = False, hybrid: bool = False,
+                 linear: bool = False) -> tuple[Family | None, dict[str, dict[str, tuple]]]:
+    """The first family (dense, or with experts when `moe`; a hybrid one when `hybrid`; one with gated DeltaNet layers
+    when `linear`) whose features allow every value in `found` (Megatron-LM arguments read as features) and, when none
+    does, for each family what does not fit: {feature: (found, allowed)}."""
     misfits = {}
-    for fam in (f for f in all_families() if f.moe == moe and f.hybrid == hybrid):
+    for fam in (f for f in all_families() if f.moe == moe and f.hybrid == hybrid and f.linear_attention == linear):
         bad = {k: (v, fam.features[k]) for k, v in found.items() if k in fam.features and v not in fam.features[k]}
         if not bad:
             return fam, {}
