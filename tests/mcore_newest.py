@@ -25,6 +25,7 @@ GPT spec declares, so the torch_dist keys are the Transformer Engine names a GPU
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.machinery
 import json
 import os
@@ -263,7 +264,10 @@ def _qwen3_next(spec, cfg: dict, padded: int):
                                          "linear_value_head_dim", "linear_conv_kernel_dim")})
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     block.layer_norm = ZeroCenteredRMSNorm
-    for i, layer in enumerate(block.layer_specs):
+    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]  # one spec object per layer
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    first = get_transformer_layer_offset(config)  # this pipeline stage's layers: from its first global one
+    for i, layer in enumerate(block.layer_specs, start=first):
         sub = layer.submodules
         sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
         if spec.layer_symbols(i)[0] == "G":

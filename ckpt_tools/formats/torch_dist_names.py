@@ -158,12 +158,25 @@ _MLA_NORM = re.compile(r"(?:decoder\.layers\.(?:(\d+)\.)?|^mtp\.layers\.\d+\.tra
                        r"(self_attention\.(?:q|kv)_layernorm\.|pre_mlp_layernorm\.)")
 
 
+_MOE_NORM = re.compile(r"(?:decoder\.layers\.(?:(\d+)\.)?|^mtp\.layers\.\d+\.transformer_layer\.)"
+                       r"(mlp\.linear_fc1\.layer_norm_)(weight|bias)$")
+
+
 def te_alias(fqn: str, spec) -> str | None:
-    """The name megatron-core's Transformer Engine MLA spec loads a norm by, where the writer stores it under the local
-    MLA spec's (which declares no map): the latent norms fused into the up projections, a dense layer's pre-MLP norm
-    into its fc1 (an MoE layer keeps its own). Written as a second index entry over the same bytes, so that either
-    spec loads the checkpoint. None for any other tensor."""
-    m = _MLA_NORM.search(fqn) if spec.multi_latent_attention else None
+    """The name megatron-core's Transformer Engine spec loads a norm by, where the writer stores it under the local
+    spec's: under the MLA spec (which declares no map) the latent norms fused into the up projections, a dense layer's
+    pre-MLP norm into its fc1; an MoE layer's pre-MLP norm, which the local GPT spec saves as fc1's fused norm and
+    Transformer Engine's spec keeps as a module of its own (`pre_mlp_layernorm`). Written as a second index entry over
+    the same bytes, so that either spec loads the checkpoint. None for any other tensor."""
+    if not spec.multi_latent_attention:
+        m = _MOE_NORM.search(fqn) if spec.is_moe else None
+        if m is None:
+            return None
+        i = m.group(1)
+        moe = layout.MOE in layout.mtp_blocks(spec) if fqn.startswith("mtp.") or ".mtp.layers." in fqn else \
+            spec.moe_layer(int(i)) if i is not None else all(spec.moe_layer(j) for j in range(spec.num_layers))
+        return fqn[:m.start(2)] + "pre_mlp_layernorm." + m.group(3) if moe else None
+    m = _MLA_NORM.search(fqn)
     if m is None:
         return None
     part, i = m.group(2), m.group(1)
