@@ -45,6 +45,11 @@ _QWEN3_NEXT = {**_LLAMA, "architecture": "qwen3_next", "num_layers": 4, "kv_chan
                "rotary_percent": 0.25, "norm_epsilon": 1e-6, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_moe_experts": 4,
                "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 48}
+_DEEPSEEK_V3 = {**_LLAMA, "architecture": "deepseek_v3", "num_layers": 2, "num_query_groups": 4, "norm_epsilon": 1e-6,
+                "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 12, "qk_pos_emb_head_dim": 8, "v_head_dim": 12,
+                "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+                "moe_shared_expert_intermediate_size": 32, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+                "moe_router_topk_scaling_factor": 2.5, "layer_pattern": "+-+E"}
 # megatron-core 0.16.1's MambaModel (Megatron-LM's pretrain_mamba.py before the HybridModel; `--hybrid-override-pattern`)
 # of the same Nemotron-H: run with the installed 0.16.1 ("mcore": "0.16"), saved into fixtures/megatron_mamba_016
 OLDER = {"mamba_nemotron_h_tp2": {"kind": "hybrid", "mcore": "0.16", "pattern": "M*M-", "tp": 2, "pp": 1,
@@ -67,6 +72,9 @@ CASES = {
     # norms, a quarter of each head rotated, top-2 of 4 experts and a gated shared expert (GPTModel, the layers
     # Megatron-LM builds for --experimental-attention-variant gated_delta_net)
     "gpt_qwen3_next_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _QWEN3_NEXT},
+    # DeepSeek-V3: multi-latent attention (q and kv latents, a rotary part per head), a dense first layer, then MoE
+    # layers of sigmoid routing with an expert bias over groups, a shared expert
+    "gpt_deepseek_v3_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _DEEPSEEK_V3},
     "gpt_gpt_oss_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
                         "model": {**_LLAMA, "architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16,
                                   "num_moe_experts": 4, "moe_router_topk": 2, "sliding_window": 8,

@@ -76,10 +76,12 @@ def mcore_019_logits(tmp_path: Path, case: dict, load: Path, tokens: torch.Tenso
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_llama_tp2", "gpt_gpt_oss_tp2", "gpt_qwen3_next_tp2"])
+@pytest.mark.parametrize("name", ["gpt_llama_tp2", "gpt_gpt_oss_tp2", "gpt_qwen3_next_tp2",
+                                  "gpt_deepseek_v3_tp2"])
 def test_megatron_core_019_loads_our_torch_dist_at_another_layout(name, tmp_path):
     """A 0.19 GPTModel save (TP2, embedded common state; Llama, GPT-OSS with sinks, windows, YaRN and biased experts
-    at ETP 1, and Qwen3-Next with gated DeltaNet layers, gated attention and zero-centred norms) resharded by ckpt to
+    at ETP 1, Qwen3-Next with gated DeltaNet layers, gated attention and zero-centred norms, DeepSeek-V3 with
+    multi-latent attention and its MoE) resharded by ckpt to
     TP1 x PP2 torch_dist: megatron-core 0.19.2 loads it strictly at TP1 x PP2 and gives the saving model's logits."""
     mcore_newest = newest_or_skip()
     reshard(SAVES / name / "torch_dist", tmp_path / "out", tp=1, pp=2, vocab_size=VOCAB, form="torch_dist", quiet=True)
