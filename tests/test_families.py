@@ -373,13 +373,16 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
     assert [m["iteration"] for m in resumed] == [4, 5, 6]
     for a, b in zip(first[3:], resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
-    if arch == "nemotron_h":  # through Megatron-LM's torch_dist and back, optimizer state included: Mamba's in_proj and
-        # convolution as megatron-core's per-part tensors (`...in_proj.weight.z`), their moments too, bit for bit
+    parts = {"nemotron_h": ("mixer", ("z", "x", "B", "C", "dt")),
+             "qwen3_next": ("self_attention", ("query", "key", "value", "z", "beta", "alpha"))}
+    if arch in parts:  # through Megatron-LM's torch_dist and back, optimizer state included: Mamba's and the DeltaNet's
+        # in_proj and convolution as megatron-core's per-part tensors (`...in_proj.weight.z`), their moments too
         from ckpt_tools.formats import dcp
         reshard(run / "checkpoint-3", tmp_path / "mlm", tp=1, pp=2, form="torch_dist", quiet=True)
         index = dcp.read_metadata(tmp_path / "mlm" / "iter_0000003")
-        for part in "z", "x", "B", "C", "dt":
-            assert f"optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight.{part}" in index.tensors
+        module, names = parts[arch]
+        for part in names:
+            assert f"optimizer.state.exp_avg.decoder.layers.0.{module}.in_proj.weight.{part}" in index.tensors
         reshard(tmp_path / "mlm", tmp_path / "back", tp=2, pp=1, quiet=True)
         for t in range(2):
             same_optimizer(run, tmp_path / "back", f"checkpoint-3/optimizer_tp_{t}_pp_0.bin")
