@@ -121,9 +121,10 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     '|' segments give the pipeline split)."""
     check_expressible(spec)
     args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
-    if pattern is not None:
+    if pattern is not None:  # (its 'G' layers by the pattern, not GPTModel's experimental attention variant)
         vars(args).update(num_layers=pattern.num_indices, is_hybrid_model=True, decoder_first_pipeline_num_layers=None,
-                          decoder_last_pipeline_num_layers=None, **{hybrid.PATTERN: pattern.text})
+                          decoder_last_pipeline_num_layers=None, experimental_attention_variant=None,
+                          linear_attention_freq=None, **{hybrid.PATTERN: pattern.text})
     if spec.hybrid:  # Megatron-LM's Mamba-2 arguments (pretrain_hybrid.py)
         vars(args).update({k: getattr(spec, k) for k in MAMBA_ARGS})
     return args

@@ -72,6 +72,7 @@ CASES = {
     # norms, a quarter of each head rotated, top-2 of 4 experts and a gated shared expert (GPTModel, the layers
     # Megatron-LM builds for --experimental-attention-variant gated_delta_net)
     "gpt_qwen3_next_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _QWEN3_NEXT},
+    "hybrid_qwen3_next_tp2": {"kind": "hybrid", "pattern": "GEGEGE*E", "tp": 2, "pp": 1, "model": _QWEN3_NEXT},
     # DeepSeek-V3: multi-latent attention (q and kv latents, a rotary part per head), a dense first layer, then MoE
     # layers of sigmoid routing with an expert bias over groups, a shared expert
     "gpt_deepseek_v3_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _DEEPSEEK_V3},
@@ -162,6 +163,21 @@ def _hybrid_spec(spec, torch, older: bool = False):
                                        num_experts=spec.num_moe_experts).submodules
         moe = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
+    if spec.linear_num_key_heads is not None:  # Qwen3-Next's blocks: 'G' gated DeltaNet, '*' gated attention, 'E'
+        # MoE, every norm zero-centred (Transformer Engine's, stood in), each under Transformer Engine's names
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        hybrid_block.TENorm = ZeroCenteredRMSNorm
+        mamba["gdn_layer"] = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=ZeroCenteredRMSNorm, self_attn_bda=dense.self_attn_bda,
+            self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear)),
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.in_proj.layer_norm_"}))
+        attention = copy.deepcopy(attention)
+        attention.submodules.input_layernorm = ZeroCenteredRMSNorm
+        attention.submodules.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+        attention.submodules.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+        moe.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         attention_layer=attention, mlp_layer=mlp, **({"moe_layer": moe} if moe is not None else {}), **mamba))
 
@@ -177,8 +193,16 @@ def build(cfg: dict, padded: int):
     tp, pp = cfg["tp"], cfg["pp"]
     if spec.hybrid:
         return _mamba_hybrid(spec, cfg, padded)
-    if spec.linear_num_key_heads is not None:
+    if spec.linear_num_key_heads is not None and cfg["kind"] == "gpt":
         return _qwen3_next(spec, cfg, padded)
+    if spec.linear_num_key_heads is not None:  # HybridModel's 'G', '*' and 'E' layers
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        return HybridModel(config=_qwen3_next_config(spec, cfg), hybrid_stack_spec=_hybrid_spec(spec, torch),
+                           vocab_size=padded, max_sequence_length=spec.max_position_embeddings,
+                           hybrid_layer_pattern=cfg["pattern"], pre_process=parallel_state.is_pipeline_first_stage(),
+                           post_process=parallel_state.is_pipeline_last_stage(),
+                           share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
+                           rotary_percent=spec.rotary_percent, rotary_base=int(spec.rotary_base))
     gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, tp, pp)
     if cfg["kind"] == "gpt":
         return gpt
@@ -247,29 +271,13 @@ def _qwen3_next(spec, cfg: dict, padded: int):
     gated_delta_net, from its local modules): its GatedDeltaNet (deterministic mode: its own torch conv and chunked
     delta rule), its gated attention (attention_output_gate) with per-head q/k norms and partial RoPE, its MoE with a
     gated shared expert; every norm zero-centred (--apply-layernorm-1p), saved under Transformer Engine's names."""
-    import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    config = TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
-        layernorm_epsilon=spec.norm_epsilon, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"],
-        hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, bias_activation_fusion=False,
-        qk_layernorm=True, attention_output_gate=True, deterministic_mode=True,
-        num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_pre_softmax=spec.moe_router_pre_softmax,
-        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size, moe_shared_expert_gate=True,
-        moe_layer_freq=[1] * spec.num_layers,
-        **{k: getattr(spec, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                                         "linear_value_head_dim", "linear_conv_kernel_dim")})
+    config = _qwen3_next_config(spec, cfg)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     block.layer_norm = ZeroCenteredRMSNorm
     block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]  # one spec object per layer
@@ -291,6 +299,29 @@ def _qwen3_next(spec, cfg: dict, padded: int):
                     post_process=parallel_state.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
                     rotary_percent=spec.rotary_percent, rotary_base=int(spec.rotary_base))
+
+
+def _qwen3_next_config(spec, cfg: dict):
+    """megatron-core's TransformerConfig of Qwen3-Next (GPTModel: a layer per pair; HybridModel: a layer per index)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    hybrid = cfg["kind"] == "hybrid"
+    return TransformerConfig(
+        num_layers=spec.num_layers * (2 if hybrid else 1), hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
+        layernorm_epsilon=spec.norm_epsilon, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=cfg["tp"], pipeline_model_parallel_size=cfg["pp"],
+        hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, bias_activation_fusion=False,
+        qk_layernorm=True, attention_output_gate=True, deterministic_mode=True,
+        num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_pre_softmax=spec.moe_router_pre_softmax,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size, moe_shared_expert_gate=True,
+        moe_layer_freq=1 if hybrid else [1] * spec.num_layers,
+        **{k: getattr(spec, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                         "linear_value_head_dim", "linear_conv_kernel_dim")})
 
 
 def stub_fla() -> None:
@@ -405,10 +436,12 @@ def save(cfg: dict, out: Path) -> None:
         vars(args).pop("hybrid_layer_pattern")
         vars(args).update(hybrid_override_pattern=cfg["pattern"], hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0,
                           spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"])
-    if spec.linear_num_key_heads is not None:  # what pretrain_gpt.py's command line for Qwen3-Next records
+    if spec.linear_num_key_heads is not None:  # what pretrain_gpt.py's (or pretrain_hybrid.py's, its pattern giving
+        # the 'G' layers) command line for Qwen3-Next records
         vars(args).pop("hf_family", None)
-        vars(args).update(experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
-                          attention_output_gate=True, apply_layernorm_1p=True, qk_layernorm=True, swiglu=True,
+        if cfg["kind"] == "gpt":
+            vars(args).update(experimental_attention_variant="gated_delta_net", linear_attention_freq=4)
+        vars(args).update(attention_output_gate=True, apply_layernorm_1p=True, qk_layernorm=True, swiglu=True,
                           rotary_percent=spec.rotary_percent, moe_shared_expert_gate=True, moe_layer_freq=1,
                           transformer_impl="transformer_engine",
                           **{k: getattr(spec, k) for k in ("linear_num_key_heads", "linear_num_value_heads",

@@ -97,6 +97,7 @@ def test_megatron_core_019_loads_our_torch_dist_at_another_layout(name, tmp_path
     ("hybrid_gpt2_pp2", 2, 1, "reshard-torch"),  # the torch path; tied, LayerNorm, biases, learned positions
     ("hybrid_gpt2_pp2", 1, 2, "reshard"),  # tied at PP2: the last stage's output layer (its extra state) kept
     ("hybrid_mixtral_tp2", 1, 2, "import"),  # HF -> HybridModel: MoE layers' experts on their global axis
+    ("hybrid_qwen3_next_tp2", 1, 2, "reshard"),  # 'G' layers: the DeltaNet's parts re-cut, its fused input norm
 ])
 def test_megatron_core_019_hybrid_model_loads_what_we_write(name, tp, pp, via, tmp_path):
     """A HybridModel checkpoint written by `ckpt reshard` (the source's class kept) or `ckpt import --model hybrid`,
@@ -120,7 +121,8 @@ def test_megatron_core_019_hybrid_model_loads_what_we_write(name, tp, pp, via, t
     reference = torch.load(SAVES / name / "reference.pt", weights_only=True)
     case = {**mcore_newest.CASES[name], "tp": tp, "pp": pp}
     got = mcore_019_logits(tmp_path, case, out, reference["tokens"], name)
-    assert got["pattern"] == ("*E|*E" if "mixtral" in name else "*-|*-" if pp == 2 else "*-*-")  # as loaded
+    loaded = {"hybrid_mixtral_tp2": "*E|*E", "hybrid_qwen3_next_tp2": "GEGE|GE*E"}  # a '|' per stage
+    assert got["pattern"] == loaded.get(name, "*-|*-" if pp == 2 else "*-*-")
     assert rel_err(got["logits"][..., :VOCAB], reference["logits"][..., :VOCAB]) < 1e-5
 
 
