@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_tools import checkpoint, families, hf, layout, megatron_lm, shard_ops
+from ckpt_tools import checkpoint, hf, layout, megatron_lm, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import Entry
 from ckpt_tools.ranks import Rank
@@ -280,8 +280,6 @@ class ByteSource:
             sources = {**model, **field_shards(meta)} if from_master else model  # a buffer: its own master
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
-        if any(n.kind in hf.ARITHMETIC for n in families.get(meta.spec.architecture).names):
-            raise Declined("HF values that are not megatron-core's bytes (a zero-centred norm's offset)")
         source = cls(meta, model, sources, ours)
         source.megatron_optimizer = not ours and held
         try:

@@ -12,6 +12,7 @@ from ckpt_tools import shard_ops
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.families import (C_ATTN, CONV1D, GATE_UP_T, GATED, GDN_IN, NORM_OFFSET, QKV, QKV_FUSED, QKV_GATED,
                                  SAME, VOCAB)
+from ckpt_tools.rules import _gdn_in_parts
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -53,13 +54,11 @@ def _gdn_in_rows(spec: ModelSpec) -> list[shard_ops.Rows]:
     of megatron-core's in_proj [q; k; v; z; b; a] (each head-major)."""
     nk, dk, dv = spec.linear_num_key_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
     per = spec.linear_num_value_heads // nk  # value heads per key head
-    qk, v, nv = nk * dk, spec.linear_num_value_heads * dv, spec.linear_num_value_heads
-    qkvz = [r for g in range(nk) for r in ((g * dk, (g + 1) * dk), (qk + g * dk, qk + (g + 1) * dk),
-                                             (2 * qk + g * per * dv, 2 * qk + (g + 1) * per * dv),
-                                             (2 * qk + v + g * per * dv, 2 * qk + v + (g + 1) * per * dv))]
-    ba = [r for g in range(nk) for r in ((2 * qk + 2 * v + g * per, 2 * qk + 2 * v + (g + 1) * per),
-                                           (2 * qk + 2 * v + nv + g * per, 2 * qk + 2 * v + nv + (g + 1) * per))]
-    return [qkvz, ba]
+    starts = [sum(_gdn_in_parts(spec)[:j]) for j in range(6)]  # the table's parts: q, k, v, z, b, a
+    widths = (dk, dk, per * dv, per * dv, per, per)  # each key head's share of each part
+    rows = [[(starts[j] + g * widths[j], starts[j] + (g + 1) * widths[j]) for j in parts]
+            for g in range(nk) for parts in ((0, 1, 2, 3), (4, 5))]
+    return [[r for g in rows[0::2] for r in g], [r for g in rows[1::2] for r in g]]
 
 
 # kinds whose HF values are not megatron-core's bytes (the byte-copy paths decline a model holding them)

@@ -96,9 +96,9 @@ class Pattern:
     def for_layers(cls, counts: list[int], layers: str, single: bool = False) -> Pattern:
         """The pattern of a model of these per-stage layer counts and layer pattern (ModelSpec.pattern): a GPT model's
         pairs, or a hybrid model's layers (`single`), a segment per pipeline stage."""
-        if single:
+        if single:  # a hybrid family's layers, one per index, whether or not a Mamba layer is among them
             starts = [sum(counts[:p]) for p in range(len(counts) + 1)]
-            return cls.parse(PIPE.join(layers[starts[p]:starts[p + 1]] for p in range(len(counts))))
+            return cls._single(PIPE.join(layers[starts[p]:starts[p + 1]] for p in range(len(counts))), PATTERN)
         pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
         starts = [sum(counts[:p]) for p in range(len(counts) + 1)]
         return cls.parse(PIPE.join("".join(pairs[starts[p]:starts[p + 1]]) for p in range(len(counts))))

@@ -51,6 +51,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     missing = sorted(n for n in wanted if not source.holds(n))
     copies = hf.check_copies(source, spec, hf_dir)  # MTP layers' copies of the embedding and head
     extra = [n for n in extra if n not in copies]
+    if not missing and extra and all(n.startswith("mtp.") for n in extra):
+        raise FormatError(f"{hf_dir}: {len(extra)} multi-token prediction tensors ({', '.join(extra[:2])} ...), which "
+                          f"transformers' {spec.architecture} does not load and this version does not convert: save "
+                          f"the model without them (transformers' save_pretrained drops them) to convert the rest")
     if missing or extra:
         what = "; ".join(x for x in (f"missing {', '.join(missing[:4])}" if missing else "",
                                      f"unexpected {', '.join(extra[:4])}" if extra else "") if x)

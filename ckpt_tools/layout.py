@@ -12,6 +12,7 @@ The table, keys and shapes are plain Python, no torch, so merge's torch-free byt
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Container
 
@@ -38,8 +39,9 @@ def _blocks_of(spec: ModelSpec, symbols: str) -> frozenset[str]:
     return frozenset(blocks)
 
 
+@functools.lru_cache(maxsize=256)
 def model_blocks(spec: ModelSpec) -> frozenset[str]:
-    """The blocks any layer of the model holds."""
+    """The blocks any layer of the model holds (asked for every key: kept per spec)."""
     kinds = {spec.layer_symbols(i) for i in range(spec.num_layers)}
     mtp = frozenset((MTP,)) if spec.mtp_num_layers is not None else frozenset()
     return mtp.union(*(_blocks_of(spec, k) for k in kinds))
@@ -117,10 +119,10 @@ TABLE: tuple[Rule, ...] = (
     Rule(_A + "dt_bias", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
     Rule(_A + "A_log", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
     Rule(_A + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_in_parts(s)), s.hidden_size), _always, GDN,
-         parts=_gdn_in_parts),
+         parts=_gdn_in_parts, part_names=("query", "key", "value", "z", "beta", "alpha")),
     Rule(_A + "in_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
     Rule(_A + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_conv_parts(s)), 1, s.linear_conv_kernel_dim),
-         _always, GDN, parts=_gdn_conv_parts),
+         _always, GDN, parts=_gdn_conv_parts, part_names=("query", "key", "value")),
     Rule(_A + "out_norm.weight", REPLICATED, LAYER, lambda s, v: (s.linear_value_head_dim,), _always, GDN),
     Rule(_A + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, _gdn_v(s)), _always, GDN),
     Rule(_A + "out_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
@@ -168,12 +170,12 @@ TABLE: tuple[Rule, ...] = (
     Rule(_X + "A_log", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
     Rule(_X + "D", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
     Rule(_X + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(_mamba_in_parts(s)), s.hidden_size), _always,
-         MAMBA, parts=_mamba_in_parts),
+         MAMBA, parts=_mamba_in_parts, part_names=("z", "x", "B", "C", "dt")),
     Rule(_X + "in_proj._extra_state", EXTRA, LAYER, None, _always, MAMBA),
     Rule(_X + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_mamba_conv_parts(s)), 1, MAMBA_CONV), _always, MAMBA,
-         parts=_mamba_conv_parts),
+         parts=_mamba_conv_parts, part_names=("x", "B", "C")),
     Rule(_X + "conv1d.bias", BLOCKED, LAYER, lambda s, v: (sum(_mamba_conv_parts(s)),), _always, MAMBA,
-         parts=_mamba_conv_parts),
+         parts=_mamba_conv_parts, part_names=("x", "B", "C")),
     Rule(_X + "norm.weight", COLUMN, LAYER, lambda s, v: (_mamba_inner(s),), _always, MAMBA),
     Rule(_X + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, _mamba_inner(s)), _always, MAMBA),
     Rule(_X + "out_proj._extra_state", EXTRA, LAYER, None, _always, MAMBA),
@@ -203,7 +205,7 @@ def _in_mtp(rule: Rule) -> Rule:
     with MTP layers: the MTP rows above are gated by their block, MTP, which model_blocks gives only such a model)."""
     return Rule(_MT + rule.name[len(_L):], rule.split, MTP_STAGE, rule.shape,
                 lambda s, pp, when=rule.when: s.mtp_num_layers is not None and when(s, pp), rule.block, rule.buffer,
-                rule.dtype, rule.parts)
+                rule.dtype, rule.parts, rule.part_names)
 
 
 MTP_LAYER_ROWS = tuple(_in_mtp(r) for r in TABLE if r.stage == LAYER and r.block != MAMBA)
@@ -338,6 +340,14 @@ def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: in
                           f"choose a TP that divides it")
 
 
-# the pipeline stages' keys (what each stage and EP rank holds, in megatron-core's order): ckpt_tools/stages.py
-from ckpt_tools.stages import (check_ep, layers_per_stage, local_experts, rank_numel, source_key,  # noqa: E402,F401
-                               stage_keys, target_layout, tied_copies)
+# the pipeline stages' keys (what each stage and EP rank holds, in megatron-core's order): ckpt_tools/stages.py, its
+# names answered here when asked (imported then: stages imports this module)
+_STAGES = ("check_ep", "layers_per_stage", "local_experts", "rank_numel", "source_key", "stage_keys", "target_layout",
+           "tied_copies")
+
+
+def __getattr__(name: str):
+    if name in _STAGES:
+        from ckpt_tools import stages
+        return getattr(stages, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -130,8 +130,6 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     return args
 
 
-
-
 def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
               iteration: int, tokenizer: str | None, ep: int) -> argparse.Namespace:
     rope = spec.position_embedding_type == "rope"

@@ -74,7 +74,7 @@ def to_te(name: str, gdn: bool = False) -> str:
     DeltaNet layer (its input norm fused into in_proj, not linear_qkv)."""
     if _MAMBA_NORM.match(name):
         return _MAMBA_NORM.sub(r"\1mixer.in_proj.layer_norm_", name, count=1)
-    return _renamed(name, GDN_TE_NAMES if gdn else TE_NAMES)
+    return _renamed(name, {**TE_NAMES, **GDN_TE_NAMES} if gdn else TE_NAMES)
 
 
 def from_te(name: str) -> str:

@@ -54,6 +54,7 @@ class Rule:
     buffer: bool = False  # a tensor no optimizer trains (megatron-core's persistent buffer): no optimizer state
     dtype: str | None = None  # kept in this dtype whatever the weights' (None: the weights' dtype)
     parts: Callable[[ModelSpec], tuple[int, ...]] | None = None  # a blocked row's parts' sizes along dim 0
+    part_names: tuple[str, ...] | None = None  # their names where megatron-core saves them apart (`<key>.<name>`)
 
     def part_sizes(self, spec: ModelSpec, size: int) -> tuple[int, ...]:
         """The parts of dim 0 that are each split over TP: a gated row's halves, a blocked row's parts, else the

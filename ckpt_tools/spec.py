@@ -140,6 +140,7 @@ class ModelSpec:
         from ckpt_tools import families
         self._check_types()
         family = families.get(self.architecture)
+        object.__setattr__(self, "_hybrid", family.hybrid)  # asked per key (layer_symbols): not looked up each time
         for name, allowed in family.features.items():
             value = getattr(self, name)
             if value is None and None not in allowed:
@@ -359,7 +360,7 @@ class ModelSpec:
     @property
     def hybrid(self) -> bool:
         """A layer is one block (megatron-core HybridModel's index), not an attention + MLP pair."""
-        return _families().get(self.architecture).hybrid
+        return self._hybrid
 
     def layer_symbols(self, i: int) -> str:
         """The pattern's symbols of global layer i: its attention's and its MLP's, or a hybrid layer's one."""

@@ -82,8 +82,9 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
     if model == HYBRID:
         if form != TORCH_DIST:
             raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's torch_dist form only by "
-                              f"this version, not in {form}: pass --format torch_dist, or --model gpt to write a "
-                              f"GPTModel checkpoint of the same weights")
+                              f"this version, not in {form}: pass --format torch_dist" + (
+                                  "" if spec.hybrid else ", or --model gpt to write a GPTModel checkpoint of the same "
+                                                         "weights"))
         if spec.mtp_num_layers:
             raise ConfigError(f"{where}: multi-token prediction layers in a HybridModel (its own MTP pattern) are not "
                               f"written by this version: pass --model gpt")

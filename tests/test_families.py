@@ -172,6 +172,23 @@ def test_sharded_forward_equals_transformers(case, hf_dirs, tmp_path):
     assert tiers[2].data["rel_l2"] < 1e-5, tiers[2].data["rel_l2"]
 
 
+@pytest.mark.slow
+def test_gated_deltanet_moe_model_at_ep2(hf_dirs, tmp_path):
+    """Qwen3-Next at TP2 x PP2 x EP2 (its experts over EP ranks beside the DeltaNet's heads over TP): resharded to one
+    rank it merges to transformers' tensors bit for bit, and the EP2 checkpoint's sharded forward gives
+    transformers' logits."""
+    from ckpt_tools import verify
+    import_hf(hf_dirs["qwen3_next"], tmp_path / "ep2", tp=2, pp=2, ep=2, optimizer=False, quiet=True)
+    reshard(tmp_path / "ep2", tmp_path / "one", tp=1, pp=1, ep=1, quiet=True)
+    merge(tmp_path / "one", tmp_path / "merged", quiet=True)
+    original = load_safetensors(hf_dirs["qwen3_next"] / "model.safetensors")
+    merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(original) and all(torch.equal(merged[k], original[k]) for k in original)
+    tiers, _ = verify.run(tmp_path / "ep2", hf_dirs["qwen3_next"], seq=48, batch=2)
+    assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
+    assert tiers[2].data["rel_l2"] < 1e-5
+
+
 OWN_FIELDS = {  # the sizes a family's blocks need beyond the common ones
     "deepseek_v3": {"norm_epsilon": 1e-6, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 12,
                     "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "moe_ffn_hidden_size": 24, "layer_pattern": "+-+E",

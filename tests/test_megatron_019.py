@@ -409,3 +409,20 @@ def test_megatron_core_loads_our_mamba_hybrid_and_saves_it_back(version, pp, tmp
     import_hf(tmp_path / "hf", tmp_path / "imported", tp=1, pp=pp, form="torch_dist", quiet=True)
     merge(tmp_path / "imported", tmp_path / "imported_hf", quiet=True)
     same_files(tmp_path / "hf", tmp_path / "imported_hf")
+
+
+def test_the_moe_norm_alias_follows_the_model_class():
+    """An MoE layer's pre-MLP norm, written under the local GPT spec's fused name, gets Transformer Engine's own name as
+    a second entry in a GPTModel's keys (layer i is the table's layer i; a stacked key only when every layer is MoE);
+    a HybridModel writes it under its own name already, so none there (its index is not the table's layer)."""
+    from ckpt_tools.formats.torch_dist_names import te_alias
+    from ckpt_tools.spec import ModelSpec
+    glm = ModelSpec(architecture="glm4_moe", num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                    vocab_size=VOCAB, num_moe_experts=4, moe_shared_expert_intermediate_size=32, layer_pattern="*-*E*E")
+    fused = "decoder.layers.{}.mlp.linear_fc1.layer_norm_weight"
+    assert te_alias(fused.format(1), glm) == "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert te_alias(fused.format(0), glm) is None  # a dense layer: fused under Transformer Engine too
+    assert te_alias("decoder.layers.mlp.linear_fc1.layer_norm_weight", glm) is None  # not every layer MoE
+    for j in range(6):  # the HybridModel's indices 0-5
+        assert te_alias(fused.format(j), glm, by_pattern=True) is None
+    assert hybrid.Pattern.for_layers([2, 2], "*-*-", single=True).single  # a hybrid family's layers without Mamba

@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from ckpt_tools.spec import ModelSpec
-from trainer.model import RowParallelLinear, _no_init, _norm, _tp_group
+from trainer.layers import RowParallelLinear, _no_init, _norm, _tp_group
 
 
 class GatedDeltaNet(nn.Module):

@@ -13,7 +13,8 @@ where megatron-core's zero-centred one scales by 1 + w (ckpt_tools.hf: `qkv_gate
 exact for weights in [0.5, 2]).
 
 Refused in one line: layers with a dense MLP (`mlp_only_layers`, `decoder_sparse_step` > 1), attention biases, a
-`hidden_act` other than silu; Megatron-LM's forms (not written for it yet).
+`hidden_act` other than silu; the published checkpoints' multi-token prediction tensors (`mtp.*`, which transformers
+ignores too); Megatron-LM's legacy form as an output (torch_dist is written: these are Transformer Engine modules).
 """
 from ckpt_tools.families import (GDN_IN, NORM_OFFSET, OMIT, QKV_GATED, SAME, Const, Derived, Family, Field, Name,
                                  Rope, anything, llama)

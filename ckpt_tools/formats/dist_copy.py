@@ -356,7 +356,7 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
             fds[path] = os.open(path, os.O_RDONLY)
-        row_bytes = ELEMENT_SIZES[dtype] * (shape[1] if len(shape) == 2 else 1)
+        row_bytes = ELEMENT_SIZES[dtype] * math.prod(shape[1:])  # a row: every element after dim 0
         taken = 0  # rows of the HF tensor taken so far
         for a, b in runs:
             start = offset + taken * row_bytes

@@ -126,7 +126,7 @@ def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
         parts = []
         for name, runs in zip(names, hf.hf_rows(row.kind, spec, full_rows)):
             path, dtype, shape, offset, _ = index[name]
-            row_bytes = ELEMENT_SIZES[dtype] * (shape[1] if len(shape) == 2 else 1)
+            row_bytes = ELEMENT_SIZES[dtype] * math.prod(shape[1:])
             at = 0  # rows of the HF tensor taken so far
             for a, b in runs:
                 parts.append((a, (path, TensorInfo(dtype, (b - a, *shape[1:]), offset + at * row_bytes))))

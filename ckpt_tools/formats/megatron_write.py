@@ -283,7 +283,8 @@ class DistWriter:
                 if known[:2] != (dtype, shape):
                     raise LayoutError(f"{fqn}: chunks of a {dtype} {shape} tensor and of a {known[0]} {known[1]} one")
                 known[2].extend(chunks)
-        aliases = {te_alias(fqn, self.spec): t for fqn, t in merged.items()}  # either MLA spec loads its norms
+        aliases = {te_alias(fqn, self.spec, self.by_pattern): t for fqn, t in merged.items()}  # either spec loads its
+        # norms
         merged.update({fqn: t for fqn, t in aliases.items() if fqn is not None})
         tensors = {fqn: (d, s, sorted(c)) for fqn, (d, s, c) in sorted(merged.items())}
         return tensors, dict(sorted(kv for _, part, _ in shared for kv in part.items()))

@@ -148,7 +148,7 @@ class DistCheckpoint:
     def _joined(self, key: str, fqn: str, lead: int) -> dcp.Entry | None:
         """A tensor megatron-core saves in parts (`<fqn>.<part>`) as the one global tensor of the layout table: the
         parts' chunks placed after each other on the first dim after the `lead` stacked axes (no bytes move)."""
-        names = part_names(key)
+        names = part_names(key, self.meta.spec)
         if names is None or any(f"{fqn}.{n}" not in self.index.tensors for n in names):
             return None
         if fqn not in self._joins:
@@ -239,7 +239,7 @@ class DistCheckpoint:
                 continue
             used.add(entry.fqn)
             used.update(self._joins.get(entry.fqn, (None, []))[1])  # the parts it was joined from
-            alias = te_alias(entry.fqn, meta.spec)  # the same tensor under the other spec's name, where written
+            alias = te_alias(entry.fqn, meta.spec, self._by_pattern)  # the same tensor under the other spec's name, where written
             if alias in self.index.tensors:
                 used.add(alias)
             want = self.expected_shape(key, layer)

@@ -109,24 +109,16 @@ def stored_candidates(key: str, spec, by_pattern: bool = False) -> list[tuple[st
 
 
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
-# megatron-core's MambaMixer saves these tensors as one global tensor per part (its `_split_tensor_factory`:
-# `<key>.<part>`, each split over TP on dim 0), in the order of the layout table's `blocked` parts
-_PARTS = {"mixer.in_proj.weight": ("z", "x", "B", "C", "dt"), "mixer.conv1d.weight": ("x", "B", "C"),
-          "mixer.conv1d.bias": ("x", "B", "C"),
-          # megatron-core's GatedDeltaNet (its in_proj_split_names)
-          "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
-          "self_attention.conv1d.weight": ("query", "key", "value")}
-
-
-def part_names(key: str) -> tuple[str, ...] | None:
-    """The names of the stored parts of a key that megatron-core saves in parts (None: saved whole)."""
-    return next((names for end, names in _PARTS.items() if key.endswith("." + end)), None)
+def part_names(key: str, spec) -> tuple[str, ...] | None:
+    """The names of the stored parts of a key that megatron-core saves in parts (its `_split_tensor_factory`:
+    `<key>.<part>`, each split over TP on dim 0; the layout table's row names them), None: saved whole."""
+    return layout.find_rule(key, spec, None).part_names
 
 
 def part_of(key: str, spec, full: tuple[int, ...], dim: int, start: int, stop: int) -> tuple[str, int, int]:
     """(the stored part's name, start, size in it) of rows [start, stop) on dim `dim` of a key's full tensor, which a
     piece never crosses ('' for a key saved whole)."""
-    names = part_names(key)
+    names = part_names(key, spec)
     if names is None:
         return "", start, full[dim]
     at = 0
@@ -162,12 +154,15 @@ _MOE_NORM = re.compile(r"(?:decoder\.layers\.(?:(\d+)\.)?|^mtp\.layers\.\d+\.tra
                        r"(mlp\.linear_fc1\.layer_norm_)(weight|bias)$")
 
 
-def te_alias(fqn: str, spec) -> str | None:
+def te_alias(fqn: str, spec, by_pattern: bool = False) -> str | None:
     """The name megatron-core's Transformer Engine spec loads a norm by, where the writer stores it under the local
     spec's: under the MLA spec (which declares no map) the latent norms fused into the up projections, a dense layer's
     pre-MLP norm into its fc1; an MoE layer's pre-MLP norm, which the local GPT spec saves as fc1's fused norm and
     Transformer Engine's spec keeps as a module of its own (`pre_mlp_layernorm`). Written as a second index entry over
-    the same bytes, so that either spec loads the checkpoint. None for any other tensor."""
+    the same bytes, so that either spec loads the checkpoint. None for any other tensor, and for a HybridModel's keys
+    (`by_pattern`: its MoE layer's norm is written under its own name already)."""
+    if by_pattern:
+        return None
     if not spec.multi_latent_attention:
         m = _MOE_NORM.search(fqn) if spec.is_moe else None
         if m is None:
