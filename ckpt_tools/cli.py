@@ -220,6 +220,12 @@ def _copying_process() -> None:
         pass
 
 
+_vpp_opt = click.option(
+    "--vpp", type=int, default=1, show_default=True,
+    help="Model chunks per PP rank: an interleaved pipeline (Megatron-LM's --num-layers-per-virtual-pipeline-stage, "
+         "an even split; --format torch_dist or torch).")
+
+
 def _layers(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -237,6 +243,7 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--ep", type=int, default=None,
               help="Target expert-parallel size (MoE models; ours or --format torch; default: the source's).")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
+@_vpp_opt
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
               help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch.")
@@ -249,13 +256,14 @@ def _layers(text: str | None) -> list[int] | None:
 @_quiet_opt
 @_team_opts
 @_handle_errors
-def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_stage: str | None,
+def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_stage: str | None, vpp: int,
             vocab_size: int | None, form: str, no_optimizer: bool, model: str | None, force: bool, check_hashes: bool,
             no_preflight: bool, quiet: bool, **launcher) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
-    from ckpt_tools.to_megatron import check_ep_form, check_model_form
+    from ckpt_tools.to_megatron import check_ep_form, check_model_form, check_vpp_form
     check_ep_form(form, ep)
     check_model_form(form, model)
+    check_vpp_form(form, vpp)
     team = _team(**launcher)
     if team is None:
         return
@@ -264,13 +272,14 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
     if form != "ours":  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
-                                    no_preflight, not no_optimizer, form, team, ep, model)
+                                    no_preflight, not no_optimizer, form, team, ep, model, vpp)
     if summary is None:
         from ckpt_tools.reshard import reshard as reshard_checkpoint
         _copying_process()
         summary = reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
                                      quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
-                                     optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team, model=model)
+                                     optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team, model=model,
+                                     vpp=vpp)
     if team.lead:
         click.echo(summary)
 
@@ -283,6 +292,7 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Target expert-parallel size (MoE models; ours or --format torch).")
 @click.option("--layers-per-stage", default=None, help="Uneven layer split, e.g. 3,5 (default: even).")
+@_vpp_opt
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Model weight dtype (default: the HF weights' own).")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
@@ -295,13 +305,15 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @_quiet_opt
 @_team_opts
 @_handle_errors
-def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: str | None, dtype: str | None,
+def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: str | None, vpp: int,
+            dtype: str | None,
             form: str, no_optimizer: bool, model: str | None, force: bool, quiet: bool, **launcher) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     from ckpt_tools.plan import DTYPE_OPTIONS
-    from ckpt_tools.to_megatron import check_ep_form, check_model_form
+    from ckpt_tools.to_megatron import check_ep_form, check_model_form, check_vpp_form
     check_ep_form(form, ep)
     check_model_form(form, model)
+    check_vpp_form(form, vpp)
     model = model or "gpt"
     team = _team(**launcher)
     if team is None:
@@ -311,7 +323,8 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep, model)
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep, model,
+                                      vpp)
     if summary is None:
         import torch
 
@@ -320,7 +333,7 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
         summary = import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
                             dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
                             optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep,
-                            team=team, model=model)
+                            team=team, model=model, vpp=vpp)
     if team.lead:
         click.echo(summary)
 

@@ -23,16 +23,17 @@ from ckpt_tools.writers import dtype_name
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
               form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1, team: Team = SOLO,
-              model: str = to_megatron.GPT) -> str:
+              model: str = to_megatron.GPT, vpp: int = 1) -> str:
     """`copy_bytes`: for Megatron-LM's forms, copy the HF tensors' rows where formats.dist_copy takes them.
     `ep`: expert parallelism of the output (MoE models). `team`: the processes writing the output's files between
     them (ckpt_tools.team). `model`: the megatron-core model class of a Megatron-LM output, gpt or hybrid."""
     to_megatron.check_ep_form(form, ep)
     to_megatron.check_model_form(form, None if model == to_megatron.GPT else model)
+    to_megatron.check_vpp_form(form, vpp)
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
-                                      form, team, ep, model)
+                                      form, team, ep, model, vpp)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -41,7 +42,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     tail = f"\n{leftover}" if leftover else ""
     source = HFTensors(hf_dir)
     spec = hf.spec_of_model(hf_dir, source.where)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None, vpp)
     layout.check_ep(spec, ep)
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}
@@ -74,7 +75,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     params_dtype = dtype or first.dtype
     if form != to_megatron.OURS:
         return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
-                                   quiet, start, team, ep, model) + tail
+                                   quiet, start, team, ep, model, vpp) + tail
     # A fresh optimizer is recorded in meta.json, not written (contract 2): zero moments, step 0, masters equal to the
     # weights; the masters are written (alone) where the HF weights carry more than the weights' dtype keeps.
     carried = {key for key, (_, names) in rows.items() if optimizer and layout.has_optimizer_state(key, spec, pp)
@@ -120,7 +121,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
                         counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
-                        start: float, team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT) -> str:
+                        start: float, team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT,
+                        vpp: int = 1) -> str:
     pp, current = len(counts), {}
 
     def shard_of(key: str, rank: int) -> torch.Tensor:
@@ -132,9 +134,9 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
         return current[key][rank]
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
                                quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team, ep=ep,
-                               model=model)
+                               model=model, vpp=vpp)
     return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
-                                time.perf_counter() - start, ep)
+                                time.perf_counter() - start, ep, vpp)
 
 
 def _dtype(key: str, spec, params_dtype: torch.dtype) -> torch.dtype:

@@ -115,12 +115,17 @@ def _torch_dtype(dtype: str):
 
 def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
                iteration: int = 0, tokenizer: str | None = None, ep: int = 1,
-               pattern: hybrid.Pattern | None = None) -> argparse.Namespace:
+               pattern: hybrid.Pattern | None = None, vpp: int = 1) -> argparse.Namespace:
     """The Namespace for `spec` at TP `tp` x PP len(counts) (x EP `ep`), weights of dtype name `dtype`; with a
     `pattern`, a HybridModel's (pretrain_hybrid.py's --hybrid-layer-pattern: num_layers counts its indices, its
-    '|' segments give the pipeline split)."""
+    '|' segments give the pipeline split). With `vpp` > 1 `counts` are an interleaved pipeline's PP x VPP virtual
+    stages (even: --num-layers-per-virtual-pipeline-stage)."""
     check_expressible(spec)
     args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
+    if vpp > 1:
+        vars(args).update(pipeline_model_parallel_size=len(counts) // vpp, virtual_pipeline_model_parallel_size=vpp,
+                          num_layers_per_virtual_pipeline_stage=counts[0], num_virtual_stages_per_pipeline_rank=None,
+                          decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     if pattern is not None:  # (its 'G' layers by the pattern, not GPTModel's experimental attention variant)
         vars(args).update(num_layers=pattern.num_indices, is_hybrid_model=True, decoder_first_pipeline_num_layers=None,
                           decoder_last_pipeline_num_layers=None, experimental_attention_variant=None,

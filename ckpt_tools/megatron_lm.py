@@ -334,6 +334,17 @@ def virtual_file(meta: Meta, rank: Rank) -> tuple[Rank, int, int]:
     return Rank(rank.tp, rank.pp % pp, rank.ep), rank.pp // pp, pp
 
 
+def chunk_ranks(rank: Rank, pp: int, vpp: int) -> list[Rank]:
+    """The virtual stages whose model chunks the legacy file of `rank` (of PP `pp`) holds, in chunk order: chunk v is
+    stage v * PP + rank.pp (virtual_file's inverse); [rank] without an interleaved pipeline."""
+    return [Rank(rank.tp, v * pp + rank.pp, rank.ep) for v in range(vpp)]
+
+
+def chunk_name(v: int, vpp: int) -> str:
+    """The key of model chunk v in a legacy file: `model`, or `model<v>` with virtual pipeline stages."""
+    return f"model{v}" if vpp > 1 else "model"
+
+
 def chunk(obj, v: int, vpp: int, where: object):
     """A legacy file's object with its model chunk `v` as its `model` (Megatron-LM saves chunk v as `model<v>` when
     there are virtual pipeline stages)."""

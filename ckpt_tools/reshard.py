@@ -27,30 +27,33 @@ from ckpt_tools.team import SOLO, Team
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True,
-            copy_bytes: bool = True, ep: int | None = None, team: Team = SOLO, model: str | None = None) -> str:
+            copy_bytes: bool = True, ep: int | None = None, team: Team = SOLO, model: str | None = None,
+            vpp: int = 1) -> str:
     """`copy_bytes`: for Megatron-LM's forms, copy the source's bytes where formats.dist_copy takes them.
     `ep`: the target's expert parallelism (MoE models; None: the source's). `team`: the processes writing the
     output's files between them (ckpt_tools.team). `model`: the megatron-core model class of a Megatron-LM output,
-    gpt or hybrid (None: the source's; ours is GPTModel's)."""
+    gpt or hybrid (None: the source's; ours is GPTModel's). `vpp`: model chunks per PP rank of a Megatron-LM
+    output (an interleaved pipeline)."""
     to_megatron.check_ep_form(form, ep)
     to_megatron.check_model_form(form, model)
+    to_megatron.check_vpp_form(form, vpp)
     if form != to_megatron.OURS and copy_bytes:
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
-                                    optimizer, form, team, ep, model)
+                                    optimizer, form, team, ep, model, vpp)
         if summary is not None:
             return summary
     start = time.perf_counter()
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes, team)
     meta, spec = shards.meta, shards.meta.spec
-    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab, vpp)
     ep = to_megatron.target_ep(form, ep, meta.ep_size) if form != to_megatron.OURS else \
         meta.ep_size if ep is None else layout.check_ep(spec, ep)
     with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     if form != to_megatron.OURS:
         return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team,
-                                    ep, to_megatron.model_of(model, meta))
+                                    ep, to_megatron.model_of(model, meta), vpp)
     # a fresh optimizer stays recorded, not written: only its masters that carry more than the weights are
     fresh = with_opt and shards.fresh_optimizer()
     masters = shards.written_masters() if fresh else set()
@@ -95,13 +98,13 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 
 def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
                          with_opt: bool, force: bool, quiet: bool, start: float, unread: str | None = None,
-                         team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT) -> str:
+                         team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT, vpp: int = 1) -> str:
     meta, spec = shards.meta, shards.meta.spec
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
     if with_opt and not fresh:
         to_megatron.check_optimizer_form(form, meta.dir)
     resume = _resume_state(shards) if with_opt and not fresh else None
-    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model)
+    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model, vpp)
     resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))
 
     def state_of(key: str, field: str | None, rank: int) -> torch.Tensor:
@@ -111,11 +114,11 @@ def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: 
     nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype,
                                lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
                                label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of, team=team,
-                               ep=ep, model=model)
+                               ep=ep, model=model, vpp=vpp)
     dropped = fresh and shards.fresh_optimizer() and bool(shards.written_masters())
     shards.close()
     return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
-                                 time.perf_counter() - start, ep) + (
+                                 time.perf_counter() - start, ep, vpp) + (
         "\nnote: the fresh optimizer's fp32 masters that carried more than the weights are not written: Megatron-LM "
         "starts its optimizer from the weights" if dropped else "")
 

@@ -131,12 +131,30 @@ def rank_numel(spec: ModelSpec, counts: Sequence[int], padded_vocab: int, tp_siz
                for _, key in stage_keys(spec, counts, pp_rank, ep_rank, ep_size) if holds_weights(key, spec, pp))
 
 def target_layout(spec: ModelSpec, tp: int, pp: int, layers: list[int] | None,
-                  padded_now: int | None) -> tuple[list[int], int]:
-    """(layer counts, padded vocab) of a target layout; refused before anything is written."""
+                  padded_now: int | None, vpp: int = 1) -> tuple[list[int], int]:
+    """(layer counts, padded vocab) of a target layout; refused before anything is written. With `vpp` > 1 (an
+    interleaved pipeline) the counts are the PP x VPP virtual stages' in layer order, an even split (megatron-core's
+    get_transformer_layer_offset: virtual stage v * PP + p is model chunk v of PP rank p)."""
     spec.check_tp(tp)
+    if vpp > 1:
+        check_virtual(spec.num_layers, pp, vpp, layers)
+        pp *= vpp
     counts = layers_per_stage(spec.num_layers, pp, layers)
     padded = spec.padded_vocab_keeping(tp, padded_now)
     for p in range(pp):
         for _, key in stage_keys(spec, counts, p):
             shard_shape(key, spec, padded, tp, pp)
     return counts, padded
+
+
+def check_virtual(num_layers: int, pp: int, vpp: int, layers: Sequence[int] | None) -> None:
+    """An interleaved pipeline Megatron-LM can express from its arguments alone (--num-layers-per-virtual-pipeline-
+    stage): PP >= 2 and the layers split evenly over PP x VPP chunks (refused before anything is written)."""
+    if layers is not None:
+        raise ConfigError(f"--layers-per-stage with --vpp {vpp}: an interleaved pipeline's chunks are an even split "
+                          f"(--num-layers-per-virtual-pipeline-stage); drop one of them")
+    if pp < 2:
+        raise ConfigError(f"--vpp {vpp} at PP {pp}: an interleaved pipeline needs PP >= 2; raise --pp or drop --vpp")
+    if num_layers % (pp * vpp):
+        raise ConfigError(f"num_layers {num_layers} does not split evenly into PP {pp} x VPP {vpp} = {pp * vpp} model "
+                          f"chunks: choose a PP and VPP whose product divides it")

@@ -61,6 +61,15 @@ def check_optimizer_form(form: str, where: object) -> None:
                           f"a fresh optimizer)")
 
 
+def check_vpp_form(form: str, vpp: int) -> None:
+    """--vpp names an interleaved pipeline of Megatron-LM's forms (refused before anything is read or written)."""
+    if vpp < 1:
+        raise ConfigError(f"--vpp {vpp}: give the model chunks per PP rank, 1 or more")
+    if vpp > 1 and form == OURS:
+        raise ConfigError(f"--vpp {vpp} applies to Megatron-LM's forms (an interleaved pipeline's model chunks), not to "
+                          f"ours: pass --format torch_dist or torch, or --pp <PP x VPP> for as many stages in our format")
+
+
 def model_of(model: str | None, meta=None) -> str:
     """The megatron-core model class a Megatron-LM output is saved for: the one asked for, else the source's (a
     HybridModel's checkpoint stays one), else GPTModel."""
@@ -70,10 +79,12 @@ def model_of(model: str | None, meta=None) -> str:
 
 
 def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
-          resume: ResumeState | None = None, where: object = None, ep: int = 1, model: str = GPT):
+          resume: ResumeState | None = None, where: object = None, ep: int = 1, model: str = GPT, vpp: int = 1):
     """The args of the target (raises ConfigError for a target Megatron-LM cannot express). `ep` > 1: the legacy
     form's dirs per EP rank (args.expert_model_parallel_size, which its writers read). `model` hybrid: a
-    HybridModel's args (its pattern: the table's layers as attention + MLP pairs, a '|' segment per stage)."""
+    HybridModel's args (its pattern: the table's layers as attention + MLP pairs, a '|' segment per stage). `vpp`
+    > 1: an interleaved pipeline (`counts`: its virtual stages; args.virtual_pipeline_model_parallel_size, which
+    the writers read)."""
     if resume is not None:
         check_optimizer_form(form, where)
     pattern = None
@@ -88,7 +99,14 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
         if spec.mtp_num_layers:
             raise ConfigError(f"{where}: multi-token prediction layers in a HybridModel (its own MTP pattern) are not "
                               f"written by this version: pass --model gpt")
+        if vpp > 1:
+            raise ConfigError(f"{where}: an interleaved pipeline (--vpp {vpp}) of a HybridModel (its pattern's '|' "
+                              f"segments per virtual stage) is not written by this version: drop --vpp, or pass "
+                              f"--model gpt")
         pattern = hybrid.Pattern.for_layers(counts, spec.pattern, single=spec.hybrid)
+    if vpp > 1 and spec.mtp_num_layers:
+        raise ConfigError(f"{where}: multi-token prediction layers in an interleaved pipeline (--vpp {vpp}) are not "
+                          f"written by this version: drop --vpp")
     if spec.mtp_num_layers and len(counts) > 1 and form != TORCH_DIST:
         raise ConfigError(f"{where}: multi-token prediction layers at PP {len(counts)} in Megatron-LM's {form} form (its "
                           f"last stage keeps an embedding copy of its own): not written by this version; pass --format "
@@ -97,7 +115,7 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
         raise ConfigError(f"{where}: biased experts at TP {tp} in Megatron-LM's {form} form: megatron-core keeps them "
                           f"whole (expert_tensor_parallel_size 1), which this version writes in torch_dist only; pass "
                           f"--format torch_dist, or --tp 1")
-    args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern)
+    args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern, vpp=vpp)
     if (spec.linear_num_key_heads is not None or spec.zero_centered_norm) and form != TORCH_DIST:
         raise ConfigError(f"{where}: {spec.architecture}'s gated DeltaNet layers and zero-centred norms are Transformer "
                           f"Engine modules in megatron-core, written in Megatron-LM's torch_dist form only by this "
@@ -112,18 +130,21 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
           shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
           carried_from: Path | None = None, hf_dir: bool = False, resume: ResumeState | None = None,
           state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO, ep: int = 1,
-          model: str = GPT) -> int:
+          model: str = GPT, vpp: int = 1) -> int:
     """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
     The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
     Megatron-LM ignores them and a later merge gives them back. In a team each process writes a run of the target
-    ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only."""
-    args = check(spec, tp, counts, padded, dtype, form, resume, out, ep, model)
+    ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only (with `vpp` > 1,
+    a file's model chunks all go to the process writing it)."""
+    args = check(spec, tp, counts, padded, dtype, form, resume, out, ep, model, vpp)
     pp = len(counts)
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
-    everyone = Grid(tp, pp, ep).ranks()
-    owners = team.split([layout.rank_numel(spec, counts, padded, tp, rank.pp, rank.ep, ep) for rank in everyone])
-    mine = {rank for rank, owner in zip(everyone, owners) if owner == team.rank}
+    files = Grid(tp, pp // vpp, ep).ranks()
+    owners = team.split([sum(layout.rank_numel(spec, counts, padded, tp, chunk.pp, chunk.ep, ep)
+                             for chunk in megatron_lm.chunk_ranks(rank, pp // vpp, vpp)) for rank in files])
+    mine = {chunk for rank, owner in zip(files, owners) if owner == team.rank
+            for chunk in megatron_lm.chunk_ranks(rank, pp // vpp, vpp)}
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir(exist_ok=True)
@@ -157,10 +178,13 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
 
 
 def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep: int = 1,
-               spec: ModelSpec | None = None) -> str:
+               spec: ModelSpec | None = None, vpp: int = 1) -> str:
     """The Megatron-LM command-line flags that load the written checkpoint (`--use-checkpoint-args` restores
-    neither MLA's rotary type nor YaRN's parameters: given where the model has them)."""
+    neither MLA's rotary type nor YaRN's parameters: given where the model has them). `pp`: the stages written
+    (PP x VPP with an interleaved pipeline)."""
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
+    layers = spec.num_layers // pp if spec is not None else None
+    pp //= vpp
     if spec is not None and spec.multi_latent_attention:
         where += " --rope-type " + ("yarn" if spec.rope_scaling == "yarn" else "rope")
         if spec.rope_scaling == "yarn":
@@ -174,6 +198,8 @@ def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep:
         where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
         if ep > 1:
             where += f" --expert-model-parallel-size {ep}"
+    if vpp > 1:
+        where += f" --num-layers-per-virtual-pipeline-stage {layers}"
     return where
 
 
@@ -201,7 +227,7 @@ def _not_restored(spec: ModelSpec) -> str:
 
 
 def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: ResumeState | None, fresh: bool,
-              unread: str | None, nbytes: int, seconds: float, ep: int = 1) -> str:
+              unread: str | None, nbytes: int, seconds: float, ep: int = 1, vpp: int = 1) -> str:
     """The one-line summary of a reshard into Megatron-LM's forms (`meta`: the source's)."""
     what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
             f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
@@ -209,15 +235,20 @@ def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: Re
         what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
     elif unread:
         what += f" (NOT carried: its {unread}, not read by this version)"
-    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} {Grid(tp, len(counts), ep)} "
+    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} {_grid(tp, counts, ep, vpp)} "
             f"(layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), resume is not None, ep, meta.spec)}")
+            f"{loads_with(form, out, tp, len(counts), resume is not None, ep, meta.spec, vpp)}")
 
 
 def imported(hf_dir: Path, spec: ModelSpec, out: Path, form: str, tp: int, counts: list[int], dtype: str, padded: int,
-             nbytes: int, seconds: float, ep: int = 1) -> str:
+             nbytes: int, seconds: float, ep: int = 1, vpp: int = 1) -> str:
     """The one-line summary of an import into Megatron-LM's forms."""
     return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
-            f"{Grid(tp, len(counts), ep)} (layers {counts}), {dtype}, weights only (release), padded vocab "
+            f"{_grid(tp, counts, ep, vpp)} (layers {counts}), {dtype}, weights only (release), padded vocab "
             f"{padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), ep=ep, spec=spec)}")
+            f"{loads_with(form, out, tp, len(counts), ep=ep, spec=spec, vpp=vpp)}")
+
+
+def _grid(tp: int, counts: list[int], ep: int, vpp: int) -> str:
+    """The target layout as a summary names it: TP x PP (x EP), and x VPP for an interleaved pipeline."""
+    return f"{Grid(tp, len(counts) // vpp, ep)}" + (f" x VPP{vpp}" if vpp > 1 else "")

@@ -1,6 +1,7 @@
 """Interleaved (virtual) pipeline checkpoints written by megatron-core itself, for fixtures/megatron_vpp:
 
     python tests/mcore_vpp.py fixtures/megatron_vpp        # runs itself under torchrun (PP ranks, gloo, CPU)
+    torchrun --nproc-per-node 2 tests/mcore_vpp.py load fixtures/megatron_vpp/reference.pt OUT.pt SAVE_DIR...
 
 A Llama-style GPTModel (local spec, megatron-core 0.16.1) at TP1 x PP2 with 2 virtual stages per rank
 (--num-layers-per-virtual-pipeline-stage 1, 4 layers): each rank builds its two model chunks (`vp_stage` 0 and 1;
@@ -118,6 +119,56 @@ def save(out: str) -> None:
     dist.destroy_process_group()
 
 
+def load(reference: str, out: str, *save_dirs: str) -> None:
+    """Megatron-LM's load_checkpoint of each SAVE_DIR into the interleaved chunks at PP x VPP as the checkpoint's args
+    give them (as --use-checkpoint-args does): torch, chunk v of each rank's file `model<v>` into
+    `load_state_dict(strict=True)`; torch_dist, `dist_checkpointing.load` of every chunk's sharded state dict; then the
+    interleaved forward on REFERENCE's tokens. The last PP rank saves OUT {save dir: logits}."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from mcore_checkpoints import _shim_cuda
+    _shim_cuda(torch)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from ckpt_tools.spec import ModelSpec
+    spec = ModelSpec.from_dict(MODEL)
+    tokens = torch.load(reference, weights_only=True)["tokens"]
+    found = {}
+    for save_dir in save_dirs:
+        root = Path(save_dir)
+        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        iter_dir = root / (tracker if tracker == "release" else f"iter_{int(tracker):07d}")
+        dist_form = (iter_dir / "metadata.json").is_file()
+        if dist_form:
+            common = dist_checkpointing.load_common_state_dict(str(iter_dir))
+        else:
+            common = torch.load(iter_dir / f"mp_rank_00_{dist.get_rank():03d}" / "model_optim_rng.pt",
+                                weights_only=False)
+        args = common["args"]
+        vpp = args.virtual_pipeline_model_parallel_size
+        assert (args.pipeline_model_parallel_size, vpp) == (PP, VPP), (args.pipeline_model_parallel_size, vpp)
+        assert args.num_layers_per_virtual_pipeline_stage == MODEL["num_layers"] // (PP * VPP)
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=PP,
+                                     virtual_pipeline_model_parallel_size=vpp)
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        torch.manual_seed(99)  # other weights than the checkpoint's: only a complete load gives its logits
+        chunks = _chunks(spec, args.padded_vocab_size, torch)
+        state = dist_checkpointing.load({f"model{v}": m.sharded_state_dict() for v, m in enumerate(chunks)},
+                                        str(iter_dir)) if dist_form else common
+        for v, model in enumerate(chunks):
+            model.load_state_dict(state[f"model{v}"], strict=True)
+        found[save_dir] = _forward(chunks, tokens, torch)
+    if dist.get_rank() == PP - 1:
+        torch.save(found, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 2:  # the maker: itself under torchrun
         import shutil
@@ -126,6 +177,9 @@ if __name__ == "__main__":
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PP}", __file__, "save",
                         sys.argv[1]], check=True)
         print(json.dumps(sorted(str(p.relative_to(sys.argv[1])) for p in Path(sys.argv[1]).rglob("*") if p.is_file())))
+    elif sys.argv[1] == "load":  # under torchrun: load REFERENCE OUT SAVE_DIR...
+        from mcore_checkpoints import run_as_script
+        run_as_script(load, *sys.argv[2:])
     else:
         from mcore_checkpoints import run_as_script
         run_as_script(save, sys.argv[2])

@@ -138,6 +138,45 @@ def test_real_args_objects_are_read_inertly(torch_path, tmp_path, monkeypatch):
     same_files(tmp_path / "hf", tmp_path / "plain")
 
 
+def test_interleaved_pipeline_written_loads_into_megatron_cores_model_chunks(tmp_path):
+    """`--vpp 2` writes the interleaved pipeline Megatron-LM loads: megatron-core 0.16.1 builds its PP2 x VPP2 model
+    chunks from the written args (tests/mcore_vpp.py load), loads each form strict (legacy: `model0`/`model1` per
+    rank file, layer numbers local to the chunk; torch_dist: global keys) and its interleaved forward gives the saved
+    model's logits exactly. Written from every path: the torch-free copies (torch_dist and legacy sources, an HF
+    model) and the torch path; a layout Megatron-LM cannot express is refused in one line, nothing written."""
+    from conftest import torchrun
+
+    from ckpt_tools.importer import import_hf
+    merge(VPP / "torch", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    outs = {"dist-torch": (VPP / "torch_dist", "torch"), "legacy-torch": (VPP / "torch", "torch"),
+            "legacy-dist": (VPP / "torch", "torch_dist")}
+    for name, (src, form) in outs.items():
+        reshard(src, tmp_path / name, tp=1, pp=2, vpp=2, form=form, vocab_size=VOCAB, quiet=True)
+    reshard(VPP / "torch_dist", tmp_path / "torchpath-torch", tp=1, pp=2, vpp=2, form="torch", vocab_size=VOCAB,
+            quiet=True, copy_bytes=False)
+    import_hf(tmp_path / "hf", tmp_path / "hf-torch", tp=1, pp=2, vpp=2, form="torch", quiet=True)
+    import_hf(tmp_path / "hf", tmp_path / "hf-dist", tp=1, pp=2, vpp=2, form="torch_dist", quiet=True,
+              copy_bytes=False)
+    dirs = [str(tmp_path / n) for n in [*outs, "torchpath-torch", "hf-torch", "hf-dist"]]
+    torchrun(2, ["tests/mcore_vpp.py", "load", str(VPP / "reference.pt"), str(tmp_path / "logits.pt"), *dirs],
+             timeout=600)
+    expected = torch.load(VPP / "reference.pt", weights_only=True)["logits"]
+    found = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert sorted(found) == sorted(dirs)
+    for d in dirs:  # an HF model holds no padding rows: its output's padding logits are zeros
+        assert torch.equal(found[d][..., :VOCAB], expected[..., :VOCAB]), d
+        assert torch.equal(found[d], expected) or Path(d).name.startswith("hf-"), d
+    line = one_line_error(run("reshard", VPP / "torch", tmp_path / "bad", "--tp", "1", "--pp", "2", "--vpp", "3",
+                              "--format", "torch", "--vocab-size", VOCAB))
+    assert line == ("error: num_layers 4 does not split evenly into PP 2 x VPP 3 = 6 model chunks: choose a PP and "
+                    "VPP whose product divides it"), line
+    assert_nothing_written(tmp_path / "bad")
+    line = one_line_error(run("reshard", VPP / "torch", tmp_path / "bad", "--tp", "1", "--pp", "2", "--vpp", "2",
+                              "--vocab-size", VOCAB))
+    assert line.startswith("error: --vpp 2 applies to Megatron-LM's forms"), line
+    assert_nothing_written(tmp_path / "bad")
+
+
 def test_interleaved_pipeline_reads_as_its_virtual_stages_and_its_optimizer_is_named_not_carried(tmp_path):
     """A legacy PP2 x VPP2 save is read as 4 stages in layer order (chunk v of PP rank p is stage v * 2 + p, as
     megatron-core places the layers); its optimizer state is not decoded, and says so; a missing chunk is one line."""

@@ -47,7 +47,7 @@ STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST,
-            team: Team = SOLO, ep: int | None = None, model: str | None = None) -> str | None:
+            team: Team = SOLO, ep: int | None = None, model: str | None = None, vpp: int = 1) -> str | None:
     """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
     apply. The legacy torch form is written by formats/legacy_copy.py, weights only, at EP `ep` (None: the source's).
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
@@ -60,7 +60,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         # a Megatron-LM optimizer is decoded with torch
         go = None if source is None or (optimizer and source.megatron_optimizer) else \
             _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
-                     team, ep, model)
+                     team, ep, model, vpp)
         if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
             return None
         return go()
@@ -72,7 +72,7 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
 def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
              quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
              form: str = TORCH_DIST, team: Team = SOLO, ep: int | None = None,
-             model: str | None = None) -> Callable[[], str] | None:
+             model: str | None = None, vpp: int = 1) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta = source.meta
     with_opt = optimizer and _has_optimizer(meta)
@@ -88,29 +88,30 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
         return None
     return lambda: _reshard_copy(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, start, form,
                                  team, fields, step, fresh, to_megatron.target_ep(form, ep, meta.ep_size),
-                                 to_megatron.model_of(model, meta))
+                                 to_megatron.model_of(model, meta), vpp)
 
 
 def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
                   quiet: bool, check_hashes: bool, no_preflight: bool, start: float, form: str, team: Team,
-                  fields: dict, step: float | None, fresh: bool, ep: int = 1, model: str = to_megatron.GPT) -> str:
+                  fields: dict, step: float | None, fresh: bool, ep: int = 1, model: str = to_megatron.GPT,
+                  vpp: int = 1) -> str:
     # what is refused here is refused as the torch path refuses it, in its words
     meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
     if check_hashes:
         source.check_hashes(team)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab, vpp)
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     resume = None
     if fields:
         consumed = int(meta.raw.get("consumed_samples") or 0)
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
-    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model)
+    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model, vpp)
     nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form, team)
     summary = to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, None, nbytes,
-                                    time.perf_counter() - start, ep)
+                                    time.perf_counter() - start, ep, vpp)
     return summary + (f"\n{leftover}" if leftover else "")
 
 
@@ -238,7 +239,7 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
-              team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT) -> str | None:
+              team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT, vpp: int = 1) -> str | None:
     """importer.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
@@ -253,11 +254,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     spec, index, rows, params = copied
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
-    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out, ep, model)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None, vpp)
+    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out, ep, model, vpp)
     nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
     summary = to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
-                                   time.perf_counter() - start, ep)
+                                   time.perf_counter() - start, ep, vpp)
     return summary + (f"\n{leftover}" if leftover else "")
 
 

@@ -33,10 +33,14 @@ from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
           quiet: bool, label: str = "reshard", team: Team = SOLO) -> int:
     """Every target rank's file under iter_dir (in a team, this process's run of them, balanced by their bytes);
-    the bytes of tensors written by every process."""
-    pp, spec, ep = len(counts), source.meta.spec, args.expert_model_parallel_size or 1
+    the bytes of tensors written by every process. With an interleaved pipeline (args'
+    virtual_pipeline_model_parallel_size) `counts` are the virtual stages, a file's model chunks."""
+    spec, ep = source.meta.spec, args.expert_model_parallel_size or 1
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    pp = len(counts) // vpp
     ranks = Grid(tp, pp, ep).ranks()  # a dir per EP rank where EP > 1, its experts under local indices
-    sizes = [layout.rank_numel(spec, counts, padded, tp, rank.pp, rank.ep, ep) for rank in ranks]
+    sizes = [sum(layout.rank_numel(spec, counts, padded, tp, c.pp, c.ep, ep) for c in megatron_lm.chunk_ranks(r, pp, vpp))
+             for r in ranks]
     owners = team.split(sizes)
     mine = [rank for rank, owner in zip(ranks, owners) if owner == team.rank]
 
@@ -45,9 +49,10 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
         files: list[tuple[io.FileWorker, int, Path]] = []  # written, their copies and fsync still running
         try:
             for rank in mine:
-                nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp), rank, counts, padded, tp,
-                                      ep, {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                                           "iteration": iteration}, files)
+                nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp),
+                                      megatron_lm.chunk_ranks(rank, pp, vpp), counts, padded, tp, ep,
+                                      {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                                       "iteration": iteration}, files)
                 bar.update(1)
             while files:
                 worker, fd, path = files[0]
@@ -66,29 +71,34 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
     return sum(team.share(write_mine))
 
 
-def _write_rank(source: ByteSource, path: Path, rank: Rank, counts: list[int], padded: int, tp: int, ep: int,
+def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list[int], padded: int, tp: int, ep: int,
                 header: dict, files: list) -> int:
-    """One target rank's file: its headers, pickles and gathered rows written here, its byte ranges copied and its
-    fsync run on a thread of its own (io.FileWorker), added to `files` with its descriptor (closed by the caller)."""
+    """One target rank's file (its model chunks: the ranks of `chunks`, one without an interleaved pipeline): its
+    headers, pickles and gathered rows written here, its byte ranges copied and its fsync run on a thread of its own
+    (io.FileWorker), added to `files` with its descriptor (closed by the caller)."""
     spec = source.meta.spec
     path.parent.mkdir(parents=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     worker = io.FileWorker()
     files.append((worker, fd, path))
-    archive, model, nbytes, flushed = torchsave.Archive(fd, 0, path.stem, copy=worker.copy), {}, 0, 0
-    for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
-        if not layout.holds_weights(key, spec, len(counts)):
-            model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
-            continue
-        dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
-        ref = str(len(model))
-        archive.add(f"data/{ref}", data)
-        model[local] = torchsave.TensorRef(ref, dtype, shape)
-        nbytes += torchsave.data_size(data)
-        archive.flush()
-        worker.writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
-        flushed = archive.pos
-    torchsave.finish(archive, torchsave.dumps({**header, "model": model}))
+    archive, models, nbytes, flushed = torchsave.Archive(fd, 0, path.stem, copy=worker.copy), {}, 0, 0
+    base = 0  # the records of a file's earlier chunks: names stay unique
+    for v, rank in enumerate(chunks):
+        base += len(models[megatron_lm.chunk_name(v - 1, len(chunks))]) if v else 0
+        model = models[megatron_lm.chunk_name(v, len(chunks))] = {}
+        for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
+            if not layout.holds_weights(key, spec, len(counts)):
+                model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
+                continue
+            dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
+            ref = str(base + len(model))
+            archive.add(f"data/{ref}", data)
+            model[local] = torchsave.TensorRef(ref, dtype, shape)
+            nbytes += torchsave.data_size(data)
+            archive.flush()
+            worker.writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
+            flushed = archive.pos
+    torchsave.finish(archive, torchsave.dumps({**header, **models}))
     worker.submit(os.fsync, fd)
     return nbytes
 
