@@ -95,7 +95,7 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
     """A Megatron-LM checkpoint's meta and model shards as byte ranges, read torch-free, in either form; every
     check the torch path's reader makes must pass."""
     iter_dir = megatron_lm.resolve_iter_dir(src)
-    if megatron_lm.form(iter_dir) in (megatron_lm.TORCH_DIST, megatron_lm.TORCH_DCP):
+    if megatron_lm.form(iter_dir) in megatron_lm.DCP_FORMS:
         from ckpt_tools.formats.torch_dist import DistCheckpoint
         ckpt = DistCheckpoint.read(iter_dir, vocab_size, load=read, load_embedded=read)
         if ckpt.validate():

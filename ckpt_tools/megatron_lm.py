@@ -51,7 +51,9 @@ def _is_iter_dir(path: Path) -> bool:
     return (path.name == RELEASE or bool(_ITER_DIR.match(path.name))) and path.is_dir()
 
 
-TORCH, TORCH_DIST, TORCH_DCP = "torch", "torch_dist", "torch_dcp"
+TORCH, TORCH_DIST, TORCH_DCP, FSDP_DTENSOR = "torch", "torch_dist", "torch_dcp", "fsdp_dtensor"
+DCP_FORMS = (TORCH_DIST, TORCH_DCP, FSDP_DTENSOR)  # the forms torch.distributed.checkpoint wrote (a .metadata)
+FSDP_MODEL = "model.module."  # Megatron-FSDP's model keys (fsdp_dtensor); torch_dcp's are model.<name>
 DIST_MARKERS = ("metadata.json", ".metadata")  # metadata.json: dist_checkpointing; .metadata: DCP
 
 
@@ -71,22 +73,22 @@ def form(iter_dir: Path) -> str:
         return TORCH_DIST
     if (iter_dir / ".metadata").is_file() and not any(iter_dir.glob("mp_rank_*")):
         from ckpt_tools.formats import dcp
-        index = dcp.read_metadata(iter_dir)
-        if any(k.startswith("model.module.") for k in index.tensors):
-            raise FormatError(f"{iter_dir}: Megatron-FSDP's fsdp_dtensor form (model.module.* keys), which is not read "
-                              f"by this version; save with --ckpt-format torch_dist (or convert with --ckpt-convert-format "
-                              f"torch_dist)")
-        if not any(k.startswith("model.") for k in index.tensors) or "args" not in index.blobs:
-            raise FormatError(f"{iter_dir}: a .metadata without metadata.json, but no model.* tensors and args: not a "
-                              f"Megatron-LM torch_dcp checkpoint; restore it from the source")
-        return TORCH_DCP
+        return dcp_form(iter_dir, dcp.read_metadata(iter_dir))
     return TORCH
+
+
+def dcp_form(iter_dir: Path, index) -> str:
+    """torch_dcp or fsdp_dtensor: a .metadata without metadata.json, told apart by its model keys."""
+    if not any(k.startswith("model.") for k in index.tensors) or "args" not in index.blobs:
+        raise FormatError(f"{iter_dir}: a .metadata without metadata.json, but no model.* tensors and args: not a "
+                          f"Megatron-LM torch_dcp or fsdp_dtensor checkpoint; restore it from the source")
+    return FSDP_DTENSOR if any(k.startswith(FSDP_MODEL) for k in index.tensors) else TORCH_DCP
 
 
 def open_reader(path: Path, vocab_size: int | None = None):
     """The reader of a Megatron-LM save dir or iter dir, in whichever form it was saved."""
     iter_dir = _iter_dir(Path(path))
-    if form(iter_dir) in (TORCH_DIST, TORCH_DCP):
+    if form(iter_dir) in DCP_FORMS:
         from ckpt_tools.formats.torch_dist_tensors import open_torch_dist
         return open_torch_dist(iter_dir, vocab_size)
     from ckpt_tools.formats.megatron_torch import LegacyShards

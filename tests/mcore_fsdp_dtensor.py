@@ -53,6 +53,8 @@ def main(config_path: str, out: str) -> None:
     from ckpt_tools.spec import ModelSpec
     cfg = json.loads(Path(config_path).read_text())
     iteration = cfg.get("iteration", 5)
+    import faulthandler
+    faulthandler.dump_traceback_later(cfg.get("watchdog", 300), exit=True)  # a rank that hangs says where
     ps.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     spec = ModelSpec.from_dict(cfg["model"])
@@ -101,14 +103,25 @@ def main(config_path: str, out: str) -> None:
                        "cuda_rng_state": torch.cuda.get_rng_state(), "rng_tracker_states": {}}]}
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": wrapped.module.state_dict_for_save_checkpoint()}
-    state["optimizer"] = opt.sharded_state_dict(state, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+    # megatron-core's own full tensors of what the checkpoint holds (Megatron-FSDP's gather of its uneven DTensors)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
+    full = {k: gather_uneven_dtensor_to_full_tensor(v).to_local().cpu() if hasattr(v, "device_mesh") else v.cpu()
+            for k, v in sorted(state["model"].items()) if isinstance(v, torch.Tensor)}
+    if dist.get_rank() == 0:
+        torch.save(full, root / "weights.pt")
+    if cfg.get("optimizer", True):
+        state["optimizer"] = opt.sharded_state_dict(state, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+    else:
+        args.no_save_optim = True
     state["rng_state"] = rng
     # Megatron-LM's preprocess_fsdp_dtensor_state_dict, with megatron-core's handlers
     handlers.handle_fp8_extra_state_case(state["model"])
     if args.swiglu:
         # Megatron-LM's save passes its model unwrapped down to MegatronFSDP (megatron.training.utils.unwrap_model)
-        state["model"], state["optimizer"] = handlers.handle_swiglu_in_state_dict(wrapped.module, state["model"],
-                                                                                  state["optimizer"])
+        state["model"], optimizer = handlers.handle_swiglu_in_state_dict(wrapped.module, state["model"],
+                                                                         state.get("optimizer"))
+        if optimizer is not None:
+            state["optimizer"] = optimizer
     if args.num_experts:
         state["model"] = handlers.handle_experts_in_state_dict(state["model"], args.num_experts)
     preprocess_state_dict_for_uneven_dtensor(state)

@@ -266,17 +266,19 @@ def test_not_megatron_dir(tmp_path):
 
 
 def test_dcp_forms_megatron_lm_wrote_are_told_apart(tmp_path):
-    """A DCP dir without dist_checkpointing's metadata.json: Megatron-LM's torch_dcp (the model's keys under `model.`),
-    read; Megatron-FSDP's fsdp_dtensor (`model.module.`), refused in one line; anything else named as not Megatron-LM's."""
+    """A DCP dir without dist_checkpointing's metadata.json: Megatron-LM's torch_dcp (the model's keys under `model.`)
+    and Megatron-FSDP's fsdp_dtensor (`model.module.`) told apart; anything else named as not Megatron-LM's."""
     import torch.distributed.checkpoint as dcp
-    for prefix, expected in (("model.module.", "Megatron-FSDP's fsdp_dtensor form (model.module.* keys), which is not "
-                                               "read by this version; save with --ckpt-format torch_dist"),
-                             ("weights.", "no model.* tensors and args: not a Megatron-LM torch_dcp checkpoint")):
+    for prefix, form in (("model.module.", mlm.FSDP_DTENSOR), ("model.", mlm.TORCH_DCP), ("weights.", None)):
         save = tmp_path / prefix.strip(".") / "iter_0000010"
-        dcp.save({f"{prefix}embedding.word_embeddings.weight": torch.zeros(4, 2), "args": {"num_layers": 1}},
+        dcp.save({f"{prefix}embedding.word_embeddings.weight": torch.zeros(4, 2), "args": "a bytes entry"},
                  storage_writer=dcp.FileSystemWriter(str(save)), no_dist=True)
         (save.parent / mlm.TRACKER).write_text("10")
-        with pytest.raises(FormatError, match=re.escape(expected)):
+        if form is not None:
+            assert mlm.form(save) == form
+            continue
+        with pytest.raises(FormatError, match=re.escape("no model.* tensors and args: not a Megatron-LM torch_dcp or "
+                                                        "fsdp_dtensor checkpoint")):
             mlm.open_reader(save.parent)
     (tmp_path / "damaged" / "iter_0000010").mkdir(parents=True)
     (tmp_path / "damaged" / "iter_0000010" / ".metadata").write_bytes(b"")

@@ -33,6 +33,7 @@ from ckpt_tools import hybrid, io, layout, megatron_args, megatron_lm, shard_ops
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
+from ckpt_tools.rules import GATED
 
 COMMON = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.19: the common state as a ShardedObject's byte entry
@@ -43,6 +44,11 @@ DCP_PLAIN = "optimizer.state_dict()"  # torch_dcp: megatron-core's non-distribut
 # `optimizer.fp32_from_fp16_params.<group>.<i>`) or FP32Optimizer's (under `optimizer.`)
 DCP_STATE = re.compile(r"^(optimizer\.(?:optimizer\.)?)state\.(\d+)\.(exp_avg|exp_avg_sq|step)$")
 DCP_MASTERS = "optimizer.fp32_from_fp16_params."
+# fsdp_dtensor: Megatron-FSDP's distributed optimizer, per parameter by the wrapped model's parameter name
+# (`optimizer.state.module.module.module.<name>.<field>`; its fp32 main weights are the model entries themselves)
+FSDP_PARAM = "Megatron-FSDP per-parameter"
+FSDP_STATE = re.compile(r"^(optimizer\.state\.(?:module\.)+)(.+)\.(exp_avg|exp_avg_sq|step)$")
+FSDP_HALVES = ("_w", "_v")  # Megatron-FSDP saves a SwiGLU fc1 as `<name>_w` (gate) and `<name>_v` (up)
 # our optimizer field -> its names in the per-parameter forms (non-distributed optimizer; fully_reshardable)
 PER_PARAM_NAMES = {"master": ("fp32_param", "param"), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
 # entries that hold no model weights: carried by Megatron-LM for its own resume, never an error
@@ -65,7 +71,10 @@ class DistCheckpoint:
         self.meta, self.index, self.common = meta, index, common or {}
         self.common_path = common_path or meta.dir / COMMON  # common.pt, or the .distcp holding the embedded entry
         self._by_pattern = hybrid.of_meta(meta) is not None  # a HybridModel's keys: one per layer index
-        self.dcp = meta.source == megatron_lm.TORCH_DCP  # Megatron-LM's torch_dcp: the model's own keys
+        # Megatron-LM's torch_dcp and fsdp_dtensor: the model's own keys, under `model.` / `model.module.`
+        self.dcp = meta.source in (megatron_lm.TORCH_DCP, megatron_lm.FSDP_DTENSOR)
+        self.fsdp = meta.source == megatron_lm.FSDP_DTENSOR
+        self.model_prefix = megatron_lm.FSDP_MODEL if self.fsdp else DCP_MODEL
         self.dcp_fields: dict[str, dict[str, str]] | None = None  # torch_dcp: each parameter's optimizer entries
         self._starts: dict[str, tuple[list[int], list[dcp.Chunk]]] = {}  # chunks of each entry by dim-0 start
         self._coverage: dict[str, list[str]] = {}  # problems of each entry's chunks, found once
@@ -76,10 +85,10 @@ class DistCheckpoint:
         self.has_masters = any(f.startswith(tuple(f"{OPT_STATE}{n}." for n in PER_PARAM_NAMES["master"]))
                                for f in index.tensors)
         if self.dcp:
-            found = [m for m in map(DCP_STATE.match, index.tensors) if m]
-            self.optimizer_form = DCP_PLAIN if found else None
+            found = [m for m in map(FSDP_STATE.match if self.fsdp else DCP_STATE.match, index.tensors) if m]
+            self.optimizer_form = (FSDP_PARAM if self.fsdp else DCP_PLAIN) if found else None
             self.dcp_prefix = found[0].group(1) if found else None
-            self.has_masters = any(f.startswith(DCP_MASTERS) for f in index.tensors)
+            self.has_masters = any(f.startswith(DCP_MASTERS) for f in index.tensors)  # fsdp: the weights are
         self._buckets: dict[tuple[int, int, str], list[dcp.Entry]] = {}
         self._buffers: dict[int, set[str]] = {}  # group -> its grad buffers' names (gbuf_idx_g)
         for f, e in index.tensors.items():
@@ -95,9 +104,10 @@ class DistCheckpoint:
         """`load` reads common.pt, `load_embedded` (path, offset, length) the embedded common state: torch's
         allow-listed loader (the default), or the torch-free torchfile.read for both."""
         index = dcp.read_metadata(iter_dir)
-        # torch_dist has dist_checkpointing's metadata.json; a dir without is torch_dcp (megatron_lm.form said so)
-        source = megatron_lm.TORCH_DIST if (iter_dir / "metadata.json").is_file() else megatron_lm.TORCH_DCP
-        if source == megatron_lm.TORCH_DCP:
+        # torch_dist has dist_checkpointing's metadata.json; a dir without is torch_dcp or fsdp_dtensor
+        source = megatron_lm.TORCH_DIST if (iter_dir / "metadata.json").is_file() else \
+            megatron_lm.dcp_form(iter_dir, index)
+        if source != megatron_lm.TORCH_DIST:
             common_path, common = read_dcp_common(iter_dir, index, load_embedded)
         else:
             common_path, common = read_common(iter_dir, index, load, load_embedded)
@@ -106,8 +116,14 @@ class DistCheckpoint:
         if source == megatron_lm.TORCH_DCP and (tp, pp) != (1, 1):
             raise FormatError(f"{common_path}: a torch_dcp checkpoint whose args say TP {tp} x PP {pp}: Megatron-LM saves "
                               f"torch_dcp (FSDP2) at TP = PP = 1 only; the args are damaged, restore the checkpoint")
-        emb = index.tensors.get(("model." if source == megatron_lm.TORCH_DCP else "") +
-                                "embedding.word_embeddings.weight")
+        if source == megatron_lm.FSDP_DTENSOR and pp != 1:
+            raise FormatError(f"{common_path}: an fsdp_dtensor checkpoint at PP {pp}: its layers are keyed by their index "
+                              f"within a pipeline stage, which this version does not read; save the run with "
+                              f"--ckpt-format torch_dist")
+        if source == megatron_lm.FSDP_DTENSOR:
+            tp = 1  # every tensor global (a DTensor over the data- and tensor-parallel ranks): read as one TP shard
+        emb = index.tensors.get({megatron_lm.TORCH_DCP: DCP_MODEL, megatron_lm.FSDP_DTENSOR: megatron_lm.FSDP_MODEL}
+                                .get(source, "") + "embedding.word_embeddings.weight")
         padded = getattr(args, "padded_vocab_size", None) or (emb.shape[0] if emb is not None else None)
         if padded is None:
             raise FormatError(f"{iter_dir / dcp.METADATA}: no embedding.word_embeddings.weight and no "
@@ -125,11 +141,11 @@ class DistCheckpoint:
     def entry(self, key: str, field: str | None = None) -> tuple[dcp.Entry, Placed]:
         """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its place
         on the stacked leading axes."""
-        prefix = DCP_MODEL if self.dcp else ""
+        prefix = self.model_prefix if self.dcp else ""
         tied = prefix + "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
         if key == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
-        candidates = dcp_candidates(key, self.meta.spec) if self.dcp else \
+        candidates = dcp_candidates(key, self.meta.spec, prefix) if self.dcp else \
             stored_candidates(key, self.meta.spec, self._by_pattern)
         if field is not None and self.dcp:  # by the parameter's index (TorchDistShards maps them)
             candidates = [(self.dcp_fields.get(key, {}).get(field, f"(no {field} of {key})"), ())]
@@ -139,20 +155,31 @@ class DistCheckpoint:
         for fqn, layer in candidates:
             if fqn in self.index.tensors:
                 return self.index.tensors[fqn], layer
-            joined = self._joined(key, fqn, len(layer))
+            joined = self._joined(fqn, self._part_fqns(key, fqn, field), len(layer))
             if joined is not None:
                 return joined, layer
         raise FormatError(f"{self.meta.dir / dcp.METADATA}: no tensor {' or '.join(f for f, _ in candidates)} "
                           f"(for {key}): the checkpoint is not the model its args describe; restore it from the source")
 
-    def _joined(self, key: str, fqn: str, lead: int) -> dcp.Entry | None:
-        """A tensor megatron-core saves in parts (`<fqn>.<part>`) as the one global tensor of the layout table: the
-        parts' chunks placed after each other on the first dim after the `lead` stacked axes (no bytes move)."""
-        names = part_names(key, self.meta.spec)
-        if names is None or any(f"{fqn}.{n}" not in self.index.tensors for n in names):
+    def _part_fqns(self, key: str, fqn: str, field: str | None) -> list[str] | None:
+        """The stored names of the parts of a tensor saved in parts (None: saved whole): megatron-core's
+        `<fqn>.<part>` (the layout table's part names), or Megatron-FSDP's SwiGLU halves (`<name>_w`, `<name>_v`, an
+        optimizer field's name after them)."""
+        if not self.fsdp:
+            names = part_names(key, self.meta.spec)
+            return None if names is None else [f"{fqn}.{n}" for n in names]
+        if layout.find_rule(key, self.meta.spec, None).split != GATED or not self.meta.spec.activation == "swiglu":
+            return None
+        tail = f".{field}" if field is not None and fqn.endswith(f".{field}") else ""
+        return [f"{fqn[:len(fqn) - len(tail)]}{half}{tail}" for half in FSDP_HALVES]
+
+    def _joined(self, fqn: str, part_fqns: list[str] | None, lead: int) -> dcp.Entry | None:
+        """A tensor saved in parts (their stored names `part_fqns`) as the one global tensor of the layout table:
+        the parts' chunks placed after each other on the first dim after the `lead` stacked axes (no bytes move)."""
+        if part_fqns is None or any(n not in self.index.tensors for n in part_fqns):
             return None
         if fqn not in self._joins:
-            parts = [self.index.tensors[f"{fqn}.{n}"] for n in names]
+            parts = [self.index.tensors[n] for n in part_fqns]
             chunks, at = [], 0
             for part in parts:
                 if part.dtype != parts[0].dtype or part.shape[:lead] + part.shape[lead + 1:] != \

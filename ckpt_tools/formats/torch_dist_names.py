@@ -50,18 +50,19 @@ def lead_shape(spec, lead: Lead | None) -> tuple[int, ...]:
 Placed = tuple[tuple[int, int], ...]  # a stored tensor's (index, size) on each stacked leading axis; () for none
 
 
-def dcp_candidates(key: str, spec) -> list[tuple[str, Placed]]:
+def dcp_candidates(key: str, spec, prefix: str = "model.") -> list[tuple[str, Placed]]:
     """The names a global layout-table key may have in Megatron-LM's torch_dcp form: the model's own state dict under
     `model.` (TP = PP = 1: every layer and expert by its global index), the local spec's names or Transformer
-    Engine's (TEGroupedMLP's experts: `mlp.experts.linear_fc1.weight<e>`)."""
+    Engine's (TEGroupedMLP's experts: `mlp.experts.linear_fc1.weight<e>`); in fsdp_dtensor the same under
+    `model.module.` (`prefix`)."""
     i = layout.layer_index(key)
-    prefix = f"{_LAYERS}{i}." if i is not None else _MTP_LAYER.match(key).group(1) if _MTP_LAYER.match(key) else None
-    if prefix is None:
-        return [(DCP_MODEL + key, ())]
-    name = key[len(prefix):]
+    where = f"{_LAYERS}{i}." if i is not None else _MTP_LAYER.match(key).group(1) if _MTP_LAYER.match(key) else None
+    if where is None:
+        return [(prefix + key, ())]
+    name = key[len(where):]
     if layout.expert_index(key) is not None:
-        return [(DCP_MODEL + key, ()), (DCP_MODEL + names.to_te_grouped(key), ())]
-    return [(DCP_MODEL + prefix + n, ()) for n in dict.fromkeys((name, names.to_te(name)))]
+        return [(prefix + key, ()), (prefix + names.to_te_grouped(key), ())]
+    return [(prefix + where + n, ()) for n in dict.fromkeys((name, names.to_te(name)))]
 
 
 DCP_MODEL = "model."  # torch_dcp: the model's state dict under this key

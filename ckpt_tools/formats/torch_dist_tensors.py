@@ -14,7 +14,8 @@ from ckpt_tools import io, layout
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import dcp
 from ckpt_tools.formats import megatron_optim as mo
-from ckpt_tools.formats.torch_dist import BUCKETS, DCP_MASTERS, DCP_PLAIN, DCP_STATE, OPT_BUCKETS, Box, DistCheckpoint
+from ckpt_tools.formats.torch_dist import (BUCKETS, DCP_MASTERS, DCP_PLAIN, DCP_STATE, FSDP_PARAM, FSDP_STATE,
+                                           OPT_BUCKETS, Box, DistCheckpoint)
 from ckpt_tools.shards import Reader
 
 
@@ -70,6 +71,8 @@ class TorchDistShards(Reader):
             return [torch.tensor(self.step())] * meta.tp_size
         if form == DCP_PLAIN and self.ckpt.dcp_fields is None:
             self.ckpt.dcp_fields = self._dcp_fields()
+        if form == FSDP_PARAM and self.ckpt.dcp_fields is None:
+            self.ckpt.dcp_fields = self._fsdp_fields()
         if form == BUCKETS:
             out = [self._bucket_shard(global_key, field, rank) for rank in range(meta.tp_size)]
         else:
@@ -99,7 +102,7 @@ class TorchDistShards(Reader):
         return self.ckpt.optimizer_form is not None
 
     def step(self) -> float:
-        if self.ckpt.optimizer_form == DCP_PLAIN:
+        if self.ckpt.optimizer_form in (DCP_PLAIN, FSDP_PARAM):
             return self._dcp_step()
         step = self.ckpt.step()
         if step is None:  # dp_reshardable: in each model-parallel rank's optimizer object (the same step)
@@ -148,9 +151,39 @@ class TorchDistShards(Reader):
             out[p.key] = fields
         return out
 
+    def _fsdp_fields(self) -> dict[str, dict[str, str]]:
+        """Each parameter's optimizer entries in an fsdp_dtensor checkpoint: `<prefix><its model entry's name>.<field>`
+        (Megatron-FSDP's wrapped parameter names; a SwiGLU fc1's halves joined by DistCheckpoint.entry)."""
+        out = {}
+        for key, _, _ in self.ckpt.stage_params(0):
+            name = self.ckpt.entry(key)[0].fqn[len(self.ckpt.model_prefix):]
+            out[key] = {field: f"{self.ckpt.dcp_prefix}{name}.{field}" for field in ("exp_avg", "exp_avg_sq")}
+        return out
+
+    def _fsdp_groups(self) -> list[dict]:
+        """Megatron-FSDP's param groups: each parameter's group settings are bytes entries
+        `optimizer.param_to_group_meta.<name>.<setting>`; parameters of equal settings make one group."""
+        prefix, found = "optimizer.param_to_group_meta.", {}
+        for name in self.ckpt.index.blobs:
+            if name.startswith(prefix):
+                param, setting = name[len(prefix):].rsplit(".", 1)
+                found.setdefault(param, {})[setting] = self._blob(name)
+        groups: list[dict] = []
+        for param, settings in found.items():
+            same = [g for g in groups if {k: v for k, v in g.items() if k != "params"} == settings]
+            if same:
+                same[0]["params"].append(param)
+            else:
+                groups.append({**settings, "params": [param]})
+        if not groups:
+            raise FormatError(f"{self.meta.dir / dcp.METADATA}: no optimizer.param_to_group_meta.* entries: the "
+                              f"optimizer's param groups are missing; restore the checkpoint, or pass --no-optimizer")
+        return groups
+
     def _dcp_step(self) -> float:
         """Adam's step: per parameter (torch's Adam: `<prefix>state.<i>.step`, the same for all) or per group."""
-        steps = [f for f in self.ckpt.index.tensors if (m := DCP_STATE.match(f)) and m.group(3) == "step"]
+        pattern = FSDP_STATE if self.ckpt.fsdp else DCP_STATE
+        steps = [f for f in self.ckpt.index.tensors if (m := pattern.match(f)) and m.group(3) == "step"]
         if steps:
             entry = self.ckpt.index.tensors[steps[0]]
             return float(self._chunk(entry, entry.chunks[0]).reshape(()).item())
@@ -178,7 +211,8 @@ class TorchDistShards(Reader):
             prefix = "opt_param_scheduler."
             scheduler = {name[len(prefix):]: self._blob(name) for name in self.ckpt.index.blobs
                          if name.startswith(prefix)}
-            return where, self._dcp_groups() if self.has_optimizer() else None, where, scheduler or None
+            groups = (self._fsdp_groups() if self.ckpt.fsdp else self._dcp_groups()) if self.has_optimizer() else None
+            return where, groups, where, scheduler or None
         opt = self.ckpt.common.get("optimizer")
         inner = opt.get("optimizer") if isinstance(opt, dict) else None
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
