@@ -9,7 +9,7 @@ import click
 
 from ckpt_tools.errors import CkptError, ConfigError
 
-FORMS = ("ours", "torch_dist", "torch")  # to_megatron.CHOICES, without importing torch for --help
+FORMS = ("ours", "torch_dist", "torch", "fsdp_dtensor")  # to_megatron.CHOICES, without importing torch for --help
 MODELS = ("gpt", "hybrid")  # to_megatron.GPT, HYBRID, without importing torch for --help
 
 
@@ -246,7 +246,8 @@ def _layers(text: str | None) -> list[int] | None:
 @_vpp_opt
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
-              help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch.")
+              help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch / fsdp_dtensor "
+                   "(Megatron-FSDP, weights only).")
 @click.option("--no-optimizer", is_flag=True, help="Write the weights only.")
 @click.option("--model", type=click.Choice(MODELS), default=None,
               help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "
@@ -296,7 +297,8 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Model weight dtype (default: the HF weights' own).")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
-              help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch; weights only, 'release').")
+              help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch / fsdp_dtensor; weights only, "
+                   "'release').")
 @click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
 @click.option("--model", type=click.Choice(MODELS), default=None,
               help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "

@@ -122,6 +122,8 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     stages (even: --num-layers-per-virtual-pipeline-stage)."""
     check_expressible(spec)
     args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
+    if ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's form: its --use-megatron-fsdp run
+        vars(args).update(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
     if vpp > 1:
         vars(args).update(pipeline_model_parallel_size=len(counts) // vpp, virtual_pipeline_model_parallel_size=vpp,
                           num_layers_per_virtual_pipeline_stage=counts[0], num_virtual_stages_per_pipeline_rank=None,

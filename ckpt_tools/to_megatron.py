@@ -104,6 +104,11 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
                               f"segments per virtual stage) is not written by this version: drop --vpp, or pass "
                               f"--model gpt")
         pattern = hybrid.Pattern.for_layers(counts, spec.pattern, single=spec.hybrid)
+    if form == megatron_lm.FSDP_DTENSOR and (len(counts) > 1 or spec.mtp_num_layers):
+        raise ConfigError(f"{where}: Megatron-FSDP's fsdp_dtensor form " + (
+            f"at PP {len(counts)} (its layers keyed by their index within a stage)" if len(counts) > 1 else
+            "with multi-token prediction layers") + " is not written by this version: pass --pp 1" + (
+            "" if len(counts) > 1 else ", or --format torch_dist"))
     if vpp > 1 and spec.mtp_num_layers:
         raise ConfigError(f"{where}: multi-token prediction layers in an interleaved pipeline (--vpp {vpp}) are not "
                           f"written by this version: drop --vpp")
@@ -194,6 +199,8 @@ def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep:
         where += _not_restored(spec)
     if resume:
         where += " --use-distributed-optimizer"
+    if form == megatron_lm.FSDP_DTENSOR:  # weights only: no optimizer, scheduler or RNG state to load
+        where += " --use-megatron-fsdp --no-load-optim --no-load-rng"
     if form == megatron_lm.TORCH:
         where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
         if ep > 1:

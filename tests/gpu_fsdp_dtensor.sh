@@ -2,7 +2,9 @@
 # The Megatron-FSDP (`--ckpt-format fsdp_dtensor`) fixtures, saved on a GPU machine by megatron-core's own modules
 # (tests/mcore_fsdp_dtensor.py): each case NAME VERSION NPROC OPTIMIZER MODEL-JSON under OUT/NAME, its log under
 # OUT/logs. VERSION is the megatron-core wheel's dir under .whl/ (016 or 019: ../shared/gpu-wheels.sh's wheels).
-#   bash tests/gpu_fsdp_dtensor.sh OUT
+# Case `load` loads every save dir under .whl/fsdp_in/ (what `ckpt` wrote, carried along) into Megatron-FSDP at DP 2
+# as Megatron-LM's load_checkpoint does: OUT/loaded.pt.
+#   CASES="llama_dp1 load" bash tests/gpu_fsdp_dtensor.sh OUT
 set -u
 out=${1:?OUT}
 mkdir -p "$out/logs"
@@ -23,5 +25,11 @@ for c in $cases; do
     llama_dp1) run llama_dp1 016 1 true "$llama" ;;
     llama_dp2_model) run llama_dp2_model 016 2 false "$llama" ;;
     llama019_dp2) run llama019_dp2 019 2 true "$llama" ;;
+    load)
+      echo "{\"model\": $llama, \"watchdog\": ${WATCHDOG:-150}}" > "$out/logs/load.json"
+      PYTHONPATH=/tmp/site_016:$PWD:$PWD/tests timeout ${LIMIT:-240} python3 -m torch.distributed.run \
+        --nproc-per-node 2 tests/mcore_fsdp_dtensor.py load "$out/logs/load.json" "$out/loaded.pt" .whl/fsdp_in/* \
+        > "$out/logs/load.log" 2>&1
+      echo "load: rc $?"; tail -5 "$out/logs/load.log" ;;
   esac
 done

@@ -5,8 +5,8 @@ tests/mcore_fsdp_dtensor.py): a Llama GPTModel wrapped as Megatron-LM's get_mode
 (Float16Module, FullyShardedDataParallel with optim_grads_params), megatron-core's distributed optimizer, two bf16
 steps, then what Megatron-LM's save_checkpoint writes for this form (its `_extra_state` dropped, SwiGLU fc1 saved as
 `_w` / `_v` halves, uneven DTensor shards):
-- `llama_dp1`: one GPU, model and optimizer (`optimizer.state.module.module.module.<name>.<field>`, param groups as
-  `optimizer.param_to_group_meta.*`);
+- `llama_dp1`: one GPU, model, optimizer (`optimizer.state.module.module.module.<name>.<field>`, param groups as
+  `optimizer.param_to_group_meta.*`) and scheduler (`opt_param_scheduler.*`);
 - `llama_dp2_model`: two GPUs, the weights sharded unevenly over the two data-parallel ranks (`--no-save-optim`:
   megatron-core 0.16.1 and 0.19.2 cannot save this model's optimizer at DP 2: their uneven-DTensor preprocessing
   waits forever in mismatched collectives, docs/format.md).
@@ -15,6 +15,7 @@ Megatron-FSDP's gather_uneven_dtensor_to_full_tensor); `logits.pt` its bf16 forw
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -74,8 +75,8 @@ def test_fsdp_dtensor_optimizer_state_is_what_torch_reads_from_the_files(tmp_pat
     fc1's joined from its `_w` / `_v` halves) equal what torch.distributed.checkpoint's own loader reads for that
     name, the masters are the fp32 main weights, the step is Adam's; resharded into our format at TP2 and back to
     TP1 they are the same, bit for bit. Its param groups come from `param_to_group_meta` (one per distinct
-    setting, as megatron-core groups them). Without an opt_param_scheduler entry (this save holds none), a reshard
-    into torch_dist with optimizer state is refused in one line, nothing written; --no-optimizer writes the weights."""
+    setting, as megatron-core groups them); with its scheduler they go into Megatron-LM's torch_dist at TP2, whose
+    optimizer state reads back the same."""
     import torch.distributed.checkpoint as dcp
     src = FIXTURES / "llama_dp1" / "fsdp_dtensor"
     iter_dir = src / "iter_0000003"
@@ -107,13 +108,12 @@ def test_fsdp_dtensor_optimizer_state_is_what_torch_reads_from_the_files(tmp_pat
     reshard(tmp_path / "ours", tmp_path / "back", tp=1, pp=1, quiet=True)
     for out in ("ours", "back"):
         assert differ(open_checked(tmp_path / out, None, True)) == [], out
-    line = one_line_error(run("reshard", src, tmp_path / "dist", "--tp", "1", "--pp", "1", "--format", "torch_dist",
-                              "--vocab-size", VOCAB))
-    assert "no opt_param_scheduler state" in line and "--no-optimizer" in line, line
-    assert_nothing_written(tmp_path / "dist")
-    result = run("reshard", src, tmp_path / "dist", "--tp", "2", "--pp", "1", "--format", "torch_dist",
-                 "--vocab-size", VOCAB, "--no-optimizer")
-    assert result.exit_code == 0, result.output
+    reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    written = megatron_lm.open_reader(tmp_path / "dist", vocab_size=VOCAB)
+    assert differ(written) == []
+    scheduler = written.megatron_optimizer()[3]
+    assert scheduler["num_steps"] == 2 and scheduler["lr_decay_style"] == "cosine"
+    written.close()
     merge(tmp_path / "dist", tmp_path / "hf", quiet=True)
     merge(src, tmp_path / "direct", vocab_size=VOCAB, quiet=True)
     a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "direct" / "model.safetensors")
@@ -133,3 +133,72 @@ def test_fsdp_dtensor_missing_half_is_one_line(tmp_path):
     line = one_line_error(run("merge", src, tmp_path / "bad", "--vocab-size", VOCAB))
     assert "model.module.decoder.layers.1.mlp.linear_fc1.weight" in line and "restore" in line, line
     assert_nothing_written(tmp_path / "bad")
+
+
+def test_fsdp_dtensor_written_is_what_megatron_fsdp_saves_and_loads(tmp_path):
+    """`--format fsdp_dtensor` (weights only) holds every model entry megatron-core's own save holds, of its shape and
+    dtype, and torch.distributed.checkpoint's own loader reads megatron-core's gathered weights from it exactly (the
+    SwiGLU halves where Megatron-FSDP puts them); its args, iteration and checkpoint_version are bytes entries that
+    Megatron-LM's rank-0 read takes. On 2 x H200 megatron-core 0.16.1 loaded this output (and an HF import in fp32 and
+    bf16) into Megatron-FSDP at DP 2 as Megatron-LM's load_checkpoint does, strict, and gave the saved model's logits
+    exactly (tests/gpu_fsdp_dtensor.sh, case load; test_megatron_core_loads_what_ckpt_writes_as_fsdp_dtensor).
+    Refused in one line, nothing written: PP 2, and optimizer state (this form is written weights only)."""
+    import torch.distributed.checkpoint as dcp
+    case = FIXTURES / "llama_dp2_model"
+    reshard(case / "fsdp_dtensor", tmp_path / "out", tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
+    theirs = dcp.FileSystemReader(str(case / "fsdp_dtensor" / "iter_0000003")).read_metadata().state_dict_metadata
+    iter_dir = tmp_path / "out" / "release"
+    ours = dcp.FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata
+    model = {k: v for k, v in theirs.items() if k.startswith("model.")}
+    assert len(model) == 17 and all(k in ours for k in model), sorted(set(model) - set(ours))
+    assert all(tuple(ours[k].size) == tuple(v.size) and ours[k].properties.dtype == v.properties.dtype
+               for k, v in model.items())
+    loaded = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in model.items()}
+    loaded.update({"args": None, "iteration": None, "checkpoint_version": None})
+    dcp.load(loaded, checkpoint_id=str(iter_dir), no_dist=True)
+    reference = torch.load(case / "weights.pt", weights_only=True)
+    for name, want in reference.items():
+        if name.endswith("linear_fc1.weight"):
+            got = torch.cat([loaded[f"model.{name}_w"], loaded[f"model.{name}_v"]])
+        else:
+            got = loaded[f"model.{name}"]
+        assert torch.equal(got, want), name
+    assert loaded["iteration"] == 0 and loaded["checkpoint_version"] == 3.0
+    assert loaded["args"].ckpt_format == "fsdp_dtensor" and loaded["args"].use_megatron_fsdp
+    line = one_line_error(run("reshard", case / "fsdp_dtensor", tmp_path / "pp2", "--tp", "1", "--pp", "2",
+                              "--format", "fsdp_dtensor", "--vocab-size", VOCAB))
+    assert "fsdp_dtensor form at PP 2" in line and "--pp 1" in line, line
+    assert_nothing_written(tmp_path / "pp2")
+    line = one_line_error(run("reshard", FIXTURES / "llama_dp1" / "fsdp_dtensor", tmp_path / "opt", "--tp", "1",
+                              "--pp", "1", "--format", "fsdp_dtensor", "--vocab-size", VOCAB))
+    assert "--no-optimizer" in line, line
+    assert_nothing_written(tmp_path / "opt")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_megatron_core_loads_what_ckpt_writes_as_fsdp_dtensor(tmp_path):
+    """megatron-core (Megatron-FSDP at DP 2, Megatron-LM's load path: strict DCP load of the preprocessed state dict,
+    then the wrapped model's load_state_dict) loads `ckpt`'s fsdp_dtensor output of its own save and of an HF import
+    (fp32, bf16): its forward gives the saved model's logits exactly, its gathered weights are the written ones."""
+    from conftest import torchrun
+    case = FIXTURES / "llama_dp2_model"
+    merge(case / "fsdp_dtensor", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    from ckpt_tools.importer import import_hf
+    dirs = {"resharded": tmp_path / "a", "imported": tmp_path / "b", "bf16": tmp_path / "c"}
+    reshard(case / "fsdp_dtensor", dirs["resharded"], tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
+    import_hf(tmp_path / "hf", dirs["imported"], tp=1, pp=1, form="fsdp_dtensor", quiet=True)
+    import_hf(tmp_path / "hf", dirs["bf16"], tp=1, pp=1, form="fsdp_dtensor", quiet=True, dtype=torch.bfloat16)
+    config = tmp_path / "load.json"
+    config.write_text(json.dumps({"model": json.loads((case / "config.json").read_text())["model"]}))
+    torchrun(2, ["tests/mcore_fsdp_dtensor.py", "load", str(config), str(tmp_path / "loaded.pt"),
+                 *map(str, dirs.values())], timeout=600)
+    found = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    expected = torch.load(case / "logits.pt", weights_only=True)[..., :VOCAB]
+    weights = torch.load(case / "weights.pt", weights_only=True)
+    for name, d in dirs.items():
+        assert torch.equal(found[str(d)]["logits"][..., :VOCAB], expected), name
+        for k, want in weights.items():
+            want = want.bfloat16().float() if name == "bf16" else want
+            rows = slice(0, VOCAB) if "word_embeddings" in k or "output_layer" in k else slice(None)
+            assert torch.equal(found[str(d)]["weights"][k][rows], want[rows]), (name, k)

@@ -52,6 +52,8 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
     apply. The legacy torch form is written by formats/legacy_copy.py, weights only, at EP `ep` (None: the source's).
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
+    if form not in (TORCH_DIST, megatron_lm.TORCH):
+        return None  # fsdp_dtensor: written by the torch path
     try:
         source = ByteSource.open(src, vocab_size, False)
     except Declined:
@@ -247,6 +249,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     dtype than asked for, transposed kinds (GPT-2), names or shapes that disagree with config.json (the torch
     path words that), anything unreadable."""
     start = time.perf_counter()
+    if form not in (TORCH_DIST, megatron_lm.TORCH):
+        return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
     copied = _copied(hf_dir, dtype)
     if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's

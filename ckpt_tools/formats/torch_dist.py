@@ -269,6 +269,8 @@ class DistCheckpoint:
             alias = te_alias(entry.fqn, meta.spec, self._by_pattern)  # the same tensor under the other spec's name, where written
             if alias in self.index.tensors:
                 used.add(alias)
+            if self.dcp:  # the model's keys: a norm under both specs' names (as `ckpt` writes fsdp_dtensor)
+                used.update(f for f, _ in dcp_candidates(key, meta.spec, self.model_prefix) if f in self.index.tensors)
             want = self.expected_shape(key, layer)
             if entry.shape != want:
                 problems.append(f"{where}: {entry.fqn} has global shape {list(entry.shape)}, the layout table says "
