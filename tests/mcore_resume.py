@@ -5,6 +5,13 @@ optimizer state. Needs CUDA (megatron-core's DistributedOptimizer allocates on "
     MCORE_RESUME_TP=T MCORE_RESUME_PP=P torchrun --nproc-per-node N tests/mcore_resume.py OUT
                                             # N GPUs: TP T x PP P x DP N/(T x P) (A only)
     MCORE_RESUME_MODEL=hybrid torchrun --nproc-per-node 1 tests/mcore_resume.py OUT     # megatron-core >= 0.19
+    MCORE_RESUME_PP=2 MCORE_RESUME_VPP=2 torchrun --nproc-per-node 4 tests/mcore_resume.py OUT   # interleaved
+
+With MCORE_RESUME_VPP=V (PP > 1, 4 layers), A is an interleaved pipeline as Megatron-LM's get_model builds it: each PP
+rank's V model chunks (`vp_stage`), each in its own DistributedDataParallel (bucketing off for chunks after the first,
+as Megatron-LM's `disable_bucketing=(model_chunk_idx > 0)`), one distributed optimizer over them (a grad buffer per
+chunk: `gbuf_idx_<v>`), megatron-core's interleaved 1F1B schedule, saved with `model0`, `model1`, ... beside the
+optimizer; the legacy form is left out.
 
 With MCORE_RESUME_MODEL=hybrid, A is run with megatron-core 0.19's HybridModel (pattern `*-*-`, its local modules as
 tests/mcore_newest.py builds them) instead of GPTModel: its dp_reshardable and fully_reshardable saves, resharded by
@@ -42,7 +49,8 @@ import sys
 import warnings
 from pathlib import Path
 
-SPEC = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+VPP = int(os.environ.get("MCORE_RESUME_VPP", "1"))  # model chunks per PP rank (an interleaved pipeline)
+SPEC = {"architecture": "llama", "num_layers": 4 if VPP > 1 else 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
         "ffn_hidden_size": 96, "vocab_size": 120, "max_position_embeddings": 64, "norm_epsilon": 1e-6}
 LR, MIN_LR, WD, SEQ = 1e-2, 1e-3, 0.1, 32
 TP = int(os.environ.get("MCORE_RESUME_TP", "1"))  # the run's TP and PP; DP = the processes / (TP x PP), a GPU each
@@ -92,19 +100,26 @@ def build(spec, padded: int, seed: int, override_schedule: bool = False, dtype: 
     torch.manual_seed(seed)
     if KIND == "hybrid":
         from mcore_newest import build as build_newest
-        gpt = build_newest({"kind": "hybrid", "pattern": PATTERN, "model": spec.to_dict(), "tp": 1, "pp": 1}, padded)
+        chunks = [build_newest({"kind": "hybrid", "pattern": PATTERN, "model": spec.to_dict(), "tp": 1, "pp": 1},
+                               padded)]
+    elif VPP > 1:
+        from mcore_vpp import _chunks
+        chunks = _chunks(spec, padded, torch, seed)
     else:
-        gpt = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, TP, PP)
-    _perturb(gpt, torch)
+        chunks = [_build_model({**spec.to_dict(), "padded_vocab_size": padded}, TP, PP)]
     bf16 = dtype == "bfloat16"
-    gpt = gpt.cuda().to(getattr(torch, dtype))
-    gpt.config.bf16, gpt.config.params_dtype = bf16, getattr(torch, dtype)
-    gpt.config.pipeline_dtype = getattr(torch, dtype)  # what the stages send each other
-    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True), gpt)
+    ddps = []
+    for v, gpt in enumerate(chunks):
+        _perturb(gpt, torch)
+        gpt = chunks[v] = gpt.cuda().to(getattr(torch, dtype))
+        gpt.config.bf16, gpt.config.params_dtype = bf16, getattr(torch, dtype)
+        gpt.config.pipeline_dtype = getattr(torch, dtype)  # what the stages send each other
+        ddps.append(DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), gpt, disable_bucketing=v > 0))
     config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=WD, bf16=bf16,
                              params_dtype=getattr(torch, dtype), use_distributed_optimizer=True, clip_grad=1.0)
-    opt = get_megatron_optimizer(config, [ddp], config_overrides=get_standard_config_overrides(config))
+    opt = get_megatron_optimizer(config, ddps, config_overrides=get_standard_config_overrides(config))
+    gpt, ddp = (chunks, ddps) if VPP > 1 else (chunks[0], ddps[0])
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=2 * GBS,
                                     lr_decay_steps=10 * GBS, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
                                     wd_incr_steps=10 * GBS, wd_incr_style="constant",
@@ -121,7 +136,8 @@ def step(ddp, opt, sched, i: int, vocab: int) -> float:
     tokens = torch.randint(0, vocab, (GBS, SEQ), generator=torch.Generator().manual_seed(100 + i)).cuda()
     tokens = tokens.chunk(DP)[ps.get_data_parallel_rank()]
     positions = torch.arange(SEQ).cuda().unsqueeze(0).expand(tokens.shape[0], -1)
-    ddp.zero_grad_buffer()
+    for chunk in ddp if VPP > 1 else [ddp]:
+        chunk.zero_grad_buffer()
     opt.zero_grad()
     if PP > 1:
         return _pipelined_step(ddp, opt, sched, tokens)
@@ -145,10 +161,13 @@ def _pipelined_step(ddp, opt, sched, tokens) -> float:
         t = next(data)
         out = model(t, torch.arange(SEQ).cuda().unsqueeze(0), None, labels=t)
         return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+    chunks = ddp if VPP > 1 else [ddp]
+    data = [iter(tokens.split(1)) for _ in chunks] if VPP > 1 else iter(tokens.split(1))  # one per model chunk
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(tokens.split(1)), model=[ddp],
+        forward_step_func=forward_step, data_iterator=data, model=chunks,
         num_microbatches=tokens.shape[0], seq_length=SEQ, micro_batch_size=1, forward_only=False)
-    ddp.finish_grad_sync()
+    for chunk in chunks:
+        chunk.finish_grad_sync()
     opt.step()
     sched.step(increment=GBS)
     total = torch.tensor(sum(x["loss"].item() for x in losses) / len(losses) if losses else 0.0).cuda()
@@ -156,9 +175,17 @@ def _pipelined_step(ddp, opt, sched, tokens) -> float:
     return (total / (TP * DP)).item()
 
 
+def models(gpt) -> dict:
+    """The model's sharded state dict, under `model` (`model0`, `model1`, ... with virtual pipeline stages)."""
+    return {f"model{v}": c.sharded_state_dict() for v, c in enumerate(gpt)} if VPP > 1 else \
+        {"model": gpt.sharded_state_dict()}
+
+
 def sharded(gpt, opt, metadata: dict, loading: bool) -> dict:
-    model = gpt.sharded_state_dict()
-    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=loading, metadata=metadata)}
+    """The model's and the optimizer's sharded state dicts."""
+    model = models(gpt)
+    return {**model, "optimizer": opt.sharded_state_dict(model if VPP > 1 else model["model"], is_loading=loading,
+                                                          metadata=metadata)}
 
 
 def load(gpt, opt, sched, iter_dir: Path, with_optimizer: bool = True) -> int:
@@ -168,9 +195,10 @@ def load(gpt, opt, sched, iter_dir: Path, with_optimizer: bool = True) -> int:
     if with_optimizer:  # torch's Adam (no Transformer Engine or Apex here) has no state before its first step:
         for inner in getattr(opt, "chained_optimizers", [opt]):  # megatron-core's own placeholder for loading
             inner._init_optimizer_states_with_dummy_values()
-    request = sharded(gpt, opt, metadata, True) if with_optimizer else {"model": gpt.sharded_state_dict()}
+    request = sharded(gpt, opt, metadata, True) if with_optimizer else models(gpt)
     state = dist_checkpointing.load(request, str(iter_dir))
-    gpt.load_state_dict(state["model"], strict=True)
+    for v, chunk in enumerate(gpt if VPP > 1 else [gpt]):
+        chunk.load_state_dict(state[f"model{v}" if VPP > 1 else "model"], strict=True)
     if with_optimizer:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["opt_param_scheduler"])
@@ -207,6 +235,9 @@ def run_megatron_source(out: Path, result: dict) -> None:
     args = _args(spec, TP, PP, padded, SAVED_AT, "bfloat16")
     args.data_parallel_size = DP
     args.use_distributed_optimizer, args.accumulate_allreduce_grads_in_fp32 = True, True
+    if VPP > 1:
+        args.virtual_pipeline_model_parallel_size = VPP
+        args.num_layers_per_virtual_pipeline_stage = spec.num_layers // (PP * VPP)
     if KIND == "hybrid":  # what pretrain_hybrid.py's args record
         vars(args).update(hybrid_layer_pattern=PATTERN, num_layers=len(PATTERN), is_hybrid_model=True)
     common = {"args": args, "iteration": SAVED_AT, "checkpoint_version": 3.0,
@@ -221,13 +252,20 @@ def run_megatron_source(out: Path, result: dict) -> None:
                                 content_metadata=metadata)
         if lead:
             (out / where / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
-    if DP > 1:  # the legacy form too: model_optim_rng.pt and distrib_optim.pt per TP x PP rank (DP rank 0 writes)
+    if DP > 1 and VPP == 1:  # the legacy form too: model_optim_rng.pt and distrib_optim.pt per TP x PP rank (DP 0)
         save_legacy(out / "src_legacy", gpt, opt, common, name)
     reference = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
+    written = torch.ones(1).cuda()
     if lead:  # another layout on disk (TP2 x PP2; TP1 x PP2 from TP2, TP2 x PP1 from PP2); loaded at this run's
-        result["line"] = reshard(out / "src", out / "dst", tp=1 if TP > 1 else 2, pp=1 if PP > 1 else 2,
-                                 vocab_size=spec.vocab_size, quiet=True, form="torch_dist")
-    torch.distributed.barrier()
+        try:
+            result["line"] = reshard(out / "src", out / "dst", tp=1 if TP > 1 else 2, pp=1 if PP > 1 else 2,
+                                     vocab_size=spec.vocab_size, quiet=True, form="torch_dist")
+        except Exception as e:  # noqa: BLE001 - said in resume.json; the saves are kept
+            result["reshard_error"], written[0] = f"{type(e).__name__}: {e}", 0
+    torch.distributed.broadcast(written, 0)
+    if not written.item():
+        result.update(losses_before=losses, reference=reference)
+        return
     dst = out / "dst" / name
     gpt, ddp, opt, sched = build(spec, padded, 999)
     result["iteration"] = load(gpt, opt, sched, dst)
@@ -371,7 +409,7 @@ def main(out: str, ours: str | None = None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    ps.initialize_model_parallel(TP, PP)
+    ps.initialize_model_parallel(TP, PP, virtual_pipeline_model_parallel_size=VPP if VPP > 1 else None)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     keep_torch_adam_step()
     result: dict = {}

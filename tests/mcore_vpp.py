@@ -28,7 +28,7 @@ MODEL = {"architecture": "llama", "num_layers": 4, "hidden_size": 64, "num_atten
 PP, VPP, ITERATION = 2, 2, 7
 
 
-def _chunks(spec, padded: int, torch):
+def _chunks(spec, padded: int, torch, seed: int = 1234):
     """This rank's model chunks, built as Megatron-LM's get_model builds them with virtual pipeline stages."""
     import megatron.core.models.gpt as gpt_module
     import mcore_reference_child as child
@@ -42,7 +42,7 @@ def _chunks(spec, padded: int, torch):
                                       "pre_process": ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                                       "post_process": ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)})
         gpt_module.GPTModel = chunk  # what _build_model imports
-        torch.manual_seed(1234 + 10 * v + ps.get_pipeline_model_parallel_rank())
+        torch.manual_seed(seed + 10 * v + ps.get_pipeline_model_parallel_rank())
         chunks.append(child._build_model({**spec.to_dict(), "padded_vocab_size": padded}, 1, PP).eval())
     gpt_module.GPTModel = original
     return chunks

@@ -178,21 +178,22 @@ def test_megatron_core_resumes_from_our_torch_dist_optimizer_state(tmp_path):
     assert r["imported_training"][-1] < r["imported_training"][0], r
 
 
-@pytest.mark.parametrize("tp,pp", [pytest.param(1, 1, marks=_needs_gpus(2), id="dp2-2gpus"),
-                                   pytest.param(2, 1, marks=_needs_gpus(4), id="tp2xdp2-4gpus"),
-                                   pytest.param(1, 2, marks=_needs_gpus(4), id="pp2xdp2-4gpus")])
-def test_megatron_core_resumes_data_parallel_runs_from_our_torch_dist_rewrite(tp, pp, tmp_path):
-    """megatron-core's distributed optimizer at DP2 (and TP2 x DP2, PP2 x DP2 through its 1F1B schedule): its
-    dp_reshardable save, its buckets sharded over the data-parallel ranks, resharded by ckpt to another TP x PP (TP2 x
-    PP2; TP1 x PP2; TP2 x PP1) and loaded back by megatron-core at the run's layout: the state bit-identical to its own
-    fully_reshardable save, the losses the uninterrupted run's (tests/mcore_resume.py; the saves are
-    fixtures/megatron_optimizer_dp)."""
+@pytest.mark.parametrize("tp,pp,vpp", [pytest.param(1, 1, 1, marks=_needs_gpus(2), id="dp2-2gpus"),
+                                       pytest.param(2, 1, 1, marks=_needs_gpus(4), id="tp2xdp2-4gpus"),
+                                       pytest.param(1, 2, 1, marks=_needs_gpus(4), id="pp2xdp2-4gpus"),
+                                       pytest.param(1, 2, 2, marks=_needs_gpus(4), id="pp2xvpp2xdp2-4gpus")])
+def test_megatron_core_resumes_data_parallel_runs_from_our_torch_dist_rewrite(tp, pp, vpp, tmp_path):
+    """megatron-core's distributed optimizer at DP2 (and TP2 x DP2, PP2 x DP2 through its 1F1B schedule, PP2 x VPP2 x
+    DP2 through its interleaved one): its dp_reshardable save, its buckets sharded over the data-parallel ranks,
+    resharded by ckpt to another TP x PP (TP2 x PP2; TP1 x PP2; TP2 x PP1) and loaded back by megatron-core at the
+    run's layout: the state bit-identical to its own fully_reshardable save, the losses the uninterrupted run's
+    (tests/mcore_resume.py; the saves are fixtures/megatron_optimizer_dp)."""
     import os
-    os.environ.update(MCORE_RESUME_TP=str(tp), MCORE_RESUME_PP=str(pp))
+    os.environ.update(MCORE_RESUME_TP=str(tp), MCORE_RESUME_PP=str(pp), MCORE_RESUME_VPP=str(vpp))
     try:
         torchrun(2 * tp * pp, [str(Path(__file__).with_name("mcore_resume.py")), str(tmp_path / "out")])
     finally:
-        del os.environ["MCORE_RESUME_TP"], os.environ["MCORE_RESUME_PP"]
+        del os.environ["MCORE_RESUME_TP"], os.environ["MCORE_RESUME_PP"], os.environ["MCORE_RESUME_VPP"]
     r = json.loads((tmp_path / "out" / "resume.json").read_text())
     assert r["layout"] == {"tp": tp, "pp": pp, "dp": 2}, r
     assert r["optimizer"]["compared"] > 0 and not r["optimizer"]["missing"] and not r["optimizer"]["differ"], r

@@ -178,24 +178,29 @@ def test_a_plain_optimizer_that_does_not_fit_the_model_is_refused(change, expect
 DP_FIXTURES = FIXTURES.parent / "megatron_optimizer_dp"
 
 
-@pytest.mark.parametrize("form", ["src", "src_legacy"], ids=["dp_reshardable", "distrib_optim.pt"])
-@pytest.mark.parametrize("run", ["dp2", "tp2_dp2", "pp2_dp2"])
+@pytest.mark.parametrize("run,form", [(run, form) for run in ("dp2", "tp2_dp2", "pp2_dp2", "pp2_vpp2_dp2")
+                                      for form in ("src", "src_legacy") if (DP_FIXTURES / run / form).is_dir()],
+                         ids=lambda x: {"src": "dp_reshardable", "src_legacy": "distrib_optim.pt"}.get(x, x))
 def test_data_parallel_runs_optimizer_state_is_megatron_cores_own(run, form, tmp_path):
     """The distributed optimizer's state as megatron-core shards it over DP, saved by real multi-GPU runs
     (`scripts/gpu_dp_resume.sh`: DP2 on 2 GPUs, TP2 x DP2 and PP2 x DP2 on 4; docs/gpu.md) in torch_dist's default
     dp_reshardable form (buckets sharded over the DP ranks) and the legacy form (distrib_optim.pt, gathered over DP):
     resharded by ckpt to TP1 x PP1, every fp32 master and Adam moment is bit for bit what megatron-core itself saved of
     the same optimizer in its fully_reshardable form, read by torch's own DCP reader. (On the GPUs, megatron-core
-    resumed from ckpt's torch_dist rewrite of the first on the uninterrupted run's losses.)"""
+    resumed from ckpt's torch_dist rewrite of the first on the uninterrupted run's losses.) An interleaved pipeline
+    (PP2 x VPP2 x DP2, 4 layers: each model chunk its own grad buffer, `gbuf_idx_<chunk>`, bucketed on the first chunk
+    only) reads the same way, as PP x VPP model chunks."""
     from mcore_resume import full_tensors, same_as_ours
 
     from ckpt_tools.reshard import reshard
     src = DP_FIXTURES / run / form
     meta = open_checkpoint(src, VOCAB).meta
-    assert (meta.tp_size, meta.pp_size) == {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2)}[run]
+    assert (meta.tp_size, meta.pp_size) == {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2),
+                                            "pp2_vpp2_dp2": (1, 2)}[run]
     reshard(src, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)
     reference = full_tensors(DP_FIXTURES / run / "ref_src" / "iter_0000003", tmp_path / "ref.pt")
     result = same_as_ours(tmp_path / "ours", reference, tied=False)
-    # 15 tensors (2 layers of 6, the norm, embedding and output layer) x 3 fields
-    assert result["compared"] == 45 and not result["missing"] and not result["differ"], result
+    # 15 tensors (2 layers of 6, the norm, embedding and output layer; 27 with 4 layers) x 3 fields
+    assert result["compared"] == (81 if "vpp" in run else 45), result
+    assert not result["missing"] and not result["differ"], result
     assert result["step"] == 3.0

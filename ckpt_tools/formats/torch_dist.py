@@ -89,14 +89,16 @@ class DistCheckpoint:
             self.optimizer_form = (FSDP_PARAM if self.fsdp else DCP_PLAIN) if found else None
             self.dcp_prefix = found[0].group(1) if found else None
             self.has_masters = any(f.startswith(DCP_MASTERS) for f in index.tensors)  # fsdp: the weights are
-        self._buckets: dict[tuple[int, int, str], list[dcp.Entry]] = {}
+        self._buckets: dict[tuple[int, str, int, str], list[dcp.Entry]] = {}
         self._buffers: dict[int, set[str]] = {}  # group -> its grad buffers' names (gbuf_idx_g)
         for f, e in index.tensors.items():
             m = _BUCKET.match(f)
             if m:
                 group, gbuf, bucket, name = int(m["group"]), m["gbuf"], int(m["bucket"]), m["name"]
                 self._buffers.setdefault(group, set()).add(gbuf)
-                self._buckets.setdefault((group, bucket, name), []).append(e)
+                self._buckets.setdefault((group, gbuf, bucket, name), []).append(e)
+        # an interleaved pipeline: its VPP and the layers of its PP x VPP model chunks (each chunk a grad buffer)
+        self.vpp, self.virtual_counts = 1, meta.layer_counts
 
     @classmethod
     def read(cls, iter_dir: Path, vocab_size: int | None = None, load: Callable = io.load_file,
@@ -132,8 +134,7 @@ class DistCheckpoint:
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
         ckpt = cls(meta, index, common, common_path)
-        if ckpt.optimizer_form == BUCKETS and megatron_args.virtual_stages(common_path, args, counts)[0] > 1:
-            ckpt.optimizer_form = None  # an interleaved pipeline's grad buffers are per model chunk: not decoded
+        ckpt.vpp, ckpt.virtual_counts = megatron_args.virtual_stages(common_path, args, counts)
         if ckpt.optimizer_form == BUCKETS and spec.hybrid:
             ckpt.optimizer_form = None  # a Mamba mixer's parameter order in the buckets differs by version: not decoded
         return ckpt
@@ -358,29 +359,34 @@ class DistCheckpoint:
         return parts
 
     # ------------------------------------------------------------ the bucket form (dp_reshardable)
-    def stage_params(self, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
-        """(global key, TP shard shape, shared embedding) of a stage's parameters in named_parameters() order."""
+    def stage_params(self, pp_rank: int, counts: list[int] | None = None) -> list[tuple[str, tuple[int, ...], bool]]:
+        """(global key, TP shard shape, shared embedding) of a stage's parameters in named_parameters() order (of the
+        stages of `counts`: an interleaved pipeline's model chunks; default: the checkpoint's PP stages)."""
         meta, spec, out = self.meta, self.meta.spec, []
-        shared = layout.tied_copies(spec, meta.pp_size, pp_rank)
-        for _, key in layout.stage_keys(spec, meta.layer_counts, pp_rank):
-            shape = layout.shard_shape(key, spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
-            if shape is not None and layout.has_optimizer_state(key, spec, meta.pp_size):  # not a buffer
+        counts = counts or meta.layer_counts
+        shared = layout.tied_copies(spec, len(counts), pp_rank)
+        for _, key in layout.stage_keys(spec, counts, pp_rank):
+            shape = layout.shard_shape(key, spec, meta.padded_vocab, meta.tp_size, len(counts))
+            if shape is not None and layout.has_optimizer_state(key, spec, len(counts)):  # not a buffer
                 out.append((key, shape, key in shared))
         return out
 
-    def bucket_count(self, group: int) -> int:
-        """How many buckets one model-parallel rank's grad buffer has (its `param` tensors)."""
-        return sum(1 for g, _, name in self._buckets if g == group and name == "param")
+    def bucket_count(self, group: int, chunk: int = 0) -> int:
+        """How many buckets one model-parallel rank's grad buffer (of model chunk `chunk`) has (its `param`
+        tensors)."""
+        return sum(1 for g, b, _, name in self._buckets if g == group and b == f"gbuf_idx_{chunk}" and name == "param")
 
-    def bucket_entry(self, group: int, bucket: int, name: str) -> dcp.Entry:
-        """The 1-D tensor of one bucket and field of one model-parallel rank's grad buffer."""
-        found = self._buckets.get((group, bucket, name), [])
+    def bucket_entry(self, group: int, bucket: int, name: str, chunk: int = 0) -> dcp.Entry:
+        """The 1-D tensor of one bucket and field of one model-parallel rank's grad buffer: model chunk `chunk`'s
+        (megatron-core's distributed optimizer numbers its grad buffers chunk by chunk: one per chunk of a dense
+        model)."""
+        found = self._buckets.get((group, f"gbuf_idx_{chunk}", bucket, name), [])
         buffers = self._buffers.get(group, set())
-        if len(found) != 1 or buffers != {"gbuf_idx_0"}:
+        if len(found) != 1 or buffers != {f"gbuf_idx_{v}" for v in range(self.vpp)}:
             raise FormatError(f"{self.meta.dir / dcp.METADATA}: {len(found)} tensors {OPT_BUCKETS}dp_group_idx_"
-                              f"{group}.gbuf_idx_0.dtype_*.bucket_idx_{bucket}.{name} (grad buffers "
-                              f"{', '.join(sorted(buffers)) or 'none'}): one grad buffer of one dtype pair (a dense "
-                              f"model) is read")
+                              f"{group}.gbuf_idx_{chunk}.dtype_*.bucket_idx_{bucket}.{name} (grad buffers "
+                              f"{', '.join(sorted(buffers)) or 'none'}): one grad buffer of one dtype pair per model "
+                              f"chunk (a dense model) is read")
         return found[0]
 
     def step(self):

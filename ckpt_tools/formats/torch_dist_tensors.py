@@ -30,6 +30,7 @@ class TorchDistShards(Reader):
         self._maps: dict[str, mmap.mmap] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._layouts: dict[int, mo.Layout] = {}
+        self._stages: dict[str, int] | None = None  # an interleaved pipeline: each key's virtual stage
 
     def _file(self, name: str) -> mmap.mmap:
         if name not in self._maps:
@@ -225,62 +226,79 @@ class TorchDistShards(Reader):
         """megatron-core's dp_group_idx of a rank: its rank in the TP x PP model-parallel group, TP fastest."""
         return tp_rank + self.meta.tp_size * pp_rank
 
-    def _layout(self, pp_rank: int) -> mo.Layout:
-        """megatron-core's grad-buffer layout of a stage's parameters (every TP rank's is alike). The order of the
+    def _layout(self, stage: int) -> mo.Layout:
+        """megatron-core's grad-buffer layout of a stage's parameters (every TP rank's is alike; with an interleaved
+        pipeline a model chunk's: virtual stage s is chunk s // PP of PP rank s % PP, its own grad buffer, bucketed
+        only for the first chunk, as Megatron-LM's get_model sets `disable_bucketing`). The order of the
         parameters is the trained spec's (a Transformer Engine layer's differs from the local spec's, and a
         torch_dist file does not say which trained it): args' --transformer-impl is tried first, then the other;
         a layout is taken only when the stored buckets have its lengths and every fp32 master, of every TP rank,
         rounds to its weight. Otherwise nothing is decoded."""
-        if pp_rank not in self._layouts:
+        if stage not in self._layouts:
             args = self.ckpt.common.get("args")
             dp = mo.dp_size_of(args)
-            params = [mo.Param(k, shape, shared) for k, shape, shared in self.ckpt.stage_params(pp_rank)]
+            pp_rank, chunk = stage % self.meta.pp_size, stage // self.meta.pp_size
+            params = [mo.Param(k, shape, shared)
+                      for k, shape, shared in self.ckpt.stage_params(stage, self.ckpt.virtual_counts)]
             orders = [mo.te_order(params), params]
             if getattr(args, "transformer_impl", "transformer_engine") == "local":
                 orders.reverse()
             reasons = []
             for order in orders:
-                found = mo.buffer_layout(order, dp, mo.bucket_size_of(args, pp_rank, dp),
+                found = mo.buffer_layout(order, dp, mo.bucket_size_of(args, pp_rank, dp) if chunk == 0 else None,
                                          bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
-                reason = self._misfit(found, pp_rank)
+                reason = self._misfit(found, stage)
                 if reason is None:
-                    self._layouts[pp_rank] = found
+                    self._layouts[stage] = found
                     break
                 reasons.append(reason)
             else:
-                raise FormatError(f"{self.meta.dir / dcp.METADATA}: the grad buffer of PP rank {pp_rank} does not fit "
+                what = f"PP rank {pp_rank}" + (f", model chunk {chunk}" if self.ckpt.vpp > 1 else "")
+                raise FormatError(f"{self.meta.dir / dcp.METADATA}: the grad buffer of {what} does not fit "
                                   f"megatron-core's layout of its parameters in either spec's order ({reasons[0]}; "
                                   f"{reasons[1]}): the optimizer state cannot be mapped")
-        return self._layouts[pp_rank]
+        return self._layouts[stage]
 
-    def _misfit(self, found: mo.Layout, pp_rank: int) -> str | None:
+    def _misfit(self, found: mo.Layout, stage: int) -> str | None:
         """Why the stored buckets are not this layout (None: they are)."""
+        pp_rank, chunk = stage % self.meta.pp_size, stage // self.meta.pp_size
         for tp_rank in range(self.meta.tp_size):
             group = self._group(tp_rank, pp_rank)
-            count = self.ckpt.bucket_count(group)
+            count = self.ckpt.bucket_count(group, chunk)
             want = [n for _, _, n in found.buckets]
             if count != len(want):
                 return (f"rank {group} has {count} bucket(s), the layout {len(want)} (from args: overlap_grad_reduce, "
                         f"ddp_bucket_size, data-parallel size)")
-            stored = [self.ckpt.bucket_entry(group, b, "param").shape[0] for b in range(len(want))]
+            stored = [self.ckpt.bucket_entry(group, b, "param", chunk).shape[0] for b in range(len(want))]
             if stored != want:
                 return f"rank {group}'s buckets hold {stored} elements, the layout {want}"
             for key in found.where:
-                master = self._slice(found, key, "master", tp_rank, pp_rank)
+                master = self._slice(found, key, "master", tp_rank, stage)
                 if not mo.same_as_weight(master, self.shards(key)[tp_rank]):
                     return f"the fp32 master of {key} (TP rank {tp_rank}) does not round to its weight"
         return None
 
-    def _slice(self, found: mo.Layout, key: str, field: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
+    def _slice(self, found: mo.Layout, key: str, field: str, tp_rank: int, stage: int) -> torch.Tensor:
         start, end, bucket = found.where[key]
         first = found.buckets[bucket][0]
-        entry = self.ckpt.bucket_entry(self._group(tp_rank, pp_rank), bucket, mo.FLAT_FIELDS[field])
-        shape = layout.shard_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.tp_size, self.meta.pp_size)
+        pp_rank, chunk = stage % self.meta.pp_size, stage // self.meta.pp_size
+        entry = self.ckpt.bucket_entry(self._group(tp_rank, pp_rank), bucket, mo.FLAT_FIELDS[field], chunk)
+        shape = layout.shard_shape(key, self.meta.spec, self.meta.padded_vocab, self.meta.tp_size,
+                                   len(self.ckpt.virtual_counts))
         return self._box(entry, [(start - first, end - first)]).view(shape)
 
     def _bucket_shard(self, key: str, field: str, rank: int) -> torch.Tensor:
-        pp_rank = self._where[key][0]
-        return self._slice(self._layout(pp_rank), key, field, rank, pp_rank)
+        stage = self._stage_of(key)
+        return self._slice(self._layout(stage), key, field, rank, stage)
+
+    def _stage_of(self, key: str) -> int:
+        """The (virtual) stage whose grad buffer holds a key's optimizer state."""
+        counts = self.ckpt.virtual_counts
+        if self.ckpt.vpp == 1:
+            return self._where[key][0]
+        if self._stages is None:
+            self._stages = {k: s for s in range(len(counts)) for _, k in layout.stage_keys(self.meta.spec, counts, s)}
+        return self._stages[key]
 
     def validate(self) -> list[str]:
         return self.ckpt.validate()
