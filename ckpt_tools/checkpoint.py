@@ -314,9 +314,8 @@ FRESH_EXTRAS = {"param_groups": [], "scheduler": {"iteration": 0}, "scaler": Non
 def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iteration: int, consumed: int,
                params_dtype: str, dp_size: int | None, config: dict, files: dict, origin: dict | None = None,
                ep: int = 1, fresh_optimizer: bool = False) -> dict:
-    """meta.json of a checkpoint in our format: the one place that knows its fields."""
-    import torch
-
+    """meta.json of a checkpoint in our format: the one place that knows its fields (torch-free: the torch-free
+    import writes it too)."""
     from ckpt_tools import package_version
     seq = config.get("seq_length")
     meta = {
@@ -329,7 +328,7 @@ def build_meta(spec: ModelSpec, tp: int, counts: list[int], padded: int, iterati
         "dtypes": {"params": params_dtype, "master": "float32"},
         "layout": layout_summary(spec, len(counts)),
         "config": {**config, "tp_degree": tp, "pp_degree": len(counts), "layers_per_stage": list(counts)},
-        "versions": {"torch": torch.__version__, "megatron-core": package_version("megatron-core"),
+        "versions": {"torch": package_version("torch"), "megatron-core": package_version("megatron-core"),
                      "ckpt-tools": package_version()},
         "files": files,
     }

@@ -327,6 +327,10 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
                                       DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep, model,
                                       vpp)
+    else:
+        from ckpt_tools.formats import ours_copy
+        summary = ours_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
+                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, not no_optimizer, team, ep)
     if summary is None:
         import torch
 

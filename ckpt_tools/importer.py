@@ -11,6 +11,7 @@ import torch
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, layout, output, shard_ops, to_megatron
 from ckpt_tools.errors import FormatError
+from ckpt_tools.formats import ours_copy
 from ckpt_tools.hf import HFTensors
 from ckpt_tools.ranks import Grid
 from ckpt_tools.shards import MODEL
@@ -34,6 +35,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         from ckpt_tools.formats import dist_copy
         summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
                                       form, team, ep, model, vpp)
+        if summary is not None:
+            return summary
+    if form == to_megatron.OURS and copy_bytes:
+        summary = ours_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
+                                      optimizer, team, ep)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -111,12 +117,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
         meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep,
                               fresh_optimizer=optimizer)
         nbytes = _finish(tmp, 0, target, meta, hf_dir, hf_dir=True, team=team)
-    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, pp, ep)} "
-            f"(layers {counts}), {dtype_name(params_dtype)}, "
-            + ("fresh optimizer state (recorded in meta.json" + (", its fp32 masters written" if masters else
-                                                                  ", not written") + ")" if optimizer
-               else "no optimizer state") + f", padded vocab {padded}, "
-            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{tail}")
+    return ours_copy.imported(hf_dir, spec, out, tp, counts, ep, dtype_name(params_dtype), optimizer, masters, padded,
+                              nbytes, time.perf_counter() - start) + tail
 
 
 def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,

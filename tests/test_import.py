@@ -103,6 +103,41 @@ def test_import_then_merge_gives_the_hf_tensors_back(arch, dtype, hf_dirs, tmp_p
         assert merged[name].dtype == t.dtype and torch.equal(merged[name], t), name
 
 
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 4), ("llama_tied", 2, 2), ("gpt2", 2, 1)])
+def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp, pp, hf_dirs, tmp_path):
+    """`ckpt import` into our format copies the HF tensors' rows into each rank's file without torch
+    (formats/ours_copy.py; torch is not imported by the command) where the torch path would only move them: every
+    rank file holds the torch path's tensors, bit for bit, in its order (QKV groups, row-parallel columns, a tied
+    model's output copy on the last stage), and meta.json is the torch path's but for the files'
+    hashes. Where the weights must be converted (GPT-2's transposed Conv1D, a --dtype) the torch path does it."""
+    import subprocess
+    import sys
+    hf_dir = hf_dirs[arch, "bf16"]
+    code = ("import sys; from ckpt_tools.cli import main; sys.argv = ['ckpt', 'import', sys.argv[1], sys.argv[2], "
+            f"'--tp', '{tp}', '--pp', '{pp}', '--quiet']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    proc = subprocess.run([sys.executable, "-c", code, str(hf_dir), str(tmp_path / "bytes")], capture_output=True,
+                          text=True, check=True)
+    assert proc.stdout.strip().splitlines()[-1] == ("TORCH" if arch == "gpt2" else "NO TORCH"), proc.stdout
+    import_hf(hf_dir, tmp_path / "torch", tp=tp, pp=pp, quiet=True, copy_bytes=False)
+    a, b = tmp_path / "bytes" / "checkpoint-0", tmp_path / "torch" / "checkpoint-0"
+    names = sorted(f.name for f in b.iterdir())
+    assert sorted(f.name for f in a.iterdir()) == names and any(n.startswith("pytorch_model_") for n in names)
+    for name in (n for n in names if n.endswith(".bin")):
+        ours, theirs = (torch.load(d / name, weights_only=True)["model"] for d in (a, b))
+        assert list(ours) == list(theirs), name
+        for key, t in theirs.items():
+            assert (t is None and ours[key] is None) or (t.dtype == ours[key].dtype and torch.equal(t, ours[key])), key
+    ma, mb = meta(a), meta(b)
+    assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
+        {k: v for k, v in mb.items() if k not in ("files", "checksum")}
+    assert sorted(ma["files"]) == sorted(mb["files"])
+    from ckpt_tools.shards import open_checked
+    open_checked(tmp_path / "bytes", None, True).close()  # every file's recorded size and content hash
+    import_hf(hf_dir, tmp_path / "fp32", tp=tp, pp=pp, quiet=True, dtype=torch.float32)  # converted: torch's path
+    assert meta(tmp_path / "fp32" / "checkpoint-0")["dtypes"]["params"] == "float32"
+
+
 def test_masters_that_carry_more_than_the_weights_are_written(hf_dirs, tmp_path):
     """An fp32 HF model imported in bf16: the fresh optimizer stays recorded (no moments written), but its fp32
     masters, the HF values bf16 rounds, are written alone; merge --from-master-weights gives the HF tensors back bit

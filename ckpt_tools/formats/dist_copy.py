@@ -252,7 +252,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     if form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
-    copied = _copied(hf_dir, dtype)
+    copied = copied_hf(hf_dir, dtype)
     if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
         return None
     spec, index, rows, params = copied
@@ -266,7 +266,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     return summary + (f"\n{leftover}" if leftover else "")
 
 
-def _copied(hf_dir: Path, dtype: str | None) -> tuple | None:
+def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
     """(spec, index, rows, params dtype) of an HF model whose tensors this path copies; None where it does not."""
     try:
         index = _safetensors_index(hf_dir)

@@ -44,31 +44,37 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
     owners = team.split(sizes)
     mine = [rank for rank, owner in zip(ranks, owners) if owner == team.rank]
 
-    def write_mine() -> int:
-        nbytes, bar = 0, output.progress(len(mine), label, quiet, unit="file")
-        files: list[tuple[io.FileWorker, int, Path]] = []  # written, their copies and fsync still running
-        try:
-            for rank in mine:
-                nbytes += _write_rank(source, megatron_lm.model_path(iter_dir, rank, pp),
-                                      megatron_lm.chunk_ranks(rank, pp, vpp), counts, padded, tp, ep,
-                                      {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                                       "iteration": iteration}, files)
-                bar.update(1)
-            while files:
-                worker, fd, path = files[0]
-                try:
-                    worker.finish()
-                finally:
-                    files.pop(0)
-                    os.close(fd)
-                io.fsync_dir(path.parent)
-        finally:  # a write that failed: stop the other files' threads before their descriptors close
-            for worker, fd, _ in files:
-                worker.abandon()
+    header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    return sum(team.share(lambda: write_files(
+        source, [(megatron_lm.model_path(iter_dir, rank, pp), megatron_lm.chunk_ranks(rank, pp, vpp)) for rank in mine],
+        counts, padded, tp, ep, header, quiet, label)))
+
+
+def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], counts: list[int], padded: int, tp: int,
+                ep: int, header: dict, quiet: bool, label: str) -> int:
+    """Each (path, the ranks of its model chunks) of `targets`: a torch.save archive of `header` and the chunks' model
+    dicts (`model`, or `model<v>` with several), its tensors' bytes copied from the source; the bytes of tensors
+    written. Legacy Megatron-LM files, and our format's model files (`header` empty)."""
+    nbytes, bar = 0, output.progress(len(targets), label, quiet, unit="file")
+    files: list[tuple[io.FileWorker, int, Path]] = []  # written, their copies and fsync still running
+    try:
+        for path, chunks in targets:
+            nbytes += _write_rank(source, path, chunks, counts, padded, tp, ep, header, files)
+            bar.update(1)
+        while files:
+            worker, fd, path = files[0]
+            try:
+                worker.finish()
+            finally:
+                files.pop(0)
                 os.close(fd)
-        bar.close()
-        return nbytes
-    return sum(team.share(write_mine))
+            io.fsync_dir(path.parent)
+    finally:  # a write that failed: stop the other files' threads before their descriptors close
+        for worker, fd, _ in files:
+            worker.abandon()
+            os.close(fd)
+    bar.close()
+    return nbytes
 
 
 def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list[int], padded: int, tp: int, ep: int,
@@ -77,7 +83,7 @@ def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list
     headers, pickles and gathered rows written here, its byte ranges copied and its fsync run on a thread of its own
     (io.FileWorker), added to `files` with its descriptor (closed by the caller)."""
     spec = source.meta.spec
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     worker = io.FileWorker()
     files.append((worker, fd, path))

@@ -1,0 +1,74 @@
+"""`ckpt import HF OUT` into our format without torch: each rank's `pytorch_model_tp_X_pp_Y.bin` written as
+torch.save lays it out (`{"model": {local key: tensor}}`), its tensors' bytes copied from the safetensors files
+(formats/legacy_copy.py's rank writer over the HF tensors as a TP 1 source: each megatron-core tensor's rows are row
+ranges of the HF tensors, hf.hf_rows); the fresh optimizer recorded in meta.json, not written (contract 2);
+meta.json, the carried HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch
+path's, bit for bit.
+
+None, having written nothing, where the torch path must do it: what formats/dist_copy.py's HF copy declines (weights
+in another dtype than asked for, transposed or arithmetic conversion kinds, names or shapes that disagree with
+config.json), a tensor the layout table keeps in a dtype of its own, expert parallelism, a team of processes.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ckpt_tools import checkpoint as fmt
+from ckpt_tools import hf, io, layout, output
+from ckpt_tools.formats import dist_copy, legacy_copy
+from ckpt_tools.ranks import Grid
+from ckpt_tools.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
+              dtype: str | None = None, force: bool = False, quiet: bool = False, optimizer: bool = True,
+              team: Team = SOLO, ep: int = 1) -> str | None:
+    """importer.import_hf(..., form="ours") by copying bytes; `dtype` a dtype name (None: the HF weights')."""
+    start = time.perf_counter()
+    if team.size > 1 or ep != 1:
+        return None
+    hf_dir = Path(hf_dir)
+    copied = dist_copy.copied_hf(hf_dir, dtype)
+    if copied is None:
+        return None
+    spec, index, rows, params = copied
+    if any(layout.dtype_of(key, spec, params, None) != params for key in rows):
+        return None  # a tensor kept in its own dtype (converted by the torch path)
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
+    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    ranks = Grid(tp, len(counts)).ranks()
+    with output.staged(out, force) as tmp:
+        ckpt = tmp / fmt.checkpoint_name(0)
+        ckpt.mkdir(exist_ok=True)
+        source = legacy_copy.hf_source(hf_dir, spec, index, rows)
+        try:
+            nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in ranks], counts, padded,
+                                             tp, 1, {}, quiet, "import")
+        finally:
+            source.close()
+        files = [ckpt / fmt.model_file(r) for r in ranks] + hf.copy_carried(hf_dir, ckpt, True)
+        records = {}
+        for path in files:
+            records[path.relative_to(ckpt).as_posix()] = fmt.file_record(path)
+            io.fsync_file(path)
+        origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
+        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, params, None, {}, dict(sorted(records.items())), origin,
+                              fresh_optimizer=optimizer)
+        fmt.write_meta(ckpt / fmt.META, meta)
+        io.fsync_dir(ckpt)
+        io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
+    return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, False, padded, nbytes,
+                    time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
+
+
+def imported(hf_dir: Path, spec: ModelSpec, out: Path, tp: int, counts: list[int], ep: int, dtype: str,
+             optimizer: bool, masters: bool, padded: int, nbytes: int, seconds: float) -> str:
+    """The one-line summary of an import into our format (either path)."""
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} {Grid(tp, len(counts), ep)} "
+            f"(layers {counts}), {dtype}, "
+            + ("fresh optimizer state (recorded in meta.json" + (", its fp32 masters written" if masters else
+                                                                  ", not written") + ")" if optimizer
+               else "no optimizer state") + f", padded vocab {padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s")
