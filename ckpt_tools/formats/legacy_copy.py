@@ -22,7 +22,7 @@ from pathlib import Path
 from ckpt_tools import io, layout, megatron_lm, output, shard_ops, torchsave
 from ckpt_tools import hf
 from ckpt_tools.byte_ranges import ByteSource, Shard
-from ckpt_tools.checkpoint import Meta
+from ckpt_tools.checkpoint import Meta, file_record
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.team import SOLO, Team
@@ -51,15 +51,16 @@ def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded
 
 
 def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], counts: list[int], padded: int, tp: int,
-                ep: int, header: dict, quiet: bool, label: str) -> int:
+                ep: int, header: dict, quiet: bool, label: str, records: dict | None = None) -> int:
     """Each (path, the ranks of its model chunks) of `targets`: a torch.save archive of `header` and the chunks' model
     dicts (`model`, or `model<v>` with several), its tensors' bytes copied from the source; the bytes of tensors
-    written. Legacy Megatron-LM files, and our format's model files (`header` empty)."""
+    written. Legacy Megatron-LM files, and our format's model files (`header` empty; `records`: each file's meta.json
+    record by its path, made on its own thread once its copies are done, beside the next file's writing)."""
     nbytes, bar = 0, output.progress(len(targets), label, quiet, unit="file")
     files: list[tuple[io.FileWorker, int, Path]] = []  # written, their copies and fsync still running
     try:
         for path, chunks in targets:
-            nbytes += _write_rank(source, path, chunks, counts, padded, tp, ep, header, files)
+            nbytes += _write_rank(source, path, chunks, counts, padded, tp, ep, header, files, records)
             bar.update(1)
         while files:
             worker, fd, path = files[0]
@@ -78,7 +79,7 @@ def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], coun
 
 
 def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list[int], padded: int, tp: int, ep: int,
-                header: dict, files: list) -> int:
+                header: dict, files: list, records: dict | None = None) -> int:
     """One target rank's file (its model chunks: the ranks of `chunks`, one without an interleaved pipeline): its
     headers, pickles and gathered rows written here, its byte ranges copied and its fsync run on a thread of its own
     (io.FileWorker), added to `files` with its descriptor (closed by the caller)."""
@@ -105,6 +106,8 @@ def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list
             worker.writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
             flushed = archive.pos
     torchsave.finish(archive, torchsave.dumps({**header, **models}))
+    if records is not None:  # its hash from the page cache, then its fsync
+        worker.submit(lambda: records.__setitem__(path, file_record(path)))
     worker.submit(os.fsync, fd)
     return nbytes
 

@@ -43,17 +43,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     with output.staged(out, force) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
-        source = legacy_copy.hf_source(hf_dir, spec, index, rows)
+        source, written = legacy_copy.hf_source(hf_dir, spec, index, rows), {}
         try:
             nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in ranks], counts, padded,
-                                             tp, 1, {}, quiet, "import")
+                                             tp, 1, {}, quiet, "import", written)
         finally:
             source.close()
-        files = [ckpt / fmt.model_file(r) for r in ranks] + hf.copy_carried(hf_dir, ckpt, True)
-        records = {}
-        for path in files:
-            records[path.relative_to(ckpt).as_posix()] = fmt.file_record(path)
+        for path in hf.copy_carried(hf_dir, ckpt, True):
+            written[path] = fmt.file_record(path)
             io.fsync_file(path)
+        records = {path.relative_to(ckpt).as_posix(): record for path, record in written.items()}
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
         meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, params, None, {}, dict(sorted(records.items())), origin,
                               fresh_optimizer=optimizer)
