@@ -34,8 +34,8 @@ GPT, HYBRID = "gpt", "hybrid"  # --model: megatron-core's GPTModel or HybridMode
 def check_ep_form(form: str, ep: int | None) -> None:
     """Expert parallelism is a property of the files of our format and of Megatron-LM's legacy form (a dir per EP
     rank), not of torch_dist (refused before anything is read or written)."""
-    if form == TORCH_DIST and ep not in (None, 1):
-        raise ConfigError(f"--ep {ep} does not apply to torch_dist: it holds each expert once and Megatron-LM loads "
+    if form in (TORCH_DIST, megatron_lm.FSDP_DTENSOR) and ep not in (None, 1):
+        raise ConfigError(f"--ep {ep} does not apply to {form}: it holds each expert once and Megatron-LM loads "
                           f"it at any --expert-model-parallel-size; drop --ep")
 
 
@@ -49,7 +49,7 @@ def check_model_form(form: str, model: str | None) -> None:
 
 def target_ep(form: str, ep: int | None, source_ep: int = 1) -> int:
     """The EP of a Megatron-LM target: the one asked for, else the source's for the legacy form; 1 for torch_dist."""
-    return 1 if form == TORCH_DIST else source_ep if ep is None else ep
+    return 1 if form in (TORCH_DIST, megatron_lm.FSDP_DTENSOR) else source_ep if ep is None else ep
 
 
 def check_optimizer_form(form: str, where: object) -> None:
@@ -65,6 +65,9 @@ def check_vpp_form(form: str, vpp: int) -> None:
     """--vpp names an interleaved pipeline of Megatron-LM's forms (refused before anything is read or written)."""
     if vpp < 1:
         raise ConfigError(f"--vpp {vpp}: give the model chunks per PP rank, 1 or more")
+    if vpp > 1 and form == megatron_lm.FSDP_DTENSOR:
+        raise ConfigError(f"--vpp {vpp} with --format fsdp_dtensor: Megatron-FSDP's form is written at PP 1 by this "
+                          f"version; drop --vpp, or pass --format torch_dist or torch")
     if vpp > 1 and form == OURS:
         raise ConfigError(f"--vpp {vpp} applies to Megatron-LM's forms (an interleaved pipeline's model chunks), not to "
                           f"ours: pass --format torch_dist or torch, or --pp <PP x VPP> for as many stages in our format")

@@ -156,8 +156,10 @@ def main(config_path: str, out: str) -> None:
 def load(config_path: str, out: str, *save_dirs: str) -> None:
     """Megatron-LM's load_checkpoint of each SAVE_DIR for `--use-megatron-fsdp --ckpt-format fsdp_dtensor
     --no-load-optim --no-load-rng`: the model's state dict (args, iteration, checkpoint_version beside it) through
-    preprocess_fsdp_dtensor_state_dict, torch.distributed.checkpoint.load_state_dict with a strict planner
-    (Megatron-LM's default --strict-fsdp-dtensor-load), then the wrapped model's load_state_dict; then its forward.
+    preprocess_fsdp_dtensor_state_dict, torch.distributed.checkpoint.load_state_dict with a strict planner (every key
+    the model asks for must be in the checkpoint: stricter than Megatron-LM's partial load, which would leave a
+    missing weight at its initial value), then the wrapped model's load_state_dict (strict=False, as Megatron-FSDP's
+    adapter loads a GLU model); then its forward.
     OUT {save dir: {"logits", "weights": the main weights loaded, gathered, "args"}} from rank 0."""
     warnings.filterwarnings("ignore")
     cfg = json.loads(Path(config_path).read_text())

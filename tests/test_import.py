@@ -124,7 +124,9 @@ def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp,
     names = sorted(f.name for f in b.iterdir())
     assert sorted(f.name for f in a.iterdir()) == names and any(n.startswith("pytorch_model_") for n in names)
     for name in (n for n in names if n.endswith(".bin")):
-        ours, theirs = (torch.load(d / name, weights_only=True)["model"] for d in (a, b))
+        ours, theirs = (torch.load(d / name, weights_only=True) for d in (a, b))
+        assert list(ours) == list(theirs) == ["model"], name
+        ours, theirs = ours["model"], theirs["model"]
         assert list(ours) == list(theirs), name
         for key, t in theirs.items():
             assert (t is None and ours[key] is None) or (t.dtype == ours[key].dtype and torch.equal(t, ours[key])), key

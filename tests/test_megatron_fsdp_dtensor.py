@@ -142,7 +142,7 @@ def test_fsdp_dtensor_written_is_what_megatron_fsdp_saves_and_loads(tmp_path):
     Megatron-LM's rank-0 read takes. On 2 x H200 megatron-core 0.16.1 loaded this output (and an HF import in fp32 and
     bf16) into Megatron-FSDP at DP 2 as Megatron-LM's load_checkpoint does, strict, and gave the saved model's logits
     exactly (tests/gpu_fsdp_dtensor.sh, case load; test_megatron_core_loads_what_ckpt_writes_as_fsdp_dtensor).
-    Refused in one line, nothing written: PP 2, and optimizer state (this form is written weights only)."""
+    Refused in one line, nothing written: PP 2, optimizer state (this form is written weights only), --ep, --vpp."""
     import torch.distributed.checkpoint as dcp
     case = FIXTURES / "llama_dp2_model"
     reshard(case / "fsdp_dtensor", tmp_path / "out", tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
@@ -173,6 +173,13 @@ def test_fsdp_dtensor_written_is_what_megatron_fsdp_saves_and_loads(tmp_path):
                               "--pp", "1", "--format", "fsdp_dtensor", "--vocab-size", VOCAB))
     assert "--no-optimizer" in line, line
     assert_nothing_written(tmp_path / "opt")
+    for extra, expected in ((["--ep", "2"], "--ep 2 does not apply to fsdp_dtensor"),
+                            (["--pp", "2", "--vpp", "2"], "--vpp 2 with --format fsdp_dtensor")):
+        args = ["--tp", "1", "--pp", "1", *extra] if "--pp" not in extra else ["--tp", "1", *extra]
+        line = one_line_error(run("reshard", case / "fsdp_dtensor", tmp_path / "bad", "--format", "fsdp_dtensor",
+                                  "--vocab-size", VOCAB, *args))
+        assert expected in line, line
+        assert_nothing_written(tmp_path / "bad")
 
 
 @pytest.mark.gpu
@@ -197,8 +204,33 @@ def test_megatron_core_loads_what_ckpt_writes_as_fsdp_dtensor(tmp_path):
     expected = torch.load(case / "logits.pt", weights_only=True)[..., :VOCAB]
     weights = torch.load(case / "weights.pt", weights_only=True)
     for name, d in dirs.items():
+        assert not found[str(d)]["missing"] and not found[str(d)]["unexpected"], name
         assert torch.equal(found[str(d)]["logits"][..., :VOCAB], expected), name
         for k, want in weights.items():
             want = want.bfloat16().float() if name == "bf16" else want
             rows = slice(0, VOCAB) if "word_embeddings" in k or "output_layer" in k else slice(None)
             assert torch.equal(found[str(d)]["weights"][k][rows], want[rows]), (name, k)
+
+
+def test_fsdp_dtensor_of_experts_holds_both_specs_names_and_merges_back(tmp_path):
+    """A Mixtral written as fsdp_dtensor holds each expert's tensors under the local spec's names
+    (`local_experts.<e>.linear_fc1.weight_w/_v`) and TEGroupedMLP's (`experts.linear_fc1.weight<e>_w/_v`, second
+    index entries over the same bytes), and merges back to the HF tensors bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from ckpt_tools.importer import import_hf
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "fsdp", tp=1, pp=1, form="fsdp_dtensor", quiet=True)
+    index = dcp.FileSystemReader(str(tmp_path / "fsdp" / "release")).read_metadata().state_dict_metadata
+    layer = "model.module.decoder.layers.1.mlp.experts."
+    for half in ("_w", "_v"):
+        assert f"{layer}local_experts.3.linear_fc1.weight{half}" in index
+        assert f"{layer}linear_fc1.weight3{half}" in index
+    assert f"{layer}linear_fc2.weight3" in index and f"{layer}local_experts.3.linear_fc2.weight" in index
+    merge(tmp_path / "fsdp", tmp_path / "back", quiet=True)
+    a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

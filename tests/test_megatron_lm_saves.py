@@ -177,6 +177,21 @@ def test_interleaved_pipeline_written_loads_into_megatron_cores_model_chunks(tmp
     assert_nothing_written(tmp_path / "bad")
 
 
+def test_torch_dist_interleaved_pipeline_of_uneven_stages_reads_its_weights(tmp_path):
+    """torch_dist holds every tensor by its global key, so the weights of an interleaved pipeline read whatever its
+    split (here args of uneven first and last stages, which the dp_reshardable buckets' decoding does not take: only
+    those are left unread)."""
+    src = tmp_path / "src"
+    shutil.copytree(VPP / "torch_dist", src)
+    common = next(src.glob("iter_*/common.pt"))
+    state = torch.load(common, weights_only=False)
+    state["args"].decoder_first_pipeline_num_layers, state["args"].decoder_last_pipeline_num_layers = 1, 3
+    torch.save(state, common)
+    merge(src, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
+    merge(VPP / "torch_dist", tmp_path / "even", vocab_size=VOCAB, quiet=True)
+    same_files(tmp_path / "hf", tmp_path / "even")
+
+
 def test_interleaved_pipeline_reads_as_its_virtual_stages_and_its_optimizer_is_named_not_carried(tmp_path):
     """A legacy PP2 x VPP2 save is read as 4 stages in layer order (chunk v of PP rank p is stage v * 2 + p, as
     megatron-core places the layers); its optimizer state is not decoded, and says so; a missing chunk is one line."""

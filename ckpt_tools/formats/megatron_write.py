@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
-from ckpt_tools.formats.torch_dist import FSDP_HALVES, Placed, dcp_candidates, part_of, stored_candidates, te_alias
-from ckpt_tools.rules import GATED
+from ckpt_tools.formats.torch_dist import Placed, part_of, stored_candidates, te_alias
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -298,53 +297,6 @@ class DistWriter:
         return tensors, dict(sorted(kv for _, part, _ in shared for kv in part.items()))
 
 
-class FsdpWriter(DistWriter):
-    """Megatron-FSDP's `--ckpt-format fsdp_dtensor` files, weights only: torch.distributed.checkpoint's files as the
-    torch_dist writer streams them, each tensor global (one chunk per TP shard piece), under the model's own per-layer
-    keys `model.module.<name>` (the local spec's names, and Transformer Engine's for the fused norms as second index
-    entries over the same bytes), a SwiGLU fc1 as its halves `<name>_w` (gate) and `<name>_v` (up); the common
-    state as bytes entries (args, iteration, checkpoint_version), no common.pt or metadata.json; no `_extra_state`
-    (Megatron-FSDP drops it on save and load). What Megatron-LM's load_checkpoint reads with --use-megatron-fsdp
-    --ckpt-format fsdp_dtensor --no-load-optim --no-load-rng (PP 1)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._aliases: dict[str, str] = {}
-
-    def stored(self, key: str) -> tuple[str, Placed]:
-        names = dcp_candidates(key, self.spec, megatron_lm.FSDP_MODEL)
-        if len(names) > 1:
-            self._aliases[names[0][0]] = names[1][0]
-        return names[0]
-
-    def alias(self, fqn: str) -> str | None:
-        return self._aliases.get(fqn)
-
-    def placed(self, key, fqn, layer, full, p):
-        if layout.find_rule(key, self.spec, self.pp).split != GATED or self.spec.activation != "swiglu":
-            return super().placed(key, fqn, layer, full, p)
-        half = full[0] // 2
-        second = p.start >= half
-        if p.stop > half and not second:
-            raise LayoutError(f"{key}: rows {p.start}-{p.stop} cross its SwiGLU halves: not a piece Megatron-FSDP saves")
-        offsets = (p.start - half * second,) + (0,) * (len(full) - 1)
-        return (fqn + FSDP_HALVES[second], offsets, (p.stop - p.start,) + tuple(full[1:]),
-                (half,) + tuple(full[1:]))
-
-    def put_extra(self, pp_rank: int, key: str) -> None:
-        return  # Megatron-FSDP saves and loads no _extra_state
-
-    def end_stage(self, pp_rank: int, iteration: int) -> None:
-        if pp_rank == 0:  # the common state, in the first rank's file (as Megatron-LM's rank 0 saves it)
-            for name, obj in (("args", self.args), ("checkpoint_version", CHECKPOINT_VERSION),
-                              ("iteration", iteration)):
-                self.put_object(Rank(0, 0), name, obj)
-        super().end_stage(pp_rank, iteration)
-
-    def write_common(self, iteration: int, common: dict | None) -> None:
-        return  # the common state is bytes entries of the index
-
-
 def _tensor_metadata(dtype: str, shape: tuple[int, ...], chunks: list) -> torchsave.New:
     """torch.distributed.checkpoint's TensorStorageMetadata of one global tensor, as a pickle stand-in."""
     g = torchsave.Global
@@ -470,5 +422,7 @@ def _with_torch_globals(args: argparse.Namespace) -> argparse.Namespace:
 
 def writer_for(form: str, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
                args: argparse.Namespace):
-    return {TORCH_DIST: DistWriter, FSDP_DTENSOR: FsdpWriter}.get(form, LegacyWriter)(iter_dir, spec, tp, counts,
-                                                                                    padded, args)
+    if form == FSDP_DTENSOR:
+        from ckpt_tools.formats.fsdp_write import FsdpWriter
+        return FsdpWriter(iter_dir, spec, tp, counts, padded, args)
+    return (DistWriter if form == TORCH_DIST else LegacyWriter)(iter_dir, spec, tp, counts, padded, args)

@@ -7,7 +7,7 @@ path's, bit for bit.
 
 None, having written nothing, where the torch path must do it: what formats/dist_copy.py's HF copy declines (weights
 in another dtype than asked for, transposed or arithmetic conversion kinds, names or shapes that disagree with
-config.json), a tensor the layout table keeps in a dtype of its own, expert parallelism, a team of processes.
+config.json), a tensor the layout table keeps in a dtype of its own, expert parallelism.
 """
 from __future__ import annotations
 
@@ -25,40 +25,44 @@ from ckpt_tools.team import SOLO, Team
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
               dtype: str | None = None, force: bool = False, quiet: bool = False, optimizer: bool = True,
               team: Team = SOLO, ep: int = 1) -> str | None:
-    """importer.import_hf(..., form="ours") by copying bytes; `dtype` a dtype name (None: the HF weights')."""
+    """importer.import_hf(..., form="ours") by copying bytes; `dtype` a dtype name (None: the HF weights'). In a team
+    each process writes a run of the rank files (balanced by their bytes), process 0 the rest."""
     start = time.perf_counter()
-    if team.size > 1 or ep != 1:
-        return None
     hf_dir = Path(hf_dir)
-    copied = dist_copy.copied_hf(hf_dir, dtype)
-    if copied is None:
+    copied = dist_copy.copied_hf(hf_dir, dtype) if ep == 1 else None
+    if copied is not None and any(layout.dtype_of(key, copied[0], copied[3], None) != copied[3] for key in copied[2]):
+        copied = None  # a tensor kept in its own dtype (converted by the torch path)
+    if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
         return None
     spec, index, rows, params = copied
-    if any(layout.dtype_of(key, spec, params, None) != params for key in rows):
-        return None  # a tensor kept in its own dtype (converted by the torch path)
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
     counts, padded = layout.target_layout(spec, tp, pp, layers, None)
     ranks = Grid(tp, len(counts)).ranks()
-    with output.staged(out, force) as tmp:
+    owners = team.split([layout.rank_numel(spec, counts, padded, tp, r.pp) for r in ranks])
+    mine = [r for r, owner in zip(ranks, owners) if owner == team.rank]
+    with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
         source, written = legacy_copy.hf_source(hf_dir, spec, index, rows), {}
         try:
-            nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in ranks], counts, padded,
+            nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in mine], counts, padded,
                                              tp, 1, {}, quiet, "import", written)
         finally:
             source.close()
-        for path in hf.copy_carried(hf_dir, ckpt, True):
-            written[path] = fmt.file_record(path)
-            io.fsync_file(path)
-        records = {path.relative_to(ckpt).as_posix(): record for path, record in written.items()}
-        origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
-        meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, params, None, {}, dict(sorted(records.items())), origin,
-                              fresh_optimizer=optimizer)
-        fmt.write_meta(ckpt / fmt.META, meta)
-        io.fsync_dir(ckpt)
-        io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
+        shared = team.share(lambda: ({path.name: record for path, record in written.items()}, nbytes), to_lead=True)
+        if team.lead:
+            records = {name: record for part, _ in shared for name, record in part.items()}
+            nbytes = sum(n for _, n in shared)
+            for path in hf.copy_carried(hf_dir, ckpt, True):
+                records[path.relative_to(ckpt).as_posix()] = fmt.file_record(path)
+                io.fsync_file(path)
+            origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
+            meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, params, None, {}, dict(sorted(records.items())),
+                                  origin, fresh_optimizer=optimizer)
+            fmt.write_meta(ckpt / fmt.META, meta)
+            io.fsync_dir(ckpt)
+            io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
     return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, False, padded, nbytes,
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ckpt_tools import hybrid, io, layout, megatron_args, megatron_lm, shard_ops
 from ckpt_tools.checkpoint import Meta
-from ckpt_tools.errors import FormatError
+from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.formats import dcp
 from ckpt_tools.rules import GATED
 
@@ -88,7 +88,8 @@ class DistCheckpoint:
             found = [m for m in map(FSDP_STATE.match if self.fsdp else DCP_STATE.match, index.tensors) if m]
             self.optimizer_form = (FSDP_PARAM if self.fsdp else DCP_PLAIN) if found else None
             self.dcp_prefix = found[0].group(1) if found else None
-            self.has_masters = any(f.startswith(DCP_MASTERS) for f in index.tensors)  # fsdp: the weights are
+            # (fsdp_dtensor: none apart; its model entries are Megatron-FSDP's fp32 main weights)
+            self.has_masters = any(f.startswith(DCP_MASTERS) for f in index.tensors)
         self._buckets: dict[tuple[int, str, int, str], list[dcp.Entry]] = {}
         self._buffers: dict[int, set[str]] = {}  # group -> its grad buffers' names (gbuf_idx_g)
         for f, e in index.tensors.items():
@@ -134,7 +135,11 @@ class DistCheckpoint:
         if emb is not None:  # the stored dtype is what the run kept its weights in
             meta.raw["dtypes"]["params"] = emb.dtype
         ckpt = cls(meta, index, common, common_path)
-        ckpt.vpp, ckpt.virtual_counts = megatron_args.virtual_stages(common_path, args, counts)
+        if ckpt.optimizer_form == BUCKETS:  # an interleaved pipeline's buckets: per model chunk, even splits only
+            try:
+                ckpt.vpp, ckpt.virtual_counts = megatron_args.virtual_stages(common_path, args, counts)
+            except ConfigError:
+                ckpt.optimizer_form = None  # named, not carried (unread_optimizer); the weights read as they are
         if ckpt.optimizer_form == BUCKETS and spec.hybrid:
             ckpt.optimizer_form = None  # a Mamba mixer's parameter order in the buckets differs by version: not decoded
         return ckpt
@@ -270,8 +275,11 @@ class DistCheckpoint:
             alias = te_alias(entry.fqn, meta.spec, self._by_pattern)  # the same tensor under the other spec's name, where written
             if alias in self.index.tensors:
                 used.add(alias)
-            if self.dcp:  # the model's keys: a norm under both specs' names (as `ckpt` writes fsdp_dtensor)
-                used.update(f for f, _ in dcp_candidates(key, meta.spec, self.model_prefix) if f in self.index.tensors)
+            if self.dcp:  # the model's keys: a tensor under both specs' names (as `ckpt` writes fsdp_dtensor), whole
+                # or as its SwiGLU halves
+                names = [f for f, _ in dcp_candidates(key, meta.spec, self.model_prefix)]
+                used.update(n for f in names for n in [f, *(self._part_fqns(key, f, None) or [])]
+                            if n in self.index.tensors)
             want = self.expected_shape(key, layer)
             if entry.shape != want:
                 problems.append(f"{where}: {entry.fqn} has global shape {list(entry.shape)}, the layout table says "
