@@ -189,7 +189,8 @@ def test_torch_dist_interleaved_pipeline_of_uneven_stages_reads_its_weights(tmp_
     torch.save(state, common)
     merge(src, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     merge(VPP / "torch_dist", tmp_path / "even", vocab_size=VOCAB, quiet=True)
-    same_files(tmp_path / "hf", tmp_path / "even")
+    uneven, even = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "even"))
+    assert len(even) == 39 and sorted(uneven) == sorted(even) and all(torch.equal(uneven[k], even[k]) for k in even)
 
 
 def test_interleaved_pipeline_reads_as_its_virtual_stages_and_its_optimizer_is_named_not_carried(tmp_path):
