@@ -9,8 +9,8 @@ import click
 
 from ckpt_tools.errors import CkptError, ConfigError
 
-FORMS = ("ours", "torch_dist", "torch", "fsdp_dtensor")  # to_megatron.CHOICES, without importing torch for --help
-MODELS = ("gpt", "hybrid")  # to_megatron.GPT, HYBRID, without importing torch for --help
+FORMS = ("ours", "torch_dist", "torch", "fsdp_dtensor")  # request.CHOICES, without importing its modules for --help
+MODELS = ("gpt", "hybrid")  # request.GPT, HYBRID, without importing its modules for --help
 
 
 def one_line(message: str) -> str:
@@ -261,26 +261,21 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
             vocab_size: int | None, form: str, no_optimizer: bool, model: str | None, force: bool, check_hashes: bool,
             no_preflight: bool, quiet: bool, **launcher) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
-    from ckpt_tools.to_megatron import check_ep_form, check_model_form, check_vpp_form
-    check_ep_form(form, ep)
-    check_model_form(form, model)
-    check_vpp_form(form, vpp)
+    from ckpt_tools.request import Request
+    want = Request(tp, pp, _layers(layers_per_stage), ep, vpp, form, model, not no_optimizer).check()
     team = _team(**launcher)
     if team is None:
         return
     quiet = quiet or not team.lead  # one progress bar: process 0's
     summary = None
-    if form != "ours":  # first without torch: the source's bytes copied, where that applies
+    if want.megatron:  # first without torch: the source's bytes copied, where that applies
         from ckpt_tools.formats import dist_copy
-        summary = dist_copy.reshard(src, out, tp, pp, _layers(layers_per_stage), vocab_size, force, quiet, check_hashes,
-                                    no_preflight, not no_optimizer, form, team, ep, model, vpp)
+        summary = dist_copy.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
     if summary is None:
-        from ckpt_tools.reshard import reshard as reshard_checkpoint
+        from ckpt_tools import reshard as verb
         _copying_process()
-        summary = reshard_checkpoint(src, out, tp, pp, _layers(layers_per_stage), vocab_size=vocab_size, force=force,
-                                     quiet=quiet, check_hashes=check_hashes, no_preflight=no_preflight, form=form,
-                                     optimizer=not no_optimizer, copy_bytes=False, ep=ep, team=team, model=model,
-                                     vpp=vpp)
+        summary = verb.run(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, copy_bytes=False,
+                           team=team)
     if team.lead:
         click.echo(summary)
 
@@ -312,34 +307,23 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
             form: str, no_optimizer: bool, model: str | None, force: bool, quiet: bool, **launcher) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
     from ckpt_tools.plan import DTYPE_OPTIONS
-    from ckpt_tools.to_megatron import check_ep_form, check_model_form, check_vpp_form
-    check_ep_form(form, ep)
-    check_model_form(form, model)
-    check_vpp_form(form, vpp)
-    model = model or "gpt"
+    from ckpt_tools.request import Request
+    want = Request(tp, pp, _layers(layers_per_stage), ep, vpp, form, model, not no_optimizer).check()
     team = _team(**launcher)
     if team is None:
         return
     quiet = quiet or not team.lead  # one progress bar: process 0's
-    summary = None
-    if form != "ours":  # first without torch: the HF tensors' rows copied, where that applies
-        from ckpt_tools.formats import dist_copy
-        summary = dist_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, form, team, ep, model,
-                                      vpp)
-    else:
-        from ckpt_tools.formats import ours_copy
-        summary = ours_copy.import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                                      DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, not no_optimizer, team, ep)
+    # first without torch: the HF tensors' rows copied, where that applies
+    from ckpt_tools.formats import dist_copy, ours_copy
+    copier = dist_copy.import_hf if want.megatron else ours_copy.import_hf
+    summary = copier(hf_dir, out, want, DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, team)
     if summary is None:
         import torch
 
-        from ckpt_tools.importer import import_hf
+        from ckpt_tools import importer
         _copying_process()
-        summary = import_hf(hf_dir, out, tp, pp, _layers(layers_per_stage),
-                            dtype=getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None,
-                            optimizer=not no_optimizer, force=force, quiet=quiet, form=form, copy_bytes=False, ep=ep,
-                            team=team, model=model, vpp=vpp)
+        summary = importer.run(hf_dir, out, want, getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None, force,
+                               quiet, copy_bytes=False, team=team)
     if team.lead:
         click.echo(summary)
 

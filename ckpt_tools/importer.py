@@ -13,7 +13,7 @@ from ckpt_tools import hf, layout, output, shard_ops, to_megatron
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import ours_copy
 from ckpt_tools.hf import HFTensors
-from ckpt_tools.ranks import Grid
+from ckpt_tools.request import Layout, Request
 from ckpt_tools.shards import MODEL
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.target import Target, _finish
@@ -21,25 +21,24 @@ from ckpt_tools.team import SOLO, Team
 from ckpt_tools.writers import dtype_name
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-              dtype: torch.dtype | None = None, optimizer: bool = True, force: bool = False, quiet: bool = False,
-              form: str = to_megatron.OURS, copy_bytes: bool = True, ep: int = 1, team: Team = SOLO,
-              model: str = to_megatron.GPT, vpp: int = 1) -> str:
-    """`copy_bytes`: for Megatron-LM's forms, copy the HF tensors' rows where formats.dist_copy takes them.
-    `ep`: expert parallelism of the output (MoE models). `team`: the processes writing the output's files between
-    them (ckpt_tools.team). `model`: the megatron-core model class of a Megatron-LM output, gpt or hybrid."""
-    to_megatron.check_ep_form(form, ep)
-    to_megatron.check_model_form(form, None if model == to_megatron.GPT else model)
-    to_megatron.check_vpp_form(form, vpp)
-    if form != to_megatron.OURS and copy_bytes:
+def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, layers: list[int] | None = None,
+              dtype: torch.dtype | None = None, force: bool = False, quiet: bool = False, copy_bytes: bool = True,
+              team: Team = SOLO, **asked) -> str:
+    """`asked`: the rest of the target, request.Request's fields (form, optimizer, ep, vpp, model); run() says the
+    rest."""
+    return run(hf_dir, out, Request(tp, pp, layers, **asked), dtype, force, quiet, copy_bytes, team)
+
+
+def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype | None = None, force: bool = False,
+        quiet: bool = False, copy_bytes: bool = True, team: Team = SOLO) -> str:
+    """Import the HF model as `want` says into OUT (`dtype`: the weights', None: the HF weights' own). `copy_bytes`:
+    copy the HF tensors' rows where formats.dist_copy (Megatron-LM's forms) or formats.ours_copy (ours) take them.
+    `team`: the processes writing the output's files between them (ckpt_tools.team)."""
+    want.check()
+    if copy_bytes:
         from ckpt_tools.formats import dist_copy
-        summary = dist_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
-                                      form, team, ep, model, vpp)
-        if summary is not None:
-            return summary
-    if form == to_megatron.OURS and copy_bytes:
-        summary = ours_copy.import_hf(hf_dir, out, tp, pp, layers, dtype_name(dtype) if dtype else None, force, quiet,
-                                      optimizer, team, ep)
+        copier = dist_copy.import_hf if want.megatron else ours_copy.import_hf
+        summary = copier(hf_dir, out, want, dtype_name(dtype) if dtype else None, force, quiet, team)
         if summary is not None:
             return summary
     start = time.perf_counter()
@@ -48,8 +47,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     tail = f"\n{leftover}" if leftover else ""
     source = HFTensors(hf_dir)
     spec = hf.spec_of_model(hf_dir, source.where)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, None, vpp)
-    layout.check_ep(spec, ep)
+    target = want.resolve(spec)
+    layout.check_ep(spec, target.ep)
+    tp, counts, padded, ep, pp, optimizer = target.tp, target.counts, target.padded, target.ep, target.pp, \
+        want.optimizer
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}
     extra = sorted(set(source.where) - {hf.part_of(n)[0] for n in wanted})
@@ -70,18 +71,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     wrong = [f"{name} {list(source.shape(name))}, expected {n} slices first"  # a stacked tensor: one slice per expert
              for name, n in hf.slice_counts(wanted).items() if source.shape(name)[0] != n]
     for key, (row, names) in rows.items():
-        for name, want in zip(names, hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
-            if source.shape(name) != tuple(want):
-                wrong.append(f"{name} {list(source.shape(name))}, expected {list(want)}")
+        for name, shape in zip(names, hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
+            if source.shape(name) != tuple(shape):
+                wrong.append(f"{name} {list(source.shape(name))}, expected {list(shape)}")
     if wrong:
         raise FormatError(f"{hf_dir}: tensor shapes do not match a {spec.architecture} model of this config.json "
                           f"({'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}): "
                           f"the weights and config.json disagree")
     first = source.get(rows["embedding.word_embeddings.weight"][1][0])
     params_dtype = dtype or first.dtype
-    if form != to_megatron.OURS:
-        return _import_to_megatron(hf_dir, source, rows, out, form, spec, tp, counts, padded, params_dtype, force,
-                                   quiet, start, team, ep, model, vpp) + tail
+    if want.megatron:
+        return _import_to_megatron(hf_dir, source, rows, out, target, spec, params_dtype, force, quiet, start,
+                                   team) + tail
     # A fresh optimizer is recorded in meta.json, not written (contract 2): zero moments, step 0, masters equal to the
     # weights; the masters are written (alone) where the HF weights carry more than the weights' dtype keeps.
     carried = {key for key, (_, names) in rows.items() if optimizer and layout.has_optimizer_state(key, spec, pp)
@@ -90,42 +91,40 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
-        target = Target(ckpt, spec, tp, counts, padded, masters, ep)
-        target.share(team, (MODEL,), params_dtype.itemsize * (3 if masters else 1))  # a rank's model + masters
-        stages = sorted({rank.pp for rank in target.mine})  # the others' stages are not read here
+        files = Target(ckpt, spec, tp, counts, padded, masters, ep)
+        files.share(team, (MODEL,), params_dtype.itemsize * (3 if masters else 1))  # a rank's model + masters
+        stages = sorted({rank.pp for rank in files.mine})  # the others' stages are not read here
         bar = output.progress(sum(len(layout.stage_keys(spec, counts, p)) for p in stages), "import", quiet,
                               unit="tensor")
         for p in stages:
-            target.begin_stage(p)
+            files.begin_stage(p)
             for _, key in layout.stage_keys(spec, counts, p):
-                if not target.holds(key):  # an expert of another process's EP ranks
+                if not files.holds(key):  # an expert of another process's EP ranks
                     bar.update(1)
                     continue
                 if not layout.holds_weights(key, spec, pp):
-                    target.put(key, None)
+                    files.put(key, None)
                     bar.update(1)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
                 original = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded)
                 full = original.to(_dtype(key, spec, params_dtype))
                 source_key = key if key in rows else "embedding.word_embeddings.weight"  # a tied output copy
-                target.put(key, full, master=original.float() if source_key in carried else False)
+                files.put(key, full, master=original.float() if source_key in carried else False)
                 bar.update(1)
-            target.end_stage(dict(fmt.FRESH_EXTRAS))
+            files.end_stage(dict(fmt.FRESH_EXTRAS))
         bar.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
         meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep,
                               fresh_optimizer=optimizer)
-        nbytes = _finish(tmp, 0, target, meta, hf_dir, hf_dir=True, team=team)
+        nbytes = _finish(tmp, 0, files, meta, hf_dir, hf_dir=True, team=team)
     return ours_copy.imported(hf_dir, spec, out, tp, counts, ep, dtype_name(params_dtype), optimizer, masters, padded,
                               nbytes, time.perf_counter() - start) + tail
 
 
-def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, form: str, spec: ModelSpec, tp: int,
-                        counts: list[int], padded: int, params_dtype: torch.dtype, force: bool, quiet: bool,
-                        start: float, team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT,
-                        vpp: int = 1) -> str:
-    pp, current = len(counts), {}
+def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, target: Layout, spec: ModelSpec,
+                        params_dtype: torch.dtype, force: bool, quiet: bool, start: float, team: Team = SOLO) -> str:
+    tp, pp, padded, current = target.tp, target.pp, target.padded, {}
 
     def shard_of(key: str, rank: int) -> torch.Tensor:
         if key not in current:  # one full tensor in memory, split for every TP rank
@@ -134,11 +133,10 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
             current.clear()
             current[key] = shard_ops.split(key, full, spec, tp, pp)
         return current[key][rank]
-    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, dtype_name(params_dtype), shard_of, force=force,
-                               quiet=quiet, label="import", carried_from=hf_dir, hf_dir=True, team=team, ep=ep,
-                               model=model, vpp=vpp)
-    return to_megatron.imported(hf_dir, spec, out, form, tp, counts, dtype_name(params_dtype), padded, nbytes,
-                                time.perf_counter() - start, ep, vpp)
+    nbytes = to_megatron.write(out, target, spec, dtype_name(params_dtype), shard_of, force=force, quiet=quiet,
+                               label="import", carried_from=hf_dir, hf_dir=True, team=team)
+    return to_megatron.imported(hf_dir, spec, out, target, dtype_name(params_dtype), nbytes,
+                                time.perf_counter() - start)
 
 
 def _dtype(key: str, spec, params_dtype: torch.dtype) -> torch.dtype:

@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io, layout, output, to_megatron
+from ckpt_tools import io, output, to_megatron
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.plan import prepare
 from ckpt_tools.ranks import Grid
+from ckpt_tools.request import Layout, Request
 from ckpt_tools.shards import MODEL, OPTIMIZER, Reader
 from ckpt_tools.target import Resharder, Target, _finish
 from ckpt_tools.team import SOLO, Team
@@ -26,34 +27,34 @@ from ckpt_tools.team import SOLO, Team
 
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-            no_preflight: bool = False, form: str = to_megatron.OURS, optimizer: bool = True,
-            copy_bytes: bool = True, ep: int | None = None, team: Team = SOLO, model: str | None = None,
-            vpp: int = 1) -> str:
-    """`copy_bytes`: for Megatron-LM's forms, copy the source's bytes where formats.dist_copy takes them.
-    `ep`: the target's expert parallelism (MoE models; None: the source's). `team`: the processes writing the
-    output's files between them (ckpt_tools.team). `model`: the megatron-core model class of a Megatron-LM output,
-    gpt or hybrid (None: the source's; ours is GPTModel's). `vpp`: model chunks per PP rank of a Megatron-LM
-    output (an interleaved pipeline)."""
-    to_megatron.check_ep_form(form, ep)
-    to_megatron.check_model_form(form, model)
-    to_megatron.check_vpp_form(form, vpp)
-    if form != to_megatron.OURS and copy_bytes:
+            no_preflight: bool = False, copy_bytes: bool = True, team: Team = SOLO, **asked) -> str:
+    """`asked`: the rest of the target, request.Request's fields (form, optimizer, ep, vpp, model); run() says the
+    rest."""
+    return run(src, out, Request(tp, pp, layers, **asked), vocab_size, force, quiet, check_hashes, no_preflight,
+               copy_bytes, team)
+
+
+def run(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
+        quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False, copy_bytes: bool = True,
+        team: Team = SOLO) -> str:
+    """Rewrite `src` as `want` says into OUT. `copy_bytes`: for Megatron-LM's forms, copy the source's bytes where
+    formats.dist_copy takes them. `team`: the processes writing the output's files between them
+    (ckpt_tools.team)."""
+    want.check()
+    if want.megatron and copy_bytes:
         from ckpt_tools.formats import dist_copy
-        summary = dist_copy.reshard(src, out, tp, pp, layers, vocab_size, force, quiet, check_hashes, no_preflight,
-                                    optimizer, form, team, ep, model, vpp)
+        summary = dist_copy.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
         if summary is not None:
             return summary
     start = time.perf_counter()
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes, team)
     meta, spec = shards.meta, shards.meta.spec
-    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab, vpp)
-    ep = to_megatron.target_ep(form, ep, meta.ep_size) if form != to_megatron.OURS else \
-        meta.ep_size if ep is None else layout.check_ep(spec, ep)
-    with_opt, unread = shards.has_optimizer() and optimizer, shards.unread_optimizer()
+    resolved = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
+    tp, pp, counts, padded, ep = resolved.tp, resolved.pp, resolved.counts, resolved.padded, resolved.ep
+    with_opt, unread = shards.has_optimizer() and want.optimizer, shards.unread_optimizer()
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
-    if form != to_megatron.OURS:
-        return _reshard_to_megatron(shards, out, form, tp, counts, padded, with_opt, force, quiet, start, unread, team,
-                                    ep, to_megatron.model_of(model, meta), vpp)
+    if want.megatron:
+        return _reshard_to_megatron(shards, out, resolved, with_opt, force, quiet, start, unread, team)
     # a fresh optimizer stays recorded, not written: only its masters that carry more than the weights are
     fresh = with_opt and shards.fresh_optimizer()
     masters = shards.written_masters() if fresh else set()
@@ -96,29 +97,26 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             + (f"\n{leftover}" if leftover else ""))
 
 
-def _reshard_to_megatron(shards: Reader, out: Path, form: str, tp: int, counts: list[int], padded: int,
-                         with_opt: bool, force: bool, quiet: bool, start: float, unread: str | None = None,
-                         team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT, vpp: int = 1) -> str:
+def _reshard_to_megatron(shards: Reader, out: Path, target: Layout, with_opt: bool, force: bool, quiet: bool,
+                         start: float, unread: str | None = None, team: Team = SOLO) -> str:
     meta, spec = shards.meta, shards.meta.spec
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
     if with_opt and not fresh:
-        to_megatron.check_optimizer_form(form, meta.dir)
+        to_megatron.check_optimizer_form(target.form, meta.dir)
     resume = _resume_state(shards) if with_opt and not fresh else None
-    to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model, vpp)
-    resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=tp, pp=len(counts), padded=padded))
+    to_megatron.check(spec, target, meta.params_dtype, resume, meta.dir)
+    resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=target.tp, pp=target.pp, padded=target.padded))
 
     def state_of(key: str, field: str | None, rank: int) -> torch.Tensor:
         shard = resharder.shard(key, field, rank)
         shards.release()
         return shard
-    nbytes = to_megatron.write(out, form, spec, tp, counts, padded, meta.params_dtype,
-                               lambda key, rank: state_of(key, None, rank), force=force, quiet=quiet,
-                               label="reshard", carried_from=meta.dir, resume=resume, state_of=state_of, team=team,
-                               ep=ep, model=model, vpp=vpp)
+    nbytes = to_megatron.write(out, target, spec, meta.params_dtype, lambda key, rank: state_of(key, None, rank),
+                               force=force, quiet=quiet, label="reshard", carried_from=meta.dir, resume=resume,
+                               state_of=state_of, team=team)
     dropped = fresh and shards.fresh_optimizer() and bool(shards.written_masters())
     shards.close()
-    return to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, unread, nbytes,
-                                 time.perf_counter() - start, ep, vpp) + (
+    return to_megatron.resharded(meta, out, target, resume, fresh, unread, nbytes, time.perf_counter() - start) + (
         "\nnote: the fresh optimizer's fp32 masters that carried more than the weights are not written: Megatron-LM "
         "starts its optimizer from the weights" if dropped else "")
 

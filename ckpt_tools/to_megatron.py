@@ -17,77 +17,33 @@ from ckpt_tools import hf, hybrid, io, layout, megatron_lm, output
 from ckpt_tools.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.formats.megatron_resume import ResumeState
-from ckpt_tools.formats.megatron_write import FORMS, TORCH_DIST, writer_for
+from ckpt_tools.formats.megatron_write import TORCH_DIST, writer_for
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.ranks import Grid
+from ckpt_tools.request import HYBRID, Layout
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
 
 if TYPE_CHECKING:
     import torch
 
-OURS = "ours"
-CHOICES = (OURS, *FORMS)
-GPT, HYBRID = "gpt", "hybrid"  # --model: megatron-core's GPTModel or HybridModel
-
-
-def check_ep_form(form: str, ep: int | None) -> None:
-    """Expert parallelism is a property of the files of our format and of Megatron-LM's legacy form (a dir per EP
-    rank), not of torch_dist (refused before anything is read or written)."""
-    if form in (TORCH_DIST, megatron_lm.FSDP_DTENSOR) and ep not in (None, 1):
-        raise ConfigError(f"--ep {ep} does not apply to {form}: it holds each expert once and Megatron-LM loads "
-                          f"it at any --expert-model-parallel-size; drop --ep")
-
-
-def check_model_form(form: str, model: str | None) -> None:
-    """--model names the megatron-core class of a Megatron-LM output; our format holds GPTModel's keys (refused
-    before anything is read or written)."""
-    if model is not None and form == OURS:
-        raise ConfigError(f"--model {model} applies to Megatron-LM's forms (--format torch_dist), not to ours, which "
-                          f"holds GPTModel's keys: drop --model or pass --format torch_dist")
-
-
-def target_ep(form: str, ep: int | None, source_ep: int = 1) -> int:
-    """The EP of a Megatron-LM target: the one asked for, else the source's for the legacy form; 1 for torch_dist."""
-    return 1 if form in (TORCH_DIST, megatron_lm.FSDP_DTENSOR) else source_ep if ep is None else ep
-
-
 def check_optimizer_form(form: str, where: object) -> None:
-    """Optimizer state goes into torch_dist only (refused before anything is read or written)."""
-    if form != TORCH_DIST:
+    """Optimizer state goes into torch_dist and fsdp_dtensor only (refused before anything is read or written)."""
+    if form not in (TORCH_DIST, megatron_lm.FSDP_DTENSOR):
         raise ConfigError(f"{where}: holds optimizer state, which this version writes in Megatron-LM's torch_dist "
-                          f"form only (the distributed optimizer's fully_reshardable state), not in {form}: pass "
-                          f"--format torch_dist, or --no-optimizer to write the weights only (Megatron-LM then starts "
-                          f"a fresh optimizer)")
+                          f"form (the distributed optimizer's fully_reshardable state) and Megatron-FSDP's "
+                          f"fsdp_dtensor only, not in {form}: pass --format torch_dist, or --no-optimizer to write the "
+                          f"weights only (Megatron-LM then starts a fresh optimizer)")
 
 
-def check_vpp_form(form: str, vpp: int) -> None:
-    """--vpp names an interleaved pipeline of Megatron-LM's forms (refused before anything is read or written)."""
-    if vpp < 1:
-        raise ConfigError(f"--vpp {vpp}: give the model chunks per PP rank, 1 or more")
-    if vpp > 1 and form == megatron_lm.FSDP_DTENSOR:
-        raise ConfigError(f"--vpp {vpp} with --format fsdp_dtensor: Megatron-FSDP's form is written at PP 1 by this "
-                          f"version; drop --vpp, or pass --format torch_dist or torch")
-    if vpp > 1 and form == OURS:
-        raise ConfigError(f"--vpp {vpp} applies to Megatron-LM's forms (an interleaved pipeline's model chunks), not to "
-                          f"ours: pass --format torch_dist or torch, or --pp <PP x VPP> for as many stages in our format")
-
-
-def model_of(model: str | None, meta=None) -> str:
-    """The megatron-core model class a Megatron-LM output is saved for: the one asked for, else the source's (a
-    HybridModel's checkpoint stays one), else GPTModel."""
-    if model is not None:
-        return model
-    return HYBRID if meta is not None and (hybrid.of_meta(meta) is not None or meta.spec.hybrid) else GPT
-
-
-def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, form: str,
-          resume: ResumeState | None = None, where: object = None, ep: int = 1, model: str = GPT, vpp: int = 1):
-    """The args of the target (raises ConfigError for a target Megatron-LM cannot express). `ep` > 1: the legacy
-    form's dirs per EP rank (args.expert_model_parallel_size, which its writers read). `model` hybrid: a
-    HybridModel's args (its pattern: the table's layers as attention + MLP pairs, a '|' segment per stage). `vpp`
+def check(spec: ModelSpec, target: Layout, dtype: str, resume: ResumeState | None = None, where: object = None):
+    """The args of the target (raises ConfigError for a target Megatron-LM cannot express). EP > 1: the legacy
+    form's dirs per EP rank (args.expert_model_parallel_size, which its writers read). A hybrid `model`: a
+    HybridModel's args (its pattern: the table's layers as attention + MLP pairs, a '|' segment per stage). VPP
     > 1: an interleaved pipeline (`counts`: its virtual stages; args.virtual_pipeline_model_parallel_size, which
     the writers read)."""
+    form, tp, counts, padded, ep, model, vpp = (target.form, target.tp, target.counts, target.padded, target.ep,
+                                                target.model, target.vpp)
     if resume is not None:
         check_optimizer_form(form, where)
     pattern = None
@@ -134,18 +90,18 @@ def check(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, 
     return args
 
 
-def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str,
-          shard_of: Callable[[str, int], torch.Tensor], *, force: bool, quiet: bool, label: str,
-          carried_from: Path | None = None, hf_dir: bool = False, resume: ResumeState | None = None,
-          state_of: Callable[[str, str, int], torch.Tensor] | None = None, team: Team = SOLO, ep: int = 1,
-          model: str = GPT, vpp: int = 1) -> int:
+def write(out: Path, target: Layout, spec: ModelSpec, dtype: str, shard_of: Callable[[str, int], torch.Tensor], *,
+          force: bool, quiet: bool, label: str, carried_from: Path | None = None, hf_dir: bool = False,
+          resume: ResumeState | None = None, state_of: Callable[[str, str, int], torch.Tensor] | None = None,
+          team: Team = SOLO) -> int:
     """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
     The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
     Megatron-LM ignores them and a later merge gives them back. In a team each process writes a run of the target
-    ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only (with `vpp` > 1,
+    ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only (with VPP > 1,
     a file's model chunks all go to the process writing it)."""
-    args = check(spec, tp, counts, padded, dtype, form, resume, out, ep, model, vpp)
-    pp = len(counts)
+    args = check(spec, target, dtype, resume, out)
+    form, tp, counts, padded, ep, vpp, pp = (target.form, target.tp, target.counts, target.padded, target.ep,
+                                             target.vpp, target.pp)
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
     files = Grid(tp, pp // vpp, ep).ranks()
@@ -156,7 +112,7 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir(exist_ok=True)
-        with writer_for(form, iter_dir, spec, tp, counts, padded, args).only_ranks(mine, team) as writer:
+        with writer_for(form, iter_dir, spec, tp, counts, padded, args, resume).only_ranks(mine, team) as writer:
             keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
             bar = output.progress(sum(len(keys[r.pp]) for r in mine), label, quiet, unit="tensor")
             for p in range(pp):
@@ -167,7 +123,7 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
                         writer.put_extra(p, key)
                     else:
                         held = [rank for rank in ranks if key in holds[rank]]  # an expert: its EP rank's files
-                        for rank in held:
+                        for rank in held if not writer.weights_from_masters(key) else ():
                             writer.put(rank, key, shard_of(key, rank.tp))
                         for field in OPTIMIZER_FIELDS if resume is not None and \
                                 layout.has_optimizer_state(key, spec, pp) else ():
@@ -185,14 +141,12 @@ def write(out: Path, form: str, spec: ModelSpec, tp: int, counts: list[int], pad
     return writer.nbytes
 
 
-def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep: int = 1,
-               spec: ModelSpec | None = None, vpp: int = 1) -> str:
+def loads_with(out: Path, target: Layout, resume: bool = False, spec: ModelSpec | None = None) -> str:
     """The Megatron-LM command-line flags that load the written checkpoint (`--use-checkpoint-args` restores
-    neither MLA's rotary type nor YaRN's parameters: given where the model has them). `pp`: the stages written
-    (PP x VPP with an interleaved pipeline)."""
+    neither MLA's rotary type nor YaRN's parameters: given where the model has them)."""
+    form, tp, ep, vpp, pp = target.form, target.tp, target.ep, target.vpp, target.pp_ranks
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
-    layers = spec.num_layers // pp if spec is not None else None
-    pp //= vpp
+    layers = spec.num_layers // target.pp if spec is not None else None
     if spec is not None and spec.multi_latent_attention:
         where += " --rope-type " + ("yarn" if spec.rope_scaling == "yarn" else "rope")
         if spec.rope_scaling == "yarn":
@@ -200,10 +154,10 @@ def loads_with(form: str, out: Path, tp: int, pp: int, resume: bool = False, ep:
                       f"--mscale-all-dim {spec.rope_mscale_all_dim:g}")
     if spec is not None:
         where += _not_restored(spec)
-    if resume:
+    if resume and form == TORCH_DIST:
         where += " --use-distributed-optimizer"
-    if form == megatron_lm.FSDP_DTENSOR:  # weights only: no optimizer, scheduler or RNG state to load
-        where += " --use-megatron-fsdp --no-load-optim --no-load-rng"
+    if form == megatron_lm.FSDP_DTENSOR:  # no RNG state to load; weights only: no optimizer or scheduler either
+        where += " --use-megatron-fsdp" + ("" if resume else " --no-load-optim") + " --no-load-rng"
     if form == megatron_lm.TORCH:
         where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
         if ep > 1:
@@ -236,8 +190,8 @@ def _not_restored(spec: ModelSpec) -> str:
     return flags
 
 
-def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: ResumeState | None, fresh: bool,
-              unread: str | None, nbytes: int, seconds: float, ep: int = 1, vpp: int = 1) -> str:
+def resharded(meta, out: Path, target: Layout, resume: ResumeState | None, fresh: bool, unread: str | None,
+              nbytes: int, seconds: float) -> str:
     """The one-line summary of a reshard into Megatron-LM's forms (`meta`: the source's)."""
     what = (f"iteration {resume.iteration}, model + optimizer (fp32 masters and Adam moments, step "
             f"{resume.step:g}; {resume.note})" if resume else "weights only (release)")
@@ -245,20 +199,14 @@ def resharded(meta, out: Path, form: str, tp: int, counts: list[int], resume: Re
         what += " (its optimizer state is the fresh one of iteration 0: Megatron-LM starts it afresh)"
     elif unread:
         what += f" (NOT carried: its {unread}, not read by this version)"
-    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {form} {_grid(tp, counts, ep, vpp)} "
-            f"(layers {counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), resume is not None, ep, meta.spec, vpp)}")
+    return (f"resharded {meta.dir} {meta.grid} -> {out} Megatron-LM {target.form} {target.describe()} "
+            f"(layers {target.counts}), {what}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
+            f"{loads_with(out, target, resume is not None, meta.spec)}")
 
 
-def imported(hf_dir: Path, spec: ModelSpec, out: Path, form: str, tp: int, counts: list[int], dtype: str, padded: int,
-             nbytes: int, seconds: float, ep: int = 1, vpp: int = 1) -> str:
+def imported(hf_dir: Path, spec: ModelSpec, out: Path, target: Layout, dtype: str, nbytes: int, seconds: float) -> str:
     """The one-line summary of an import into Megatron-LM's forms."""
-    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {form} "
-            f"{_grid(tp, counts, ep, vpp)} (layers {counts}), {dtype}, weights only (release), padded vocab "
-            f"{padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
-            f"{loads_with(form, out, tp, len(counts), ep=ep, spec=spec, vpp=vpp)}")
-
-
-def _grid(tp: int, counts: list[int], ep: int, vpp: int) -> str:
-    """The target layout as a summary names it: TP x PP (x EP), and x VPP for an interleaved pipeline."""
-    return f"{Grid(tp, len(counts) // vpp, ep)}" + (f" x VPP{vpp}" if vpp > 1 else "")
+    return (f"imported {hf_dir} ({spec.architecture}, {spec.num_layers} layers) -> {out} Megatron-LM {target.form} "
+            f"{target.describe()} (layers {target.counts}), {dtype}, weights only (release), padded vocab "
+            f"{target.padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s; load with "
+            f"{loads_with(out, target, spec=spec)}")

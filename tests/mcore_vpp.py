@@ -2,6 +2,7 @@
 
     python tests/mcore_vpp.py fixtures/megatron_vpp        # runs itself under torchrun (PP ranks, gloo, CPU)
     torchrun --nproc-per-node 2 tests/mcore_vpp.py load fixtures/megatron_vpp/reference.pt OUT.pt SAVE_DIR...
+    torchrun --nproc-per-node 2 tests/mcore_vpp.py load-newest ...   # the same with megatron-core 0.19 (mcore_newest)
 
 A Llama-style GPTModel (local spec, megatron-core 0.16.1) at TP1 x PP2 with 2 virtual stages per rank
 (--num-layers-per-virtual-pipeline-stage 1, 4 layers): each rank builds its two model chunks (`vp_stage` 0 and 1;
@@ -119,13 +120,17 @@ def save(out: str) -> None:
     dist.destroy_process_group()
 
 
-def load(reference: str, out: str, *save_dirs: str) -> None:
+def load(reference: str, out: str, *save_dirs: str, newest: bool = False) -> None:
     """Megatron-LM's load_checkpoint of each SAVE_DIR into the interleaved chunks at PP x VPP as the checkpoint's args
     give them (as --use-checkpoint-args does): torch, chunk v of each rank's file `model<v>` into
     `load_state_dict(strict=True)`; torch_dist, `dist_checkpointing.load` of every chunk's sharded state dict; then the
-    interleaved forward on REFERENCE's tokens. The last PP rank saves OUT {save dir: logits}."""
+    interleaved forward on REFERENCE's tokens. The last PP rank saves OUT {save dir: logits}. `newest`: with
+    megatron-core 0.19 (tests/mcore_newest.py) instead of the installed 0.16.1."""
     import warnings
     warnings.filterwarnings("ignore")
+    if newest:
+        import mcore_newest
+        mcore_newest.activate()
     import torch
     from mcore_checkpoints import _shim_cuda
     _shim_cuda(torch)
@@ -177,9 +182,11 @@ if __name__ == "__main__":
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PP}", __file__, "save",
                         sys.argv[1]], check=True)
         print(json.dumps(sorted(str(p.relative_to(sys.argv[1])) for p in Path(sys.argv[1]).rglob("*") if p.is_file())))
-    elif sys.argv[1] == "load":  # under torchrun: load REFERENCE OUT SAVE_DIR...
+    elif sys.argv[1] in ("load", "load-newest"):  # under torchrun: load REFERENCE OUT SAVE_DIR...
+        import functools
+
         from mcore_checkpoints import run_as_script
-        run_as_script(load, *sys.argv[2:])
+        run_as_script(functools.partial(load, newest=sys.argv[1] == "load-newest"), *sys.argv[2:])
     else:
         from mcore_checkpoints import run_as_script
         run_as_script(save, sys.argv[2])

@@ -25,6 +25,7 @@ from ckpt_tools import families, hf
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.merge import merge
 from ckpt_tools.importer import import_hf
+from ckpt_tools.request import Layout
 from ckpt_tools.reshard import reshard
 from ckpt_tools.spec import ModelSpec
 
@@ -469,5 +470,5 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
         megatron_args.check_expressible(spec)
     ok = ModelSpec(**{**spec.to_dict(), "rope_original_max_position_embeddings": 4096})
     megatron_args.check_expressible(ok)
-    line = to_megatron.loads_with("torch_dist", Path("out"), 1, 1, spec=ok)
+    line = to_megatron.loads_with(Path("out"), Layout("torch_dist", 1, [spec.num_layers], 128), spec=ok)
     assert "--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1" in line, line

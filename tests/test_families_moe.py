@@ -52,8 +52,9 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     merged["ours"] = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
     # Megatron-LM's legacy form written from its torch_dist save by copying bytes (every expert at EP 1)
     from ckpt_tools.formats import dist_copy
-    assert dist_copy.reshard(tmp_path / "torch_dist", tmp_path / "legacy", 1, 2, vocab_size=VOCAB, quiet=True,
-                             form="torch") is not None  # holding no optimizer state: not left to the torch path
+    from ckpt_tools.request import Request
+    assert dist_copy.reshard(tmp_path / "torch_dist", tmp_path / "legacy", Request(1, 2, form="torch"),
+                             vocab_size=VOCAB, quiet=True) is not None  # holding no optimizer state: not left to the torch path
     for form in ("grouped_torch_dist", "grouped_torch", "grouped_torch_te", "legacy"):
         merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
         merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")
@@ -389,7 +390,9 @@ def test_megatron_core_mtp_layers_reach_transformers_layout_and_come_back(tmp_pa
     back = load_safetensors(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
     from ckpt_tools.formats import dist_copy  # the byte path takes an MTP model (its copies checked byte for byte)
-    assert dist_copy.import_hf(tmp_path / "hf", tmp_path / "bytes", tp=2, pp=2, quiet=True) is not None
+    from ckpt_tools.request import Request
+    assert dist_copy.import_hf(tmp_path / "hf", tmp_path / "bytes", Request(2, 2, form="torch_dist"),
+                               quiet=True) is not None
     merge(tmp_path / "bytes", tmp_path / "back_bytes", quiet=True)
     again = load_safetensors(tmp_path / "back_bytes" / "model.safetensors")
     assert sorted(again) == sorted(tensors) and all(torch.equal(again[k], tensors[k]) for k in tensors)
@@ -446,13 +449,14 @@ def test_mtp_layers_are_refused_where_megatron_core_holds_them_otherwise():
 
     from ckpt_tools import to_megatron
     from ckpt_tools.errors import ConfigError
+    from ckpt_tools.request import Layout
     from trainer.config import TrainConfig
     spec = llama(architecture="glm4_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48, mtp_num_layers=1)
     with pytest.raises(ConfigError, match="multi-token prediction layers in a HybridModel"):
-        to_megatron.check(spec, 1, [4], 1024, "float32", "torch_dist", where="out", model="hybrid")
+        to_megatron.check(spec, Layout("torch_dist", 1, [4], 1024, model="hybrid"), "float32", where="out")
     with pytest.raises(ConfigError, match="multi-token prediction layers at PP 2 in Megatron-LM's torch form"):
-        to_megatron.check(spec, 1, [2, 2], 1024, "float32", "torch", where="out")
-    to_megatron.check(spec, 1, [2, 2], 1024, "float32", "torch_dist", where="out")  # torch_dist at PP2: written
+        to_megatron.check(spec, Layout("torch", 1, [2, 2], 1024), "float32", where="out")
+    to_megatron.check(spec, Layout("torch_dist", 1, [2, 2], 1024), "float32", where="out")  # at PP2: written
     with pytest.raises(ConfigError, match="multi-token prediction layers train here at pp_degree 1"):
         TrainConfig(model={**spec.to_dict(), "mtp_num_layers": 1}, pp_degree=2)
     with pytest.raises(ConfigError, match="mtp_num_layers 1 given, but llama has no multi-token prediction layers"):

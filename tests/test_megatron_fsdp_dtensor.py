@@ -142,7 +142,7 @@ def test_fsdp_dtensor_written_is_what_megatron_fsdp_saves_and_loads(tmp_path):
     Megatron-LM's rank-0 read takes. On 2 x H200 megatron-core 0.16.1 loaded this output (and an HF import in fp32 and
     bf16) into Megatron-FSDP at DP 2 as Megatron-LM's load_checkpoint does, strict, and gave the saved model's logits
     exactly (tests/gpu_fsdp_dtensor.sh, case load; test_megatron_core_loads_what_ckpt_writes_as_fsdp_dtensor).
-    Refused in one line, nothing written: PP 2, optimizer state (this form is written weights only), --ep, --vpp."""
+    Refused in one line, nothing written: PP 2, --ep, --vpp."""
     import torch.distributed.checkpoint as dcp
     case = FIXTURES / "llama_dp2_model"
     reshard(case / "fsdp_dtensor", tmp_path / "out", tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
@@ -169,10 +169,6 @@ def test_fsdp_dtensor_written_is_what_megatron_fsdp_saves_and_loads(tmp_path):
                               "--format", "fsdp_dtensor", "--vocab-size", VOCAB))
     assert "fsdp_dtensor form at PP 2" in line and "--pp 1" in line, line
     assert_nothing_written(tmp_path / "pp2")
-    line = one_line_error(run("reshard", FIXTURES / "llama_dp1" / "fsdp_dtensor", tmp_path / "opt", "--tp", "1",
-                              "--pp", "1", "--format", "fsdp_dtensor", "--vocab-size", VOCAB))
-    assert "--no-optimizer" in line, line
-    assert_nothing_written(tmp_path / "opt")
     for extra, expected in ((["--ep", "2"], "--ep 2 does not apply to fsdp_dtensor"),
                             (["--pp", "2", "--vpp", "2"], "--vpp 2 with --format fsdp_dtensor")):
         args = ["--tp", "1", "--pp", "1", *extra] if "--pp" not in extra else ["--tp", "1", *extra]
@@ -180,6 +176,60 @@ def test_fsdp_dtensor_written_is_what_megatron_fsdp_saves_and_loads(tmp_path):
                                   "--vocab-size", VOCAB, *args))
         assert expected in line, line
         assert_nothing_written(tmp_path / "bad")
+
+
+def _entries(iter_dir: Path) -> dict:
+    """Every entry of a DCP checkpoint as torch.distributed.checkpoint's own loader reads it (bytes entries through
+    the safe unpickler; args, a Namespace, left out)."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    metadata = dcp.FileSystemReader(str(iter_dir)).read_metadata()
+    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+           if not isinstance(m, BytesStorageMetadata)}
+    dcp.load(out, checkpoint_id=str(iter_dir), no_dist=True)
+    for k, m in metadata.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata) and k != "args":
+            where = metadata.storage_data[MetadataIndex(k)]
+            with open(iter_dir / where.relative_path, "rb") as f:
+                f.seek(where.offset)
+                out[k] = torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
+    return out
+
+
+def test_fsdp_dtensor_written_with_optimizer_holds_what_megatron_fsdp_saves(tmp_path):
+    """Megatron-FSDP's own save with its distributed optimizer (llama_dp1), rewritten by `ckpt reshard --format
+    fsdp_dtensor` directly and by way of torch_dist at TP2 (its state in the distributed optimizer's
+    fully_reshardable form and common.pt), holds every entry megatron-core saved but the RNG state, equal as
+    torch.distributed.checkpoint's own loader reads both: the fp32 main weights, each parameter's exp_avg,
+    exp_avg_sq and step (a SwiGLU fc1's per half), its param group's settings (under the whole fc1's name, as
+    Megatron-FSDP leaves them) and the scheduler's. The only other entries are the same under Transformer Engine's
+    names. The load command asks for the optimizer (no --no-load-optim), not the RNG state. From our format without
+    the trainer's config, its groups and schedule are unknown: one line, nothing written."""
+    src = FIXTURES / "llama_dp1" / "fsdp_dtensor"
+    line = reshard(src, tmp_path / "direct", tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
+    assert "model + optimizer" in line and "--use-megatron-fsdp --no-load-rng" in line, line
+    reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    reshard(tmp_path / "dist", tmp_path / "via_dist", tp=1, pp=1, form="fsdp_dtensor", quiet=True)
+    theirs = _entries(src / "iter_0000003")
+    wanted = {k: v for k, v in theirs.items() if not k.startswith("rng_state.")}
+    assert any(k.endswith("linear_fc1.weight_w.exp_avg") for k in wanted) and \
+        any(k.startswith("optimizer.param_to_group_meta.") for k in wanted) and "opt_param_scheduler.num_steps" in wanted
+    for out in ("direct", "via_dist"):
+        ours = _entries(tmp_path / out / "iter_0000003")
+        assert sorted(set(wanted) - set(ours)) == [], out
+        unequal = [k for k, v in wanted.items() if not (torch.equal(v, ours[k]) and v.dtype == ours[k].dtype
+                                                        if torch.is_tensor(v) else v == ours[k])]
+        assert unequal == [], (out, unequal[:4])
+        extra = set(ours) - set(theirs)
+        assert extra and all("layer_norm_weight" in k for k in extra), (out, sorted(extra)[:4])
+    ours_dir = tmp_path / "ours"
+    reshard(src, ours_dir, tp=1, pp=1, vocab_size=VOCAB, quiet=True)
+    line = one_line_error(run("reshard", ours_dir, tmp_path / "bad", "--tp", "1", "--pp", "1", "--format",
+                              "fsdp_dtensor"))
+    assert "param groups and LR schedule cannot be written" in line and "--no-optimizer" in line, line
+    assert_nothing_written(tmp_path / "bad")
 
 
 @pytest.mark.gpu

@@ -67,7 +67,8 @@ def test_megatron_core_loads_what_we_write(arch, form, written, loaded, hf_dirs,
     if form == "resharded":
         import_hf(src, tmp_path / "ours", tp=1, pp=1, optimizer=False, quiet=True)
         from ckpt_tools.formats import dist_copy
-        form, line = "torch", dist_copy.reshard(tmp_path / "ours", out, written[0], written[1], quiet=True, form="torch")
+        from ckpt_tools.request import Request
+        form, line = "torch", dist_copy.reshard(tmp_path / "ours", out, Request(*written, form="torch"), quiet=True)
         assert line is not None  # written by copying bytes, not left to the torch path
     else:
         line = import_hf(src, out, tp=written[0], pp=written[1], form=form, quiet=True)

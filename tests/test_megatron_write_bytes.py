@@ -13,6 +13,7 @@ from safetensors.torch import load_file as load_safetensors
 from test_megatron_write import hf_dirs, whole_tensors  # noqa: F401 (hf_dirs: a fixture)
 
 from ckpt_tools.importer import import_hf
+from ckpt_tools.request import Request
 from ckpt_tools.reshard import reshard
 
 
@@ -97,7 +98,7 @@ def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tm
     ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
     key = "decoder.layers.0.input_layernorm.weight"
     resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
-    assert dist_copy.reshard(ck, tmp_path / "out", 1, 1, quiet=True) is None
+    assert dist_copy.reshard(ck, tmp_path / "out", Request(1, 1, form="torch_dist"), quiet=True) is None
     assert not (tmp_path / "out").exists()
     with pytest.raises(Exception, match="replicated tensor differs between TP rank 0 and TP rank 1"):
         reshard(ck, tmp_path / "out", 1, 1, form="torch_dist", quiet=True)
@@ -213,7 +214,7 @@ def test_imported_row_chunks_reshard_on_the_byte_path(form, tp, hf_dirs, tmp_pat
     holds what the torch path writes."""
     from ckpt_tools.formats import dist_copy
     import_hf(hf_dirs["llama"], tmp_path / "mlm", tp=2, pp=2, form="torch_dist", quiet=True)
-    assert dist_copy.reshard(tmp_path / "mlm", tmp_path / "fast", tp, 1, quiet=True, form=form) is not None
+    assert dist_copy.reshard(tmp_path / "mlm", tmp_path / "fast", Request(tp, 1, form=form), quiet=True) is not None
     reshard(tmp_path / "mlm", tmp_path / "slow", tp=tp, pp=1, form=form, quiet=True, copy_bytes=False)
     if form == "torch":
         same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp)

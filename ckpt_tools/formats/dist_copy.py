@@ -37,6 +37,7 @@ from ckpt_tools.formats import legacy_copy
 from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
 from ckpt_tools.ranks import TP, Rank
+from ckpt_tools.request import Layout, Request
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
 from ckpt_tools.writers import SAFETENSORS_DTYPES
@@ -44,15 +45,14 @@ from ckpt_tools.writers import SAFETENSORS_DTYPES
 STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 
-def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-            vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
-            no_preflight: bool = False, optimizer: bool = True, form: str = TORCH_DIST,
-            team: Team = SOLO, ep: int | None = None, model: str | None = None, vpp: int = 1) -> str | None:
-    """reshard.reshard(..., form=torch_dist or torch) by copying bytes; None (nothing written) where it does not
-    apply. The legacy torch form is written by formats/legacy_copy.py, weights only, at EP `ep` (None: the source's).
+def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
+            quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
+            team: Team = SOLO) -> str | None:
+    """reshard.run(..., `want` of form torch_dist or torch) by copying bytes; None (nothing written) where it does
+    not apply. The legacy torch form is written by formats/legacy_copy.py, weights only.
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
-    if form not in (TORCH_DIST, megatron_lm.TORCH):
+    if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
     try:
         source = ByteSource.open(src, vocab_size, False)
@@ -60,9 +60,8 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
         source = None
     try:
         # a Megatron-LM optimizer is decoded with torch
-        go = None if source is None or (optimizer and source.megatron_optimizer) else \
-            _reshard(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, optimizer, start, form,
-                     team, ep, model, vpp)
+        go = None if source is None or (want.optimizer and source.megatron_optimizer) else \
+            _reshard(source, out, want, force, quiet, check_hashes, no_preflight, start, team)
         if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
             return None
         return go()
@@ -71,14 +70,12 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int
             source.close()
 
 
-def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
-             quiet: bool, check_hashes: bool, no_preflight: bool, optimizer: bool, start: float,
-             form: str = TORCH_DIST, team: Team = SOLO, ep: int | None = None,
-             model: str | None = None, vpp: int = 1) -> Callable[[], str] | None:
+def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
+             no_preflight: bool, start: float, team: Team = SOLO) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta = source.meta
-    with_opt = optimizer and _has_optimizer(meta)
-    if with_opt and form != TORCH_DIST:
+    with_opt = want.optimizer and _has_optimizer(meta)
+    if with_opt and want.form != TORCH_DIST:
         return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
     try:
@@ -88,43 +85,40 @@ def _reshard(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list
         step = _step(meta) if fields else None
     except (Declined, Unreadable, CkptError, OSError):
         return None
-    return lambda: _reshard_copy(source, out, tp, pp, layers, force, quiet, check_hashes, no_preflight, start, form,
-                                 team, fields, step, fresh, to_megatron.target_ep(form, ep, meta.ep_size),
-                                 to_megatron.model_of(model, meta), vpp)
+    return lambda: _reshard_copy(source, out, want, force, quiet, check_hashes, no_preflight, start, team, fields,
+                                 step, fresh)
 
 
-def _reshard_copy(source: ByteSource, out: str | Path, tp: int, pp: int, layers: list[int] | None, force: bool,
-                  quiet: bool, check_hashes: bool, no_preflight: bool, start: float, form: str, team: Team,
-                  fields: dict, step: float | None, fresh: bool, ep: int = 1, model: str = to_megatron.GPT,
-                  vpp: int = 1) -> str:
+def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
+                  no_preflight: bool, start: float, team: Team, fields: dict, step: float | None, fresh: bool) -> str:
     # what is refused here is refused as the torch path refuses it, in its words
     meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
     if check_hashes:
         source.check_hashes(team)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, meta.padded_vocab, vpp)
+    target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     resume = None
     if fields:
         consumed = int(meta.raw.get("consumed_samples") or 0)
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
-    args = to_megatron.check(spec, tp, counts, padded, meta.params_dtype, form, resume, meta.dir, ep, model, vpp)
-    nbytes = _write(source, fields, out, tp, counts, padded, args, resume, force, quiet, form, team)
-    summary = to_megatron.resharded(meta, out, form, tp, counts, resume, fresh, None, nbytes,
-                                    time.perf_counter() - start, ep, vpp)
+    args = to_megatron.check(spec, target, meta.params_dtype, resume, meta.dir)
+    nbytes = _write(source, fields, out, target, args, resume, force, quiet, team)
+    summary = to_megatron.resharded(meta, out, target, resume, fresh, None, nbytes, time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
 
 
-def _write(source: ByteSource, fields: dict, out: Path, tp: int, counts: list[int], padded: int, args,
-           resume: ResumeState | None, force: bool, quiet: bool, form: str, team: Team) -> int:
+def _write(source: ByteSource, fields: dict, out: Path, target: Layout, args, resume: ResumeState | None, force: bool,
+           quiet: bool, team: Team) -> int:
+    tp, counts, padded = target.tp, target.counts, target.padded
     iteration = resume.iteration if resume is not None else 0
     name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir(exist_ok=True)
-        if form == TORCH_DIST:
+        if target.form == TORCH_DIST:
             nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet, team)
         else:
             nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet, team=team)
@@ -239,17 +233,16 @@ def _step(meta: checkpoint.Meta) -> float:
 COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes this path copies
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-              dtype: str | None = None, force: bool = False, quiet: bool = False, form: str = TORCH_DIST,
-              team: Team = SOLO, ep: int = 1, model: str = to_megatron.GPT, vpp: int = 1) -> str | None:
-    """importer.import_hf(..., form="torch_dist" or "torch") by copying bytes (the legacy form by
+def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
+              quiet: bool = False, team: Team = SOLO) -> str | None:
+    """importer.run(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
     from the safetensors file. None, having written nothing, where the torch path must do it: weights in another
     dtype than asked for, transposed kinds (GPT-2), names or shapes that disagree with config.json (the torch
     path words that), anything unreadable."""
     start = time.perf_counter()
-    if form not in (TORCH_DIST, megatron_lm.TORCH):
+    if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
     copied = copied_hf(hf_dir, dtype)
@@ -258,11 +251,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     spec, index, rows, params = copied
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, None, vpp)
-    args = to_megatron.check(spec, tp, counts, padded, params, form, None, out, ep, model, vpp)
-    nbytes = _import(hf_dir, index, rows, out, spec, tp, counts, padded, args, force, quiet, form, team)
-    summary = to_megatron.imported(hf_dir, spec, out, form, tp, counts, params, padded, nbytes,
-                                   time.perf_counter() - start, ep, vpp)
+    target = want.resolve(spec)
+    args = to_megatron.check(spec, target, params, None, out)
+    nbytes = _import(hf_dir, index, rows, out, spec, target, args, force, quiet, team)
+    summary = to_megatron.imported(hf_dir, spec, out, target, params, nbytes, time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
 
 
@@ -290,12 +282,13 @@ def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
     return spec, index, rows, params
 
 
-def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, tp: int, counts: list[int], padded: int, args,
-            force: bool, quiet: bool, form: str, team: Team) -> int:
+def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layout, args, force: bool, quiet: bool,
+            team: Team) -> int:
+    tp, counts, padded = target.tp, target.counts, target.padded
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / megatron_lm.RELEASE
         iter_dir.mkdir(exist_ok=True)
-        if form == TORCH_DIST:
+        if target.form == TORCH_DIST:
             nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team)
         else:
             source = legacy_copy.hf_source(hf_dir, spec, index, rows)

@@ -161,6 +161,10 @@ class DistWriter:
             stored, offsets, sizes, shape = self.placed(key, fqn, layer, full, p)
             self.put_chunk(rank, stored, dtype_name(shard.dtype), shape, offsets, sizes, contiguous_bytes(part))
 
+    def weights_from_masters(self, key: str) -> bool:
+        """Whether the fp32 master of `key` stands for its weights (not given them: Megatron-FSDP's main weights)."""
+        return False
+
     def saves(self, key: str, rank: Rank) -> bool:
         """Whether `rank` saves (a part of) key: megatron-core saves a tied output layer (and its optimizer state)
         only as the embedding, and a tensor replicated over TP from TP rank 0."""
@@ -382,6 +386,9 @@ class LegacyWriter:
                 self._local[rank, key] = local  # experts under this EP rank's local indices
         return self._state[file][name]
 
+    def weights_from_masters(self, key: str) -> bool:
+        return False
+
     def put(self, rank: Rank, key: str, shard: torch.Tensor) -> None:
         model = self._model(rank)
         model[self._local[rank, key]] = self._writers[self._file(rank)].tensor(shard)
@@ -421,8 +428,10 @@ def _with_torch_globals(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def writer_for(form: str, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
-               args: argparse.Namespace):
+               args: argparse.Namespace, resume: megatron_resume.ResumeState | None = None):
+    """The writer of `form`; `resume`: what an fsdp_dtensor checkpoint with optimizer state holds beside the tensors
+    (torch_dist's goes into common.pt at close)."""
     if form == FSDP_DTENSOR:
         from ckpt_tools.formats.fsdp_write import FsdpWriter
-        return FsdpWriter(iter_dir, spec, tp, counts, padded, args)
+        return FsdpWriter(iter_dir, spec, tp, counts, padded, args, resume=resume)
     return (DistWriter if form == TORCH_DIST else LegacyWriter)(iter_dir, spec, tp, counts, padded, args)

@@ -18,18 +18,18 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout, output
 from ckpt_tools.formats import dist_copy, legacy_copy
 from ckpt_tools.ranks import Grid
+from ckpt_tools.request import Request
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
-              dtype: str | None = None, force: bool = False, quiet: bool = False, optimizer: bool = True,
-              team: Team = SOLO, ep: int = 1) -> str | None:
-    """importer.import_hf(..., form="ours") by copying bytes; `dtype` a dtype name (None: the HF weights'). In a team
-    each process writes a run of the rank files (balanced by their bytes), process 0 the rest."""
+def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
+              quiet: bool = False, team: Team = SOLO) -> str | None:
+    """importer.run(..., `want` of our format) by copying bytes; `dtype` a dtype name (None: the HF weights'). In a
+    team each process writes a run of the rank files (balanced by their bytes), process 0 the rest."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
-    copied = dist_copy.copied_hf(hf_dir, dtype) if ep == 1 else None
+    copied = dist_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
     if copied is not None and any(layout.dtype_of(key, copied[0], copied[3], None) != copied[3] for key in copied[2]):
         copied = None  # a tensor kept in its own dtype (converted by the torch path)
     if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
@@ -37,7 +37,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int, pp: int, layers: lis
     spec, index, rows, params = copied
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    counts, padded = layout.target_layout(spec, tp, pp, layers, None)
+    target = want.resolve(spec)
+    tp, counts, padded, optimizer = target.tp, target.counts, target.padded, want.optimizer
     ranks = Grid(tp, len(counts)).ranks()
     owners = team.split([layout.rank_numel(spec, counts, padded, tp, r.pp) for r in ranks])
     mine = [r for r, owner in zip(ranks, owners) if owner == team.rank]

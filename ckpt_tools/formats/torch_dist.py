@@ -33,10 +33,9 @@ from ckpt_tools import hybrid, io, layout, megatron_args, megatron_lm, shard_ops
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.formats import dcp
+from ckpt_tools.formats.dcp_common import COMMON, read_common, read_dcp_common
 from ckpt_tools.rules import GATED
 
-COMMON = "common.pt"
-COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.19: the common state as a ShardedObject's byte entry
 OPT_STATE, OPT_BUCKETS = "optimizer.state.", "optimizer.distributed."
 PER_PARAM, BUCKETS = "per-parameter", "dp_reshardable buckets"
 DCP_PLAIN = "optimizer.state_dict()"  # torch_dcp: megatron-core's non-distributed optimizer's, Adam state by index
@@ -412,60 +411,3 @@ class DistCheckpoint:
             raise FormatError(f"{self.common_path}: the optimizer's param groups are malformed "
                               f"({type(e).__name__}): restore the checkpoint from the source") from None
         return max(steps) if steps else None
-
-
-def read_dcp_common(iter_dir: Path, index: dcp.Index, load_embedded: Callable | None = None) -> tuple[Path, dict]:
-    """(where its args are, the common state) of a torch_dcp checkpoint: args, iteration and checkpoint_version, each
-    a bytes entry of the .distcp files (a torch.save of the object), through the allow-listed loader."""
-    common: dict = {}
-    where = iter_dir / dcp.METADATA
-    for name in DCP_COMMON:
-        if name not in index.blobs:
-            if name == "checkpoint_version":
-                continue
-            raise FormatError(f"{where}: no {name!r} entry: Megatron-LM saves args and iteration in every torch_dcp "
-                              f"checkpoint; restore it from the source")
-        file, offset, length = index.blobs[name]
-        path = iter_dir / file
-        if not path.is_file() or path.stat().st_size < offset + length:
-            raise FormatError(f"{path}: {'missing' if not path.is_file() else 'truncated'}, but .metadata places the "
-                              f"{name!r} entry ({length} bytes at byte {offset}) in it: restore the file from the source")
-        if name == "args":
-            where = path
-        if load_embedded is None:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                common[name] = io.load_bytes(f.read(length), f"{path}: the {name!r} entry at byte {offset}")
-        else:
-            common[name] = load_embedded(path, offset, length)
-    return where, common
-
-
-def read_common(iter_dir: Path, index: dcp.Index, load: Callable = io.load_file,
-                load_embedded: Callable | None = None) -> tuple[Path, dict]:
-    """(where it is, the common state): common.pt where there is one (megatron-core <= 0.18; what its loader reads
-    first too), else the `common_state` byte entry (megatron-core >= 0.19), through the same allow-listed loader."""
-    common_path = iter_dir / COMMON
-    if common_path.is_file():
-        return common_path, load(common_path)
-    if COMMON_STATE not in index.blobs:
-        raise FormatError(f"{common_path}: missing, and {iter_dir / dcp.METADATA} holds no {COMMON_STATE} entry "
-                          f"(megatron-core 0.19 and later keep the common state there): the checkpoint's args are "
-                          f"gone; restore common.pt or the checkpoint from the source")
-    file, offset, length = index.blobs[COMMON_STATE]
-    path = iter_dir / file
-    if not path.is_file() or path.stat().st_size < offset + length:
-        raise FormatError(f"{path}: {'missing' if not path.is_file() else 'truncated'}, but .metadata places the "
-                          f"common state ({COMMON_STATE}, {length} bytes at byte {offset}) in it: restore the file from "
-                          f"the source")
-    if load_embedded is None:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            obj = io.load_bytes(f.read(length), f"{path}: the {COMMON_STATE} entry at byte {offset}")
-    else:
-        obj = load_embedded(path, offset, length)
-    if not (isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], dict)):
-        raise FormatError(f"{path}: the {COMMON_STATE} entry at byte {offset} holds {type(obj).__name__}"
-                          f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected megatron-core's one-element "
-                          f"list holding the common state dict: restore the checkpoint from the source")
-    return path, obj[0]
