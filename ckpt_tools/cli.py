@@ -247,7 +247,7 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
               help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch / fsdp_dtensor "
-                   "(Megatron-FSDP, weights only).")
+                   "(Megatron-FSDP).")
 @click.option("--no-optimizer", is_flag=True, help="Write the weights only.")
 @click.option("--model", type=click.Choice(MODELS), default=None,
               help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "
@@ -292,7 +292,7 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Model weight dtype (default: the HF weights' own).")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
-              help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch / fsdp_dtensor; weights only, "
+              help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch / fsdp_dtensor; the weights, as a "
                    "'release').")
 @click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
 @click.option("--model", type=click.Choice(MODELS), default=None,

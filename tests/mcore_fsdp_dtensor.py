@@ -4,6 +4,7 @@ on "cuda"); tests/gpu_fsdp_dtensor.sh runs the cases:
 
     torchrun --nproc-per-node DP tests/mcore_fsdp_dtensor.py CONFIG.json OUT             # save
     torchrun --nproc-per-node DP tests/mcore_fsdp_dtensor.py load CONFIG.json OUT.pt DIR...   # load
+    torchrun --nproc-per-node DP tests/mcore_fsdp_dtensor.py resume CONFIG.json OUT.json DIR...   # resume
 
 CONFIG.json: {"model": ModelSpec fields, "iteration": N, "optimizer": true|false, "watchdog": seconds}. Save:
 megatron-core builds the GPTModel (local spec, as tests/mcore_checkpoints.py does, norms non-trivial), wraps it as
@@ -16,6 +17,9 @@ optimizer's `sharded_state_dict(..., metadata={"distrib_optim_sharding_type": "f
 unless "optimizer" is false (`--no-save-optim`), rng state), then Megatron-LM's `preprocess_fsdp_dtensor_state_dict`
 (megatron-core's own handlers in its order: `_extra_state` dropped, SwiGLU fc1 split into `_w` / `_v`, uneven DTensor
 shards described) and `torch.distributed.checkpoint.save` into OUT/fsdp_dtensor/iter_NNNNNNN, and the tracker.
+With "continue": K in CONFIG it then trains K more steps and writes their losses (OUT/losses.json): the run that was
+not interrupted. Resume loads each DIR with its optimizer and scheduler as Megatron-LM's load_checkpoint does for
+`--use-megatron-fsdp --ckpt-format fsdp_dtensor --no-load-rng` and trains the same K steps on the same batches.
 
 Seen on 2 x H200 with megatron-core 0.16.1 and 0.19.2: with the optimizer at DP 2 the save waits forever in
 `preprocess_state_dict_for_uneven_dtensor`'s all_gather_object (the ranks' optimizer states hold different
@@ -98,25 +102,26 @@ def _start(cfg: dict):
     return torch, dist, ModelSpec.from_dict(cfg["model"])
 
 
-def main(config_path: str, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    cfg = json.loads(Path(config_path).read_text())
-    torch, dist, spec = _start(cfg)
+def _optimizer(wrapped, torch):
+    """megatron-core's distributed optimizer (Adam, bf16 with fp32 main weights) and scheduler for the run."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from mcore_checkpoints import _args, save_dcp
-    iteration = cfg.get("iteration", 5)
-    wrapped = _wrapped(spec, torch)
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, bf16=True,
                                  params_dtype=torch.bfloat16, use_distributed_optimizer=True, clip_grad=1.0)
     opt = get_megatron_optimizer(opt_config, [wrapped], config_overrides=get_standard_config_overrides(opt_config))
     scheduler = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
                                         wd_incr_steps=10, wd_incr_style="constant")
-    g = torch.Generator().manual_seed(5 + dist.get_rank())
-    for _ in range(STEPS):
+    return opt, scheduler
+
+
+def _train(wrapped, opt, scheduler, spec, torch, dist, g, steps: int) -> list[float]:
+    """`steps` training steps on batches drawn from `g`; their losses."""
+    losses = []
+    for _ in range(steps):
         tokens = torch.randint(0, spec.vocab_size, (2, 32), generator=g).cuda()
         positions = torch.arange(32).cuda().unsqueeze(0).expand(2, -1)
+        wrapped.train()
         wrapped.zero_grad_buffer()
         opt.zero_grad()
         loss = wrapped(tokens, positions, None, labels=tokens).float().mean()
@@ -124,8 +129,22 @@ def main(config_path: str, out: str) -> None:
         wrapped.finish_grad_sync()
         ok, grad_norm, _ = opt.step()
         scheduler.step(increment=1)
+        losses.append(loss.item())
         if dist.get_rank() == 0:
-            print(f"loss {loss.item():.4f} grad norm {grad_norm} ok {ok}")
+            print(f"loss {loss.item():.6f} grad norm {grad_norm} ok {ok}")
+    return losses
+
+
+def main(config_path: str, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    cfg = json.loads(Path(config_path).read_text())
+    torch, dist, spec = _start(cfg)
+    from mcore_checkpoints import _args, save_dcp
+    iteration = cfg.get("iteration", 5)
+    wrapped = _wrapped(spec, torch)
+    opt, scheduler = _optimizer(wrapped, torch)
+    g = torch.Generator().manual_seed(5 + dist.get_rank())
+    _train(wrapped, opt, scheduler, spec, torch, dist, g, STEPS)
     tokens, logits = _logits(wrapped, spec, torch)  # the forward of the weights the checkpoint holds
     root = Path(out)
     if dist.get_rank() == 0:
@@ -150,6 +169,48 @@ def main(config_path: str, out: str) -> None:
     state["rng_state"] = rng
     _preprocess(state, wrapped, args.swiglu)
     save_dcp(state, root, "fsdp_dtensor", iteration)
+    if cfg.get("continue"):
+        losses = _train(wrapped, opt, scheduler, spec, torch, dist, g, cfg["continue"])
+        if dist.get_rank() == 0:
+            (root / "losses.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+def resume(config_path: str, out: str, *save_dirs: str) -> None:
+    """Megatron-LM's load_checkpoint of each SAVE_DIR with `--use-megatron-fsdp --ckpt-format fsdp_dtensor
+    --no-load-rng`: the model, the optimizer's sharded_state_dict(is_loading=True, fsdp_dtensor) and the scheduler's
+    state through preprocess_fsdp_dtensor_state_dict and a strict torch.distributed.checkpoint load, then the model's,
+    the optimizer's and the scheduler's load_state_dict; then CONFIG's "continue" steps on the batches the saving run
+    drew after its save. OUT {save dir: losses} from rank 0."""
+    warnings.filterwarnings("ignore")
+    cfg = json.loads(Path(config_path).read_text())
+    torch, dist, spec = _start(cfg)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import default_planner
+    found = {}
+    for save_dir in save_dirs:
+        wrapped = _wrapped(spec, torch, seed=99)  # other weights than any checkpoint's
+        opt, scheduler = _optimizer(wrapped, torch)
+        raw = wrapped.module.state_dict_for_save_checkpoint()
+        state = {"model": dict(raw), "args": None, "iteration": None, "checkpoint_version": None}
+        state["optimizer"] = opt.sharded_state_dict(state, is_loading=True,
+                                                    metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+        state["opt_param_scheduler"] = scheduler.state_dict()
+        raw_optimizer = state["optimizer"].copy()
+        _preprocess(state, wrapped, spec.activation == "swiglu")
+        root = Path(save_dir)
+        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(str(root / f"iter_{int(tracker):07d}")),
+                            planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
+        wrapped.load_state_dict(raw, strict=False)
+        opt.load_state_dict(raw_optimizer)
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+        g = torch.Generator().manual_seed(5 + dist.get_rank())
+        for _ in range(STEPS):  # the batches the saving run trained on before its save
+            torch.randint(0, spec.vocab_size, (2, 32), generator=g)
+        found[save_dir] = _train(wrapped, opt, scheduler, spec, torch, dist, g, cfg["continue"])
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(found))
     dist.destroy_process_group()
 
 
@@ -194,5 +255,7 @@ if __name__ == "__main__":
     from mcore_checkpoints import run_as_script
     if sys.argv[1] == "load":  # torchrun ... load CONFIG.json OUT SAVE_DIR...
         run_as_script(load, *sys.argv[2:])
+    elif sys.argv[1] == "resume":  # torchrun ... resume CONFIG.json OUT.json SAVE_DIR...
+        run_as_script(resume, *sys.argv[2:])
     else:
         run_as_script(main, *sys.argv[1:])

@@ -284,3 +284,31 @@ def test_fsdp_dtensor_of_experts_holds_both_specs_names_and_merges_back(tmp_path
     merge(tmp_path / "fsdp", tmp_path / "back", quiet=True)
     a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatron_fsdp_resumes_from_what_ckpt_writes_on_the_uninterrupted_curve(tmp_path):
+    """Megatron-FSDP (megatron-core's distributed optimizer, bf16, one GPU) trains two steps, saves fsdp_dtensor with
+    its optimizer and scheduler, and trains three more (tests/mcore_fsdp_dtensor.py, "continue"). Its save rewritten
+    by `ckpt reshard --format fsdp_dtensor` directly, and by way of torch_dist at TP2, is loaded as Megatron-LM's
+    load_checkpoint loads it (--no-load-rng: model, optimizer and scheduler, strict) into a model of other weights:
+    the three steps after it give the uninterrupted run's losses exactly, as its own save does."""
+    from conftest import torchrun
+    config = tmp_path / "run.json"
+    model = json.loads((FIXTURES / "llama_dp1" / "config.json").read_text())["model"]
+    config.write_text(json.dumps({"model": model, "iteration": 3, "optimizer": True, "continue": 3}))
+    torchrun(1, ["tests/mcore_fsdp_dtensor.py", str(config), str(tmp_path / "run")], timeout=600)
+    src = tmp_path / "run" / "fsdp_dtensor"
+    reshard(src, tmp_path / "direct", tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
+    reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=VOCAB, form="torch_dist", quiet=True)
+    reshard(tmp_path / "dist", tmp_path / "via_dist", tp=1, pp=1, form="fsdp_dtensor", quiet=True)
+    dirs = [str(src), str(tmp_path / "direct"), str(tmp_path / "via_dist")]
+    torchrun(1, ["tests/mcore_fsdp_dtensor.py", "resume", str(config), str(tmp_path / "resumed.json"), *dirs],
+             timeout=600)
+    uninterrupted = json.loads((tmp_path / "run" / "losses.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert len(uninterrupted) == 3
+    print("uninterrupted", uninterrupted, "resumed", resumed)
+    for d in dirs:
+        assert resumed[d] == uninterrupted, (d, resumed[d], uninterrupted)
