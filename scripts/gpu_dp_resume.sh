@@ -4,7 +4,8 @@
 # fully_reshardable and in the legacy form (distrib_optim.pt), resharded by ckpt to another TP x PP and resumed by
 # megatron-core (tests/mcore_resume.py). Writes ${OUT}/<run>.log and ${OUT}/<run>.tgz (src, ref_src, src_legacy,
 # resume.json): unpacked, fixtures/megatron_optimizer_dp/<run>/. RUNS="pp2_vpp2_dp2 1 2 2": an interleaved pipeline,
-# PP2 x VPP2 x DP2 on 4 GPUs (no legacy form). WHEELS: the megatron-core wheel (default .whl/*.whl).
+# PP2 x VPP2 x DP2 on 4 GPUs (its legacy form: model<v> chunks, a grad buffer per chunk in distrib_optim.pt).
+# WHEELS: the megatron-core wheel (default .whl/*.whl).
 set -u
 out="${OUT:-runs/gpu_dp}"; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl/*.whl}

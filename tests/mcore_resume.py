@@ -11,7 +11,7 @@ With MCORE_RESUME_VPP=V (PP > 1, 4 layers), A is an interleaved pipeline as Mega
 rank's V model chunks (`vp_stage`), each in its own DistributedDataParallel (bucketing off for chunks after the first,
 as Megatron-LM's `disable_bucketing=(model_chunk_idx > 0)`), one distributed optimizer over them (a grad buffer per
 chunk: `gbuf_idx_<v>`), megatron-core's interleaved 1F1B schedule, saved with `model0`, `model1`, ... beside the
-optimizer; the legacy form is left out.
+optimizer, in the legacy form too (each rank file's `model<v>`, its distrib_optim.pt a grad buffer per chunk).
 
 With MCORE_RESUME_MODEL=hybrid, A is run with megatron-core 0.19's HybridModel (pattern `*-*-`, its local modules as
 tests/mcore_newest.py builds them) instead of GPTModel: its dp_reshardable and fully_reshardable saves, resharded by
@@ -252,7 +252,7 @@ def run_megatron_source(out: Path, result: dict) -> None:
                                 content_metadata=metadata)
         if lead:
             (out / where / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
-    if DP > 1 and VPP == 1:  # the legacy form too: model_optim_rng.pt and distrib_optim.pt per TP x PP rank (DP 0)
+    if DP > 1:  # the legacy form too: model_optim_rng.pt and distrib_optim.pt per TP x PP rank (DP 0)
         save_legacy(out / "src_legacy", gpt, opt, common, name)
     reference = [step(ddp, opt, sched, i, spec.vocab_size) for i in range(SAVED_AT, SAVED_AT + MORE)]
     written = torch.ones(1).cuda()
@@ -309,8 +309,10 @@ def save_legacy(root: Path, gpt, opt, common: dict, name: str) -> None:
     if first:
         rank_dir.mkdir(parents=True, exist_ok=True)
         args = argparse.Namespace(**{**vars(common["args"]), "ckpt_format": "torch"})
-        torch.save({**common, "args": args, "model": gpt.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
-                    "rng_state": None}, rank_dir / "model_optim_rng.pt")
+        model = {f"model{v}": c.state_dict_for_save_checkpoint() for v, c in enumerate(gpt)} if VPP > 1 else \
+            {"model": gpt.state_dict_for_save_checkpoint()}  # Megatron-LM's chunks model0, model1, ...
+        torch.save({**common, "args": args, **model, "optimizer": opt.state_dict(), "rng_state": None},
+                   rank_dir / "model_optim_rng.pt")
     torch.distributed.barrier()
     opt.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
     if torch.distributed.get_rank() == 0:

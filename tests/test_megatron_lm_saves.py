@@ -197,7 +197,8 @@ def test_torch_dist_interleaved_pipeline_of_uneven_stages_reads_its_weights(tmp_
 
 def test_interleaved_pipeline_reads_as_its_virtual_stages_and_its_optimizer_is_named_not_carried(tmp_path):
     """A legacy PP2 x VPP2 save is read as 4 stages in layer order (chunk v of PP rank p is stage v * 2 + p, as
-    megatron-core places the layers); its optimizer state is not decoded, and says so; a missing chunk is one line."""
+    megatron-core places the layers); its non-distributed optimizer's state (the chunks' parameters numbered together)
+    is not decoded, and says so; a missing chunk is one line."""
     src = tmp_path / "src"
     shutil.copytree(VPP / "torch", src)
     for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):  # every rank saves its optimizer state

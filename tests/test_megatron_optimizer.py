@@ -179,7 +179,7 @@ DP_FIXTURES = FIXTURES.parent / "megatron_optimizer_dp"
 
 
 @pytest.mark.parametrize("run,form", [(run, form) for run in ("dp2", "tp2_dp2", "pp2_dp2") for form in ("src", "src_legacy")]
-                         + [("pp2_vpp2_dp2", "src")],  # an interleaved pipeline: saved in torch_dist only
+                         + [("pp2_vpp2_dp2", "src"), ("pp2_vpp2_dp2", "src_legacy")],  # an interleaved pipeline
                          ids=lambda x: {"src": "dp_reshardable", "src_legacy": "distrib_optim.pt"}.get(x, x))
 def test_data_parallel_runs_optimizer_state_is_megatron_cores_own(run, form, tmp_path):
     """The distributed optimizer's state as megatron-core shards it over DP, saved by real multi-GPU runs
@@ -189,14 +189,15 @@ def test_data_parallel_runs_optimizer_state_is_megatron_cores_own(run, form, tmp
     the same optimizer in its fully_reshardable form, read by torch's own DCP reader. (On the GPUs, megatron-core
     resumed from ckpt's torch_dist rewrite of the first on the uninterrupted run's losses.) An interleaved pipeline
     (PP2 x VPP2 x DP2, 4 layers: each model chunk its own grad buffer, `gbuf_idx_<chunk>`, bucketed on the first chunk
-    only) reads the same way, as PP x VPP model chunks."""
+    only; in the legacy form each rank file's `model<chunk>` and a distrib_optim.pt of a grad buffer per chunk) reads
+    the same way, as PP x VPP model chunks."""
     from mcore_resume import full_tensors, same_as_ours
 
     from ckpt_tools.reshard import reshard
     src = DP_FIXTURES / run / form
-    meta = open_checkpoint(src, VOCAB).meta
+    meta = open_checkpoint(src, VOCAB).meta  # the legacy reader's stages of an interleaved pipeline: its chunks
     assert (meta.tp_size, meta.pp_size) == {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2),
-                                            "pp2_vpp2_dp2": (1, 2)}[run]
+                                            "pp2_vpp2_dp2": (1, 4 if form == "src_legacy" else 2)}[run]
     reshard(src, tmp_path / "ours", tp=1, pp=1, vocab_size=VOCAB, quiet=True)
     reference = full_tensors(DP_FIXTURES / run / "ref_src" / "iter_0000003", tmp_path / "ref.pt")
     result = same_as_ours(tmp_path / "ours", reference, tied=False)

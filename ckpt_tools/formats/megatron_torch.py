@@ -52,7 +52,7 @@ class LegacyShards(ShardSet):
             raise FormatError(f"{path}: the optimizer state of grouped-GEMM experts (weight1/weight2, "
                               f"--moe-use-legacy-grouped-gemm) is not read by this version: pass --no-optimizer to "
                               f"convert the weights")
-        return {OPTIMIZER: self._decode(path, obj, model, rank.pp)}
+        return {OPTIMIZER: self._decode(path, obj, model, rank)}
 
     def _experts_split(self, path: Path, model: dict, rank: Rank) -> dict:
         """A file of an ETP 1 run holds each expert whole: the TP shard of this rank cut from it, as the layout table
@@ -69,17 +69,29 @@ class LegacyShards(ShardSet):
             out[key] = shard_ops.split(key, t, spec, tp, pp)[rank.tp].clone()
         return out
 
-    def _decode(self, path: Path, obj: dict, model: dict, pp_rank: int) -> dict:
-        params = mo.params_of(model, layout.tied_copies(self.meta.spec, self.meta.pp_size, pp_rank))
+    def _decode(self, path: Path, obj: dict, model: dict, rank: Rank) -> dict:
+        """The optimizer state of a (virtual) stage's parameters. An interleaved pipeline's distrib_optim.pt holds a
+        grad buffer per model chunk (gbuf index = chunk), bucketed for the first chunk only (Megatron-LM's get_model:
+        `disable_bucketing=(model_chunk_idx > 0)`)."""
+        params = mo.params_of(model, layout.tied_copies(self.meta.spec, self.meta.pp_size, rank.pp))
         flat = path.parent / DISTRIB_OPTIM
+        physical, v, _ = megatron_lm.virtual_file(self.meta, rank)
+        vpp = self.meta.raw.get(megatron_lm.VIRTUAL, 1)
         try:
             if flat.is_file():
                 args, dp = obj["args"], mo.dp_size_of(obj["args"])
-                found = mo.buffer_layout(params, dp, mo.bucket_size_of(args, pp_rank, dp),
+                found = mo.buffer_layout(params, dp, mo.bucket_size_of(args, physical.pp, dp) if v == 0 else None,
                                          bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
                 groups = obj["optimizer"]["optimizer"]["param_groups"]
                 data = io.load_file(flat)
                 self._map(flat)
+                if vpp > 1:  # this chunk's grad buffer, alone
+                    buffers = sorted(k for k in data if k != "buckets_coalesced")
+                    if buffers != list(range(vpp)):
+                        raise FormatError(f"{flat}: grad buffers {buffers}, expected one per model chunk "
+                                          f"({list(range(vpp))}): the file is not this interleaved pipeline's; "
+                                          f"restore it from the source")
+                    data = {"buckets_coalesced": data.get("buckets_coalesced"), v: data[v]}
                 return mo.decode_flat(flat, data, params, found, groups, model)
             return mo.decode_plain(path, obj["optimizer"], params, model)
         except (KeyError, TypeError, IndexError, AttributeError, ValueError, RuntimeError) as e:
@@ -98,11 +110,10 @@ class LegacyShards(ShardSet):
 
     def _form(self) -> str | None:
         first = self.file(MODEL, self.meta.grid.first)
-        if self.meta.raw.get(megatron_lm.VIRTUAL, 1) > 1 and (first.get("optimizer") or (
-                self.path(MODEL, self.meta.grid.first).parent / DISTRIB_OPTIM).is_file()):
-            return "virtual"  # its parameters run over the chunks: not decoded by this version
         if (self.path(MODEL, self.meta.grid.first).parent / DISTRIB_OPTIM).is_file():
             return "flat"
+        if self.meta.raw.get(megatron_lm.VIRTUAL, 1) > 1 and first.get("optimizer"):
+            return "virtual"  # the plain optimizer's parameters run over the chunks: not decoded by this version
         opt = first.get("optimizer")
         if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict) and opt["optimizer"].get("state"):
             return "plain"
@@ -122,5 +133,6 @@ class LegacyShards(ShardSet):
     def unread_optimizer(self) -> str | None:
         form = self._form()
         if form == "virtual":
-            return "optimizer state of an interleaved pipeline (its model chunks' parameters), not read by this version"
+            return ("optimizer state of an interleaved pipeline's non-distributed optimizer (its model chunks' "
+                    "parameters numbered together), not read by this version")
         return "optimizer state (model_optim_rng.pt['optimizer'], a form not read)" if form == "other" else None
