@@ -11,8 +11,9 @@
    speed-up over one process, and the peak RSS of the largest process (GNU time: the launcher or, waited for by it,
    any process of the team).
 
-A team's fixed cost is its rendezvous (each process imports torch and joins gloo): about 3-5 s here, which a 1 GB
-checkpoint does not repay; the figures that matter are per-process byte rates at larger sizes and core counts.
+A team's fixed cost is its start-up: on one node the launcher starts the processes and they meet through process 0
+(no torch imported for it; under 1 s here), across nodes torchrun and gloo (3-5 s); the figures that matter are
+per-process byte rates at larger sizes and core counts.
 Usage: python benchmarks/team_scaling.py [--size-gb 2] [--procs 1,2,4] [--repeats 3] [--quick] [--markdown FILE]
 """
 from __future__ import annotations

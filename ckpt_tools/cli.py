@@ -45,8 +45,8 @@ def _handle_errors(fn):
 def _team_opts(fn):
     """The launcher's options of the verbs that write with several processes (ckpt_tools.team)."""
     for name, kind, words in reversed([
-            ("--nproc-per-node", int, "Write the output with N processes on this node (torchrun), each its share "
-                                      "of the files; the source and OUT on a filesystem every process sees."),
+            ("--nproc-per-node", int, "Write the output with N processes on this node, each its share of the files; "
+                                      "the source and OUT on a filesystem every process sees."),
             ("--nnodes", int, "Nodes taking part (default 1); run the same command on each, with its --node-rank."),
             ("--node-rank", int, "This node's rank (default 0)."),
             ("--master-addr", str, "Node 0's address, for the rendezvous (default 127.0.0.1)."),

@@ -1,6 +1,9 @@
 """Several processes writing one output: `ckpt merge / reshard / import --nproc-per-node N [--nnodes M ...]`.
 
-The verb runs in N x M processes under torchrun (`python -m ckpt_tools.team` is torchrun without its traceback).
+The verb runs in N x M processes. On one node the launcher starts them itself and they meet through it (`_Link`: process
+0 listens on a local port, the others connect, authenticated by a key only the launcher's processes are given), with
+no torch imported for it: a team starts about as fast as one process. Across nodes they run under torchrun (`python
+-m ckpt_tools.team` is torchrun without its traceback) and meet through torch.distributed (gloo).
 Every process plans the whole output from the layout table, as one process does, and writes the output files
 `split` gives it: contiguous runs of the output's files, in the order one process writes them, balanced by their
 bytes (each source byte is read by the process writing the file it goes to, so in total about once). The files of
@@ -9,16 +12,16 @@ Process 0 writes what covers every file (meta.json with each file's hash, the in
 after `share` has collected what each process wrote, and renames the staged output (output.staged) when every
 process has said it succeeded: the output appears whole or not at all, as with one process.
 
-torch.distributed (gloo) is used for the rendezvous and these few small collectives only; the data goes through
-the filesystem, which must be the same for every process (one machine, or a shared filesystem). A killed process
-ends the others (torchrun) and leaves the staged `.OUT.tmp-*` dir, never a complete-looking OUT; a rerun writes
-it afresh.
+The rendezvous serves these few small collectives only; the data goes through the filesystem, which must be the same
+for every process (one machine, or a shared filesystem). A killed process ends the others (the launcher, or
+torchrun) and leaves the staged `.OUT.tmp-*` dir, never a complete-looking OUT; a rerun writes it afresh.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -26,8 +29,69 @@ from typing import TypeVar
 from ckpt_tools.errors import CkptError
 
 ENV = "CKPT_TEAM"  # set to 1 by the launcher: the verb is one process of a team
+ADDR, KEY = "CKPT_TEAM_ADDR", "CKPT_TEAM_KEY"  # one node: process 0's address, and the team's key (hex)
 TIMEOUT = datetime.timedelta(days=1)  # a process waits this long for the slowest one's files
+CONNECT = 120.0  # seconds a process tries to reach process 0 (which may still be starting)
 T = TypeVar("T")
+
+
+class _Link:
+    """The collectives of a team the launcher started on one node: process 0 listens at ADDR and every other process
+    connects to it (multiprocessing.connection, authenticated by KEY: only the launcher's processes know it, so what
+    they exchange comes from the team itself). A value goes to process 0, which sends each process what it must
+    learn. A lost peer is a RuntimeError, as torch.distributed's collectives raise it."""
+
+    def __init__(self, rank: int, size: int, address: tuple[str, int], key: bytes):
+        from multiprocessing.connection import AuthenticationError, Client, Listener
+        self.rank, self.size = rank, size
+        if rank == 0:
+            with Listener(address, authkey=key) as listener:
+                peers: dict[int, object] = {}
+                while len(peers) < size - 1:
+                    try:
+                        conn = listener.accept()
+                    except AuthenticationError:  # not one of the team's processes
+                        continue
+                    peers[conn.recv()] = conn
+            self.peers = [peers[r] for r in range(1, size)]
+            return
+        deadline = time.monotonic() + CONNECT
+        while True:
+            try:
+                self.lead = Client(address, authkey=key)
+                break
+            except OSError as e:  # process 0 is not listening yet
+                if time.monotonic() > deadline:
+                    raise CkptError(f"process {rank} of {size}: process 0 did not answer at {address[0]}:{address[1]} "
+                                    f"within {CONNECT:.0f}s ({e})") from None
+                time.sleep(0.01)
+        self.lead.send(rank)
+
+    def all_gather(self, value) -> list:
+        """Every process's value, by rank, in every process."""
+        try:
+            if self.rank:
+                self.lead.send(value)
+                return self.lead.recv()
+            values = [value] + [conn.recv() for conn in self.peers]
+            for conn in self.peers:
+                conn.send(values)
+            return values
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
+
+    def gather(self, value) -> list | None:
+        """Every process's value, by rank, in process 0 (None elsewhere)."""
+        try:
+            if self.rank:
+                self.lead.send(value)
+                return None
+            return [value] + [conn.recv() for conn in self.peers]
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
+
+
+_LINK: _Link | None = None  # this process's link to its team (one node)
 
 
 class PeerFailed(CkptError):
@@ -47,8 +111,15 @@ class Team:
     @classmethod
     def from_env(cls) -> Team:
         """This process's place in a team started by the launcher; one process alone otherwise."""
+        global _LINK
         if os.environ.get(ENV) != "1" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return SOLO
+        if os.environ.get(ADDR):  # started by the launcher on one node
+            if _LINK is None:
+                host, port = os.environ[ADDR].rsplit(":", 1)
+                _LINK = _Link(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), (host, int(port)),
+                              bytes.fromhex(os.environ[KEY]))
+            return cls(_LINK.rank, _LINK.size)
         import torch.distributed as dist
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
@@ -77,17 +148,14 @@ class Team:
             if error is not None:
                 raise error
             return [value]
-        import torch.distributed as dist
-        results: list = [None] * self.size
         mine = (error is None, None if error is not None else None if to_lead else value,
                 None if error is None else _words(error))
         try:
-            dist.all_gather_object(results, mine)
+            results = _all_gather(mine, self.size)
             failed = [(r, words) for r, (ok, _, words) in enumerate(results) if not ok]
             values = [v for _, v, _ in results]
             if to_lead and not failed:
-                values = [None] * self.size if not self.lead else values
-                dist.gather_object(value, values if self.lead else None, dst=0)
+                values = _gather(value, self.size) or [None] * self.size
         except RuntimeError as e:  # a process is gone (killed): torchrun ends the team and names it
             lost = PeerFailed(f"lost contact with another process: {e}")
             lost.announced = True
@@ -127,6 +195,25 @@ class Team:
 
 
 SOLO = Team()
+
+
+def _all_gather(value, size: int) -> list:
+    if _LINK is not None:
+        return _LINK.all_gather(value)
+    import torch.distributed as dist
+    results: list = [None] * size
+    dist.all_gather_object(results, value)
+    return results
+
+
+def _gather(value, size: int) -> list | None:
+    if _LINK is not None:
+        return _LINK.gather(value)
+    import torch.distributed as dist
+    lead = dist.get_rank() == 0
+    values: list | None = [None] * size if lead else None
+    dist.gather_object(value, values, dst=0)
+    return values
 
 
 def said_by(error: BaseException, team: Team) -> tuple[str, str] | None:
@@ -217,11 +304,14 @@ def worker_argv(argv: Sequence[str]) -> list[str]:
 
 def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_addr: str | None,
            master_port: int | None) -> int:
-    """Run `ckpt ARGV` (the launcher's options taken out) as nproc processes on this node of nnodes; the exit code."""
+    """Run `ckpt ARGV` (the launcher's options taken out) as nproc processes on this node of nnodes; the exit code.
+    One node: started here (`spawn`); several: under torchrun, which every node runs."""
     import subprocess
 
     from ckpt_tools.io import free_port
     import importlib.util
+    if nnodes == 1 and nproc >= 1 and node_rank == 0:
+        return spawn(argv, nproc, master_port or free_port())
     if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise CkptError(f"--nproc-per-node {nproc} --nnodes {nnodes} --node-rank {node_rank}: give at least one "
                         f"process and one node, and a node rank below --nnodes")
@@ -236,6 +326,39 @@ def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_
            f"--master-port={master_port or free_port()}", "-m", "ckpt_tools.cli", *worker_argv(argv)]
     return subprocess.call(cmd, env={**os.environ, ENV: "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
                                      "LOGLEVEL": "ERROR"})
+
+
+def spawn(argv: Sequence[str], nproc: int, port: int) -> int:
+    """Run `ckpt ARGV` as nproc processes of one team on this node, meeting at 127.0.0.1:port (`_Link`); the exit
+    code. The first process to fail ends the others (SIGTERM), as torchrun does; one that exited with code 1 said
+    why itself, one killed or crashed is named here."""
+    import secrets
+    import signal
+    import subprocess
+    env = {**os.environ, ENV: "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), ADDR: f"127.0.0.1:{port}", KEY: secrets.token_hex(16)}
+    cmd = [sys.executable, "-m", "ckpt_tools.cli", *worker_argv(argv)]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    failed: list[tuple[int, int]] = []  # (rank, exit code) of those that ended on their own with an error
+    try:
+        while any(p.returncode is None for p in procs):
+            for rank, p in enumerate(procs):
+                if p.returncode is None and p.poll() is not None and p.returncode != 0 and not failed:
+                    failed.append((rank, p.returncode))
+                    for other in procs:
+                        if other.poll() is None:
+                            other.send_signal(signal.SIGTERM)
+            time.sleep(0.005)
+    except BaseException:  # interrupted: the team goes with the launcher
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        raise
+    for rank, code in failed:
+        if code != 1:  # code 1: it printed why
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            print(f"error: process {rank} {how}: the output was not written", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def torchrun(argv: list[str], quiet_errors: bool = False) -> int:

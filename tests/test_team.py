@@ -265,3 +265,22 @@ def test_free_ports_come_from_the_jobs_own_range(monkeypatch):
         held.bind(("", 28001))
         with pytest.raises(CkptError, match="no free port in CKPT_PORT_RANGE=28001-28001"):
             free_port()
+
+
+def test_a_team_on_one_node_starts_without_torch_and_writes_what_one_process_writes(tmp_path):
+    """On one node the launcher starts the processes itself and they meet through process 0 (team._Link): an import
+    into torch_dist by copying bytes runs in a team of 2 with torch imported by no process (every process's import
+    log; torch is what the launcher and the rendezvous cost before, 2.7 s of start-up), and writes the files one
+    process writes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=250, hidden_size=64, intermediate_size=96,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "hf")
+    opts = ("--tp", "2", "--pp", "2", "--format", "torch_dist", "-q")
+    ckpt("import", str(tmp_path / "hf"), str(tmp_path / "alone"), *opts)
+    proc = ckpt("import", str(tmp_path / "hf"), str(tmp_path / "team"), *opts, "--nproc-per-node", "2",
+                env={"PYTHONPROFILEIMPORTTIME": "1"})
+    modules = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert modules.count("ckpt_tools.formats.dist_copy") == 2  # each process of the team (the launcher only starts them)
+    assert not [m for m in modules if m == "torch" or m.startswith("torch.")]
+    assert tree(tmp_path / "team") == tree(tmp_path / "alone")
