@@ -9,7 +9,7 @@ option is a field here, its refusal in `check` or `resolve`, its CLI option, and
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ckpt_tools import hybrid, layout, megatron_lm
 from ckpt_tools.errors import ConfigError
@@ -44,9 +44,6 @@ class Request:
     def megatron(self) -> bool:
         """Whether the output is one of Megatron-LM's forms (else our format)."""
         return self.form != OURS
-
-    def but(self, **changes) -> Request:
-        return replace(self, **changes)
 
     def check(self) -> Request:
         """Refuses options that do not apply to the form, before anything is read or written; returns itself."""
@@ -99,10 +96,6 @@ class Layout:
     def pp_ranks(self) -> int:
         """The pipeline ranks (files) the stages go to."""
         return len(self.counts) // self.vpp
-
-    def grid(self) -> Grid:
-        """The ranks of the stages (virtual ones included)."""
-        return Grid(self.tp, self.pp, self.ep)
 
     def describe(self) -> str:
         """The layout as a summary names it: TP x PP (x EP), and x VPP for an interleaved pipeline."""

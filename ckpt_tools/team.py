@@ -30,8 +30,9 @@ from ckpt_tools.errors import CkptError
 
 ENV = "CKPT_TEAM"  # set to 1 by the launcher: the verb is one process of a team
 ADDR, KEY = "CKPT_TEAM_ADDR", "CKPT_TEAM_KEY"  # one node: process 0's address, and the team's key (hex)
-TIMEOUT = datetime.timedelta(days=1)  # a process waits this long for the slowest one's files
+TIMEOUT = datetime.timedelta(days=1)  # across nodes, a process waits this long for the slowest one's files (gloo)
 CONNECT = 120.0  # seconds a process tries to reach process 0 (which may still be starting)
+GRACE = 1.0  # seconds the launcher gives the others to stop by themselves after a process fails
 T = TypeVar("T")
 
 
@@ -39,20 +40,26 @@ class _Link:
     """The collectives of a team the launcher started on one node: process 0 listens at ADDR and every other process
     connects to it (multiprocessing.connection, authenticated by KEY: only the launcher's processes know it, so what
     they exchange comes from the team itself). A value goes to process 0, which sends each process what it must
-    learn. A lost peer is a RuntimeError, as torch.distributed's collectives raise it."""
+    learn. A lost peer is a RuntimeError, as torch.distributed's collectives raise it; a peer alive but stuck is
+    waited for (the launcher ends the team when a process fails)."""
 
     def __init__(self, rank: int, size: int, address: tuple[str, int], key: bytes):
         from multiprocessing.connection import AuthenticationError, Client, Listener
         self.rank, self.size = rank, size
         if rank == 0:
-            with Listener(address, authkey=key) as listener:
+            try:
+                listener = Listener(address, authkey=key)
+            except OSError as e:
+                raise CkptError(f"process 0 of {size}: cannot listen at {address[0]}:{address[1]} ({e}): pass a free "
+                                f"port with --master-port") from None
+            with listener:
                 peers: dict[int, object] = {}
                 while len(peers) < size - 1:
                     try:
                         conn = listener.accept()
-                    except AuthenticationError:  # not one of the team's processes
+                        peers[conn.recv()] = conn
+                    except (AuthenticationError, EOFError, OSError):  # not one of the team's processes
                         continue
-                    peers[conn.recv()] = conn
             self.peers = [peers[r] for r in range(1, size)]
             return
         deadline = time.monotonic() + CONNECT
@@ -272,9 +279,9 @@ OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--ma
 
 
 def run_worker(main: Callable[[], object]) -> None:
-    """Run the `ckpt` command in one process of a team, and end the process at once when it returns: gloo's
-    threads are never torn down (a teardown racing the other processes' exits can abort the process after its
-    work is done and its files are synced)."""
+    """Run the `ckpt` command in one process of a team, and end the process at once when it returns: its rendezvous
+    (across nodes gloo's threads) is never torn down (a teardown racing the other processes' exits can abort the
+    process after its work is done and its files are synced)."""
     try:
         main()
         code = 0
@@ -330,35 +337,65 @@ def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_
 
 def spawn(argv: Sequence[str], nproc: int, port: int) -> int:
     """Run `ckpt ARGV` as nproc processes of one team on this node, meeting at 127.0.0.1:port (`_Link`); the exit
-    code. The first process to fail ends the others (SIGTERM), as torchrun does; one that exited with code 1 said
-    why itself, one killed or crashed is named here."""
+    code. When a process fails the others are given GRACE seconds to stop by themselves (the one that failed says
+    why, the others hear of it at their next meeting point), then ended (SIGTERM), as torchrun ends them. A process
+    that exited with code 1 said why itself; one killed or crashed is named here. A SIGTERM, SIGHUP or SIGINT to
+    the launcher goes to every process, and a process whose launcher is gone is ended by the kernel (Linux)."""
     import secrets
     import signal
     import subprocess
     env = {**os.environ, ENV: "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc),
            "LOCAL_WORLD_SIZE": str(nproc), ADDR: f"127.0.0.1:{port}", KEY: secrets.token_hex(16)}
     cmd = [sys.executable, "-m", "ckpt_tools.cli", *worker_argv(argv)]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
-    failed: list[tuple[int, int]] = []  # (rank, exit code) of those that ended on their own with an error
+    procs: list = []
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:  # the team goes with the launcher
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     try:
+        procs += [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, preexec_fn=_die_with_parent)
+                  for r in range(nproc)]
+        failed: list[tuple[int, int]] = []  # (rank, exit code) of those that ended with an error on their own
+        ended: set[int] = set()  # the ranks this launcher ended
+        since = None  # when the first failure was seen
         while any(p.returncode is None for p in procs):
             for rank, p in enumerate(procs):
-                if p.returncode is None and p.poll() is not None and p.returncode != 0 and not failed:
+                if p.returncode is None and p.poll() is not None and p.returncode != 0:
                     failed.append((rank, p.returncode))
-                    for other in procs:
-                        if other.poll() is None:
-                            other.send_signal(signal.SIGTERM)
+                    since = since or time.monotonic()
+            if since is not None and time.monotonic() - since > GRACE:
+                for rank, p in enumerate(procs):
+                    if p.poll() is None and rank not in ended:
+                        ended.add(rank)
+                        p.send_signal(signal.SIGTERM)
             time.sleep(0.005)
-    except BaseException:  # interrupted: the team goes with the launcher
+    finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        raise
+                p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        return 128 + received[0]
     for rank, code in failed:
-        if code != 1:  # code 1: it printed why
+        if code != 1 and not (rank in ended and code == -signal.SIGTERM):  # code 1: it printed why
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             print(f"error: process {rank} {how}: the output was not written", file=sys.stderr, flush=True)
     return 1 if failed else 0
+
+
+def _die_with_parent() -> None:
+    """In a process of the team, before it runs: the kernel ends it (SIGKILL) if its launcher dies (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):  # not Linux: the launcher's handlers are all there is
+        pass
 
 
 def torchrun(argv: list[str], quiet_errors: bool = False) -> int:

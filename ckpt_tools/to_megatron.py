@@ -154,7 +154,7 @@ def loads_with(out: Path, target: Layout, resume: bool = False, spec: ModelSpec 
                       f"--mscale-all-dim {spec.rope_mscale_all_dim:g}")
     if spec is not None:
         where += _not_restored(spec)
-    if resume and form == TORCH_DIST:
+    if resume:
         where += " --use-distributed-optimizer"
     if form == megatron_lm.FSDP_DTENSOR:  # no RNG state to load; weights only: no optimizer or scheduler either
         where += " --use-megatron-fsdp" + ("" if resume else " --no-load-optim") + " --no-load-rng"

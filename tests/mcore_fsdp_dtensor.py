@@ -80,11 +80,31 @@ def _preprocess(state: dict, wrapped, swiglu: bool) -> None:
     preprocess_state_dict_for_uneven_dtensor(state)
 
 
+def _load_strict(state: dict, wrapped, spec, save_dir: str) -> None:
+    """Megatron-LM's preprocess_fsdp_dtensor_state_dict, then torch.distributed.checkpoint's load of the save dir's
+    tracked iteration into `state`, strict: every key asked for must be in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import default_planner
+    _preprocess(state, wrapped, spec.activation == "swiglu")
+    root = Path(save_dir)
+    tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    iter_dir = root / (tracker if tracker == "release" else f"iter_{int(tracker):07d}")
+    dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(str(iter_dir)),
+                        planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
+
+
 def _full(model_state: dict, torch) -> dict:
     """megatron-core's own full tensors of a model state dict (Megatron-FSDP's gather of its uneven DTensors)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
     return {k: gather_uneven_dtensor_to_full_tensor(v).to_local().cpu() if hasattr(v, "device_mesh") else v.cpu()
             for k, v in sorted(model_state.items()) if isinstance(v, torch.Tensor)}
+
+
+def _setup(config_path: str):
+    """(CONFIG, torch, torch.distributed, the model's ModelSpec) of a process of the run, its process group joined."""
+    warnings.filterwarnings("ignore")
+    cfg = json.loads(Path(config_path).read_text())
+    return (cfg, *_start(cfg))
 
 
 def _start(cfg: dict):
@@ -136,9 +156,7 @@ def _train(wrapped, opt, scheduler, spec, torch, dist, g, steps: int) -> list[fl
 
 
 def main(config_path: str, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    cfg = json.loads(Path(config_path).read_text())
-    torch, dist, spec = _start(cfg)
+    cfg, torch, dist, spec = _setup(config_path)
     from mcore_checkpoints import _args, save_dcp
     iteration = cfg.get("iteration", 5)
     wrapped = _wrapped(spec, torch)
@@ -182,11 +200,7 @@ def resume(config_path: str, out: str, *save_dirs: str) -> None:
     state through preprocess_fsdp_dtensor_state_dict and a strict torch.distributed.checkpoint load, then the model's,
     the optimizer's and the scheduler's load_state_dict; then CONFIG's "continue" steps on the batches the saving run
     drew after its save. OUT {save dir: losses} from rank 0."""
-    warnings.filterwarnings("ignore")
-    cfg = json.loads(Path(config_path).read_text())
-    torch, dist, spec = _start(cfg)
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import default_planner
+    cfg, torch, dist, spec = _setup(config_path)
     found = {}
     for save_dir in save_dirs:
         wrapped = _wrapped(spec, torch, seed=99)  # other weights than any checkpoint's
@@ -197,11 +211,7 @@ def resume(config_path: str, out: str, *save_dirs: str) -> None:
                                                     metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
         state["opt_param_scheduler"] = scheduler.state_dict()
         raw_optimizer = state["optimizer"].copy()
-        _preprocess(state, wrapped, spec.activation == "swiglu")
-        root = Path(save_dir)
-        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-        dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(str(root / f"iter_{int(tracker):07d}")),
-                            planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
+        _load_strict(state, wrapped, spec, save_dir)
         wrapped.load_state_dict(raw, strict=False)
         opt.load_state_dict(raw_optimizer)
         scheduler.load_state_dict(state["opt_param_scheduler"])
@@ -222,22 +232,13 @@ def load(config_path: str, out: str, *save_dirs: str) -> None:
     missing weight at its initial value), then the wrapped model's load_state_dict (strict=False, as Megatron-FSDP's
     adapter loads a GLU model); then its forward.
     OUT {save dir: {"logits", "weights": the main weights loaded, gathered, "args"}} from rank 0."""
-    warnings.filterwarnings("ignore")
-    cfg = json.loads(Path(config_path).read_text())
-    torch, dist, spec = _start(cfg)
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import default_planner
+    cfg, torch, dist, spec = _setup(config_path)
     found = {}
     for save_dir in save_dirs:
         wrapped = _wrapped(spec, torch, seed=99)  # other weights than any checkpoint's
         raw = wrapped.module.state_dict_for_save_checkpoint()
         state = {"model": dict(raw), "args": None, "iteration": None, "checkpoint_version": None}
-        _preprocess(state, wrapped, spec.activation == "swiglu")
-        root = Path(save_dir)
-        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-        iter_dir = root / (tracker if tracker == "release" else f"iter_{int(tracker):07d}")
-        dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(str(iter_dir)),
-                            planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
+        _load_strict(state, wrapped, spec, save_dir)
         result = wrapped.load_state_dict(raw, strict=False)
         _, logits = _logits(wrapped, spec, torch)
         weights = _full(wrapped.module.state_dict_for_save_checkpoint(), torch)

@@ -209,7 +209,7 @@ def test_fsdp_dtensor_written_with_optimizer_holds_what_megatron_fsdp_saves(tmp_
     the trainer's config, its groups and schedule are unknown: one line, nothing written."""
     src = FIXTURES / "llama_dp1" / "fsdp_dtensor"
     line = reshard(src, tmp_path / "direct", tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
-    assert "model + optimizer" in line and "--use-megatron-fsdp --no-load-rng" in line, line
+    assert "model + optimizer" in line and "--use-distributed-optimizer --use-megatron-fsdp --no-load-rng" in line, line
     reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=VOCAB, form="torch_dist", quiet=True)
     reshard(tmp_path / "dist", tmp_path / "via_dist", tp=1, pp=1, form="fsdp_dtensor", quiet=True)
     theirs = _entries(src / "iter_0000003")

@@ -161,9 +161,9 @@ def test_interleaved_pipeline_written_loads_into_megatron_cores_model_chunks(tmp
     expected = torch.load(VPP / "reference.pt", weights_only=True)["logits"]
     import mcore_newest  # megatron-core 0.16.1, and 0.19 (the newest) where it is staged
     for mode in ("load", "load-newest") if mcore_newest.location() is not None else ("load",):
-        torchrun(2, ["tests/mcore_vpp.py", mode, str(VPP / "reference.pt"), str(tmp_path / "logits.pt"), *dirs],
+        torchrun(2, ["tests/mcore_vpp.py", mode, str(VPP / "reference.pt"), str(tmp_path / f"{mode}.pt"), *dirs],
                  timeout=600)
-        found = torch.load(tmp_path / "logits.pt", weights_only=True)
+        found = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
         assert sorted(found) == sorted(dirs)
         for d in dirs:  # an HF model holds no padding rows: its output's padding logits are zeros
             assert torch.equal(found[d][..., :VOCAB], expected[..., :VOCAB]), (mode, d)

@@ -10,7 +10,9 @@ exp_avg_sq,step}` (the step a float32 scalar, a SwiGLU fc1's per half), its para
 `optimizer.param_to_group_meta.module.module.module.<name>.<setting>` (megatron-core's load rebuilds the groups from
 them and checks that the parameters of one group agree), and the scheduler's are `opt_param_scheduler.<setting>`.
 A parameter's group is the source's group of its kind: weight decay off (wd_mult 0) for a 1-D tensor or a bias, as
-megatron-core's default `no_weight_decay_cond` says, and the experts' own groups (is_expert_parallel).
+megatron-core's default `no_weight_decay_cond` says, and the experts' own groups (is_expert_parallel); of several such
+groups, the one of lr_mult 1 without a decoupled LR, else none (refused in one line: which parameters took another
+learning rate is not in the source).
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION, DistWriter
 from ckpt_tools.formats.torch_dist import FSDP_HALVES, Placed, dcp_candidates
 from ckpt_tools.ranks import Rank
 from ckpt_tools.rules import GATED
+
+def _setting(group: dict, name: str, default: float):
+    """A group's setting under its name or NeMo's (`pre_<name>`), as megatron-core reads it."""
+    return group.get(name, group.get(f"pre_{name}", default))
+
 
 STATE = "optimizer.state.module.module."  # + the model key without its leading "model.": module.<name>
 GROUP_META = "optimizer.param_to_group_meta.module.module."
@@ -68,13 +75,17 @@ class FsdpWriter(DistWriter):
             shape = layout.full_shape(key, self.spec, self.padded, self.pp)
             no_decay = len(shape) == 1 or key.endswith(".bias")
             expert = layout.expert_index(key) is not None or ".experts." in key
-            fits = [g for g in self.resume.param_groups
-                    if (float(g.get("wd_mult", 1.0)) == 0.0) == no_decay and bool(g.get("is_expert_parallel")) == expert]
-            if not fits:
-                raise ConfigError(f"{self.dir}: the optimizer's param groups hold none for {key} (weight decay "
+            fits = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in self.resume.param_groups
+                    if (float(_setting(g, "wd_mult", 1.0)) == 0.0) == no_decay
+                    and bool(g.get("is_expert_parallel")) == expert]
+            plain = [g for g in fits if float(_setting(g, "lr_mult", 1.0)) == 1.0 and not g.get("is_decoupled_lr")]
+            fits = plain if len({repr(sorted(g.items())) for g in fits}) > 1 else fits
+            if len({repr(sorted(g.items())) for g in fits}) != 1:
+                raise ConfigError(f"{self.dir}: the optimizer's param groups hold "
+                                  f"{'none' if not fits else f'{len(fits)} different ones'} for {key} (weight decay "
                                   f"{'off' if no_decay else 'on'}{', an expert' if expert else ''}): Megatron-FSDP's "
                                   f"form names each parameter's group; pass --format torch_dist, or --no-optimizer")
-            chosen[name] = {k: v for k, v in fits[0].items() if k not in ("params", "step")}
+            chosen[name] = fits[0]
         return chosen
 
     def weights_from_masters(self, key: str) -> bool:
