@@ -245,17 +245,26 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
-    copied = copied_hf(hf_dir, dtype)
-    if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
+    started = start_hf_copy(copied_hf(hf_dir, dtype), out, want, force, team)
+    if started is None:
         return None
-    spec, index, rows, params = copied
-    out = output.check_target(out, force)
-    leftover = output.note_leftovers(out)
-    target = want.resolve(spec)
+    spec, index, rows, params, out, leftover, target = started
     args = to_megatron.check(spec, target, params, None, out)
     nbytes = _import(hf_dir, index, rows, out, spec, target, args, force, quiet, team)
     summary = to_megatron.imported(hf_dir, spec, out, target, params, nbytes, time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
+
+
+def start_hf_copy(copied: tuple | None, out: str | Path, want: Request, force: bool, team: Team) -> tuple | None:
+    """What `copied_hf` found, the output checked and the target resolved: (spec, index, rows, params dtype, out,
+    the note of what an interrupted run left, the target Layout); None where any process of the team declined (one
+    path for all: a process that declined sends every one to the torch path)."""
+    if not team.all(copied is not None):
+        return None
+    spec, index, rows, params = copied
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
+    return spec, index, rows, params, out, leftover, want.resolve(spec)
 
 
 def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:

@@ -32,12 +32,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     copied = dist_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
     if copied is not None and any(layout.dtype_of(key, copied[0], copied[3], None) != copied[3] for key in copied[2]):
         copied = None  # a tensor kept in its own dtype (converted by the torch path)
-    if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
+    started = dist_copy.start_hf_copy(copied, out, want, force, team)
+    if started is None:
         return None
-    spec, index, rows, params = copied
-    out = output.check_target(out, force)
-    leftover = output.note_leftovers(out)
-    target = want.resolve(spec)
+    spec, index, rows, params, out, leftover, target = started
     tp, counts, padded, optimizer = target.tp, target.counts, target.padded, want.optimizer
     ranks = Grid(tp, len(counts)).ranks()
     owners = team.split([layout.rank_numel(spec, counts, padded, tp, r.pp) for r in ranks])
