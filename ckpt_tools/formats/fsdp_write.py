@@ -20,7 +20,7 @@ import struct
 
 from ckpt_tools import layout, megatron_lm
 from ckpt_tools.errors import ConfigError, LayoutError
-from ckpt_tools.formats.megatron_resume import ResumeState
+from ckpt_tools.formats.megatron_resume import ResumeState, decayed
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION, DistWriter
 from ckpt_tools.formats.torch_dist import FSDP_HALVES, Placed, dcp_candidates
 from ckpt_tools.ranks import Rank
@@ -72,8 +72,7 @@ class FsdpWriter(DistWriter):
         step); refused in one line, before anything is written, where the source has no group of that kind."""
         chosen = {}
         for key, name in self._params():
-            shape = layout.full_shape(key, self.spec, self.padded, self.pp)
-            no_decay = len(shape) == 1 or key.endswith(".bias")
+            no_decay = not decayed(key, layout.full_shape(key, self.spec, self.padded, self.pp))
             expert = layout.expert_index(key) is not None or ".experts." in key
             fits = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in self.resume.param_groups
                     if (float(_setting(g, "wd_mult", 1.0)) == 0.0) == no_decay

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools.errors import FormatError
+from ckpt_tools.formats.megatron_resume import decayed
 from ckpt_tools.layout import is_buffer
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -164,7 +165,7 @@ def plain_order(path: Path, groups: list, params: list[Param],
     parameter's state: (param, its param group, its place in the group, its Adam state index). `groups`: Adam's
     param_groups; `masters`: how many fp32 masters each group holds (None: fp32 weights, no masters). megatron-core's
     default groups: weight decay on the 2-D weights, none on biases and 1-D parameters, in the model's order."""
-    by_wd = {1.0: [p for p in params if len(p.shape) > 1 and not p.key.endswith(".bias")]}
+    by_wd = {1.0: [p for p in params if decayed(p.key, p.shape)]}
     by_wd[0.0] = [p for p in params if p not in by_wd[1.0]]
     out = []
     for g_index, group in enumerate(groups):

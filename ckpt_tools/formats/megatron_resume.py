@@ -33,6 +33,12 @@ SCHEDULER_KEYS = (("max_lr", "start_lr"), ("min_lr",), ("lr_warmup_steps", "warm
 OUR_KEYS = ("lr", "min_lr", "train_iters", "micro_batch_size", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay")
 
 
+def decayed(key: str, shape: tuple[int, ...]) -> bool:
+    """megatron-core's default weight-decay groups (`no_weight_decay_cond`): decay on the tensors of 2+ dims that are
+    not biases, none on biases and 1-D parameters."""
+    return len(shape) > 1 and not key.endswith(".bias")
+
+
 def state_key(field: str, fqn: str) -> str:
     return f"optimizer.state.{FIELD_NAMES[field]}.{fqn}"
 
