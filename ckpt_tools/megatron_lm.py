@@ -246,7 +246,7 @@ def model_state(obj, where: object = None, split: bool = True) -> dict | None:
                           f"legacy files keep the down projections whole on every TP rank, which this version does "
                           f"not read in the legacy form: save the run with --ckpt-format torch_dist (read at any "
                           f"layout)")
-    state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items()}
+    state = {names.from_te_grouped(names.from_te(k)): v for k, v in model.items() if not names.te_module_extra(k)}
     state.pop(None, None)
     try:
         pattern = hybrid.pattern_of(obj.get("args"))

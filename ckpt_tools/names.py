@@ -101,6 +101,18 @@ def to_te_grouped(name: str) -> str:
     return f"{m.group(1)}{m.group(3)}.{m.group(4)}{m.group(2)}" if m else name
 
 
+# Transformer Engine's modules that hold no weights of the table's own yet save an `_extra_state` (FP8 metadata): its
+# core attention (DotProductAttention) and its norms of their own (TENorm: the final norm, q/k norms, an MoE layer's
+# pre-MLP norm). A legacy file of a Transformer Engine run holds them; they are not carried (megatron-core's local spec
+# has none, and a Transformer Engine model loads None as no metadata).
+_TE_MODULE_EXTRA = re.compile(r"(?:\.core_attention|norm)\._extra_state$")
+
+
+def te_module_extra(name: str) -> bool:
+    """Whether `name` is the extra state of a Transformer Engine module with no weights in the table."""
+    return _TE_MODULE_EXTRA.search(name) is not None
+
+
 def from_te_grouped(name: str) -> str | None:
     """A TEGroupedMLP expert's key -> the table's (SequentialMLP's), any other key unchanged; None for the grouped
     linears' shared extra state, which holds no weights."""

@@ -4,6 +4,8 @@ and writes its state dict's (key, shape, dtype) list as JSON. Run as
 docstring says how the model is built and why)."""
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import sys
@@ -107,8 +109,8 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     if s.mtp_num_layers:  # DeepSeek-V3's multi-token prediction layers (on the last stage), as Megatron-LM builds them
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
-    if grouped:
-        from megatron.core.transformer.moe import grouped_gemm_util
+    if grouped and importlib.util.find_spec("megatron.core.transformer.moe.grouped_gemm_util") is not None:
+        from megatron.core.transformer.moe import grouped_gemm_util  # the legacy GroupedMLP's (gone in 0.19)
         grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     return GPTModel(
         config=config,

@@ -134,6 +134,9 @@ class FsdpWriter(DistWriter):
     def put_extra(self, pp_rank: int, key: str) -> None:
         return  # Megatron-FSDP saves and loads no _extra_state
 
+    def put_norm_extras(self, pp_rank: int) -> None:
+        return
+
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         if pp_rank == 0:  # the common state, in the first rank's file (as Megatron-LM's rank 0 saves it)
             for name, obj in (("args", self.args), ("checkpoint_version", CHECKPOINT_VERSION),

@@ -77,6 +77,7 @@ class DistWriter:
         self.nbytes = 0  # of the chunks this process writes; after close(), every process's
         self.writes: set[str] | None = None  # the .distcp files this process writes (None: all it is given)
         self.team, self.dry = SOLO, False
+        self._normed = False  # whether the norms' extra states are written
         self.ends: dict[str, int] = {}  # each .distcp's size, once it is ended
 
     def only(self, names: set[str] | None, team: Team = SOLO, dry: bool = False) -> DistWriter:
@@ -198,16 +199,41 @@ class DistWriter:
         """A layer's `_extra_state` (None for megatron-core's own layers): one object per layer, TP rank 0's."""
         if layout.layer_index(key) is None and layout.mtp_index(key) is None and not self.by_pattern:
             return  # GPTModel's sharded state dict holds no output layer's extra state (HybridModel's does)
-        fqn, layer = self.stored(key)
-        # megatron-core stores an object as the list of its (one) local values, named by its place on the stacked
-        # axes: shard_<layer>_<layers>, an expert's shard_<layer>.<expert>_<layers>.<experts>; a HybridModel's layer
-        # (one key per index) shard_0_1, its expert's shard_<expert>_<experts>
+        self._put_none_object(pp_rank, *self.stored(key))
+
+    def _put_none_object(self, pp_rank: int, fqn: str, layer: Placed) -> None:
+        """An `_extra_state` object `fqn` holding None (what megatron-core's own layers save, and what Transformer
+        Engine's layers load as "no FP8 metadata"). megatron-core stores an object as the list of its (one) local
+        values, named by its place on the stacked axes: shard_<layer>_<layers>, an expert's
+        shard_<layer>.<expert>_<layers>.<experts>; a HybridModel's layer (one key per index) shard_0_1, its expert's
+        shard_<expert>_<experts>."""
         where = ".".join(str(i) for i, _ in layer) or "0", ".".join(str(n) for _, n in layer) or "1"
         self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{where[0]}_{where[1]}", [None])
 
+    def put_norm_extras(self, pp_rank: int) -> None:
+        """Each norm that is a module of its own under Transformer Engine's spec (TENorm: the final norm, an MoE
+        layer's pre-MLP norm, MLA's input norm, q/k norms, MTP's norms) holds an `_extra_state` that a Transformer
+        Engine model asks for when it loads: megatron-core's load fails on an entry it asks for and does not find.
+        One None object each, as for a linear layer, all into the first stage file that ends (the index names where
+        each is: a byte-copying writer's files are the source's, whose stages need not be the target's). A norm fused
+        into a linear (`linear_qkv.layer_norm_weight`) has none; megatron-core's local spec asks for none, and an entry
+        not asked for is no error."""
+        if self._normed:
+            return
+        self._normed = True
+        for _, key in (k for p in range(len(self.counts)) for k in layout.stage_keys(self.spec, self.counts, p)):
+            if key.endswith("norm.weight"):
+                fqn, layer = self.stored(key)
+                for name in {fqn, self.alias(fqn)} - {None}:
+                    if name.endswith("norm.weight"):
+                        self._put_none_object(pp_rank, name[:-len("weight")] + "_extra_state", layer)
+
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         """The stage's files are complete: each is fsynced on its thread once its copies are done (the next stage's
-        files fill meanwhile); close() waits for them."""
+        files fill meanwhile); close() waits for them. The first stage to end also takes every norm's extra state
+        (put_norm_extras)."""
+        if any(r.pp == pp_rank for r in self._files):
+            self.put_norm_extras(pp_rank)
         for rank in [r for r in self._files if r.pp == pp_rank]:
             name, fd, end, _ = self._files.pop(rank)
             self.ends[name] = end
