@@ -5,9 +5,10 @@ machine (tests/gpu_te.sh installs Transformer Engine there):
     torchrun --nproc-per-node TP tests/mcore_te.py save OUT CASE [CASE...]
     torchrun --nproc-per-node TP tests/mcore_te.py load CASE SAVE_DIR OUT.pt [CASE SAVE_DIR OUT.pt ...]
 
-save builds each CASE (of CASES, all at the torchrun's TP) with megatron-core's Transformer Engine specs (`get_gpt_layer_with_transformer_engine_spec`,
-HybridModel's `hybrid_stack_spec`), makes its norms non-trivial, runs megatron-core's forward on fixed tokens (fp32,
-TF32 off) and saves the model as Megatron-LM's save_checkpoint does:
+save builds each CASE (of CASES, all at the torchrun's TP) with megatron-core's Transformer Engine specs
+(`get_gpt_layer_with_transformer_engine_spec`, HybridModel's `hybrid_stack_spec`), makes its norms non-trivial, runs
+megatron-core's forward on fixed tokens (fp32, TF32 off in torch) and saves the model as Megatron-LM's
+save_checkpoint does:
 
     OUT/CASE/torch_dist/  dist_checkpointing.save of {args, iteration, checkpoint_version, model: sharded_state_dict(),
                      rng_state} (0.19: the common state embedded, no common.pt); every linear layer's `_extra_state`
@@ -78,7 +79,8 @@ def build(cfg: dict, padded: int):
     gpt_layer_specs.get_gpt_layer_local_spec = te_spec  # _build_model's config and model, Transformer Engine's spec
     spec = ModelSpec.from_dict(cfg["model"])
     torch.manual_seed(1234)
-    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, cfg["tp"], 1, grouped=cfg.get("grouped", False))
+    model = _build_model({**spec.to_dict(), "padded_vocab_size": padded}, cfg["tp"], 1,
+                         grouped=cfg.get("grouped", False))
     if cfg["kind"] == "hybrid":
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
         from megatron.core.models.hybrid.hybrid_model import HybridModel

@@ -277,11 +277,11 @@ def test_transformer_engine_models_load_what_ckpt_writes_from_their_saves(tmp_pa
     site = Path(os.environ.get("TE_SITE", "/tmp/te_site"))
     if not (site / "transformer_engine").is_dir():
         pytest.skip(f"Transformer Engine is not installed in {site} (tests/gpu_te.sh install)")
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run(["bash", "tests/gpu_te.sh", "save", str(tmp_path)], cwd=root, capture_output=True, text=True,
+    root, out = Path(__file__).resolve().parent.parent, Path(os.environ.get("TE_OUT") or tmp_path)  # TE_OUT: keep it
+    run = subprocess.run(["bash", "tests/gpu_te.sh", "save", str(out)], cwd=root, capture_output=True, text=True,
                          timeout=900)
     assert "FAILED" not in run.stdout and "not saved" not in run.stdout, run.stdout[-3000:]
-    lines = (tmp_path / "loads.txt").read_text().splitlines()
+    lines = (out / "loads.txt").read_text().splitlines()
     cases = {line.split()[0] for line in lines}
     assert len(cases) == 6 and len(lines) == 6 * len(cases), lines  # six loads of each case's save and rewrites
     assert max(float(line.rsplit("=", 1)[1]) for line in lines) < 1e-6, lines
