@@ -269,10 +269,11 @@ def test_torch_dist_written_holds_every_entry_a_transformer_engine_save_holds(ca
 @pytest.mark.gpu
 def test_transformer_engine_models_load_what_ckpt_writes_from_their_saves(tmp_path):
     """On a GPU with Transformer Engine installed (`bash tests/gpu_te.sh install OUT`, into TE_SITE): megatron-core
-    0.19.2 saves its Transformer Engine models (GPTModel: Llama-style, GPT-2-style, with FP8 metadata, at TP 2;
-    HybridModel `*-*-`), `ckpt` rewrites each save (torch_dist at TP 1 and 2, from the legacy form, merge -> HF ->
+    0.19.2 saves its Transformer Engine models (GPTModel: Llama-style, GPT-2-style, with FP8 metadata, at TP 2,
+    Mixtral-style with TEGroupedMLP experts; HybridModel `*-*-`), `ckpt` rewrites each save (torch_dist at TP 1 and 2, from the legacy form, merge -> HF ->
     import), and megatron-core's Transformer Engine model loads every rewrite strict: its logits over the true vocab
-    are the saved model's (0 at the save's TP; at another TP within fp32 reduction order)."""
+    are the saved model's (the same at the save's TP; at another, as the order of the TP reductions gives them: up to
+    1.2e-5 for the MoE model, measured)."""
     import subprocess
     site = Path(os.environ.get("TE_SITE", "/tmp/te_site"))
     if not (site / "transformer_engine").is_dir():
@@ -284,4 +285,7 @@ def test_transformer_engine_models_load_what_ckpt_writes_from_their_saves(tmp_pa
     lines = (out / "loads.txt").read_text().splitlines()
     cases = {line.split()[0] for line in lines}
     assert len(cases) == 6 and len(lines) == 6 * len(cases), lines  # six loads of each case's save and rewrites
-    assert max(float(line.rsplit("=", 1)[1]) for line in lines) < 1e-6, lines
+    for line in lines:  # at the save's TP the same logits; at another, as the TP reductions' order gives
+        case, load = line.split(":")[0].split()
+        diff = float(line.rsplit("=", 1)[1])
+        assert diff == 0 if (load == "dist2") == case.endswith("_tp2") else diff < 1e-4, line
