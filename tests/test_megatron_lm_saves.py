@@ -271,9 +271,9 @@ def test_transformer_engine_models_load_what_ckpt_writes_from_their_saves(tmp_pa
     """On a GPU with Transformer Engine installed (`bash tests/gpu_te.sh install OUT`, into TE_SITE): megatron-core
     0.19.2 saves its Transformer Engine models (GPTModel: Llama-style, GPT-2-style, with FP8 metadata, at TP 2,
     Mixtral-style with TEGroupedMLP experts; HybridModel `*-*-`), `ckpt` rewrites each save (torch_dist at TP 1 and
-    2, from the legacy form, merge -> HF -> import), and megatron-core's Transformer Engine model loads every rewrite
-    strict: its logits over the true vocab are the saved model's (the same at the save's TP; at another, as the order of the TP reductions gives them: up to
-    1.2e-5 for the MoE model, measured)."""
+    2, from the legacy form, merge -> HF -> import), and megatron-core's Transformer Engine model loads every
+    rewrite strict: its logits over the true vocab are the saved model's (the same at the save's TP; at another, as
+    the order of the TP reductions gives them: up to 1.2e-5 for the MoE model, measured)."""
     import subprocess
     site = Path(os.environ.get("TE_SITE", "/tmp/te_site"))
     if not (site / "transformer_engine").is_dir():
