@@ -201,25 +201,6 @@ def _blocks(text: str | None) -> tuple[int, int] | None:
     return (sizes[0], sizes[-1])
 
 
-def _copying_process() -> None:
-    """Reshard and import through torch copy bytes (memory-bound): a second OpenMP thread in each copy only adds waits
-    on a busy core, while the background hash and fsync threads already use it (merge sets the same through its
-    `torch_threads`, where it uses torch); the full tensors made one after another reuse freed memory; and the soft
-    limit of open files is raised to the hard one (a stage's files are open together, each also read by its hash)."""
-    import resource
-
-    import torch
-
-    from ckpt_tools import io
-    torch.set_num_threads(1)
-    io.reuse_freed_memory()
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):  # an unlimited hard limit the kernel does not take as a soft one: left as it is
-        pass
-
-
 _vpp_opt = click.option(
     "--vpp", type=int, default=1, show_default=True,
     help="Model chunks per PP rank: an interleaved pipeline (Megatron-LM's --num-layers-per-virtual-pipeline-stage, "
@@ -267,15 +248,8 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
     if team is None:
         return
     quiet = quiet or not team.lead  # one progress bar: process 0's
-    summary = None
-    if want.megatron:  # first without torch: the source's bytes copied, where that applies
-        from ckpt_tools.formats import dist_copy
-        summary = dist_copy.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
-    if summary is None:
-        from ckpt_tools import reshard as verb
-        _copying_process()
-        summary = verb.run(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, copy_bytes=False,
-                           team=team)
+    from ckpt_tools import verbs
+    summary = verbs.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team, tuned=True)
     if team.lead:
         click.echo(summary)
 
@@ -313,17 +287,9 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
     if team is None:
         return
     quiet = quiet or not team.lead  # one progress bar: process 0's
-    # first without torch: the HF tensors' rows copied, where that applies
-    from ckpt_tools.formats import dist_copy, ours_copy
-    copier = dist_copy.import_hf if want.megatron else ours_copy.import_hf
-    summary = copier(hf_dir, out, want, DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, team)
-    if summary is None:
-        import torch
-
-        from ckpt_tools import importer
-        _copying_process()
-        summary = importer.run(hf_dir, out, want, getattr(torch, DTYPE_OPTIONS[dtype]) if dtype else None, force,
-                               quiet, copy_bytes=False, team=team)
+    from ckpt_tools import verbs
+    summary = verbs.import_hf(hf_dir, out, want, DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, team,
+                              tuned=True)
     if team.lead:
         click.echo(summary)
 

@@ -24,23 +24,19 @@ from ckpt_tools.writers import dtype_name
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, layers: list[int] | None = None,
               dtype: torch.dtype | None = None, force: bool = False, quiet: bool = False, copy_bytes: bool = True,
               team: Team = SOLO, **asked) -> str:
-    """`asked`: the rest of the target, request.Request's fields (form, optimizer, ep, vpp, model); run() says the
-    rest."""
-    return run(hf_dir, out, Request(tp, pp, layers, **asked), dtype, force, quiet, copy_bytes, team)
+    """`asked`: the rest of the target, request.Request's fields (form, optimizer, ep, vpp, model). `copy_bytes`: copy
+    the HF tensors' rows where formats.dist_copy (Megatron-LM's forms) or formats.ours_copy (ours) take them
+    (verbs.import_hf)."""
+    from ckpt_tools import verbs
+    return verbs.import_hf(hf_dir, out, Request(tp, pp, layers, **asked), dtype_name(dtype) if dtype else None, force,
+                           quiet, team, copy_bytes)
 
 
 def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype | None = None, force: bool = False,
-        quiet: bool = False, copy_bytes: bool = True, team: Team = SOLO) -> str:
-    """Import the HF model as `want` says into OUT (`dtype`: the weights', None: the HF weights' own). `copy_bytes`:
-    copy the HF tensors' rows where formats.dist_copy (Megatron-LM's forms) or formats.ours_copy (ours) take them.
-    `team`: the processes writing the output's files between them (ckpt_tools.team)."""
+        quiet: bool = False, team: Team = SOLO) -> str:
+    """Import the HF model as `want` says into OUT through torch (verbs.import_hf chooses it; `dtype`: the weights',
+    None: the HF weights' own). `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     want.check()
-    if copy_bytes:
-        from ckpt_tools.formats import dist_copy
-        copier = dist_copy.import_hf if want.megatron else ours_copy.import_hf
-        summary = copier(hf_dir, out, want, dtype_name(dtype) if dtype else None, force, quiet, team)
-        if summary is not None:
-            return summary
     start = time.perf_counter()
     hf_dir, out = Path(hf_dir), output.check_target(out, force)
     leftover = output.note_leftovers(out)  # before this run stages its own

@@ -28,24 +28,18 @@ from ckpt_tools.team import SOLO, Team
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, layers: list[int] | None = None,
             vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
             no_preflight: bool = False, copy_bytes: bool = True, team: Team = SOLO, **asked) -> str:
-    """`asked`: the rest of the target, request.Request's fields (form, optimizer, ep, vpp, model); run() says the
-    rest."""
-    return run(src, out, Request(tp, pp, layers, **asked), vocab_size, force, quiet, check_hashes, no_preflight,
-               copy_bytes, team)
+    """`asked`: the rest of the target, request.Request's fields (form, optimizer, ep, vpp, model). `copy_bytes`:
+    for Megatron-LM's forms, copy the source's bytes where formats.dist_copy takes them (verbs.reshard)."""
+    from ckpt_tools import verbs
+    return verbs.reshard(src, out, Request(tp, pp, layers, **asked), vocab_size, force, quiet, check_hashes,
+                         no_preflight, team, copy_bytes)
 
 
 def run(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
-        quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False, copy_bytes: bool = True,
-        team: Team = SOLO) -> str:
-    """Rewrite `src` as `want` says into OUT. `copy_bytes`: for Megatron-LM's forms, copy the source's bytes where
-    formats.dist_copy takes them. `team`: the processes writing the output's files between them
-    (ckpt_tools.team)."""
+        quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False, team: Team = SOLO) -> str:
+    """Rewrite `src` as `want` says into OUT through torch (verbs.reshard chooses it). `team`: the processes writing
+    the output's files between them (ckpt_tools.team)."""
     want.check()
-    if want.megatron and copy_bytes:
-        from ckpt_tools.formats import dist_copy
-        summary = dist_copy.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
-        if summary is not None:
-            return summary
     start = time.perf_counter()
     out, leftover, shards = prepare(src, out, force, vocab_size, check_hashes, team)
     meta, spec = shards.meta, shards.meta.spec
