@@ -12,7 +12,7 @@ from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, layout, output, shard_ops, to_megatron
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import ours_copy
-from ckpt_tools.hf import HFTensors
+from ckpt_tools.hf_tensors import HFTensors
 from ckpt_tools.request import Layout, Request
 from ckpt_tools.shards import MODEL
 from ckpt_tools.spec import ModelSpec

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import hf, layout, shard_ops
+from ckpt_tools import hf, hf_tensors, layout, shard_ops
 from ckpt_tools.io import free_port
 from ckpt_tools.errors import CkptError
 from ckpt_tools.plan import HF, SAFETENSORS, plan
@@ -132,7 +132,7 @@ def tier1(src: Reader, other: Path | None, team: Team = SOLO) -> Tier:
             src.release()
             theirs.release()
     else:
-        tensors = hf.HFTensors(other)
+        tensors = hf_tensors.HFTensors(other)
         entries = plan(spec, padded, kind)
         owners = team.split([e.nbytes("float32") for e in entries])
         compared = exact = 0

@@ -11,7 +11,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 from test_families import TOKENS, hf_model, rel
 
-from ckpt_tools import hf
+from ckpt_tools.hf_tensors import HFTensors
 from ckpt_tools.errors import FormatError
 from ckpt_tools.importer import import_hf
 from ckpt_tools.merge import merge
@@ -93,7 +93,7 @@ def test_partial_fp8_blocks_dequantize_as_transformers_does(tmp_path):
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
     src = fp8_dir(tmp_path, (16, 16))
     tensors = load_safetensors(src / "model.safetensors")
-    source = hf.HFTensors(src)
+    source = HFTensors(src)
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [24, 64]: rows 16 + 8
     assert tensors[name + "_scale_inv"].shape == (2, 4) and name + "_scale_inv" not in source.where
     want = _dequantize_fp8_weight(tensors[name], tensors[name + "_scale_inv"], [16, 16], torch.float32)

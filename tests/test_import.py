@@ -296,7 +296,7 @@ def test_an_hf_tensor_over_2_gib_is_read_whole(tmp_path):
     several, not refused as truncated. The file is sparse: zeros but for its last element."""
     import json
     import struct
-    from ckpt_tools.hf import HFTensors
+    from ckpt_tools.hf_tensors import HFTensors
     n = (1 << 30) + (1 << 19)  # bf16 elements: 2 GiB + 1 MiB
     header = json.dumps({"x": {"dtype": "BF16", "shape": [n], "data_offsets": [0, 2 * n]}}).encode()
     header += b" " * (-len(header) % 8)

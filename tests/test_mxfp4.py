@@ -14,7 +14,7 @@ from test_families import TOKENS, hf_model, rel
 
 from ckpt_tools import families, mxfp4
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.hf import HFTensors
+from ckpt_tools.hf_tensors import HFTensors
 from ckpt_tools.importer import import_hf
 from ckpt_tools.merge import merge
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, shard_ops, to_megatron
+from ckpt_tools import checkpoint, hf, hf_tensors, io, layout, megatron_lm, output, shard_ops, to_megatron
 from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, field_shards
 from ckpt_tools.errors import CkptError
 from ckpt_tools.formats import legacy_copy
@@ -412,7 +412,7 @@ def _read_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int
     for name in files:
         path = hf_dir / name
         end, at = path.stat().st_size, None
-        entries = sorted(hf.data_offsets(path).items(), key=lambda item: item[1][2])
+        entries = sorted(hf_tensors.data_offsets(path).items(), key=lambda item: item[1][2])
         for tensor, (code, shape, a, b) in entries:  # safetensors' own rule: the data one tensor after another
             dtype = SAFETENSORS_DTYPES.get(code)
             if dtype not in COPIED_DTYPES or len(shape) > 2 or at not in (None, a) \
