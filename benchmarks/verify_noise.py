@@ -29,6 +29,7 @@ def main() -> None:
     from test_verify import CORPUS, FAULTS, _faulty
 
     from ckpt_tools import verify
+    from ckpt_tools.tiers import NOISE_FACTOR
     from ckpt_tools.merge import merge
     from ckpt_tools.reshard import reshard
     with tempfile.TemporaryDirectory(prefix="verify-noise-") as work:
@@ -45,7 +46,7 @@ def main() -> None:
             tiers, settings = verify.run(src, other, device=args.device, dtype="bf16", tokens_file=CORPUS, batch=2,
                                          seq=64)
             by = {t.name.split()[0]: t for t in tiers}
-            floor = settings["tolerances"]["logits_rel"] / verify.NOISE_FACTOR
+            floor = settings["tolerances"]["logits_rel"] / NOISE_FACTOR
             failed = next((t for t in tiers if not t.ok), None)
             rows.append((name, floor, by["3"].data["rel_l2"], settings["tolerances"]["logits_rel"],
                          by["3f"].data["rel_l2"], by["3"].data["loss_src"], failed.reason if failed else "PASS"))

@@ -313,6 +313,7 @@ def verify(src: str, other: str | None, device: str | None, dtype: str, tokens_f
            seq_len: int, seed: int, report: str | None, vocab_size: int | None, **launcher) -> None:
     """Prove SRC (sharded) and OTHER (HF dir, safetensors file or checkpoint) are the same model: tiers 1-3."""
     from ckpt_tools import verify as v
+    from ckpt_tools.tiers import table, write_report
     team = _team(**launcher)
     if team is None:
         return
@@ -320,9 +321,9 @@ def verify(src: str, other: str | None, device: str | None, dtype: str, tokens_f
                             seq=seq_len, seed=seed, vocab_size=vocab_size, team=team)
     if not team.lead:
         return  # its share of tier 1 went to process 0, which says the result
-    click.echo(v.table(tiers, settings))
+    click.echo(table(tiers, settings))
     if report:
-        v.write_report(report, tiers, settings)
+        write_report(report, tiers, settings)
         click.echo(f"report: {report}")
     failed = [t for t in tiers if not t.ok]
     if failed:

@@ -188,7 +188,7 @@ def test_every_fault_is_caught_and_its_layer_named(trained, fault, dtype, tmp_pa
 
 def test_values_that_are_not_finite_never_pass():
     """NaN or Inf on one side fails in fp32 and in bf16 (where a NaN floor must not become a NaN tolerance)."""
-    from ckpt_tools import verify as v
+    from ckpt_tools import tiers as v
     good = torch.randn(2, 8, 16)
     bad = good.clone()
     bad[0, 3, 5] = float("nan")
