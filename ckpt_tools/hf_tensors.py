@@ -31,7 +31,6 @@ def data_offsets(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]
             for name, e in header.items()}
 
 
-
 class HFTensors:
     """The tensors of an HF model dir (model.safetensors or an index of several) or of one
     safetensors file, read lazily. Block-scaled FP8 weights (config.json's quantization_config) are given

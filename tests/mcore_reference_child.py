@@ -5,7 +5,6 @@ docstring says how the model is built and why)."""
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import os
 import sys

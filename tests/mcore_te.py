@@ -13,10 +13,11 @@ save_checkpoint does:
     OUT/CASE/torch_dist/  dist_checkpointing.save of {args, iteration, checkpoint_version, model: sharded_state_dict(),
                      rng_state} (0.19: the common state embedded, no common.pt); every linear layer's `_extra_state`
                      is Transformer Engine's own (with "fp8": its FP8 scales and amax histories after two FP8 forwards)
-    OUT/torch/       mp_rank_TT/model_optim_rng.pt: torch.save of each rank's state_dict_for_save_checkpoint(), its
+    OUT/CASE/torch/  mp_rank_TT/model_optim_rng.pt: torch.save of each rank's state_dict_for_save_checkpoint(), its
                      tensors on the GPU as Megatron-LM saves them
-    OUT/reference.pt {tokens, logits}: megatron-core's logits of the fp32 forward [b, s, padded vocab] (before any FP8)
-    OUT/local_tp<r>.pt  each rank's model.state_dict() tensors (CPU), megatron-core's own shards
+    OUT/CASE/reference.pt  {tokens, logits}: megatron-core's logits of the fp32 forward [b, s, padded vocab] (before
+                     any FP8)
+    OUT/CASE/local_tp<r>.pt  each rank's model.state_dict() tensors (CPU), megatron-core's own shards
 
 load builds each CASE at the TP of the torchrun, loads its SAVE_DIR's torch_dist (dist_checkpointing.load of
 sharded_state_dict(), load_state_dict strict) or legacy torch files (load_state_dict strict), runs the same forward

@@ -11,8 +11,8 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 from test_families import TOKENS, hf_model, rel
 
-from ckpt_tools.hf_tensors import HFTensors
 from ckpt_tools.errors import FormatError
+from ckpt_tools.hf_tensors import HFTensors
 from ckpt_tools.importer import import_hf
 from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard

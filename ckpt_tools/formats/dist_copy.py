@@ -48,7 +48,7 @@ STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
             quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
             team: Team = SOLO) -> str | None:
-    """reshard.run(..., `want` of form torch_dist or torch) by copying bytes; None (nothing written) where it does
+    """verbs.reshard(..., `want` of form torch_dist or torch) by copying bytes; None (nothing written) where it does
     not apply. The legacy torch form is written by formats/legacy_copy.py, weights only.
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
@@ -235,7 +235,7 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 
 def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
               quiet: bool = False, team: Team = SOLO) -> str | None:
-    """importer.run(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
+    """verbs.import_hf(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
     from the safetensors file. None, having written nothing, where the torch path must do it: weights in another

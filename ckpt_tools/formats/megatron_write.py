@@ -30,6 +30,7 @@ from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist import Placed, part_of, stored_candidates, te_alias
+from ckpt_tools.formats.torch_dist_names import te_norm_extra
 from ckpt_tools.ranks import TP, Grid, Rank
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -211,13 +212,12 @@ class DistWriter:
         self.put_object(Rank(0, pp_rank), f"{fqn}/shard_{where[0]}_{where[1]}", [None])
 
     def put_norm_extras(self, pp_rank: int) -> None:
-        """Each norm that is a module of its own under Transformer Engine's spec (TENorm: the final norm, an MoE
-        layer's pre-MLP norm, MLA's input norm, q/k norms, MTP's norms) holds an `_extra_state` that a Transformer
-        Engine model asks for when it loads: megatron-core's load fails on an entry it asks for and does not find.
-        One None object each, as for a linear layer, all into the first stage file that ends (the index names where
-        each is: a byte-copying writer's files are the source's, whose stages need not be the target's). A norm fused
-        into a linear (`linear_qkv.layer_norm_weight`) has none; megatron-core's local spec asks for none, and an entry
-        not asked for is no error."""
+        """Each norm that is a module of its own under Transformer Engine's spec holds an `_extra_state` that a
+        Transformer Engine model asks for when it loads (torch_dist_names.te_norm_extra): megatron-core's load fails on
+        an entry it asks for and does not find. One None object each, as for a linear layer, all into the first stage
+        file that ends (the index says where each is: a byte-copying writer's files are the source's, whose stages
+        need not be the target's). megatron-core's local spec asks for none: an entry not asked for is no error under
+        its default strictness (Megatron-LM's --dist-ckpt-strictness assume_ok_unexpected)."""
         if self._normed:
             return
         self._normed = True
@@ -225,8 +225,8 @@ class DistWriter:
             if key.endswith("norm.weight"):
                 fqn, layer = self.stored(key)
                 for name in {fqn, self.alias(fqn)} - {None}:
-                    if name.endswith("norm.weight"):
-                        self._put_none_object(pp_rank, name[:-len("weight")] + "_extra_state", layer)
+                    if (extra := te_norm_extra(name, self.spec)) is not None:
+                        self._put_none_object(pp_rank, extra, layer)
 
     def end_stage(self, pp_rank: int, iteration: int) -> None:
         """The stage's files are complete: each is fsynced on its thread once its copies are done (the next stage's

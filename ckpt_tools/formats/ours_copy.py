@@ -25,7 +25,7 @@ from ckpt_tools.team import SOLO, Team
 
 def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
               quiet: bool = False, team: Team = SOLO) -> str | None:
-    """importer.run(..., `want` of our format) by copying bytes; `dtype` a dtype name (None: the HF weights'). In a
+    """verbs.import_hf(..., `want` of our format) by copying bytes; `dtype` a dtype name (None: the HF weights'). In a
     team each process writes a run of the rank files (balanced by their bytes), process 0 the rest."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)

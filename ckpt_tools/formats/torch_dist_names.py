@@ -181,3 +181,21 @@ def te_alias(fqn: str, spec, by_pattern: bool = False) -> str | None:
     if part == "pre_mlp_layernorm." and moe:
         return None
     return fqn[:m.start(2)] + names.MLA_TE_NAMES[part] + fqn[m.end(2):]
+
+
+# The norms Transformer Engine's specs build as modules of their own (TENorm, which saves an `_extra_state`), by the
+# name they are stored under: the final norm (GPTModel's, HybridModel's, an MTP depth's), an MoE layer's pre-MLP norm,
+# multi-latent attention's input norm, grouped-query attention's q/k norms, MTP's embedding and hidden norms, a gated
+# DeltaNet's output norm. A norm fused into the linear after it (`layer_norm_weight`), multi-latent attention's latent
+# norms (fused into its up projections) and Mamba's gated norm have none.
+_TE_NORM = re.compile(r"(?:final_layernorm|final_norm|pre_mlp_layernorm|input_layernorm|q_layernorm|k_layernorm|enorm|"
+                      r"hnorm|out_norm)\.weight$")
+
+
+def te_norm_extra(fqn: str, spec) -> str | None:
+    """The `_extra_state` entry of the Transformer Engine norm stored as `fqn` (its weight), or None: megatron-core's
+    load of a Transformer Engine model asks for it, and fails where it is missing."""
+    if _TE_NORM.search(fqn) is None or (spec.multi_latent_attention and ".q_layernorm." in fqn):
+        return None
+    return fqn[:-len("weight")] + "_extra_state"
+
