@@ -139,12 +139,6 @@ class Target:
         for i, local, t in self._files(key):
             self._optim_state[i].setdefault(local, {})[field] = self._optim[i].tensor(shards[t])
 
-    def put_zeros(self, key: str, field: str) -> None:
-        """An fp32 optimizer field of zeros (a fresh moment), never made in memory nor written (TorchFileWriter.zeros)."""
-        shape = layout.shard_shape(key, self.spec, self.padded, self.tp, self.pp)
-        for i, local, _ in self._files(key):
-            self._optim_state[i].setdefault(local, {})[field] = self._optim[i].zeros(torch.float32, shape)
-
     def end_stage(self, optimizer_extras: dict) -> None:
         for i in range(len(self._ranks)):
             self.close_file(self._model[i], {"model": self._model_state[i]})

@@ -173,6 +173,23 @@ def test_a_team_reshards_through_the_torch_reader_as_one_process(sources, tmp_pa
     assert any(p.name.startswith("iter_") for p in (tmp_path / "team").iterdir())  # with its optimizer state
 
 
+@pytest.mark.slow
+def test_a_team_of_two_nodes_writes_the_bytes_one_process_writes(sources, alone, tmp_path):
+    """Across nodes each node's launcher starts its processes under torchrun, and they meet over gloo: two nodes of
+    one process each, here on one machine over 127.0.0.1 (a shared file system, as such nodes have), write the
+    bytes one process writes."""
+    verb, src, opts = CASES["merge-hf"]
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ckpt_tools.cli", verb, str(sources[src]), str(out), "-q", *opts, "--nnodes", "2",
+           "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    said = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], said
+    assert tree(out) == tree(alone["merge-hf"])
+    assert str(out) in said[0][0] and not said[1][0]  # node 0's process 0 says the summary
+
+
 def test_a_multi_node_team_needs_the_rendezvous_port(sources, tmp_path):
     proc = ckpt("merge", str(sources["hf"]), str(tmp_path / "out"), "--nnodes", "2", check=False)
     assert proc.returncode == 1
@@ -265,6 +282,9 @@ def test_free_ports_come_from_the_jobs_own_range(monkeypatch):
         held.bind(("", 28001))
         with pytest.raises(CkptError, match="no free port in CKPT_PORT_RANGE=28001-28001"):
             free_port()
+    monkeypatch.delenv("CKPT_PORT_RANGE")  # a user's run: a port the kernel hands out, free to bind
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
 
 
 def test_a_team_on_one_node_starts_without_torch_and_writes_what_one_process_writes(tmp_path):
