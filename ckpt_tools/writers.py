@@ -184,6 +184,15 @@ class TorchFileWriter:
         self.nbytes += nbytes
         return _TensorRef(_StorageRef(key, dtype, torch.Size(shape).numel()), tuple(shape))
 
+    def zeros(self, dtype: torch.dtype, shape: tuple[int, ...]) -> _TensorRef:
+        """A tensor of zeros that is never made: its record is reserved and left unwritten, so the file reads zeros
+        there, a hole that takes no disk where the filesystem has holes (a fresh optimizer's moments)."""
+        import torch
+        key, nbytes = self._key(), torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self._zip.write_record_metadata(f"data/{key}", nbytes)
+        self.nbytes += nbytes
+        return _TensorRef(_StorageRef(key, dtype, torch.Size(shape).numel()), tuple(shape))
+
     def tensor(self, t: torch.Tensor) -> _TensorRef:
         t = t.detach().contiguous()
         key = self._key()
