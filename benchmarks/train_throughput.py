@@ -26,7 +26,9 @@ mcoremoe (ours: 1 trains the MoE layers with megatron-core's own MoELayer, `moe_
 (ours and ddp rows: 0 DP-reduces the gradients after backward instead of bucket by bucket during it), bucket (ours
 and ddp rows: the DP reduction's bucket size in elements; 0, the default, is Megatron's max(40M, 1M x DP)), pgather
 (ours, distributed optimizer: 0 waits for the new weights' all-gathers in the step, not in the next forward), model
-(1b, the default, or 7b: MODEL_7B, the Llama-2-7B shape) and layers (the model's depth).
+(1b, the default, or 7b: MODEL_7B, the Llama-2-7B shape), layers (the model's depth), graphs (ours: 0 runs the layers
+without CUDA graphs, trainer/graphs.py) and fusion (ours: 0 adds the weight gradients into the fp32 buffer after their
+GEMM instead of in it, trainer/wgrad.py).
 "vs 1 GPU" is a row's MFU over the first 1-GPU row's of the same code and model (1b, 7b or MoE), so a TP2 row of
 twice the layers compares with a TP1 row of half as many: per-GPU scaling. For the trainer that is its first compiled
 1-GPU row; for megatron-core, its first `mcore:ddp=1` row: key ddp (mcore; implied by dp > 1) wraps GPTModel in
@@ -69,7 +71,7 @@ def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
            "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0, "ddp": 0,
-           "bucket": 0, "pgather": 1}
+           "bucket": 0, "pgather": 1, "graphs": 1, "fusion": 1}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
@@ -135,7 +137,8 @@ def ours(row: dict, m: dict):
         sequence_parallelism=bool(row["sp"]), recompute_granularity=row["recompute"] or None,
         use_distributed_optimizer=bool(row["distopt"]), compile=bool(row["compile"]),
         accumulate_allreduce_grads_in_fp32=bool(row["acc32"]), overlap_grad_reduce=bool(row["overlap"]),
-        overlap_param_gather=bool(row["pgather"]), **({"ddp_bucket_size": row["bucket"]} if row["bucket"] else {}),
+        overlap_param_gather=bool(row["pgather"]), cuda_graphs=bool(row["graphs"]),
+        gradient_accumulation_fusion=bool(row["fusion"]), **({"ddp_bucket_size": row["bucket"]} if row["bucket"] else {}),
         lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, **{k: v for k, v in m.items() if k != "vocab_size"}))
     device, _ = setup_distributed(cfg)
     stage = build_stage(cfg, m["vocab_size"], device)
@@ -354,6 +357,8 @@ def describe(row: dict) -> str:
     parts += ["grads accumulated in bf16"] if not row["acc32"] else []
     parts += ["DP reduction after backward"] if not row["overlap"] and row["dp"] > 1 else []
     parts += [f"buckets of {row['bucket'] / 1e6:g}M"] if row["bucket"] else []
+    parts += ["no CUDA graphs"] if not row["graphs"] else []
+    parts += ["wgrad added after the GEMM"] if not row["fusion"] else []
     return "trainer, " + ", ".join(parts) + (", compiled" if row["compile"] else ", eager") + ", fp32 masters"
 
 

@@ -36,14 +36,16 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     return proc
 
 
-def train(config: str, save_dir: Path, nproc: int, **overrides) -> list[dict]:
-    """Train with the bundled trainer; returns the metrics.jsonl records written by this run."""
+def train(config: str, save_dir: Path, nproc: int, launcher: str | None = None, **overrides) -> list[dict]:
+    """Train with the bundled trainer; returns the metrics.jsonl records written by this run. `launcher`: a script
+    that runs the trainer's command line in its own way (tests/trainer_newest.py: on megatron-core 0.19)."""
     cache = save_dir.parent.parent / "data-cache"  # one tokenized corpus per test session (keyed by content)
     sets = [f"save_dir={save_dir}", f"data_cache_dir={cache}", "log_interval=1"]
     sets += [f"{k}={json.dumps(v) if isinstance(v, (list, bool)) else v}" for k, v in overrides.items()]
     metrics = save_dir / "metrics.jsonl"
     before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-    args = ["-m", "trainer", "--config", str(CONFIGS / config)]
+    args = [launcher] if launcher else ["-m", "trainer"]
+    args += ["--config", str(CONFIGS / config)]
     for s in sets:
         args += ["--set", s]
     torchrun(nproc, args)

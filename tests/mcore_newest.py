@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
@@ -101,7 +102,8 @@ def activate() -> None:
         with contextlib.suppress(ImportError):
             __import__(name)
 
-    stand_in_triton()
+    if importlib.util.find_spec("triton") is None:  # a GPU machine has the real one
+        stand_in_triton()
     sys.path.insert(0, str(location()))
     for name in [n for n in sys.modules if n == "megatron" or n.startswith("megatron.")]:
         del sys.modules[name]

@@ -44,6 +44,9 @@ class TrainConfig:
     recompute_granularity: str | None = None  # "selective" | "full"; None: selective if recompute_activations
     use_distributed_optimizer: bool = False  # masters and Adam moments sharded over DP (ZeRO-1)
     compile: bool = False  # torch.compile each transformer layer and the loss (GPUs)
+    cuda_graphs: bool = True  # GPUs: the layers' forward and backward captured as CUDA graphs (trainer/graphs.py says
+    # where they are not)
+    gradient_accumulation_fusion: bool = True  # GPUs: weight gradients added into the fp32 buffer by their GEMM
     # optimization
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # checked: = micro_batch_size x num_micro_batches x DP

@@ -171,6 +171,10 @@ class GPTStage(nn.Module):
         # all-gathers it left running (trainer/optim.py)
         self.params_ready = ready
         self.mtp_logits: list[torch.Tensor] = []  # the last forward's multi-token prediction logits, depth by depth
+        # layers captured as CUDA graphs (trainer/graphs.py): local index -> graphed layer, replayed while training on
+        # inputs of the captured shape and dtype
+        self.graphed: dict[int, nn.Module] = {}
+        self.graphed_shape: tuple | None = None
         if self.post_process and spec.mtp_num_layers:  # megatron-core's MTP block, between decoder and output layer
             if not self.pre_process:
                 raise ConfigError("multi-token prediction layers need the embedding on the last pipeline stage, which "
@@ -199,9 +203,13 @@ class GPTStage(nn.Module):
             seq = x.shape[0] * (self.tp_size if self.sequence_parallel else 1)
             rope = rope_tables(self.spec, seq, x.device)
         mode = self.recompute if self.training else None
-        for layer in self.decoder.layers:
+        replay = self.graphed if self.training and torch.is_grad_enabled() and \
+            (tuple(x.shape), x.dtype) == self.graphed_shape else {}
+        for i, layer in enumerate(self.decoder.layers):
             self.params_ready(layer)
-            if mode == "full":
+            if i in replay:
+                x = replay[i](x)
+            elif mode == "full":
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope, mode == "selective")

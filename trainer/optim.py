@@ -87,8 +87,12 @@ def _adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
 
 
 def _into_main_grad(p: torch.nn.Parameter) -> None:
-    """Autograd's hook: move this backward's gradient into the flat buffer and tell the bucket."""
-    if p.grad is not None:
+    """Autograd's hook: move this backward's gradient into the flat buffer and tell the bucket. A weight whose GEMM
+    has added its gradient into the buffer already (trainer/wgrad.py) hands autograd a placeholder: dropped."""
+    if getattr(p, "fused_wgrad", False):
+        p.grad = None
+        p.grad_arrived()
+    elif p.grad is not None:
         p.main_grad.add_(p.grad)
         p.grad = None
         p.grad_arrived()

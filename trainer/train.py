@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
 from ckpt_tools.errors import CkptError, ConfigError
-from trainer import checkpoint, data, mcore_moe
+from trainer import checkpoint, data, graphs, mcore_moe, wgrad
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
 from trainer.model import GPTStage, initialize, megatron_config
@@ -69,8 +69,12 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
         explicit = resume.layer_counts
     counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, explicit)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    fusion = cfg.gradient_accumulation_fusion and wgrad.available(device)
+    if fusion:
+        wgrad.install()
     mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu",
-                           sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
+                           sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                           wgrad_fusion=fusion)
     ep = (ps.get_expert_model_parallel_rank(), cfg.ep_degree) if cfg.ep_degree > 1 else None
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
                      layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute, ep=ep,
@@ -79,14 +83,20 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
     if cfg.compile:
         for layer in stage.decoder.layers:
             layer.compile(dynamic=False)
+    wgrad.mark(stage, compiled=cfg.compile)
     return stage
 
 
 class Stepper:
-    """Runs one global batch's forward and backward on this rank; returns its mean loss (last stage)."""
+    """Runs one global batch's forward and backward on this rank; returns its mean loss (last stage). The layers
+    are captured as CUDA graphs here where trainer/graphs.py allows (after the optimizer has placed the weights)."""
 
     def __init__(self, cfg: TrainConfig, stage: GPTStage, device: torch.device):
         self.cfg, self.stage, self.device = cfg, stage, device
+        captured, self.graphs = graphs.plan(stage, cfg.cuda_graphs, device, cfg.pp_degree, cfg.recompute)
+        seq = cfg.seq_length // (cfg.tp_degree if cfg.sequence_parallelism else 1)
+        graphs.capture(stage, captured, (seq, cfg.micro_batch_size, stage.spec.hidden_size),
+                       next(stage.parameters()).dtype)
         self.loss_fn = VocabParallelLoss(compile=cfg.compile)
         self.schedule = None
         if cfg.pp_degree > 1:
@@ -218,6 +228,8 @@ def train(cfg: TrainConfig) -> None:
     logger.say(f"training {stage.spec.architecture}: TP{cfg.tp_degree} x PP{cfg.pp_degree} x DP{dp}"
                f"{f' (EP{cfg.ep_degree})' if cfg.ep_degree > 1 else ''}, "
                f"global batch {global_batch} x {cfg.seq_length} tokens, iterations {iteration} -> {cfg.train_iters}")
+    if device.type == "cuda":
+        logger.say(stepper.graphs)
     saved_iteration, first_iteration = None, iteration
     clock, clock_iteration = time.perf_counter(), iteration
     while iteration < cfg.train_iters:
@@ -232,7 +244,8 @@ def train(cfg: TrainConfig) -> None:
                 now = time.perf_counter()
                 rate = (iteration - clock_iteration) * global_batch * cfg.seq_length / (now - clock)
                 clock, clock_iteration = now, iteration
-                record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
+                record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate,
+                          "graphed_layers": len(stage.graphed)}
                 balance = [m.balance for m in stage.modules() if isinstance(m, MoE) and m.balance is not None]
                 if balance:  # the last micro-batch's, mean over this stage's MoE layers: 1 = experts evenly loaded
                     record["moe_balance"] = float(torch.stack(balance).mean())

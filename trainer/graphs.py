@@ -1,0 +1,84 @@
+"""CUDA graphs over the transformer layers (Megatron-LM's `--external-cuda-graph` / `--cuda-graph-scope`).
+
+A layer's forward and its backward are each captured once and then replayed every micro-batch: one launch where the
+layer had dozens of kernels, so the GPU no longer waits for a host that is behind. All of a stage's captured layers are
+captured in one `torch.cuda.make_graphed_callables` call and share one memory pool, which is safe because a step
+replays them in the order captured: every layer's forward, then every backward in reverse. The weights' gradients
+leave the backward graph as autograd gradients (or, with the GEMM-fused accumulation of trainer/wgrad.py, already
+added into the optimizer's buffer inside it), so the optimizer's per-parameter hooks and the data-parallel buckets
+work as without graphs; the distributed optimizer's wait for new weights runs before each layer, outside its graph.
+The embedding, the final norm, the output layer, the loss and multi-token prediction stay eager.
+
+Where the layers are not captured, and why (`plan` says which, the trainer prints it):
+- no CUDA, or `cuda_graphs: false`;
+- tensor parallelism: a TP2 run whose layers held their all-reduces inside the graphs hung on 2 x H200 (torch 2.11,
+  NCCL 2.27), in the capture or the first replay; until that is understood, TP > 1 runs eagerly;
+- pipeline parallelism: the 1F1B schedule runs several micro-batches' forwards before their backwards, and a captured
+  layer keeps one micro-batch's activations in its graph's buffers, which the next forward would overwrite;
+- activation recompute (selective or full): it frees activations to recompute them in backward, and a captured
+  layer keeps its activations in its pool whatever the schedule; a run that needs recompute for memory has none to
+  spare for graphs;
+- MoE layers: how many tokens each expert gets depends on the routing (data-dependent shapes, a host sync);
+- Mamba-2 and gated DeltaNet mixers: not captured (their scans' shapes are static, but no run has checked them
+  under capture), they run eagerly between the captured layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.layers import rope_tables
+
+
+class _Layer(nn.Module):
+    """One layer as a function of its input alone: the rotary tables are fixed for a run's sequence length."""
+
+    def __init__(self, layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        super().__init__()
+        self.layer, self.rope = layer, rope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, self.rope, False)
+
+
+def plan(stage: nn.Module, enabled: bool, device: torch.device, pp_size: int,
+         recompute: str | None) -> tuple[list[int], str]:
+    """(the local indices of the layers to capture, a line saying what is captured or why nothing is)."""
+    if not enabled:
+        return [], "CUDA graphs: off (cuda_graphs: false)"
+    if device.type != "cuda":
+        return [], "CUDA graphs: off (no CUDA)"
+    if stage.tp_size > 1:
+        return [], "CUDA graphs: off under tensor parallelism (its all-reduces inside graphs hung: trainer/graphs.py)"
+    if pp_size > 1:
+        return [], "CUDA graphs: off under pipeline parallelism (1F1B keeps several micro-batches in flight)"
+    if recompute is not None:
+        return [], f"CUDA graphs: off with {recompute} recompute (graphs keep each layer's activations)"
+    spec, first = stage.spec, sum(stage.layer_counts[: stage.pp_rank])
+    chosen, skipped = [], []
+    for i in range(len(stage.decoder.layers)):
+        symbols = spec.layer_symbols(first + i)
+        eager = spec.moe_layer(first + i) or any(s in ("M", "G", "E") for s in symbols)
+        (skipped if eager else chosen).append(i)
+    line = f"CUDA graphs: {len(chosen)} of {len(chosen) + len(skipped)} layers captured"
+    if skipped:
+        line += " (MoE, Mamba and gated DeltaNet layers run eagerly)"
+    return chosen, line
+
+
+def capture(stage: nn.Module, indices: list[int], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Capture the stage's layers `indices` for inputs of `shape` [s, b, h] and `dtype`; the stage's forward replays
+    them while training (`stage.graphed`: local index -> graphed layer). Call once the optimizer has made the
+    weights views of its buffers (the graphs read and write those addresses)."""
+    if not indices:
+        return
+    device = next(stage.parameters()).device
+    rope = None
+    if stage.spec.position_embedding_type == "rope":
+        seq = shape[0] * (stage.tp_size if stage.sequence_parallel else 1)
+        rope = rope_tables(stage.spec, seq, device)
+    layers = tuple(_Layer(stage.decoder.layers[i], rope) for i in indices)
+    samples = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True),) for _ in indices)
+    graphed = torch.cuda.make_graphed_callables(layers, samples)
+    stage.graphed = dict(zip(indices, graphed))
+    stage.graphed_shape = (tuple(shape), dtype)
