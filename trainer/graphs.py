@@ -11,8 +11,8 @@ The embedding, the final norm, the output layer, the loss and multi-token predic
 
 Where the layers are not captured, and why (`plan` says which, the trainer prints it):
 - no CUDA, or `cuda_graphs: false`;
-- tensor parallelism: a TP2 run whose layers held their all-reduces inside the graphs hung on 2 x H200 (torch 2.11,
-  NCCL 2.27), in the capture or the first replay; until that is understood, TP > 1 runs eagerly;
+- tensor parallelism: TP2 runs whose layers held their all-reduces inside the graphs hung on 2 x H200 (torch 2.11),
+  also with the captures in thread-local error mode; until that is understood, TP > 1 runs eagerly;
 - pipeline parallelism: the 1F1B schedule runs several micro-batches' forwards before their backwards, and a captured
   layer keeps one micro-batch's activations in its graph's buffers, which the next forward would overwrite;
 - activation recompute (selective or full): it frees activations to recompute them in backward, and a captured
