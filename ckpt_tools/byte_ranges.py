@@ -8,7 +8,7 @@ of that differs, or the files hold what only the torch reader decodes (a Megatro
 rows to reorder, strided tensors), `open` raises Declined, nothing is written yet, and merge reads through the
 torch reader (shards.open_checked), which also words what is wrong.
 
-Each output tensor is row ranges of a full tensor (hf.hf_rows), and each full tensor is pieces of the
+Each output tensor is row ranges of a full tensor (conversions.hf_rows), and each full tensor is pieces of the
 source shards (shard_ops.reshard_pieces to TP 1, vocab trimmed). `data` hands merge, for each output tensor,
 either byte ranges of the shard files (dim-0 pieces in the output dtype: copied file to file in the kernel)
 or its bytes in memory: a row-parallel tensor's shards read (preadv) straight into their place in the full
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_tools import checkpoint, hf, layout, megatron_lm, shard_ops
+from ckpt_tools import checkpoint, conversions, layout, megatron_lm, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.plan import Entry
 from ckpt_tools.ranks import Rank
@@ -336,8 +336,8 @@ class ByteSource:
         full_rows = layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[0]
         if len(pieces) == 1 and pieces[0].dim == 1:  # a tensor held whole: its rows, as a dim-0 piece
             pieces = [shard_ops.Piece(pieces[0].rank, 0, 0, full_rows)]
-        for name, rows, shape in zip(e.names, hf.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
-            transpose = e.kind in hf.TRANSPOSED and len(shape) == 2
+        for name, rows, shape in zip(e.names, conversions.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
+            transpose = e.kind in conversions.TRANSPOSED and len(shape) == 2
             if pieces[0].dim == 0 and not transpose and src_dtype == dtype:
                 yield name, shape, [(self.files.fd(p), o, n) for p, o, n in _byte_ranges(self.shards[e.key], pieces, rows)]
                 continue

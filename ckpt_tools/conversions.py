@@ -12,7 +12,7 @@ from ckpt_tools import shard_ops
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.families import (C_ATTN, CONV1D, GATE_UP_T, GATED, GDN_IN, NORM_OFFSET, QKV, QKV_FUSED, QKV_GATED,
                                  SAME, VOCAB)
-from ckpt_tools.rules import _gdn_in_parts
+from ckpt_tools.rules import gdn_in_parts
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def _gdn_in_rows(spec: ModelSpec) -> list[shard_ops.Rows]:
     of megatron-core's in_proj [q; k; v; z; b; a] (each head-major)."""
     nk, dk, dv = spec.linear_num_key_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
     per = spec.linear_num_value_heads // nk  # value heads per key head
-    starts = [sum(_gdn_in_parts(spec)[:j]) for j in range(6)]  # the table's parts: q, k, v, z, b, a
+    starts = [sum(gdn_in_parts(spec)[:j]) for j in range(6)]  # the table's parts: q, k, v, z, b, a
     widths = (dk, dk, per * dv, per * dv, per, per)  # each key head's share of each part
     rows = [[(starts[j] + g * widths[j], starts[j] + (g + 1) * widths[j]) for j in parts]
             for g in range(nk) for parts in ((0, 1, 2, 3), (4, 5))]

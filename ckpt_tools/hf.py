@@ -30,8 +30,7 @@ from pathlib import Path
 
 from ckpt_tools import families, layout
 from ckpt_tools.errors import ConfigError, FormatError, LayoutError
-from ckpt_tools.families import (C_ATTN, CONV1D, GATE_UP_T, GATED, GDN_IN, NORM_OFFSET, QKV,  # noqa: F401
-                                 QKV_FUSED, QKV_GATED, SAME, VOCAB, Name)
+from ckpt_tools.families import Name
 from ckpt_tools.spec import ModelSpec
 
 
@@ -134,8 +133,6 @@ def check_copies(source, spec: ModelSpec, hf_dir: Path) -> set[str]:
     return held
 
 
-# the conversion kinds (a full megatron-core tensor <-> its HF tensors): ckpt_tools.conversions
-from ckpt_tools.conversions import ARITHMETIC, TRANSPOSED, from_hf, hf_rows, hf_shapes, to_hf  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- config.json
@@ -223,9 +220,7 @@ def layer_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-# block-scaled FP8 weights (DeepSeek-V3's published form): ckpt_tools.fp8
-from ckpt_tools.fp8 import (E4M3_MAX, FP8, QUANTIZATION, SCALE, dequantize_blocks, fp8_blocks,  # noqa: E402,F401
-                            fp8_config, fp8_quantized, quantize_blocks, scale_grid)
+from ckpt_tools.fp8 import QUANTIZATION  # noqa: E402
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import checkpoint as fmt
+from ckpt_tools import checkpoint as fmt, conversions
 from ckpt_tools import hf, layout, output, shard_ops, to_megatron
 from ckpt_tools.errors import FormatError
 from ckpt_tools.formats import ours_copy
@@ -16,7 +16,7 @@ from ckpt_tools.hf_tensors import HFTensors
 from ckpt_tools.request import Layout, Request
 from ckpt_tools.shards import MODEL
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.target import Target, _finish
+from ckpt_tools.target import Target, finish
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.writers import dtype_name
 
@@ -67,7 +67,7 @@ def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype |
     wrong = [f"{name} {list(source.shape(name))}, expected {n} slices first"  # a stacked tensor: one slice per expert
              for name, n in hf.slice_counts(wanted).items() if source.shape(name)[0] != n]
     for key, (row, names) in rows.items():
-        for name, shape in zip(names, hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
+        for name, shape in zip(names, conversions.hf_shapes(row.kind, spec, layout.full_shape(key, spec, padded))):
             if source.shape(name) != tuple(shape):
                 wrong.append(f"{name} {list(source.shape(name))}, expected {list(shape)}")
     if wrong:
@@ -103,7 +103,7 @@ def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype |
                     bar.update(1)
                     continue
                 row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
-                original = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded)
+                original = conversions.from_hf(row.kind, [source.get(n) for n in names], spec, padded)
                 full = original.to(_dtype(key, spec, params_dtype))
                 source_key = key if key in rows else "embedding.word_embeddings.weight"  # a tied output copy
                 files.put(key, full, master=original.float() if source_key in carried else False)
@@ -113,7 +113,7 @@ def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype |
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
         meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, dtype_name(params_dtype), None, {}, {}, origin, ep,
                               fresh_optimizer=optimizer)
-        nbytes = _finish(tmp, 0, files, meta, hf_dir, hf_dir=True, team=team)
+        nbytes = finish(tmp, 0, files, meta, hf_dir, hf_dir=True, team=team)
     return ours_copy.imported(hf_dir, spec, out, tp, counts, ep, dtype_name(params_dtype), optimizer, masters, padded,
                               nbytes, time.perf_counter() - start) + tail
 
@@ -125,7 +125,7 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
     def shard_of(key: str, rank: int) -> torch.Tensor:
         if key not in current:  # one full tensor in memory, split for every TP rank
             row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
-            full = hf.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(_dtype(key, spec, params_dtype))
+            full = conversions.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(_dtype(key, spec, params_dtype))
             current.clear()
             current[key] = shard_ops.split(key, full, spec, tp, pp)
         return current[key][rank]

@@ -44,7 +44,7 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
     conversion) copies file to file and holds only the rows of a tensor it must assemble in memory: a
     row-parallel join, or a GPT-2 Conv1D weight with its transposed copy.
     """
-    from ckpt_tools import hf
+    from ckpt_tools import conversions
     from ckpt_tools.plan import plan
     from ckpt_tools.torchfile import ELEMENT_SIZES
     size = ELEMENT_SIZES.get(meta.params_dtype, 4)
@@ -56,7 +56,7 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
         largest = max(largest, n)
         if layout.find_rule(e.key, meta.spec, 1).dim == 1:
             buffered = max(buffered, n)
-        if e.kind in hf.TRANSPOSED and len(shape) == 2:
+        if e.kind in conversions.TRANSPOSED and len(shape) == 2:
             buffered = max(buffered, 2 * n)
     return {"merge_bytes": merged, "merge_ram": PROCESS_RAM + buffered * size,
             "merge_ram_torch": TORCH_PROCESS_RAM + 2 * largest * max(size, 2),

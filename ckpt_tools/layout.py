@@ -20,7 +20,7 @@ from ckpt_tools.errors import LayoutError
 from ckpt_tools.rules import (  # noqa: F401 (the table's vocabulary, re-exported)
     ATTENTION, BLOCKED, COLUMN, DENSE, EXTRA, FIRST, GATED, GDN, LAST, LAYER, MAMBA, MAMBA_CONV, MLA, MOE, MTP,
     MTP_STAGE, QKV, REPLICATED, ROW, SHARED, SPLIT_DIM, VOCAB, Rule, Shape, When, _always, _ATTENTIONS, _bias, _d,
-    _expert_bias, _gdn_conv_parts, _gdn_in_parts, _gdn_v, _h, _in_blocks, _layernorm, _mamba_conv_parts,
+    _expert_bias, _gdn_conv_parts, gdn_in_parts, _gdn_v, _h, in_blocks, _layernorm, _mamba_conv_parts,
     _mamba_in_parts, _mamba_inner, _MLPS, _q_head, _q_lora, _q_plain, _qk_norm, _qk_norm_across, _qkv_rows,
     _shared_gate, _SYMBOLS)
 from ckpt_tools.spec import ModelSpec
@@ -54,7 +54,7 @@ def mtp_blocks(spec: ModelSpec) -> frozenset[str]:
 
 
 def _present(rule: Rule, spec: ModelSpec, pp: int, blocks: Container[str]) -> bool:
-    return _in_blocks(rule.block, blocks) and rule.when(spec, pp)
+    return in_blocks(rule.block, blocks) and rule.when(spec, pp)
 
 
 _L = "decoder.layers.{i}."
@@ -118,8 +118,8 @@ TABLE: tuple[Rule, ...] = (
     # norm over each value head (replicated), out_proj row-parallel
     Rule(_A + "dt_bias", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
     Rule(_A + "A_log", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
-    Rule(_A + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_in_parts(s)), s.hidden_size), _always, GDN,
-         parts=_gdn_in_parts, part_names=("query", "key", "value", "z", "beta", "alpha")),
+    Rule(_A + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(gdn_in_parts(s)), s.hidden_size), _always, GDN,
+         parts=gdn_in_parts, part_names=("query", "key", "value", "z", "beta", "alpha")),
     Rule(_A + "in_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
     Rule(_A + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_conv_parts(s)), 1, s.linear_conv_kernel_dim),
          _always, GDN, parts=_gdn_conv_parts, part_names=("query", "key", "value")),
@@ -315,13 +315,13 @@ def shard_shape(key: str, spec: ModelSpec, padded_vocab: int, tp_size: int, pp_s
         return None
     shape = list(rule.shape(spec, padded_vocab))
     if rule.dim is not None:
-        _check_divides(key, rule, spec, shape[rule.dim], tp_size)
+        check_divides(key, rule, spec, shape[rule.dim], tp_size)
         shape[rule.dim] //= tp_size
     return tuple(shape)
 
 
 
-def _check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: int) -> None:
+def check_divides(key: str, rule: Rule, spec: ModelSpec, size: int, tp_size: int) -> None:
     if rule.split == BLOCKED and rule.name.endswith("self_attention.in_proj.weight") and \
             spec.linear_num_key_heads % tp_size:
         raise LayoutError(f"{key}: linear_num_key_heads {spec.linear_num_key_heads} is not divisible by TP {tp_size}: "

@@ -16,12 +16,8 @@ import sys
 
 from ckpt_tools import hybrid, torchsave
 from ckpt_tools.errors import ConfigError
-# reading: a checkpoint's args -> ModelSpec and layout (ckpt_tools.megatron_spec; its names re-exported here)
-from ckpt_tools.megatron_spec import (GPT_YARN, LINEAR_FIELDS, MAMBA_ARGS, MAMBA_DEFAULTS, MLA_FIELDS,  # noqa: F401
-                                      YARN_ARGS,
-                                      _layer_counts, arg, attention_fields, expert_parallel, expert_tensor_parallel,
-                                      features_of, layout_of, mamba_fields, mla_fields, moe_fields, spec_from_args,
-                                      virtual_stages)
+# reading a checkpoint's args (-> ModelSpec and layout) is ckpt_tools.megatron_spec
+from ckpt_tools.megatron_spec import GPT_YARN, LINEAR_FIELDS, MAMBA_ARGS, MLA_FIELDS, YARN_ARGS
 from ckpt_tools.spec import ModelSpec
 
 # megatron-core's MLA YaRN takes its original context and betas from MLATransformerConfig's defaults.

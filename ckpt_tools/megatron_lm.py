@@ -26,8 +26,8 @@ from pathlib import Path
 from ckpt_tools import hybrid, io, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.megatron_args import arg as _arg
-from ckpt_tools.megatron_args import expert_parallel, expert_tensor_parallel, layout_of, virtual_stages
+from ckpt_tools.megatron_spec import arg as _arg
+from ckpt_tools.megatron_spec import expert_parallel, expert_tensor_parallel, layout_of, virtual_stages
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
 

@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import families, hf, io, layout, output, shard_ops
+from ckpt_tools import conversions, families, hf, io, layout, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
+from ckpt_tools.fp8 import FP8, SCALE, fp8_quantized, quantize_blocks
 from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
@@ -65,7 +66,7 @@ class TensorSource:
         target = getattr(torch, dtype)
         # a buffer (no optimizer state) is its own master
         field = self.field if layout.has_optimizer_state(e.key, self.meta.spec) else None
-        for name, shape, t in zip(e.names, e.shapes, hf.to_hf(e.kind, self.reader.full(e.key, field),
+        for name, shape, t in zip(e.names, e.shapes, conversions.to_hf(e.kind, self.reader.full(e.key, field),
                                                                self.meta.spec)):
             if tuple(t.shape) != tuple(shape):
                 raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
@@ -103,7 +104,7 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
     if via != TENSORS:
         try:
             source = ByteSource.open(src, vocab_size, from_master)
-            if any(n.kind in hf.ARITHMETIC for n in families.get(source.meta.spec.architecture).names):
+            if any(n.kind in conversions.ARITHMETIC for n in families.get(source.meta.spec.architecture).names):
                 source.close()  # HF values that are not the shards' bytes (a zero-centred norm's offset): torch's
                 source = None
                 raise Declined("HF values that are not megatron-core's bytes (a zero-centred norm's offset)")
@@ -132,7 +133,7 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
     """Write the merged model; returns the one-line summary. `via` picks the source (AUTO: the byte source when
     it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used; `team`: the processes that
     write the output files between them (ckpt_tools.team); `fp8_blocks`: the decoder layers' linear weights in
-    block-scaled FP8 (DeepSeek-V3's published layout, hf.quantize_blocks), read through torch; `mxfp4`: the experts'
+    block-scaled FP8 (DeepSeek-V3's published layout, quantize_blocks), read through torch; `mxfp4`: the experts'
     weights in MXFP4 (GPT-OSS's, ckpt_tools.mxfp4), read through torch."""
     start = time.perf_counter()
     out = output.check_target(out, force)
@@ -207,10 +208,10 @@ def _quantized(tensors: Iterator[tuple[str, tuple[int, ...], Data]], job: Job,
     family = families.get(job.meta.spec.architecture)
     for name, shape, data in tensors:
         t = torch.frombuffer(data, dtype=torch.float32).view(shape) if len(data) else torch.empty(shape)
-        if job.fp8 and hf.fp8_quantized(name, shape):
-            q, inv = hf.quantize_blocks(t, job.fp8)
-            yield name, shape, _Bytes(contiguous_bytes(q), hf.FP8)
-            yield name + hf.SCALE, tuple(inv.shape), _Bytes(contiguous_bytes(inv), "float32")
+        if job.fp8 and fp8_quantized(name, shape):
+            q, inv = quantize_blocks(t, job.fp8)
+            yield name, shape, _Bytes(contiguous_bytes(q), FP8)
+            yield name + SCALE, tuple(inv.shape), _Bytes(contiguous_bytes(inv), "float32")
         elif job.mxfp4 and quantized(name, family):
             for packed, part in zip(packed_names(name), quantize(t)):
                 yield packed, tuple(part.shape), _Bytes(contiguous_bytes(part), "uint8")

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import families, hf, io, layout, mxfp4, output
+from ckpt_tools import conversions, families, hf, io, layout, mxfp4, output
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.fp8 import FP8, SCALE, fp8_config, fp8_quantized, scale_grid
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
@@ -50,10 +51,10 @@ def plan(spec: ModelSpec, padded_vocab: int, fmt: str) -> list[Entry]:
         rows = _stacks_together([(key, row.kind, names) for key, row, names in hf.hf_keys(spec)])
         rows += [(key, row.kind, [name]) for key, row, name in hf.hf_copies(spec)]  # MTP layers' copies
     else:  # megatron-core names, full TP=1 PP=1 tensors, vocab trimmed
-        rows = [(key, hf.VOCAB if layout.has_padded_rows(key, spec, 1) else hf.SAME, [key])
+        rows = [(key, families.VOCAB if layout.has_padded_rows(key, spec, 1) else families.SAME, [key])
                 for _, key in layout.stage_keys(spec, [spec.num_layers], 0)
                 if layout.holds_weights(key, spec, 1)]
-    return [Entry(key, kind, names, hf.hf_shapes(kind, spec, layout.full_shape(key, spec, padded_vocab, 1)))
+    return [Entry(key, kind, names, conversions.hf_shapes(kind, spec, layout.full_shape(key, spec, padded_vocab, 1)))
             for key, kind, names in rows]
 
 
@@ -104,7 +105,7 @@ class Job:
     from_master: bool
     entries: list[Entry]
     files: list[list[Entry]]  # the entries of each output file
-    fp8: tuple[int, int] | None = None  # the decoder layers' linear weights in FP8 blocks of this size (hf.fp8_quantized)
+    fp8: tuple[int, int] | None = None  # the decoder layers' linear weights in FP8 blocks of this size (fp8_quantized)
     mxfp4: bool = False  # the experts' weights in MXFP4 (ckpt_tools.mxfp4)
 
     @classmethod
@@ -141,8 +142,8 @@ class Job:
         """(name, dtype, shape) of each tensor an entry writes: an FP8 weight and its block scales where `fp8`."""
         out = []
         for n, s in zip(e.names, e.shapes):
-            if self.fp8 is not None and hf.fp8_quantized(n, s):
-                out += [(n, hf.FP8, s), (n + hf.SCALE, "float32", hf.scale_grid(s, self.fp8))]
+            if self.fp8 is not None and fp8_quantized(n, s):
+                out += [(n, FP8, s), (n + SCALE, "float32", scale_grid(s, self.fp8))]
             elif self.mxfp4 and mxfp4.quantized(n, families.get(self.meta.spec.architecture)):
                 out += [(name, "uint8", shape) for name, shape in zip(packed_names(n), mxfp4.packed_shapes(s))]
             else:
@@ -249,7 +250,7 @@ def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None, fp8: tuple[int, 
     bos, eos = hf.special_ids(tok_dir)
     ours = hf.hf_config(spec, dtype, bos, eos)
     if fp8 is not None:
-        ours[hf.QUANTIZATION] = hf.fp8_config(fp8)
+        ours[hf.QUANTIZATION] = fp8_config(fp8)
     if packed:
         ours[hf.QUANTIZATION] = mxfp4.config(families.get(spec.architecture))
     config = hf.merged_config(ours, spec, tok_dir)

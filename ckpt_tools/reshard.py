@@ -21,7 +21,7 @@ from ckpt_tools.plan import prepare
 from ckpt_tools.ranks import Grid
 from ckpt_tools.request import Layout, Request
 from ckpt_tools.shards import MODEL, OPTIMIZER, Reader
-from ckpt_tools.target import Resharder, Target, _finish
+from ckpt_tools.target import Resharder, Target, finish
 from ckpt_tools.team import SOLO, Team
 
 
@@ -78,7 +78,7 @@ def run(src: str | Path, out: str | Path, want: Request, vocab_size: int | None 
         new_meta = fmt.build_meta(spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
                                   meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), {},
                                   origin, ep, fresh_optimizer=fresh)
-        nbytes = _finish(tmp, meta.iteration, target, new_meta, meta.dir, team=team)
+        nbytes = finish(tmp, meta.iteration, target, new_meta, meta.dir, team=team)
     shards.close()
     notes = ""
     if padded != meta.padded_vocab:

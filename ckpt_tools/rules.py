@@ -81,7 +81,7 @@ class Rule:
         return "{e}" in self.name
 
 
-def _in_blocks(block: str | tuple[str, ...] | None, blocks: Container[str]) -> bool:
+def in_blocks(block: str | tuple[str, ...] | None, blocks: Container[str]) -> bool:
     """A row of `block` belongs to a layer of `blocks` (a row of no block to every layer)."""
     if block is None:
         return True
@@ -164,14 +164,14 @@ def _gdn_v(s: ModelSpec) -> int:
     return s.linear_num_value_heads * s.linear_value_head_dim
 
 
-def _gdn_in_parts(s: ModelSpec) -> tuple[int, ...]:
+def gdn_in_parts(s: ModelSpec) -> tuple[int, ...]:
     """Gated DeltaNet's in_proj rows: [q; k; v; z; b; a] (each head-major), each split over TP by heads."""
     return (_gdn_qk(s), _gdn_qk(s), _gdn_v(s), _gdn_v(s), s.linear_num_value_heads, s.linear_num_value_heads)
 
 
 def _gdn_conv_parts(s: ModelSpec) -> tuple[int, ...]:
     """Gated DeltaNet's convolution channels: [q; k; v]."""
-    return _gdn_in_parts(s)[:3]
+    return gdn_in_parts(s)[:3]
 
 
 def _qkv_rows(s: ModelSpec) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import LayoutError
-from ckpt_tools.layout import EXTRA, REPLICATED, VOCAB, _check_divides, find_rule
+from ckpt_tools.layout import EXTRA, REPLICATED, VOCAB, check_divides, find_rule
 from ckpt_tools.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def split(key: str, full, spec: ModelSpec, tp_size: int, pp_size: int = 1) -> li
         return [full] * tp_size
     if rule.split == REPLICATED:
         return [full] * tp_size
-    _check_divides(key, rule, spec, full.shape[rule.dim], tp_size)
+    check_divides(key, rule, spec, full.shape[rule.dim], tp_size)
     parts = rule.part_sizes(spec, full.shape[rule.dim])
     if len(parts) > 1:  # gated / blocked: rank r holds its chunk of each part, in part order
         chunks = [p.chunk(tp_size, 0) for p in full.split(parts, dim=0)]
@@ -99,8 +99,8 @@ def reshard_pieces(key: str, spec: ModelSpec, src_tp: int, src_padded: int, tp: 
     if rule.dim is None:
         return [Piece(0, 0, 0, src_shape[0] if src_shape else 0)]
     dim, size = rule.dim, rule.shape(spec, padded)[rule.dim]
-    _check_divides(key, rule, spec, size, tp)
-    _check_divides(key, rule, spec, src_shape[dim], src_tp)
+    check_divides(key, rule, spec, size, tp)
+    check_divides(key, rule, spec, src_shape[dim], src_tp)
     parts = rule.part_sizes(spec, size)
     if len(parts) > 1:  # each part's run of the target rank, from the same part of the source shards
         out, src_offset = [], 0

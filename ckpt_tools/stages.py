@@ -8,7 +8,7 @@ from collections.abc import Container, Sequence
 
 from ckpt_tools.errors import ConfigError, LayoutError
 from ckpt_tools.layout import _MT, holds_weights, layer_blocks, mtp_blocks, rules_for, shard_shape
-from ckpt_tools.rules import FIRST, LAST, LAYER, MOE, MTP_STAGE, SHARED, Rule, _in_blocks
+from ckpt_tools.rules import FIRST, LAST, LAYER, MOE, MTP_STAGE, SHARED, Rule, in_blocks
 from ckpt_tools.spec import ModelSpec
 
 def layers_per_stage(num_layers: int, pp_size: int, explicit: Sequence[int] | None = None) -> list[int]:
@@ -100,7 +100,7 @@ def stage_keys(spec: ModelSpec, counts: Sequence[int], pp_rank: int, ep_rank: in
 def _layer_keys(layer: list[Rule], expert: list[Rule], shared: list[Rule], blocks: Container[str],
                 experts: list[tuple[int, int]], local: dict, glob: dict) -> list[tuple[str, str]]:
     """One layer's (local, global) keys: its rows of its blocks, then an MoE layer's experts and shared expert."""
-    out = [(r.name.format(**local), r.name.format(**glob)) for r in layer if _in_blocks(r.block, blocks)]
+    out = [(r.name.format(**local), r.name.format(**glob)) for r in layer if in_blocks(r.block, blocks)]
     if MOE in blocks:
         out += [(r.name.format(**local, e=j), r.name.format(**glob, e=e)) for j, e in experts for r in expert]
         out += [(r.name.format(**local), r.name.format(**glob)) for r in shared]

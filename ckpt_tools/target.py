@@ -1,6 +1,6 @@
 """Writing a checkpoint in our format: `Target` (its files, every TP rank's of a stage open together, or one file
 at a time), `Resharder` (a target shard built from the pieces of the mmap'd source shards that
-`shard_ops.reshard_pieces` names: a contiguous piece is written straight from the mapping, no copy), and `_finish`
+`shard_ops.reshard_pieces` names: a contiguous piece is written straight from the mapping, no copy), and `finish`
 (carried files, meta.json, `latest`). Each shard file is hashed on a thread of its own while it is written
 (writers.Growth), and fsynced after, so its record is ready soon after its close; files written otherwise are hashed
 on a pool. Used by `ckpt reshard` (reshard.py) and `ckpt import` (importer.py).
@@ -271,7 +271,7 @@ class Resharder:
         t.close_file(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
 
 
-def _finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
+def finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
             hf_dir: bool = False, team: Team = SOLO) -> int:
     """Tokenizer, chat templates, generation and HF config carried along; meta.json (the records of every process's
     files); `latest`. The bytes of the shard files, every process's."""

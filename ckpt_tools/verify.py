@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import hf, hf_tensors, layout, shard_ops
+from ckpt_tools import conversions, hf, hf_tensors, layout, shard_ops
 from ckpt_tools.io import free_port
 from ckpt_tools.errors import CkptError
 from ckpt_tools.plan import HF, SAFETENSORS, plan
@@ -115,7 +115,7 @@ def tier1(src: Reader, other: Path | None, team: Team = SOLO) -> Tier:
         owners = team.split([e.nbytes("float32") for e in entries])
         compared = exact = 0
         for e in (e for e, owner in zip(entries, owners) if owner == team.rank):
-            converted = hf.to_hf(e.kind, src.full(e.key), spec)
+            converted = conversions.to_hf(e.kind, src.full(e.key), spec)
             for name, a in zip(e.names, converted):
                 if not tensors.holds(name):
                     continue

@@ -13,7 +13,7 @@ from megatron.core import parallel_state as ps
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
 from rank_reports import write_reports
-from trainer.model import AcrossHeadsRMSNorm
+from trainer.layers import AcrossHeadsRMSNorm
 
 WIDTH, EPS = 96, 1e-5
 

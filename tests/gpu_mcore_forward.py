@@ -23,7 +23,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ckpt_tools.shards import open_checkpoint
 from ckpt_tools.spec import ModelSpec
 from trainer.forward import build_from_checkpoint
-from trainer.model import GPTStage, initialize, megatron_config
+from trainer.layers import megatron_config
+from trainer.model import GPTStage, initialize
 
 
 def mcore_model(spec: ModelSpec, tp: int, dtype: torch.dtype, padded_vocab: int) -> GPTModel:

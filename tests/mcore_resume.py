@@ -325,7 +325,7 @@ def same_as_ours(ours_tp1: Path, got: dict, tied: bool) -> dict:
     a stacked key is row l)."""
     import torch
 
-    from ckpt_tools.formats.torch_dist import stacked_key
+    from ckpt_tools.formats.torch_dist_names import stacked_key
     ckpt = next(ours_tp1.glob("checkpoint-*"))
     state = torch.load(ckpt / "optimizer_tp_0_pp_0.bin", weights_only=True)["optimizer"]
     want, have = {}, {}

@@ -15,7 +15,8 @@ from megatron.core import parallel_state as ps
 
 from ckpt_tools import layout
 from ckpt_tools.spec import ModelSpec
-from trainer.model import GPTStage, megatron_config
+from trainer.layers import megatron_config
+from trainer.model import GPTStage
 
 
 def main(cases_path: str, out_path: str) -> None:

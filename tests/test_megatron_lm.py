@@ -19,7 +19,7 @@ import torch
 from megatron_lm_writer import megatron_args, write_megatron_lm
 
 from ckpt_tools import io, layout, shard_ops
-from ckpt_tools import megatron_args as margs
+from ckpt_tools import megatron_spec as margs
 from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.checkpoint import FORMAT, Meta, model_file
 from ckpt_tools.errors import ConfigError, FormatError

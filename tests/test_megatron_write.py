@@ -190,7 +190,7 @@ def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tm
     from test_megatron_optimizer import FIXTURES, reference
     from test_megatron_optimizer import VOCAB as FIXTURE_VOCAB
 
-    from ckpt_tools.formats.torch_dist import stacked_key
+    from ckpt_tools.formats.torch_dist_names import stacked_key
     out = tmp_path / "out"
     src = with_full_schedule(FIXTURES / form, tmp_path / "src")
     line = reshard(src, out, tp=2, pp=2, vocab_size=FIXTURE_VOCAB, quiet=True, form="torch_dist")

@@ -24,7 +24,7 @@ import bad_inputs as bad
 import pytest
 import torch
 
-from ckpt_tools import byte_ranges, hf, io, layout, shard_ops, torchfile
+from ckpt_tools import byte_ranges, conversions, families, hf, io, layout, shard_ops, torchfile
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools.byte_ranges import ByteSource, Declined
 from ckpt_tools.cli import main
@@ -362,5 +362,5 @@ def test_qkv_head_rows_by_hand():
     tq, tk, tv = shard_ops.qkv_split_heads(full, spec)
     assert torch.equal(tq, torch.cat([full[0:32], full[64:96]])) and torch.equal(tk[16:], full[96:112])
     assert torch.equal(shard_ops.qkv_join_heads(tq, tk, tv, spec), full)
-    assert hf.hf_shapes(hf.QKV, spec, (128, 3)) == [(64, 3), (32, 3), (32, 3)]
-    assert hf.hf_shapes(hf.C_ATTN, spec, (128, 64)) == [(64, 128)]
+    assert conversions.hf_shapes(families.QKV, spec, (128, 3)) == [(64, 3), (32, 3), (32, 3)]
+    assert conversions.hf_shapes(families.C_ATTN, spec, (128, 64)) == [(64, 128)]

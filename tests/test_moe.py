@@ -47,7 +47,8 @@ EXPERTS_CHILD = '''
 import sys, torch, torch.distributed as dist
 from megatron.core import parallel_state as ps
 from ckpt_tools.spec import ModelSpec
-from trainer.model import MLP, megatron_config
+from trainer.layers import megatron_config
+from trainer.model import MLP
 from trainer.moe import Experts
 dist.init_process_group("gloo")
 ps.initialize_model_parallel(tensor_model_parallel_size=2)

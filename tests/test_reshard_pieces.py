@@ -17,7 +17,7 @@ from ckpt_tools.ranks import Rank
 from ckpt_tools.reshard import reshard
 from ckpt_tools.shards import OPTIMIZER, OPTIMIZER_FIELDS, open_checked
 from ckpt_tools.spec import ModelSpec
-from ckpt_tools.target import Target, _finish
+from ckpt_tools.target import Target, finish
 from ckpt_tools.writers import TorchFileWriter
 
 TPS = (1, 2, 4, 8)
@@ -109,7 +109,7 @@ def write_source(save, spec: ModelSpec, tp: int, pp: int, padded: int) -> None:
             target.put_state(key, "step", torch.tensor(3.0))
         target.end_stage({"param_groups": [{"lr": 1e-3}], "scheduler": {"iteration": 3}, "scaler": None})
     meta = fmt.build_meta(spec, tp, counts, padded, 3, 24, "bfloat16", 1, {}, {}, {"op": "test"})
-    _finish(save, 3, target, meta, None)
+    finish(save, 3, target, meta, None)
 
 
 def reshard_by_join(src, out, tp: int, pp: int) -> dict:

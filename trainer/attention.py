@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_tools.spec import ModelSpec
-from trainer.layers import (AcrossHeadsRMSNorm, RowParallelLinear, _no_init, _norm, _tp_group)
+from trainer.layers import AcrossHeadsRMSNorm, RowParallelLinear, make_norm, no_init, tp_group
 
 
 ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -71,17 +71,17 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(spec, config, tp_size) if spec.softmax_type == "learnable" else None
         # Registration order = megatron-core's state-dict order: linear_proj before linear_qkv.
         self.linear_proj = RowParallelLinear(
-            spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
+            spec.num_attention_heads * spec.kv_channels, spec.hidden_size, config=config, tp_group=tp_group(), init_method=no_init,
             bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
         self.linear_qkv = tensor_parallel.ColumnParallelLinear(
-            spec.hidden_size, qkv_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.qkv_bias,
+            spec.hidden_size, qkv_rows, config=config, tp_group=tp_group(), init_method=no_init, bias=spec.qkv_bias,
             gather_output=False)
         if spec.qk_norm_across_heads:  # OLMoE: this rank's slice of norms over every head
             self.q_layernorm = AcrossHeadsRMSNorm(spec, config, spec.num_attention_heads * spec.kv_channels, tp_size)
             self.k_layernorm = AcrossHeadsRMSNorm(spec, config, spec.num_query_groups * spec.kv_channels, tp_size)
         elif spec.qk_layernorm:  # megatron-core's order: after linear_qkv
-            self.q_layernorm = _norm(spec, config, spec.kv_channels)
-            self.k_layernorm = _norm(spec, config, spec.kv_channels)
+            self.q_layernorm = make_norm(spec, config, spec.kv_channels)
+            self.k_layernorm = make_norm(spec, config, spec.kv_channels)
 
     def rotate(self, t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on each head's first dims (all of them, or rotary_percent's share: megatron-core's and transformers'

@@ -23,7 +23,8 @@ from ckpt_tools import io, layout, shard_ops
 from ckpt_tools.errors import CkptError
 from ckpt_tools.ranks import Rank
 from ckpt_tools.shards import Reader, open_checkpoint
-from trainer.model import GPTStage, megatron_config
+from trainer.layers import megatron_config
+from trainer.model import GPTStage
 
 
 def build_from_checkpoint(shards: Reader, tp_size: int, counts: list[int], device: torch.device,

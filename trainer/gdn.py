@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from ckpt_tools.spec import ModelSpec
-from trainer.layers import RowParallelLinear, _no_init, _norm, _tp_group
+from trainer.layers import RowParallelLinear, no_init, make_norm, tp_group
 
 
 class GatedDeltaNet(nn.Module):
@@ -30,15 +30,15 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = spec.linear_key_head_dim, spec.linear_value_head_dim
         qk, v = spec.linear_num_key_heads * self.dk, spec.linear_num_value_heads * self.dv
         self.in_proj = tensor_parallel.ColumnParallelLinear(
-            spec.hidden_size, 2 * qk + 2 * v + 2 * spec.linear_num_value_heads, config=config, tp_group=_tp_group(),
-            init_method=_no_init, bias=False, gather_output=False)
+            spec.hidden_size, 2 * qk + 2 * v + 2 * spec.linear_num_value_heads, config=config, tp_group=tp_group(),
+            init_method=no_init, bias=False, gather_output=False)
         channels = (2 * qk + v) // tp_size
         self.conv1d = nn.Conv1d(channels, channels, spec.linear_conv_kernel_dim, groups=channels,
                                 padding=spec.linear_conv_kernel_dim - 1, bias=False, dtype=config.params_dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.value_heads, dtype=config.params_dtype))
         self.A_log = nn.Parameter(torch.empty(self.value_heads, dtype=config.params_dtype))
-        self.out_norm = _norm(spec, config, self.dv)  # each rank's heads: its gradient summed over TP
-        self.out_proj = RowParallelLinear(v, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
+        self.out_norm = make_norm(spec, config, self.dv)  # each rank's heads: its gradient summed over TP
+        self.out_proj = RowParallelLinear(v, spec.hidden_size, config=config, tp_group=tp_group(), init_method=no_init,
                                           bias=False, input_is_parallel=True, skip_bias_add=False)
 
     def forward(self, x: torch.Tensor, rope=None, selective: bool = False) -> torch.Tensor:

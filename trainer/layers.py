@@ -35,7 +35,7 @@ def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dt
     )
 
 
-def _norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None, partial: bool | None = None) -> nn.Module:
+def make_norm(spec: ModelSpec, config: TransformerConfig, size: int | None = None, partial: bool | None = None) -> nn.Module:
     """A norm in the weights' dtype (over `size`, default hidden); under sequence parallelism it sees 1/TP of
     the sequence, so its parameters are marked as megatron-core marks them, for the TP all-reduce of their
     gradients. A per-head q/k norm sees its own heads whole: its gradients are per rank, not reduced. `partial`
@@ -87,7 +87,7 @@ class AcrossHeadsRMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
 
 
-def _tp_group():
+def tp_group():
     """The TP group, passed explicitly: megatron-core warns (and torch.compile breaks its graph) on
     every call of a layer built without one."""
     return ps.get_tensor_model_parallel_group() if ps.is_initialized() else None
@@ -102,7 +102,7 @@ class RowParallelLinear(tensor_parallel.RowParallelLinear):
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-def _no_init(weight: torch.Tensor) -> None:
+def no_init(weight: torch.Tensor) -> None:
     """Weights are set from full tensors by `initialize` (TP/PP-invariant), not by the layers."""
 
 
@@ -112,7 +112,7 @@ class Embedding(nn.Module):
     def __init__(self, spec: ModelSpec, config: TransformerConfig, padded_vocab: int):
         super().__init__()
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            padded_vocab, spec.hidden_size, init_method=_no_init, config=config, tp_group=_tp_group())
+            padded_vocab, spec.hidden_size, init_method=no_init, config=config, tp_group=tp_group())
         self.sequence_parallel = config.sequence_parallel
         self.scale = spec.hidden_size ** 0.5 if spec.scale_embeddings else None  # Gemma: in the weights' dtype
         self.position_embeddings = None

@@ -13,10 +13,11 @@ from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_tools.spec import ModelSpec
-from trainer.model import ATTENTION_BACKENDS, RowParallelLinear, _no_init, _norm, _tp_group, apply_rope, yarn_mscale
+from trainer.attention import ATTENTION_BACKENDS, apply_rope
+from trainer.layers import RowParallelLinear, make_norm, no_init, tp_group, yarn_mscale
 
 
-class _GatherLastDim(torch.autograd.Function):
+class GatherLastDim(torch.autograd.Function):
     """megatron-core's gather_output of a column-parallel layer (every TP rank the whole output; backward each rank's
     own columns of the gradient, which the next column-parallel layer has already summed over TP), on any device."""
 
@@ -49,12 +50,12 @@ class MLASelfAttention(nn.Module):
         self.scale = mscale * mscale / math.sqrt(q_head)
 
         def column(rows_in: int, rows_out: int) -> nn.Module:
-            return tensor_parallel.ColumnParallelLinear(rows_in, rows_out, config=config, tp_group=_tp_group(),
-                                                        init_method=_no_init, bias=False, gather_output=False)
+            return tensor_parallel.ColumnParallelLinear(rows_in, rows_out, config=config, tp_group=tp_group(),
+                                                        init_method=no_init, bias=False, gather_output=False)
         self.tp_size = tp_size
         # Registration order = megatron-core's state-dict order.
-        self.linear_proj = RowParallelLinear(n * spec.v_head_dim, h, config=config, tp_group=_tp_group(),
-                                             init_method=_no_init, bias=False, input_is_parallel=True,
+        self.linear_proj = RowParallelLinear(n * spec.v_head_dim, h, config=config, tp_group=tp_group(),
+                                             init_method=no_init, bias=False, input_is_parallel=True,
                                              skip_bias_add=False)
         if spec.q_lora_rank is None:
             self.linear_q_proj = column(h, n * q_head)
@@ -64,12 +65,12 @@ class MLASelfAttention(nn.Module):
         self.linear_kv_down_proj = column(h, spec.kv_lora_rank + spec.qk_pos_emb_head_dim)
         self.linear_kv_up_proj = column(spec.kv_lora_rank, n * (spec.qk_head_dim + spec.v_head_dim))
         if spec.q_lora_rank is not None:
-            self.q_layernorm = _norm(spec, config, spec.q_lora_rank, partial=False)
-        self.kv_layernorm = _norm(spec, config, spec.kv_lora_rank, partial=False)
+            self.q_layernorm = make_norm(spec, config, spec.q_lora_rank, partial=False)
+        self.kv_layernorm = make_norm(spec, config, spec.kv_lora_rank, partial=False)
 
     def _gathered(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y, _ = layer(x)
-        return y if self.tp_size == 1 else _GatherLastDim.apply(y, layer.tp_group)
+        return y if self.tp_size == 1 else GatherLastDim.apply(y, layer.tp_group)
 
     def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -21,11 +21,8 @@ from ckpt_tools import layout, shard_ops
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
 from trainer import mcore_moe
-from trainer.attention import (ATTENTION_BACKENDS, CoreAttention, SelfAttention, apply_rope,  # noqa: F401
-                               eager_attention)
-from trainer.layers import (AcrossHeadsRMSNorm, Embedding, RowParallelLinear, ZeroCenteredRMSNorm,  # noqa: F401
-                            _no_init, _norm, _tp_group, llama3_scaling, megatron_config, rope_tables, yarn_mscale,
-                            yarn_scaling)
+from trainer.attention import SelfAttention
+from trainer.layers import Embedding, RowParallelLinear, make_norm, no_init, rope_tables, tp_group
 from trainer.moe import MoE
 
 
@@ -48,10 +45,10 @@ class MLP(nn.Module):
         self.squared = spec.activation == "squared_relu"
         fc1_rows = width * (2 if self.gated else 1)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
-            spec.hidden_size, fc1_rows, config=config, tp_group=_tp_group(), init_method=_no_init, bias=spec.add_bias_linear,
+            spec.hidden_size, fc1_rows, config=config, tp_group=tp_group(), init_method=no_init, bias=spec.add_bias_linear,
             gather_output=False)
         self.linear_fc2 = RowParallelLinear(
-            width, spec.hidden_size, config=config, tp_group=_tp_group(), init_method=_no_init,
+            width, spec.hidden_size, config=config, tp_group=tp_group(), init_method=no_init,
             bias=spec.add_bias_linear, input_is_parallel=True, skip_bias_add=False)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +76,7 @@ class TransformerLayer(nn.Module):
                  moe_layer: str = "ours", index: int = 0):
         """`index`: the layer's global number (the layer pattern says whether its MLP is an MoE layer)."""
         super().__init__()
-        self.input_layernorm = _norm(spec, config)
+        self.input_layernorm = make_norm(spec, config)
         if spec.multi_latent_attention:
             from trainer.mla import MLASelfAttention  # it builds on this module's layers
             self.self_attention = MLASelfAttention(spec, config, tp_size)
@@ -88,7 +85,7 @@ class TransformerLayer(nn.Module):
             self.self_attention = GatedDeltaNet(spec, config, tp_size)
         else:
             self.self_attention = SelfAttention(spec, config, tp_size, index)
-        self.pre_mlp_layernorm = _norm(spec, config)
+        self.pre_mlp_layernorm = make_norm(spec, config)
         if not spec.moe_layer(index):
             self.mlp = MLP(spec, config)
         elif moe_layer == "megatron_core":  # megatron-core's MoELayer itself (trainer/mcore_moe.py)
@@ -111,13 +108,13 @@ class HybridLayer(nn.Module):
         self.symbol = spec.layer_symbols(index)
         if self.symbol == "M":
             from trainer.mamba import MambaMixer
-            self.norm = _norm(spec, config)
-            self.mixer = MambaMixer(spec, config, tp_size, _tp_group(), _no_init)
+            self.norm = make_norm(spec, config)
+            self.mixer = MambaMixer(spec, config, tp_size, tp_group(), no_init)
         elif self.symbol == "*":
-            self.input_layernorm = _norm(spec, config)
+            self.input_layernorm = make_norm(spec, config)
             self.self_attention = SelfAttention(spec, config, tp_size, index)
         else:
-            self.pre_mlp_layernorm = _norm(spec, config)
+            self.pre_mlp_layernorm = make_norm(spec, config)
             self.mlp = MLP(spec, config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -136,7 +133,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(
             HybridLayer(spec, config, tp_size, first + i) if spec.hybrid else
             TransformerLayer(spec, config, tp_size, ep, moe_layer, first + i) for i in range(num_layers))
-        self.final_layernorm = _norm(spec, config) if post_process else None
+        self.final_layernorm = make_norm(spec, config) if post_process else None
 
 
 def ready(module: nn.Module) -> None:
@@ -183,7 +180,7 @@ class GPTStage(nn.Module):
             self.mtp = MTPBlock(spec, config, tp_size, ep, moe_layer)
         if self.post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                spec.hidden_size, padded_vocab, config=config, tp_group=_tp_group(), init_method=_no_init, bias=False,
+                spec.hidden_size, padded_vocab, config=config, tp_group=tp_group(), init_method=no_init, bias=False,
                 gather_output=False, skip_weight_param_allocation=self.share_weight)
 
     def units(self) -> list[nn.Module]:

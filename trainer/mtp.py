@@ -16,8 +16,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from ckpt_tools.spec import ModelSpec
-from trainer.mla import _GatherLastDim
-from trainer.model import TransformerLayer, _no_init, _norm, _tp_group
+from trainer.mla import GatherLastDim
+from trainer.layers import make_norm, no_init, tp_group
+from trainer.model import TransformerLayer
 
 
 class MTPLayer(nn.Module):
@@ -25,18 +26,18 @@ class MTPLayer(nn.Module):
         super().__init__()
         h = spec.hidden_size
         # Registration order = megatron-core's state-dict order.
-        self.enorm = _norm(spec, config)
-        self.hnorm = _norm(spec, config)
-        self.eh_proj = tensor_parallel.ColumnParallelLinear(2 * h, h, config=config, tp_group=_tp_group(),
-                                                            init_method=_no_init, bias=False, gather_output=False)
+        self.enorm = make_norm(spec, config)
+        self.hnorm = make_norm(spec, config)
+        self.eh_proj = tensor_parallel.ColumnParallelLinear(2 * h, h, config=config, tp_group=tp_group(),
+                                                            init_method=no_init, bias=False, gather_output=False)
         self.transformer_layer = TransformerLayer(spec, config, tp_size, ep, moe_layer, spec.num_layers - 1)
-        self.final_layernorm = _norm(spec, config)
+        self.final_layernorm = make_norm(spec, config)
         self.tp_size = tp_size
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, selective: bool = False) -> torch.Tensor:
         x, _ = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
         if self.tp_size > 1:
-            x = _GatherLastDim.apply(x, self.eh_proj.tp_group)
+            x = GatherLastDim.apply(x, self.eh_proj.tp_group)
         return self.final_layernorm(self.transformer_layer(x, rope, selective))
 
 

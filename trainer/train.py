@@ -28,7 +28,8 @@ from ckpt_tools.errors import CkptError, ConfigError
 from trainer import checkpoint, data, graphs, mcore_moe, wgrad
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
-from trainer.model import GPTStage, initialize, megatron_config
+from trainer.layers import megatron_config
+from trainer.model import GPTStage, initialize
 from trainer.moe import AuxLoss, MoE
 from trainer.mtp import mtp_loss
 from trainer.optim import MasterAdamW, lr_at, make_optimizer

@@ -223,7 +223,7 @@ class Family:
     grouped_routing: bool = False  # its router may limit the choice to the best groups and scale the chosen weights
     partial_rotary: bool = False  # its rotary embedding may turn only the first part of each head (rotary_percent)
     dense_first: bool = False  # an MoE family whose first layers may be dense (first_k_dense_replace)
-    fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; hf.fp8_quantized)
+    fp8_blocks: bool = False  # its HF weights may be block-scaled FP8 (DeepSeek-V3's layout; fp8.fp8_quantized)
     mxfp4: tuple[str, ...] = ()  # the endings of the HF names its checkpoints may hold in MXFP4 (ckpt_tools.mxfp4)
     mxfp4_unconverted: tuple[str, ...] = ()  # its MXFP4 quantization_config's modules_to_not_convert
     windows: bool = False  # its layers may attend by a sliding window (ModelSpec.sliding_window)

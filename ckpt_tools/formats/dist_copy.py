@@ -14,7 +14,7 @@ and torch_dist files with --no-optimizer). `reshard` returns None, having writte
 source declines (the torch path then words what is wrong). Output files, their chunks' values, args and common.pt
 hold what the torch path writes for the same target; tests/test_megatron_write.py loads both with megatron-core.
 
-`import_hf` does the same for an HF model: the rows of a megatron-core tensor that one HF tensor holds (hf.hf_rows:
+`import_hf` does the same for an HF model: the rows of a megatron-core tensor that one HF tensor holds (conversions.hf_rows:
 q, k and v rows per query group, gate and up halves, the true vocab's rows) are one chunk each, copied from the
 safetensors file; a row-parallel tensor is one run of whole rows per target TP rank (byte ranges too: its columns
 would have to be gathered in memory), which Megatron-LM loads at any TP and ByteSource takes as the whole tensor;
@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import checkpoint, hf, hf_tensors, io, layout, megatron_lm, output, shard_ops, to_megatron
+from ckpt_tools import families
+from ckpt_tools import checkpoint, conversions, hf, hf_tensors, io, layout, megatron_lm, output, shard_ops, to_megatron
 from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, field_shards
 from ckpt_tools.errors import CkptError
 from ckpt_tools.formats import legacy_copy
@@ -237,7 +238,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
               quiet: bool = False, team: Team = SOLO) -> str | None:
     """verbs.import_hf(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
-    holds (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
+    holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
     from the safetensors file. None, having written nothing, where the torch path must do it: weights in another
     dtype than asked for, transposed kinds (GPT-2), names or shapes that disagree with config.json (the torch
     path words that), anything unreadable."""
@@ -280,12 +281,12 @@ def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
     if any(not _same_bytes(index[a], index[b]) for a, b in copies.items()):
         return None  # the torch path refuses it, naming both
     extra = set(index) - wanted - set(copies) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
-    if extra or wanted - set(index) or any(row.kind in hf.TRANSPOSED + hf.ARITHMETIC for row, _ in rows.values()):
+    if extra or wanted - set(index) or any(row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC for row, _ in rows.values()):
         return None
     params = dtype or index[rows["embedding.word_embeddings.weight"][1][0]][1]
     planning_pad = spec.padded_vocab_size(1)  # HF shapes do not depend on the padding
     for key, (row, names) in rows.items():
-        shapes = hf.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
+        shapes = conversions.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
         if any(index[n][1] != params or index[n][2] != s for n, s in zip(names, shapes)):
             return None
     return spec, index, rows, params
@@ -359,7 +360,7 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
             if lo < hi:
                 stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
                 writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
-    for name, runs in zip(names, hf.hf_rows(row.kind, spec, full[0])):
+    for name, runs in zip(names, conversions.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
             fds[path] = os.open(path, os.O_RDONLY)
@@ -369,7 +370,7 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
             start = offset + taken * row_bytes
             put(a, b, lambda i, j, start=start: [(fds[path], start + i * row_bytes, (j - i) * row_bytes)])
             taken += b - a
-    if row.kind == hf.VOCAB and padded > spec.vocab_size:
+    if row.kind == families.VOCAB and padded > spec.vocab_size:
         dtype = index[names[0]][1]
         row_bytes = full[1] * ELEMENT_SIZES[dtype]
         put(spec.vocab_size, padded, lambda i, j: bytes((j - i) * row_bytes))

@@ -22,7 +22,8 @@ from ckpt_tools import layout, megatron_lm
 from ckpt_tools.errors import ConfigError, LayoutError
 from ckpt_tools.formats.megatron_resume import ResumeState, decayed
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION, DistWriter
-from ckpt_tools.formats.torch_dist import FSDP_HALVES, Placed, dcp_candidates
+from ckpt_tools.formats.torch_dist import FSDP_HALVES
+from ckpt_tools.formats.torch_dist_names import Placed, dcp_candidates
 from ckpt_tools.ranks import Rank
 from ckpt_tools.rules import GATED
 

@@ -11,7 +11,7 @@ model dict naming its tensors by record) last: torch.load finds records by name.
 optimizer state is not written by this version (to_megatron.check_optimizer_form).
 
 An HF model is read as a TP 1 source (`hf_source`): each megatron-core tensor's rows are row ranges of the HF
-tensors that hold them (hf.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows).
+tensors that hold them (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows).
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ import math
 import os
 from pathlib import Path
 
-from ckpt_tools import io, layout, megatron_lm, output, shard_ops, torchsave
-from ckpt_tools import hf
+from ckpt_tools import conversions, io, layout, megatron_lm, output, shard_ops, torchsave
 from ckpt_tools.byte_ranges import ByteSource, Shard
 from ckpt_tools.checkpoint import Meta, file_record
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
@@ -143,7 +142,7 @@ def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
     for key, (row, names) in rows.items():
         full_rows = layout.full_shape(key, spec, spec.vocab_size)[0]
         parts = []
-        for name, runs in zip(names, hf.hf_rows(row.kind, spec, full_rows)):
+        for name, runs in zip(names, conversions.hf_rows(row.kind, spec, full_rows)):
             path, dtype, shape, offset, _ = index[name]
             row_bytes = ELEMENT_SIZES[dtype] * math.prod(shape[1:])
             at = 0  # rows of the HF tensor taken so far

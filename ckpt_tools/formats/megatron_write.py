@@ -28,7 +28,7 @@ from pathlib import Path
 from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
-from ckpt_tools.formats.torch_dist import Placed, part_of, stored_candidates, te_alias
+from ckpt_tools.formats.torch_dist_names import Placed, part_of, stored_candidates, te_alias
 from ckpt_tools.formats.torch_dist_names import te_norm_extra
 from ckpt_tools.ranks import TP, Rank
 from ckpt_tools.spec import ModelSpec

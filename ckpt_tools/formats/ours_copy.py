@@ -1,7 +1,7 @@
 """`ckpt import HF OUT` into our format without torch: each rank's `pytorch_model_tp_X_pp_Y.bin` written as
 torch.save lays it out (`{"model": {local key: tensor}}`), its tensors' bytes copied from the safetensors files
 (formats/legacy_copy.py's rank writer over the HF tensors as a TP 1 source: each megatron-core tensor's rows are row
-ranges of the HF tensors, hf.hf_rows); the fresh optimizer recorded in meta.json, not written (contract 2);
+ranges of the HF tensors, conversions.hf_rows); the fresh optimizer recorded in meta.json, not written (contract 2);
 meta.json, the carried HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch
 path's, bit for bit.
 

@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tools import hybrid, io, layout, megatron_args, megatron_lm, shard_ops
+from ckpt_tools import hybrid, io, layout, megatron_lm, megatron_spec, shard_ops
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.formats import dcp
@@ -58,8 +58,7 @@ _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.(?P
 
 
 # how megatron-core's sharded state dict names and stacks each layout-table key: formats/torch_dist_names.py
-from ckpt_tools.formats.torch_dist_names import (DCP_COMMON, DCP_MODEL, Lead, Placed, _LAYERS,  # noqa: E402,F401
-                                                 dcp_candidates, lead_shape, part_names, part_of, stacked_key,
+from ckpt_tools.formats.torch_dist_names import (DCP_MODEL, Placed, dcp_candidates, part_names,  # noqa: E402
                                                  stored_candidates, te_alias)
 
 
@@ -114,7 +113,7 @@ class DistCheckpoint:
         else:
             common_path, common = read_common(iter_dir, index, load, load_embedded)
         args = megatron_lm.args_of(common_path, common)
-        spec, tp, pp, counts = megatron_args.layout_of(common_path, args, vocab_size)
+        spec, tp, pp, counts = megatron_spec.layout_of(common_path, args, vocab_size)
         if source == megatron_lm.TORCH_DCP and (tp, pp) != (1, 1):
             raise FormatError(f"{common_path}: a torch_dcp checkpoint whose args say TP {tp} x PP {pp}: Megatron-LM saves "
                               f"torch_dcp (FSDP2) at TP = PP = 1 only; the args are damaged, restore the checkpoint")
@@ -136,7 +135,7 @@ class DistCheckpoint:
         ckpt = cls(meta, index, common, common_path)
         if ckpt.optimizer_form == BUCKETS:  # an interleaved pipeline's buckets: per model chunk, even splits only
             try:
-                ckpt.vpp, ckpt.virtual_counts = megatron_args.virtual_stages(common_path, args, counts)
+                ckpt.vpp, ckpt.virtual_counts = megatron_spec.virtual_stages(common_path, args, counts)
             except ConfigError:
                 ckpt.optimizer_form = None  # named, not carried (unread_optimizer); the weights read as they are
         if ckpt.optimizer_form == BUCKETS and spec.hybrid:

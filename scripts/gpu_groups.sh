@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The gpu-marked tests in groups, each one command on a 2-GPU machine (the device's 10-minute limit per command):
+#
+#   bash scripts/gpu_groups.sh                # every group, one after another, a log and a time per group
+#   bash scripts/gpu_groups.sh train graphs   # the groups named
+#   bash scripts/gpu_groups.sh --collect      # each group's test ids, no run (any machine: "<group> <id>" lines)
+#
+# Groups (docs/gpu.md lists their times as measured):
+#   forward  megatron-core's GPTModel and `ckpt verify` against the trainer's forward (tests/test_gpu.py)
+#   train    the trainer's parallel features and kernels: SP, DP buckets, the Triton AdamW, MoE and EP (tests/test_gpu.py)
+#   graphs   CUDA graphs and the GEMM-fused gradient accumulation; the trainer on megatron-core 0.19
+#            (tests/test_gpu_graphs.py, tests/test_trainer_newest.py; 0.19 where MCORE_NEWEST names its install)
+#   resume   megatron-core and Megatron-FSDP resume from what `ckpt` writes (tests/test_gpu.py, test_megatron_fsdp_dtensor.py)
+#   te       Transformer Engine models load what `ckpt` writes (tests/test_megatron_lm_saves.py; skipped without TE_SITE)
+# Set-up first (docs/gpu.md): megatron-core on PYTHONPATH, e.g. pip install --target /tmp/site .whl/*.whl.
+# Logs go to ${OUT:-runs/gpu}/<group>.log; a group's exit status is its pytest's.
+set -uo pipefail
+out="${OUT:-runs/gpu}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+declare -A SETS=(
+  [forward]="tests/test_gpu.py -k forward_equals_trainer_or_verify_on_gpus_or_agrees_with_trainer"
+  [train]="tests/test_gpu.py -k sequence_parallel_or_gradient_buckets_or_triton_or_moe_or_grouped_expert"
+  [graphs]="tests/test_gpu_graphs.py tests/test_trainer_newest.py"
+  [resume]="tests/test_gpu.py tests/test_megatron_fsdp_dtensor.py -k resumes_or_loads_what_ckpt_writes"
+  [te]="tests/test_megatron_lm_saves.py -k transformer_engine"
+)
+ORDER=(forward train graphs resume te)
+collect=0; [ "${1:-}" = "--collect" ] && { collect=1; shift; }
+names=("$@"); [ ${#names[@]} -gt 0 ] || names=("${ORDER[@]}")
+status=0
+for g in "${names[@]}"; do
+  [ -n "${SETS[$g]:-}" ] || { echo "unknown group $g: one of ${ORDER[*]}" >&2; exit 2; }
+  read -r -a args <<< "${SETS[$g]}"
+  for i in "${!args[@]}"; do [ "${args[$i]}" = "-k" ] && args[$((i + 1))]="${args[$((i + 1))]//_or_/ or }"; done
+  if [ $collect -eq 1 ]; then
+    python3 -m pytest -q --collect-only -m gpu "${args[@]}" 2>/dev/null | grep "::" | sed "s/^/$g /"
+    continue
+  fi
+  start=$(date +%s)
+  python3 -m pytest -q -m gpu "${args[@]}" -s --durations=10 > "$out/$g.log" 2>&1; rc=$?
+  echo "$g: $(tail -n 1 "$out/$g.log") ($(( $(date +%s) - start )) s)" | tee -a "$out/groups.txt"
+  [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
+done
+exit $status
