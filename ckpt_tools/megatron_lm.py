@@ -14,7 +14,7 @@ names.py), `iteration`, `checkpoint_version`, `rng_state`, `optimizer`, `opt_par
 formats/megatron_torch.py reads the tensors later. Argument names are
 Megatron-LM's; two were renamed when the arguments became generated from TransformerConfig
 (norm_epsilon -> layernorm_epsilon, apply_layernorm_1p -> layernorm_zero_centered_gamma), and
-older Namespaces lack newer arguments, so every lookup has a default (megatron_args.py maps them to a
+older Namespaces lack newer arguments, so every lookup has a default (megatron_spec.py maps them to a
 ModelSpec).
 """
 from __future__ import annotations

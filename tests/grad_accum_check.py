@@ -29,7 +29,8 @@ def flat_grad(stage, cfg, device, tokens):
 
 def main(out: str) -> None:
     warnings.filterwarnings("ignore")
-    base = ["tp_degree=1", "pp_degree=1", f"num_micro_batches={MICRO_BATCHES}", "micro_batch_size=1"]
+    base = ["tp_degree=1", "pp_degree=1", f"num_micro_batches={MICRO_BATCHES}", "micro_batch_size=1",
+            "gradient_accumulation_fusion=false", "cuda_graphs=false"]  # what is checked: the unfused accumulation
     config = "fixtures/configs/tiny_llama.yaml"
     on = load_config(config, base + ["dtype=bf16", "accumulate_allreduce_grads_in_fp32=true"])
     off = load_config(config, base + ["dtype=bf16", "accumulate_allreduce_grads_in_fp32=false"])

@@ -29,7 +29,7 @@ MICRO_BATCHES = 2
 def main(out: str, dtype: str) -> None:
     warnings.filterwarnings("ignore")
     base = ["tp_degree=1", "pp_degree=1", f"num_micro_batches={MICRO_BATCHES}", "micro_batch_size=1",
-            f"dtype={dtype}", "ddp_bucket_size=3000"]
+            f"dtype={dtype}", "ddp_bucket_size=3000", "gradient_accumulation_fusion=false", "cuda_graphs=false"]
     config = "fixtures/configs/tiny_llama.yaml"
     cfgs = {(distributed, overlap): load_config(config, base + [f"use_distributed_optimizer={str(distributed).lower()}",
                                                                 f"overlap_grad_reduce={str(overlap).lower()}"])

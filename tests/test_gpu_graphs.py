@@ -17,9 +17,10 @@ def _needs_gpus(n: int):
 
 
 def _exact(a: list[dict], b: list[dict]) -> None:
-    """`a` ran its layers as graphs (all of them: these models have no MoE or mixer layers), `b` eagerly; the same
-    losses and grad norms."""
+    """`a` ran its layers as graphs (all 4 of them, these models have no MoE or mixer layers: replayed in each of the
+    2 micro-batches of every step), `b` eagerly; the same losses and grad norms."""
     assert a[0]["graphed_layers"] == 4 and b[0]["graphed_layers"] == 0, (a[0], b[0])
+    assert a[-1]["graph_replays"] == 4 * 2 * a[-1]["iteration"] and b[-1]["graph_replays"] == 0, (a[-1], b[-1])
     assert [(m["loss"], m["grad_norm"]) for m in a] == [(m["loss"], m["grad_norm"]) for m in b], (a, b)
 
 
@@ -94,5 +95,5 @@ def test_compiled_layers_train_the_eager_curve(tmp_path):
     compiled = train("tiny_llama.yaml", tmp_path / "compiled", 1, compile=True, **common)
     eager = train("tiny_llama.yaml", tmp_path / "eager", 1, **common)
     print(f"\ncompiled {[m['loss'] for m in compiled]}\neager    {[m['loss'] for m in eager]}")
-    assert compiled[0]["graphed_layers"] == 4
+    assert compiled[0]["graphed_layers"] == 4 and compiled[-1]["graph_replays"] == 4 * 2 * 5
     assert_same_curve(eager, compiled, 1e-5)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainer import wgrad
 from trainer.layers import rope_tables
 
 
@@ -68,8 +69,9 @@ def plan(stage: nn.Module, enabled: bool, device: torch.device, pp_size: int,
 
 def capture(stage: nn.Module, indices: list[int], shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Capture the stage's layers `indices` for inputs of `shape` [s, b, h] and `dtype`; the stage's forward replays
-    them while training (`stage.graphed`: local index -> graphed layer). Call once the optimizer has made the
-    weights views of its buffers (the graphs read and write those addresses)."""
+    them while training (`stage.graphed`: local index -> graphed layer). The graphs read and write the weights' and
+    their gradient buffer's addresses: the trainer's Stepper captures before the first step and again after a new
+    optimizer has moved them."""
     if not indices:
         return
     device = next(stage.parameters()).device
@@ -80,5 +82,7 @@ def capture(stage: nn.Module, indices: list[int], shape: tuple[int, ...], dtype:
     layers = tuple(_Layer(stage.decoder.layers[i], rope) for i in indices)
     samples = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True),) for _ in indices)
     graphed = torch.cuda.make_graphed_callables(layers, samples)
+    for i in indices:
+        wgrad.mark_captured(stage.decoder.layers[i])
     stage.graphed = dict(zip(indices, graphed))
     stage.graphed_shape = (tuple(shape), dtype)

@@ -16,10 +16,9 @@ from ckpt_tools.spec import ModelSpec
 
 
 def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool,
-                    sequence_parallel: bool = False, moe_aux_loss_coeff: float = 0.0,
-                    wgrad_fusion: bool = False) -> TransformerConfig:
-    """The megatron-core config its parallel layers read (we initialize the weights ourselves). `wgrad_fusion`: the
-    linear layers add their weight gradients into the optimizer's buffer in the GEMM (trainer/wgrad.py)."""
+                    sequence_parallel: bool = False, moe_aux_loss_coeff: float = 0.0) -> TransformerConfig:
+    """The megatron-core config its parallel layers read (we initialize the weights ourselves). The linear layers'
+    `gradient_accumulation_fusion` is turned on per layer by the optimizer (trainer/wgrad.py)."""
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
@@ -29,7 +28,7 @@ def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dt
         use_cpu_initialization=on_cpu, perform_initialization=False,
         normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias, qk_layernorm=spec.qk_layernorm,
-        layernorm_epsilon=spec.norm_epsilon, gradient_accumulation_fusion=wgrad_fusion,
+        layernorm_epsilon=spec.norm_epsilon, gradient_accumulation_fusion=False,
         sequence_parallel=sequence_parallel,
         moe_aux_loss_coeff=moe_aux_loss_coeff,
     )

@@ -172,6 +172,7 @@ class GPTStage(nn.Module):
         # inputs of the captured shape and dtype
         self.graphed: dict[int, nn.Module] = {}
         self.graphed_shape: tuple | None = None
+        self.graph_replays = 0
         if self.post_process and spec.mtp_num_layers:  # megatron-core's MTP block, between decoder and output layer
             if not self.pre_process:
                 raise ConfigError("multi-token prediction layers need the embedding on the last pipeline stage, which "
@@ -206,6 +207,7 @@ class GPTStage(nn.Module):
             self.params_ready(layer)
             if i in replay:
                 x = replay[i](x)
+                self.graph_replays += 1
             elif mode == "full":
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:

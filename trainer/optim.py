@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ckpt_tools import layout
-from trainer import model
+from trainer import model, wgrad
 from trainer.config import TrainConfig
 from trainer.model import GPTStage
 
@@ -89,11 +89,9 @@ def _adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
 def _into_main_grad(p: torch.nn.Parameter) -> None:
     """Autograd's hook: move this backward's gradient into the flat buffer and tell the bucket. A weight whose GEMM
     has added its gradient into the buffer already (trainer/wgrad.py) hands autograd a placeholder: dropped."""
-    if getattr(p, "fused_wgrad", False):
-        p.grad = None
-        p.grad_arrived()
-    elif p.grad is not None:
-        p.main_grad.add_(p.grad)
+    if p.grad is not None:
+        if not wgrad.fused(p):
+            p.main_grad.add_(p.grad)
         p.grad = None
         p.grad_arrived()
 
@@ -397,4 +395,9 @@ class MasterAdamW:
 
 
 def make_optimizer(stage: GPTStage, cfg: TrainConfig) -> MasterAdamW:
-    return MasterAdamW(stage, cfg, ps.get_data_parallel_group(), distributed=cfg.use_distributed_optimizer)
+    """The optimizer of the stage; on GPUs its linear layers then add their weight gradients into its buffer inside
+    their GEMM (`gradient_accumulation_fusion`, trainer/wgrad.py)."""
+    opt = MasterAdamW(stage, cfg, ps.get_data_parallel_group(), distributed=cfg.use_distributed_optimizer)
+    if cfg.gradient_accumulation_fusion and opt.params[0].device.type == "cuda":
+        wgrad.enable(stage, compiled=cfg.compile)
+    return opt

@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import layout
 from ckpt_tools.errors import CkptError, ConfigError
-from trainer import checkpoint, data, graphs, mcore_moe, wgrad
+from trainer import checkpoint, data, graphs, mcore_moe
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss
 from trainer.layers import megatron_config
@@ -70,12 +70,8 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
         explicit = resume.layer_counts
     counts = layout.layers_per_stage(spec.num_layers, cfg.pp_degree, explicit)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    fusion = cfg.gradient_accumulation_fusion and wgrad.available(device)
-    if fusion:
-        wgrad.install()
     mcfg = megatron_config(spec, cfg.tp_degree, cfg.pp_degree, dtype, on_cpu=device.type == "cpu",
-                           sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                           wgrad_fusion=fusion)
+                           sequence_parallel=cfg.sequence_parallelism, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
     ep = (ps.get_expert_model_parallel_rank(), cfg.ep_degree) if cfg.ep_degree > 1 else None
     stage = GPTStage(spec, mcfg, tp_size=cfg.tp_degree, pp_rank=ps.get_pipeline_model_parallel_rank(),
                      layer_counts=counts, padded_vocab=padded, recompute=cfg.recompute, ep=ep,
@@ -84,20 +80,18 @@ def build_stage(cfg: TrainConfig, vocab_size: int, device: torch.device, resume:
     if cfg.compile:
         for layer in stage.decoder.layers:
             layer.compile(dynamic=False)
-    wgrad.mark(stage, compiled=cfg.compile)
     return stage
 
 
 class Stepper:
     """Runs one global batch's forward and backward on this rank; returns its mean loss (last stage). The layers
-    are captured as CUDA graphs here where trainer/graphs.py allows (after the optimizer has placed the weights)."""
+    are captured as CUDA graphs where trainer/graphs.py allows, before the first step (and again where an optimizer
+    made since has moved the weights or their gradient buffer: the graphs hold those addresses)."""
 
     def __init__(self, cfg: TrainConfig, stage: GPTStage, device: torch.device):
         self.cfg, self.stage, self.device = cfg, stage, device
-        captured, self.graphs = graphs.plan(stage, cfg.cuda_graphs, device, cfg.pp_degree, cfg.recompute)
-        seq = cfg.seq_length // (cfg.tp_degree if cfg.sequence_parallelism else 1)
-        graphs.capture(stage, captured, (seq, cfg.micro_batch_size, stage.spec.hidden_size),
-                       next(stage.parameters()).dtype)
+        self.captured, self.graphs = graphs.plan(stage, cfg.cuda_graphs, device, cfg.pp_degree, cfg.recompute)
+        self.graphs_at = None
         self.loss_fn = VocabParallelLoss(compile=cfg.compile)
         self.schedule = None
         if cfg.pp_degree > 1:
@@ -110,6 +104,8 @@ class Stepper:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         if self.schedule is not None:
             return self._pipelined(inputs, labels)
+        if self.captured:
+            self._capture()
         losses = []
         n = self.cfg.num_micro_batches
         AuxLoss.scale = 1.0 / n  # the MoE load-balancing loss, divided as the LM loss is
@@ -122,6 +118,16 @@ class Stepper:
             ((loss + extra) / n).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
+
+    def _capture(self) -> None:
+        first = next(self.stage.parameters())
+        at = (first.data_ptr(), first.main_grad.data_ptr() if hasattr(first, "main_grad") else None)
+        if at != self.graphs_at:
+            self.stage.params_ready(self.stage)  # the distributed optimizer's weight all-gathers end first
+            seq = self.cfg.seq_length // (self.cfg.tp_degree if self.cfg.sequence_parallelism else 1)
+            graphs.capture(self.stage, self.captured, (seq, self.cfg.micro_batch_size, self.stage.spec.hidden_size),
+                           first.dtype)
+            self.graphs_at = at
 
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         AuxLoss.scale = 1.0  # the schedule divides the gradients by the micro-batches at the end
@@ -246,7 +252,7 @@ def train(cfg: TrainConfig) -> None:
                 rate = (iteration - clock_iteration) * global_batch * cfg.seq_length / (now - clock)
                 clock, clock_iteration = now, iteration
                 record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate,
-                          "graphed_layers": len(stage.graphed)}
+                          "graphed_layers": len(stage.graphed), "graph_replays": stage.graph_replays}
                 balance = [m.balance for m in stage.modules() if isinstance(m, MoE) and m.balance is not None]
                 if balance:  # the last micro-batch's, mean over this stage's MoE layers: 1 = experts evenly loaded
                     record["moe_balance"] = float(torch.stack(balance).mean())

@@ -10,10 +10,15 @@ that kernel from APEX's `fused_weight_gradient_mlp_cuda` extension; torch has th
 fp32, in place: aten `addmm.dtype_out`), and `install()` gives megatron-core's layers a module of that name made of
 it when APEX is not installed.
 
-A parameter whose weight gradient goes that way is marked `fused_wgrad`: the optimizer's hook then drops the
-placeholder and only counts the arrival. The tied embedding's weight gets both kinds of gradient (the output layer's
-fused, the lookup's through autograd): megatron-core's `zero_out_wgrad` makes its placeholder zeros, so autograd's
-sum is the lookup's alone and the hook adds it as usual (megatron-core's LanguageModule does the same).
+The optimizer turns it on (`enable`, from `make_optimizer`), once every parameter has its `main_grad`: a stage
+without an optimizer (a forward, a reference backward) keeps plain autograd gradients. Megatron-core then flags each
+weight whose GEMM accumulated (`grad_added_to_main_grad`, set in its backward) and the optimizer's hook drops that
+weight's placeholder and only counts the arrival; a weight that got a real gradient instead (the MoE experts' grouped
+GEMM reads the experts' weights without their linear layers) is added as before. The tied embedding's weight gets
+both kinds (the output layer's fused, the lookup's through autograd): megatron-core's `zero_out_wgrad` makes the
+output layer's placeholder zeros, so autograd's sum is the lookup's alone and the hook adds it (megatron-core's
+LanguageModule and DDP hook do the same). A layer captured as a CUDA graph (trainer/graphs.py) replays its backward
+without running megatron-core's Python, which sets no flag: its weights are marked `wgrad_in_graph` once captured.
 """
 from __future__ import annotations
 
@@ -46,32 +51,52 @@ def install() -> None:
         layers._grad_accum_fusion_available = True
 
 
-def available(device: torch.device) -> bool:
-    """The fused path is a CUDA GEMM (torch has the mixed-dtype accumulate on CUDA only)."""
-    return device.type == "cuda"
+def fused(p: torch.nn.Parameter) -> bool:
+    """Whether the gradient autograd has just handed `p` is a placeholder (its GEMM added the real one into
+    `main_grad`); the flag megatron-core set is cleared for the next backward."""
+    flagged = getattr(p, "grad_added_to_main_grad", False)
+    if flagged:
+        p.grad_added_to_main_grad = False
+    return getattr(p, "wgrad_in_graph", False) or (flagged and not getattr(p, "zero_out_wgrad", False))
 
 
-def mark(stage: torch.nn.Module, compiled: bool = False) -> int:
-    """Mark the weights of the stage's megatron-core linear layers built with the fusion: their weight gradients
-    reach `main_grad` inside the GEMM. Returns how many. The tied embedding (the output layer's weight on the first
+def linears(module: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in module.modules()
+            if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))]
+
+
+def enable(stage: torch.nn.Module, compiled: bool = False) -> int:
+    """Turn the fusion on for the stage's megatron-core linear layers (after the optimizer has given each parameter
+    its `main_grad`); returns how many weights it covers. The tied embedding (the output layer's weight on the first
     stage) gets zeros as its placeholder. `compiled`: the layers are torch.compile'd, and these linear layers' matmul
     runs outside the compiled graphs (torch.compile traces megatron-core's autograd function, whose backward writes
     into `main_grad`, a tensor outside its graph, and trains on wrong gradients: measured on a GPU, 1.1B model, the
     loss rose where the eager run's fell). Under CUDA graphs the breaks cost no launches."""
-    marked = 0
-    for module in stage.modules():
-        if not isinstance(module, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)):
-            continue
-        if not module.gradient_accumulation_fusion or module.weight is None:
-            continue
-        module.weight.fused_wgrad = True
-        if compiled:
+    install()
+    covered = 0
+    for module in linears(stage):
+        module.gradient_accumulation_fusion = True
+        if compiled and not getattr(module, "matmul_uncompiled", False):
             module._forward_impl = torch._dynamo.disable(module._forward_impl)
-        module.weight.grad_added_to_main_grad = False  # megatron-core then hands autograd a placeholder
-        marked += 1
+            module.matmul_uncompiled = True
+        if module.weight is not None:  # None: a tied output layer, which is handed the embedding's weight
+            module.weight.grad_added_to_main_grad = False  # megatron-core then hands autograd a placeholder
+            covered += 1
     embedding = getattr(stage, "embedding", None)
     if embedding is not None and getattr(stage, "share_weight", False):
         weight = embedding.word_embeddings.weight
-        weight.zero_out_wgrad = True  # the output layer's placeholder is zeros: autograd sums in the lookup's only
+        weight.zero_out_wgrad = True
         weight.grad_added_to_main_grad = False
-    return marked
+    return covered
+
+
+def mark_captured(layer: torch.nn.Module) -> None:
+    """A layer now captured as CUDA graphs: its fused weights' gradients are placeholders on every replay, and their
+    `main_grad` holds what the capture's warm-up passes added (zeroed here)."""
+    for module in linears(layer):
+        if module.gradient_accumulation_fusion and module.weight is not None:
+            module.weight.wgrad_in_graph = True
+            module.weight.grad_added_to_main_grad = False
+    for p in layer.parameters():
+        if hasattr(p, "main_grad"):
+            p.main_grad.zero_()
