@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import torchrun
 from safetensors.torch import load_file as load_safetensors
-from test_families import VOCAB, logits, rel
+from families_cases import VOCAB, logits, rel
 
 from ckpt_tools import megatron_lm
 from ckpt_tools.merge import merge

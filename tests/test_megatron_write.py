@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import torchrun
 from safetensors.torch import load_file as load_safetensors
-from test_families import hf_model as family_model
+from families_cases import hf_model as family_model
 from test_families import same_optimizer
 from test_import import VOCAB, hf_model
 from test_reshard import assert_nothing_written, one_line_error, run

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
-from test_families import TOKENS, hf_model, rel
+from families_cases import TOKENS, hf_model, rel
 
 from ckpt_tools import families, mxfp4
 from ckpt_tools.errors import ConfigError, FormatError
