@@ -25,15 +25,16 @@ declare -A SETS=(
   [te]="tests/test_megatron_lm_saves.py -k transformer_engine"
 )
 ORDER=(forward train graphs resume te)
-collect=0; [ "${1:-}" = "--collect" ] && { collect=1; shift; }
+collect=0; [ "${1:-}" = "--collect" ] && { collect=1; shift; out=$(mktemp -d); }
 names=("$@"); [ ${#names[@]} -gt 0 ] || names=("${ORDER[@]}")
 status=0
 for g in "${names[@]}"; do
   [ -n "${SETS[$g]:-}" ] || { echo "unknown group $g: one of ${ORDER[*]}" >&2; exit 2; }
   read -r -a args <<< "${SETS[$g]}"
   for i in "${!args[@]}"; do [ "${args[$i]}" = "-k" ] && args[$((i + 1))]="${args[$((i + 1))]//_or_/ or }"; done
-  if [ $collect -eq 1 ]; then
-    python3 -m pytest -q --collect-only -m gpu "${args[@]}" 2>/dev/null | grep "::" | sed "s/^/$g /"
+  if [ $collect -eq 1 ]; then  # all groups at once, printed in order
+    python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider "${args[@]}" 2>/dev/null | grep "::" \
+      | sed "s/^/$g /" > "$out/collect.$g" &
     continue
   fi
   start=$(date +%s)
@@ -41,4 +42,9 @@ for g in "${names[@]}"; do
   echo "$g: $(tail -n 1 "$out/$g.log") ($(( $(date +%s) - start )) s)" | tee -a "$out/groups.txt"
   [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
 done
+if [ $collect -eq 1 ]; then
+  wait
+  for g in "${names[@]}"; do cat "$out/collect.$g"; done
+  rm -rf "$out"
+fi
 exit $status

@@ -33,14 +33,14 @@ def main(out: str) -> None:
     accumulate = wgrad.TORCH_WGRAD.wgrad_gemm_accum_fp32
     wgrad.TORCH_WGRAD.wgrad_gemm_accum_fp32 = lambda *a: (calls.append(1), accumulate(*a))
     wgrad.install()
-    report = {}
+    report, vocab = {}, None
     for name, (config, model) in CASES.items():
         Experts._grouped = (lambda self, x: True) if name.endswith("grouped") else (lambda self, x: False)
         sets = ["tp_degree=1", "pp_degree=1", "num_micro_batches=2", "moe_aux_loss_coeff=0.01"]
         sets += [f"{k}={v}" for k, v in model.items()]
         cfg = load_config(f"fixtures/configs/{config}", sets)
         device, _ = setup_distributed(cfg) if not report else (torch.device("cpu"), 1)
-        vocab = data.vocab_size(data.load_tokenizer(cfg.tokenizer))
+        vocab = vocab or data.vocab_size(data.load_tokenizer(cfg.tokenizer))
         tokens = torch.randint(0, vocab, (2 * cfg.micro_batch_size, cfg.seq_length + 1),
                                generator=torch.Generator().manual_seed(3))
         grads = []
