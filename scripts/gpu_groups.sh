@@ -15,7 +15,7 @@
 # Set-up first (docs/gpu.md): megatron-core on PYTHONPATH, e.g. pip install --target /tmp/site .whl/*.whl.
 # Logs go to ${OUT:-runs/gpu}/<group>.log; a group's exit status is its pytest's.
 set -uo pipefail
-out="${OUT:-runs/gpu}"; mkdir -p "$out"
+out="${OUT:-runs/gpu}"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 declare -A SETS=(
   [forward]="tests/test_gpu.py -k forward_equals_trainer_or_verify_on_gpus_or_agrees_with_trainer"
@@ -26,6 +26,7 @@ declare -A SETS=(
 )
 ORDER=(forward train graphs resume te)
 collect=0; [ "${1:-}" = "--collect" ] && { collect=1; shift; out=$(mktemp -d); }
+mkdir -p "$out"
 names=("$@"); [ ${#names[@]} -gt 0 ] || names=("${ORDER[@]}")
 status=0
 for g in "${names[@]}"; do
