@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from ckpt_tools.spec import ModelSpec
-from trainer.layers import RowParallelLinear, no_init, make_norm, tp_group
+from trainer.layers import RowParallelLinear, make_norm, no_init, tp_group
 
 
 class GatedDeltaNet(nn.Module):
