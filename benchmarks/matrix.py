@@ -19,8 +19,17 @@ command's own (GNU time). The largest tensor is the model's largest full tensor 
 moves (fp32 where an optimizer is carried). Targets (issue 21): wall <= 1.25 x cp; RSS <= 2 x largest + 512 MiB.
 Start-up: `ckpt --help` and a merge of a tiny checkpoint, with torch left unimported.
 
+Sizes beyond the page cache and the disk (20 GB of weights: ours bf16 alone would be 140 GB) take `--inputs-by ckpt`:
+the HF model is merged from a weights-only checkpoint of ours, the Megatron-LM forms are what `ckpt import` makes
+of it (torch_dist, TP2 x PP2) and what `ckpt reshard` makes of that (torch), each input made when its cells come
+and removed after them; with `--cold` the first run of each cell counts (no untimed warm-up: the page cache cannot
+hold the files). `--ops` picks operations by a part of their name, `--procs N` adds each chosen cell run by a team
+of N processes (`--nproc-per-node N`).
+
     python benchmarks/matrix.py [--size-gb 1] [--repeats 3] [--markdown FILE]
     python benchmarks/matrix.py --quick          # tiny model, one round: a CI smoke run
+    python benchmarks/matrix.py --size-gb 20 --inputs-by ckpt --cold --only HF,torch_dist,torch \
+        --ops "import -> ours,import -> torch_dist,merge,TP3,export -> torch" --procs 2
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -78,21 +88,70 @@ def largest(spec: ModelSpec, element_size: int) -> int:
 
 
 # ---------------------------------------------------------------- the inputs
-def make_inputs(work: Path, spec: ModelSpec, env: dict) -> dict[str, Path]:
-    sources = {}
+def make_inputs(work: Path, spec: ModelSpec, env: dict, chosen: list[str], by: str) -> Iterator[tuple[str, Path]]:
+    """(name, dir) of each chosen input in turn. By megatron-core: all made first, as Megatron-LM saves them. By
+    ckpt: each made when its turn comes and removed once its cells are measured (one large input on disk at a time,
+    beside the one it is made from)."""
+    def ckpt(*argv: str) -> None:
+        subprocess.run(CKPT + list(argv) + ["--quiet"], env=env, check=True, stdout=subprocess.DEVNULL)
+
+    if by == "megatron-core":
+        sources = {}
+        for name, dtype in (("ours bf16", torch.bfloat16), ("ours fp32", torch.float32)):
+            sources[name] = work / name.replace(" ", "-")
+            merge_reshard.generate(sources[name], spec, dtype)
+        mcore = megatron_forms.generate(work, spec)
+        sources["torch_dist"], sources["torch"] = mcore / "torch_dist", mcore / "torch"
+        sources["HF"] = work / "hf"
+        ckpt("merge", str(sources["ours bf16"]), str(sources["HF"]), "--format", "hf")
+        yield from ((n, sources[n]) for n in chosen)
+        return
     for name, dtype in (("ours bf16", torch.bfloat16), ("ours fp32", torch.float32)):
-        sources[name] = work / name.replace(" ", "-")
-        merge_reshard.generate(sources[name], spec, dtype)
-    mcore = megatron_forms.generate(work, spec)
-    sources["torch_dist"], sources["torch"] = mcore / "torch_dist", mcore / "torch"
-    sources["HF"] = work / "hf"
-    subprocess.run(CKPT + ["merge", str(sources["ours bf16"]), str(sources["HF"]), "--format", "hf", "--quiet"],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
-    return sources
+        if name in chosen:
+            merge_reshard.generate(work / "ours", spec, dtype)
+            yield name, work / "ours"
+            remove(work / "ours")
+    if not {"HF", "torch_dist", "torch"} & set(chosen):
+        return
+    merge_reshard.generate(work / "weights", spec, torch.bfloat16, weights_only=True)
+    ckpt("merge", str(work / "weights"), str(work / "hf"), "--format", "hf")
+    remove(work / "weights")
+    if "HF" in chosen:
+        yield "HF", work / "hf"
+    if not {"torch_dist", "torch"} & set(chosen):
+        return remove(work / "hf")
+    ckpt("import", str(work / "hf"), str(work / "torch_dist"), "--tp", str(TP), "--pp", str(PP), "--format",
+         "torch_dist")
+    remove(work / "hf")
+    if "torch_dist" in chosen:
+        yield "torch_dist", work / "torch_dist"
+    if "torch" in chosen:
+        ckpt("reshard", str(work / "torch_dist"), str(work / "torch"), "--tp", str(TP), "--pp", str(PP), "--format",
+             "torch", "--vocab-size", str(spec.vocab_size))
+        remove(work / "torch_dist")
+        yield "torch", work / "torch"
+        remove(work / "torch")
+    remove(work / "torch_dist")
+
+
+def team(op: str, procs: int) -> str:
+    return f"{op} ({procs} processes)"
+
+
+def base_op(op: str) -> tuple[str, int]:
+    """(the operation, the processes that run it) of a cell's operation name."""
+    if not op.endswith(" processes)"):
+        return op, 1
+    name, _, procs = op.rpartition(" (")
+    return name, int(procs.split()[0])
 
 
 def command(op: str, name: str, src: Path, out: str, spec: ModelSpec) -> list[str] | None:
     """The ckpt command of one cell, or None where the operation does not apply to the input."""
+    op, procs = base_op(op)
+    if procs > 1:
+        argv = command(op, name, src, out, spec)
+        return None if argv is None else argv + ["--nproc-per-node", str(procs)]
     vocab = [] if name.startswith("ours") or name == "HF" else ["--vocab-size", str(spec.vocab_size)]
     reshard = CKPT + ["reshard", str(src), str(out), "--quiet", *vocab]
     if op == "merge -> HF":
@@ -118,6 +177,7 @@ def command(op: str, name: str, src: Path, out: str, spec: ModelSpec) -> list[st
 
 def element_size(op: str, name: str) -> int:
     """What the command moves: fp32 when an optimizer is carried (ours), else the weights' dtype."""
+    op = base_op(op)[0]
     carried = name.startswith("ours") and op not in ("merge -> HF", "export -> torch")
     if name == "ours fp32" or carried or op.startswith("import -> ours"):
         return 4
@@ -168,7 +228,7 @@ def startup(work: Path, env: dict, repeats: int) -> dict:
 
 
 # ---------------------------------------------------------------- report
-def render(spec: ModelSpec, sources: dict, results: dict, markdown: bool) -> str:
+def render(spec: ModelSpec, sizes: dict, ops: list[str], results: dict, markdown: bool) -> str:
     def cell(op, name):
         r = results.get((op, name))
         if r is None:
@@ -179,9 +239,8 @@ def render(spec: ModelSpec, sources: dict, results: dict, markdown: bool) -> str
         flag = "" if ratio <= 1.25 and rss <= 2 * big + 512 * MIB else " !"
         return f"{ratio:.2f}x, {rss / MIB:,.0f} MiB{flag}"
 
-    sizes = {n: tree_bytes(sources[n]) for n in INPUTS}
-    header = ["operation"] + [f"{n} ({sizes[n] / 1e9:.2f} GB)" for n in INPUTS]
-    rows = [[op] + [cell(op, n) for n in INPUTS] for op in OPERATIONS]
+    header = ["operation"] + [f"{n} ({sizes[n] / 1e9:.2f} GB)" for n in INPUTS if n in sizes]
+    rows = [[op] + [cell(op, n) for n in INPUTS if n in sizes] for op in ops]
     rows = [r for r in rows if any(c != "-" for c in r[1:])]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -207,35 +266,46 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a tiny model, one round, no warm-up (CI smoke run)")
     ap.add_argument("--only", default="", help="comma-separated inputs to measure (default all)")
-    ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--ops", default="", help="comma-separated parts of the operations' names to measure (default all)")
+    ap.add_argument("--procs", type=int, default=1, help="also run each chosen cell by a team of N processes")
+    ap.add_argument("--inputs-by", choices=("megatron-core", "ckpt"), default="megatron-core",
+                    help="who writes the Megatron-LM inputs (ckpt: one input on disk at a time, for large sizes)")
+    ap.add_argument("--cold", action="store_true", help="no untimed warm-up run: the first run counts")
+    ap.add_argument("--markdown", type=Path, help="the table, rewritten after each input's cells")
     args = ap.parse_args()
     spec = make_spec(args.size_gb, args.quick)
     repeats = 1 if args.quick else args.repeats
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()] or list(INPUTS)
+    parts = [o.strip() for o in args.ops.split(",") if o.strip()]
+    ops = [op for op in OPERATIONS if not parts or any(x in op for x in parts)]
+    ops = [v for op in ops for v in ([op, team(op, args.procs)] if args.procs > 1 else [op])]
     work = Path(tempfile.mkdtemp(prefix="ckpt-matrix-"))
     env = child_env(work)
     load_before = os.getloadavg()[0]
+    sizes, results = {}, {}
     try:
         start = time.perf_counter()
-        sources = make_inputs(work, spec, env)
-        print(f"inputs generated in {time.perf_counter() - start:.0f}s: " + ", ".join(
-            f"{n} {tree_bytes(p) / 1e9:.2f} GB" for n, p in sources.items()), file=sys.stderr)
-        chosen = [n.strip() for n in args.only.split(",") if n.strip()] or list(INPUTS)
-        cells = {(op, n): argv for op in OPERATIONS for n in chosen
-                 if (argv := command(op, n, sources[n], OUT, spec)) is not None}
-        results = measure(cells, work, repeats, not args.quick, env)
+        for name, src in make_inputs(work, spec, env, chosen, args.inputs_by):
+            sizes[name] = tree_bytes(src)
+            print(f"{name}: {sizes[name] / 1e9:.2f} GB, ready at {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            cells = {(op, name): argv for op in ops if (argv := command(op, name, src, OUT, spec)) is not None}
+            results.update(measure(cells, work, repeats, not (args.quick or args.cold), env))
+            if args.markdown:
+                args.markdown.write_text(render(spec, sizes, ops, results, markdown=True) + "\n" + details(results, spec))
         boot = startup(work, env, repeats)
-        table = render(spec, sources, results, markdown=False)
         note = (f"llama, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads in "
                 f"{spec.num_query_groups} query groups, ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}; inputs "
-                f"TP{TP} x PP{PP}. Cell: median wall / median cp -r of the command's own output (alternating), and peak RSS "
-                f"('!': over 1.25x or over 2 x largest tensor + 512 MiB). {repeats} run(s) each, warm cache, sync after "
-                f"each command; {os.cpu_count()} CPUs, load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after. "
-                f"Start-up: ckpt --help {boot['help_s']:.2f} s; merge's imports load torch: "
-                f"{'yes' if boot['merge_imports_torch'] else 'no'}.")
-        print(table)
+                f"TP{TP} x PP{PP}{' (Megatron-LM forms written by ckpt)' if args.inputs_by == 'ckpt' else ''}. Cell: "
+                f"median wall / median cp -r of the command's own output (alternating), and peak RSS ('!': over 1.25x "
+                f"or over 2 x largest tensor + 512 MiB). {repeats} run(s) each, "
+                f"{'cold: no warm-up run' if args.cold or args.quick else 'warm cache'}, sync after each command; "
+                f"{os.cpu_count()} CPUs, load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+                f"{time.perf_counter() - start:.0f} s in all. Start-up: ckpt --help {boot['help_s']:.2f} s; merge's "
+                f"imports load torch: {'yes' if boot['merge_imports_torch'] else 'no'}.")
+        print(render(spec, sizes, ops, results, markdown=False))
         print(note)
         if args.markdown:
-            args.markdown.write_text(note + "\n\n" + render(spec, sources, results, markdown=True) + "\n"
+            args.markdown.write_text(note + "\n\n" + render(spec, sizes, ops, results, markdown=True) + "\n"
                                      + details(results, spec))
     finally:
         shutil.rmtree(work, ignore_errors=True)

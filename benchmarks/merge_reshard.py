@@ -92,16 +92,19 @@ def layers_for(size_gb: float, quick: bool) -> int:
     return -(-layers // 4) * 4
 
 
-def generate(save_dir: Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> None:
+def generate(save_dir: Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, weights_only: bool = False) -> None:
     """Write SAVE_DIR/checkpoint-<ITERATION>/ and SAVE_DIR/latest the way the trainer does (no training): the
-    parameters in DTYPE (bf16: the trainer's mixed precision), fp32 master/exp_avg/exp_avg_sq."""
+    parameters in DTYPE (bf16: the trainer's mixed precision), fp32 master/exp_avg/exp_avg_sq. WEIGHTS_ONLY: the
+    parameters at iteration 0 with the fresh optimizer recorded in meta.json and not written (contract 2), the
+    size of an import's output."""
     padded, counts = spec.padded_vocab_size(TP), layout.layers_per_stage(spec.num_layers, PP)
-    tmp = save_dir / fmt.temp_name(ITERATION)
+    iteration = 0 if weights_only else ITERATION
+    tmp = save_dir / fmt.temp_name(iteration)
     tmp.mkdir(parents=True)
     lr = 3e-4
     for p in range(PP):
         model = [TorchFileWriter(tmp / fmt.model_file(Rank(t, p))) for t in range(TP)]
-        optim = [TorchFileWriter(tmp / fmt.optimizer_file(Rank(t, p))) for t in range(TP)]
+        optim = [] if weights_only else [TorchFileWriter(tmp / fmt.optimizer_file(Rank(t, p))) for t in range(TP)]
         model_state: list[dict] = [{} for _ in range(TP)]
         optim_state: list[dict] = [{} for _ in range(TP)]
         for local, key in layout.stage_keys(spec, counts, p):
@@ -110,25 +113,29 @@ def generate(save_dir: Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat1
                     model_state[t][local] = None
                 continue
             master = full_init(key, spec, padded, SEED)  # fp32, TP/PP-invariant
-            fields = {"master": master, "exp_avg": master * 1e-2, "exp_avg_sq": master.square() * 1e-4}
+            fields = {} if weights_only else {"master": master, "exp_avg": master * 1e-2,
+                                              "exp_avg_sq": master.square() * 1e-4}
             params = shard_ops.split(key, master.to(dtype), spec, TP, PP)
             parts = {f: shard_ops.split(key, v, spec, TP, PP) for f, v in fields.items()}
             for t in range(TP):
                 model_state[t][local] = model[t].tensor(params[t])
-                optim_state[t][local] = {f: optim[t].tensor(parts[f][t]) for f in fields}
-                optim_state[t][local]["step"] = optim[t].tensor(torch.tensor(float(ITERATION)))
+                if not weights_only:
+                    optim_state[t][local] = {f: optim[t].tensor(parts[f][t]) for f in fields}
+                    optim_state[t][local]["step"] = optim[t].tensor(torch.tensor(float(iteration)))
         for t in range(TP):
             model[t].close({"model": model_state[t]})
-            optim[t].close({"optimizer": optim_state[t],
-                            "param_groups": [{"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}],
-                            "scheduler": {"iteration": ITERATION, "lr": lr}, "scaler": None})
+            if optim:
+                optim[t].close({"optimizer": optim_state[t],
+                                "param_groups": [{"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}],
+                                "scheduler": {"iteration": iteration, "lr": lr}, "scaler": None})
             io.save_file({"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": None,
-                          "iteration": ITERATION, "consumed_samples": ITERATION * 8}, tmp / fmt.rng_file(Rank(t, p)))
+                          "iteration": iteration, "consumed_samples": iteration * 8}, tmp / fmt.rng_file(Rank(t, p)))
     files = {f.name: fmt.file_record(f) for f in sorted(tmp.iterdir())}
     # the toolkit's own meta.json builder (reshard and import write theirs with it)
-    meta = fmt.build_meta(spec, TP, counts, padded, ITERATION, ITERATION * 8, str(dtype).removeprefix("torch."), 1,
-                           {"seq_length": 2048, **SCHEDULE}, files, {"op": "synthetic", "by": "benchmarks/merge_reshard.py"})
-    fmt.commit(save_dir, ITERATION, meta)
+    meta = fmt.build_meta(spec, TP, counts, padded, iteration, iteration * 8, str(dtype).removeprefix("torch."), 1,
+                           {"seq_length": 2048, **SCHEDULE}, files, {"op": "synthetic", "by": "benchmarks/merge_reshard.py"},
+                           fresh_optimizer=weights_only)
+    fmt.commit(save_dir, iteration, meta)
 
 
 # ---------------------------------------------------------------- measuring

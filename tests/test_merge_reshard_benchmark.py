@@ -63,3 +63,21 @@ def test_matrix_quick_run_fills_every_cell(tmp_path):
         assert float(wall) > 0 and float(cp) > 0 and float(out_mb.replace(",", "")) > 0, (op, wall, cp, out_mb)
         if op == "merge -> HF":
             assert float(rss.replace(",", "")) <= 2 * float(big.replace(",", "")) + 512, (op, rss, big)
+
+
+def test_matrix_large_mode_makes_one_input_at_a_time_and_runs_team_cells(tmp_path):
+    """benchmarks/matrix.py as the 20 GB run uses it (--inputs-by ckpt --cold --ops --procs), on the tiny model: the
+    Megatron-LM inputs made by ckpt from the HF model, each chosen operation run by one process and by a team of two,
+    nothing else."""
+    table = tmp_path / "m.md"
+    proc = subprocess.run([sys.executable, "benchmarks/matrix.py", "--quick", "--inputs-by", "ckpt", "--cold", "--only",
+                           "HF,torch_dist,torch", "--ops", "import -> torch_dist,TP2 -> TP3", "--procs", "2",
+                           "--markdown", str(table)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    details = [[c.strip() for c in line.strip("|").split("|")] for line in table.read_text().splitlines()
+               if line.startswith("| ") and line.count("|") == 8 and not line.startswith("| operation")]
+    cells = {(op, name) for op, name, *_ in details}
+    ops = {"HF": ["import -> torch_dist TP2xPP2"], "torch_dist": ["reshard TP2 -> TP3"], "torch": ["reshard TP2 -> TP3"]}
+    expected = {(o + extra, n) for n, names in ops.items() for o in names for extra in ("", " (2 processes)")}
+    assert cells == expected, cells ^ expected
+    assert "Megatron-LM forms written by ckpt" in table.read_text() and "cold: no warm-up run" in table.read_text()
