@@ -24,12 +24,13 @@ the HF model is merged from a weights-only checkpoint of ours, the Megatron-LM f
 of it (torch_dist, TP2 x PP2) and what `ckpt reshard` makes of that (torch), each input made when its cells come
 and removed after them; with `--cold` the first run of each cell counts (no untimed warm-up: the page cache cannot
 hold the files). `--ops` picks operations by a part of their name, `--procs N` adds each chosen cell run by a team
-of N processes (`--nproc-per-node N`).
+of N processes (`--nproc-per-node N`); `--drop-caches` (root) drops the page cache before every command and every cp,
+so that both read from the disk (a command's output, just written, would otherwise be read by its cp from memory).
 
     python benchmarks/matrix.py [--size-gb 1] [--repeats 3] [--markdown FILE]
     python benchmarks/matrix.py --quick          # tiny model, one round: a CI smoke run
-    python benchmarks/matrix.py --size-gb 20 --inputs-by ckpt --cold --only HF,torch_dist,torch \
-        --ops "import -> ours,import -> torch_dist,merge,TP3,export -> torch" --procs 2
+    python benchmarks/matrix.py --size-gb 20 --inputs-by ckpt --cold --drop-caches --only HF,torch_dist \
+        --ops "import -> ours,import -> torch_dist,merge,TP2 -> TP3" --procs 2
 """
 from __future__ import annotations
 
@@ -192,7 +193,13 @@ def at(argv: list[str], out: Path) -> list[str]:
     return [str(out) if a == OUT else a for a in argv]
 
 
-def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict) -> dict:
+def drop_caches() -> None:
+    """Write back and drop the page cache (root only), so that the next run reads its input from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, cold: bool = False) -> dict:
     """Per cell: the command's and cp -r of its output's wall times, the command's peak RSS and output bytes. A cell
     is measured in one go (its output kept for cp only while it is measured: the whole matrix's outputs would not fit
     on the disk), the command and cp alternating, so that a slow phase of the machine hits both alike."""
@@ -200,12 +207,21 @@ def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict) -> dic
     results = {}
     for i, (key, argv) in enumerate(cells.items()):
         ref = work / "ref"
+        if cold:
+            drop_caches()
         first = run(at(argv, ref), ref, log, env, keep=True)  # warm-up: fills the caches, keeps the output for cp
         r = results[key] = {"wall": [], "cp": [], "rss": [], "bytes": first[2]}
         for k in range(repeats):
-            wall, rss, _ = first if not warm and k == 0 else run(at(argv, out), out, log, env)
+            if not warm and k == 0:
+                wall, rss, _ = first
+            else:
+                if cold:
+                    drop_caches()
+                wall, rss, _ = run(at(argv, out), out, log, env)
             r["wall"].append(wall)
             r["rss"].append(rss)
+            if cold:
+                drop_caches()
             r["cp"].append(run(["cp", "-r", str(ref), str(copy)], copy, log, env)[0])
         remove(ref)
         print(f"  {i + 1}/{len(cells)} {key[0]} of {key[1]}: {statistics.median(r['wall']):.2f} s, cp "
@@ -271,6 +287,8 @@ def main() -> None:
     ap.add_argument("--inputs-by", choices=("megatron-core", "ckpt"), default="megatron-core",
                     help="who writes the Megatron-LM inputs (ckpt: one input on disk at a time, for large sizes)")
     ap.add_argument("--cold", action="store_true", help="no untimed warm-up run: the first run counts")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="drop the page cache before every command and every cp (root): both read from the disk")
     ap.add_argument("--markdown", type=Path, help="the table, rewritten after each input's cells")
     args = ap.parse_args()
     spec = make_spec(args.size_gb, args.quick)
@@ -289,7 +307,7 @@ def main() -> None:
             sizes[name] = tree_bytes(src)
             print(f"{name}: {sizes[name] / 1e9:.2f} GB, ready at {time.perf_counter() - start:.0f} s", file=sys.stderr)
             cells = {(op, name): argv for op in ops if (argv := command(op, name, src, OUT, spec)) is not None}
-            results.update(measure(cells, work, repeats, not (args.quick or args.cold), env))
+            results.update(measure(cells, work, repeats, not (args.quick or args.cold), env, args.drop_caches))
             if args.markdown:
                 args.markdown.write_text(render(spec, sizes, ops, results, markdown=True) + "\n" + details(results, spec))
         boot = startup(work, env, repeats)
@@ -298,7 +316,9 @@ def main() -> None:
                 f"TP{TP} x PP{PP}{' (Megatron-LM forms written by ckpt)' if args.inputs_by == 'ckpt' else ''}. Cell: "
                 f"median wall / median cp -r of the command's own output (alternating), and peak RSS ('!': over 1.25x "
                 f"or over 2 x largest tensor + 512 MiB). {repeats} run(s) each, "
-                f"{'cold: no warm-up run' if args.cold or args.quick else 'warm cache'}, sync after each command; "
+                f"{'cold: no warm-up run' if args.cold or args.quick else 'warm cache'}"
+                f"{', the page cache dropped before each command and each cp' if args.drop_caches else ''}, sync after "
+                f"each command; "
                 f"{os.cpu_count()} CPUs, load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
                 f"{time.perf_counter() - start:.0f} s in all. Start-up: ckpt --help {boot['help_s']:.2f} s; merge's "
                 f"imports load torch: {'yes' if boot['merge_imports_torch'] else 'no'}.")

@@ -18,11 +18,11 @@ from collections.abc import Container
 
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.rules import (  # noqa: F401 (the table's vocabulary, re-exported)
-    ATTENTION, BLOCKED, COLUMN, DENSE, EXTRA, FIRST, GATED, GDN, LAST, LAYER, MAMBA, MAMBA_CONV, MLA, MOE, MTP,
-    MTP_STAGE, QKV, REPLICATED, ROW, SHARED, SPLIT_DIM, VOCAB, Rule, Shape, When, _always, _ATTENTIONS, _bias, _d,
-    _expert_bias, _gdn_conv_parts, gdn_in_parts, _gdn_v, _h, in_blocks, _layernorm, _mamba_conv_parts,
-    _mamba_in_parts, _mamba_inner, _MLPS, _q_head, _q_lora, _q_plain, _qk_norm, _qk_norm_across, _qkv_rows,
-    _shared_gate, _SYMBOLS)
+    ATTENTION, ATTENTIONS, BLOCKED, COLUMN, DENSE, EXTRA, FIRST, GATED, GDN, LAST, LAYER, MAMBA, MAMBA_CONV, MLA, MLPS,
+    MOE, MTP, MTP_STAGE, QKV, REPLICATED, ROW, SHARED, SYMBOLS, VOCAB, Rule, always,
+    gdn_conv_parts, gdn_in_parts, gdn_v, head_vector, hidden_vector, in_blocks, mamba_conv_parts, mamba_in_parts,
+    mamba_inner, q_head_dim, q_lora, q_plain, qk_norm_across, qk_norm_per_head, qkv_rows, with_bias, with_expert_bias,
+    with_layernorm, with_shared_gate)
 from ckpt_tools.spec import ModelSpec
 
 
@@ -33,7 +33,7 @@ def layer_blocks(spec: ModelSpec, i: int) -> frozenset[str]:
 
 
 def _blocks_of(spec: ModelSpec, symbols: str) -> frozenset[str]:
-    blocks = {_SYMBOLS[c] for c in symbols}
+    blocks = {SYMBOLS[c] for c in symbols}
     if MOE in blocks and spec.moe_shared_expert_intermediate_size is not None:
         blocks.add(SHARED)
     return frozenset(blocks)
@@ -65,69 +65,69 @@ _S = _L + "mlp.shared_experts."
 _M = "mtp.layers.{m}."  # `{m}` the multi-token prediction depth (0 first)
 _MT = _M + "transformer_layer."
 TABLE: tuple[Rule, ...] = (
-    Rule("embedding.word_embeddings.weight", VOCAB, FIRST, lambda s, v: (v, s.hidden_size), _always),
+    Rule("embedding.word_embeddings.weight", VOCAB, FIRST, lambda s, v: (v, s.hidden_size), always),
     Rule("embedding.position_embeddings.weight", REPLICATED, FIRST,
          lambda s, v: (s.max_position_embeddings, s.hidden_size),
          lambda s, pp: s.position_embedding_type == "learned_absolute"),
-    Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, _h, _always, _ATTENTIONS),
-    Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, _h, _layernorm, _ATTENTIONS),
+    Rule(_L + "input_layernorm.weight", REPLICATED, LAYER, hidden_vector, always, ATTENTIONS),
+    Rule(_L + "input_layernorm.bias", REPLICATED, LAYER, hidden_vector, with_layernorm, ATTENTIONS),
     # grouped-query attention (megatron-core's SelfAttention); GPT-OSS's learned softmax offset (a sink logit per head)
     # first: megatron-core builds the core attention before the projections
     Rule(_A + "core_attention.softmax_offset", COLUMN, LAYER, lambda s, v: (s.num_attention_heads,),
          lambda s, pp: s.softmax_type == "learnable", ATTENTION),
     Rule(_A + "linear_proj.weight", ROW, LAYER,
-         lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), _always, ATTENTION),
-    Rule(_A + "linear_proj.bias", REPLICATED, LAYER, _h, _bias, ATTENTION),
-    Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, _always, ATTENTION),
-    Rule(_A + "linear_qkv.weight", QKV, LAYER, lambda s, v: (_qkv_rows(s), s.hidden_size), _always, ATTENTION),
-    Rule(_A + "linear_qkv.bias", QKV, LAYER, lambda s, v: (_qkv_rows(s),), lambda s, pp: s.qkv_bias, ATTENTION),
-    Rule(_A + "linear_qkv._extra_state", EXTRA, LAYER, None, _always, ATTENTION),
-    Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm, ATTENTION),
-    Rule(_A + "k_layernorm.weight", REPLICATED, LAYER, _d, _qk_norm, ATTENTION),
+         lambda s, v: (s.hidden_size, s.num_attention_heads * s.kv_channels), always, ATTENTION),
+    Rule(_A + "linear_proj.bias", REPLICATED, LAYER, hidden_vector, with_bias, ATTENTION),
+    Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, always, ATTENTION),
+    Rule(_A + "linear_qkv.weight", QKV, LAYER, lambda s, v: (qkv_rows(s), s.hidden_size), always, ATTENTION),
+    Rule(_A + "linear_qkv.bias", QKV, LAYER, lambda s, v: (qkv_rows(s),), lambda s, pp: s.qkv_bias, ATTENTION),
+    Rule(_A + "linear_qkv._extra_state", EXTRA, LAYER, None, always, ATTENTION),
+    Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, head_vector, qk_norm_per_head, ATTENTION),
+    Rule(_A + "k_layernorm.weight", REPLICATED, LAYER, head_vector, qk_norm_per_head, ATTENTION),
     # OLMoE's norms over all heads: each TP rank holds its own heads' (query groups') slice
     Rule(_A + "q_layernorm.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_attention_heads * s.kv_channels,), _qk_norm_across, ATTENTION),
+         lambda s, v: (s.num_attention_heads * s.kv_channels,), qk_norm_across, ATTENTION),
     Rule(_A + "k_layernorm.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_query_groups * s.kv_channels,), _qk_norm_across, ATTENTION),
+         lambda s, v: (s.num_query_groups * s.kv_channels,), qk_norm_across, ATTENTION),
     # multi-latent attention (megatron-core's MLASelfAttention, local spec, in its state-dict order)
     # multi-latent attention (megatron-core's MLASelfAttention, local spec, in its state-dict order): each head's
     # query [no-position part; rotary part], the latent's rows [kv_lora_rank; the keys' shared rotary part], each
     # head's kv_up rows [key's no-position part; value]. The local spec splits the down projections over TP as column
     # layers (and gathers their output); Transformer Engine's spec keeps them whole on every rank.
     Rule(_A + "linear_proj.weight", ROW, LAYER,
-         lambda s, v: (s.hidden_size, s.num_attention_heads * s.v_head_dim), _always, MLA),
-    Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
+         lambda s, v: (s.hidden_size, s.num_attention_heads * s.v_head_dim), always, MLA),
+    Rule(_A + "linear_proj._extra_state", EXTRA, LAYER, None, always, MLA),
     Rule(_A + "linear_q_proj.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_attention_heads * _q_head(s), s.hidden_size), _q_plain, MLA),
-    Rule(_A + "linear_q_proj._extra_state", EXTRA, LAYER, None, _q_plain, MLA),
-    Rule(_A + "linear_q_down_proj.weight", COLUMN, LAYER, lambda s, v: (s.q_lora_rank, s.hidden_size), _q_lora, MLA),
-    Rule(_A + "linear_q_down_proj._extra_state", EXTRA, LAYER, None, _q_lora, MLA),
+         lambda s, v: (s.num_attention_heads * q_head_dim(s), s.hidden_size), q_plain, MLA),
+    Rule(_A + "linear_q_proj._extra_state", EXTRA, LAYER, None, q_plain, MLA),
+    Rule(_A + "linear_q_down_proj.weight", COLUMN, LAYER, lambda s, v: (s.q_lora_rank, s.hidden_size), q_lora, MLA),
+    Rule(_A + "linear_q_down_proj._extra_state", EXTRA, LAYER, None, q_lora, MLA),
     Rule(_A + "linear_q_up_proj.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_attention_heads * _q_head(s), s.q_lora_rank), _q_lora, MLA),
-    Rule(_A + "linear_q_up_proj._extra_state", EXTRA, LAYER, None, _q_lora, MLA),
+         lambda s, v: (s.num_attention_heads * q_head_dim(s), s.q_lora_rank), q_lora, MLA),
+    Rule(_A + "linear_q_up_proj._extra_state", EXTRA, LAYER, None, q_lora, MLA),
     Rule(_A + "linear_kv_down_proj.weight", COLUMN, LAYER,
-         lambda s, v: (s.kv_lora_rank + s.qk_pos_emb_head_dim, s.hidden_size), _always, MLA),
-    Rule(_A + "linear_kv_down_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
+         lambda s, v: (s.kv_lora_rank + s.qk_pos_emb_head_dim, s.hidden_size), always, MLA),
+    Rule(_A + "linear_kv_down_proj._extra_state", EXTRA, LAYER, None, always, MLA),
     Rule(_A + "linear_kv_up_proj.weight", COLUMN, LAYER,
-         lambda s, v: (s.num_attention_heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank), _always, MLA),
-    Rule(_A + "linear_kv_up_proj._extra_state", EXTRA, LAYER, None, _always, MLA),
-    Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.q_lora_rank,), _q_lora, MLA),
-    Rule(_A + "kv_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.kv_lora_rank,), _always, MLA),
+         lambda s, v: (s.num_attention_heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank), always, MLA),
+    Rule(_A + "linear_kv_up_proj._extra_state", EXTRA, LAYER, None, always, MLA),
+    Rule(_A + "q_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.q_lora_rank,), q_lora, MLA),
+    Rule(_A + "kv_layernorm.weight", REPLICATED, LAYER, lambda s, v: (s.kv_lora_rank,), always, MLA),
     # a gated DeltaNet (megatron-core's GatedDeltaNet, in its state-dict order): a step bias and A per value head, in_proj
     # [q; k; v; z; b; a] and the convolution [q; k; v] split part by part over TP (by key and value heads), the gated
     # norm over each value head (replicated), out_proj row-parallel
-    Rule(_A + "dt_bias", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
-    Rule(_A + "A_log", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), _always, GDN),
-    Rule(_A + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(gdn_in_parts(s)), s.hidden_size), _always, GDN,
+    Rule(_A + "dt_bias", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), always, GDN),
+    Rule(_A + "A_log", COLUMN, LAYER, lambda s, v: (s.linear_num_value_heads,), always, GDN),
+    Rule(_A + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(gdn_in_parts(s)), s.hidden_size), always, GDN,
          parts=gdn_in_parts, part_names=("query", "key", "value", "z", "beta", "alpha")),
-    Rule(_A + "in_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
-    Rule(_A + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_gdn_conv_parts(s)), 1, s.linear_conv_kernel_dim),
-         _always, GDN, parts=_gdn_conv_parts, part_names=("query", "key", "value")),
-    Rule(_A + "out_norm.weight", REPLICATED, LAYER, lambda s, v: (s.linear_value_head_dim,), _always, GDN),
-    Rule(_A + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, _gdn_v(s)), _always, GDN),
-    Rule(_A + "out_proj._extra_state", EXTRA, LAYER, None, _always, GDN),
-    Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, _h, _always, _MLPS),
-    Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, _h, _layernorm, _MLPS),
+    Rule(_A + "in_proj._extra_state", EXTRA, LAYER, None, always, GDN),
+    Rule(_A + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(gdn_conv_parts(s)), 1, s.linear_conv_kernel_dim),
+         always, GDN, parts=gdn_conv_parts, part_names=("query", "key", "value")),
+    Rule(_A + "out_norm.weight", REPLICATED, LAYER, lambda s, v: (s.linear_value_head_dim,), always, GDN),
+    Rule(_A + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, gdn_v(s)), always, GDN),
+    Rule(_A + "out_proj._extra_state", EXTRA, LAYER, None, always, GDN),
+    Rule(_L + "pre_mlp_layernorm.weight", REPLICATED, LAYER, hidden_vector, always, MLPS),
+    Rule(_L + "pre_mlp_layernorm.bias", REPLICATED, LAYER, hidden_vector, with_layernorm, MLPS),
     # a dense MLP
     Rule(_L + "mlp.linear_fc1.weight", GATED, LAYER,
          lambda s, v: (2 * s.ffn_hidden_size, s.hidden_size), lambda s, pp: s.gated_linear_unit, DENSE),
@@ -137,66 +137,66 @@ TABLE: tuple[Rule, ...] = (
          lambda s, pp: s.add_bias_linear and s.gated_linear_unit, DENSE),
     Rule(_L + "mlp.linear_fc1.bias", COLUMN, LAYER, lambda s, v: (s.ffn_hidden_size,),
          lambda s, pp: s.add_bias_linear and not s.gated_linear_unit, DENSE),
-    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, _always, DENSE),
-    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), _always, DENSE),
-    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, _h, _bias, DENSE),
-    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, _always, DENSE),
+    Rule(_L + "mlp.linear_fc1._extra_state", EXTRA, LAYER, None, always, DENSE),
+    Rule(_L + "mlp.linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.ffn_hidden_size), always, DENSE),
+    Rule(_L + "mlp.linear_fc2.bias", REPLICATED, LAYER, hidden_vector, with_bias, DENSE),
+    Rule(_L + "mlp.linear_fc2._extra_state", EXTRA, LAYER, None, always, DENSE),
     # MoE: a router (replicated) and experts, each a gated MLP split over TP as the dense one is (expert TP = TP)
-    Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), _always, MOE),
-    Rule(_L + "mlp.router.bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _bias, MOE),
+    Rule(_L + "mlp.router.weight", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts, s.hidden_size), always, MOE),
+    Rule(_L + "mlp.router.bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), with_bias, MOE),
     # DeepSeek's expert bias: a persistent fp32 buffer megatron-core moves by the experts' load, not by gradients
-    Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), _expert_bias, MOE,
+    Rule(_L + "mlp.router.expert_bias", REPLICATED, LAYER, lambda s, v: (s.num_moe_experts,), with_expert_bias, MOE,
          buffer=True, dtype="float32"),
-    Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), _always,
+    Rule(_E + "linear_fc1.weight", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size, s.hidden_size), always,
          MOE),
-    Rule(_E + "linear_fc1.bias", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size,), _bias, MOE),
-    Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, MOE),
-    Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), _always, MOE),
-    Rule(_E + "linear_fc2.bias", REPLICATED, LAYER, _h, _bias, MOE),
-    Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, MOE),
+    Rule(_E + "linear_fc1.bias", GATED, LAYER, lambda s, v: (2 * s.moe_ffn_hidden_size,), with_bias, MOE),
+    Rule(_E + "linear_fc1._extra_state", EXTRA, LAYER, None, always, MOE),
+    Rule(_E + "linear_fc2.weight", ROW, LAYER, lambda s, v: (s.hidden_size, s.moe_ffn_hidden_size), always, MOE),
+    Rule(_E + "linear_fc2.bias", REPLICATED, LAYER, hidden_vector, with_bias, MOE),
+    Rule(_E + "linear_fc2._extra_state", EXTRA, LAYER, None, always, MOE),
     # a shared expert (megatron-core's SharedExpertMLP, after the experts): a dense gated MLP and its sigmoid gate
-    Rule(_S + "gate_weight", REPLICATED, LAYER, lambda s, v: (1, s.hidden_size), _shared_gate, SHARED),
+    Rule(_S + "gate_weight", REPLICATED, LAYER, lambda s, v: (1, s.hidden_size), with_shared_gate, SHARED),
     Rule(_S + "linear_fc1.weight", GATED, LAYER,
-         lambda s, v: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size), _always, SHARED),
-    Rule(_S + "linear_fc1._extra_state", EXTRA, LAYER, None, _always, SHARED),
+         lambda s, v: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size), always, SHARED),
+    Rule(_S + "linear_fc1._extra_state", EXTRA, LAYER, None, always, SHARED),
     Rule(_S + "linear_fc2.weight", ROW, LAYER,
-         lambda s, v: (s.hidden_size, s.moe_shared_expert_intermediate_size), _always, SHARED),
-    Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, _always, SHARED),
+         lambda s, v: (s.hidden_size, s.moe_shared_expert_intermediate_size), always, SHARED),
+    Rule(_S + "linear_fc2._extra_state", EXTRA, LAYER, None, always, SHARED),
     # a Mamba-2 layer (megatron-core's MambaLayer, in its state-dict order): the layer's norm (Transformer Engine fuses
     # it into in_proj), the mixer's own parameters (a value per head: split over TP by heads), in_proj, the depthwise
     # convolution [channels, 1, kernel], the gated norm over d_inner (its groups whole on a rank), out_proj
-    Rule(_L + "norm.weight", REPLICATED, LAYER, _h, _always, MAMBA),
-    Rule(_X + "dt_bias", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
-    Rule(_X + "A_log", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
-    Rule(_X + "D", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), _always, MAMBA),
-    Rule(_X + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(_mamba_in_parts(s)), s.hidden_size), _always,
-         MAMBA, parts=_mamba_in_parts, part_names=("z", "x", "B", "C", "dt")),
-    Rule(_X + "in_proj._extra_state", EXTRA, LAYER, None, _always, MAMBA),
-    Rule(_X + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(_mamba_conv_parts(s)), 1, MAMBA_CONV), _always, MAMBA,
-         parts=_mamba_conv_parts, part_names=("x", "B", "C")),
-    Rule(_X + "conv1d.bias", BLOCKED, LAYER, lambda s, v: (sum(_mamba_conv_parts(s)),), _always, MAMBA,
-         parts=_mamba_conv_parts, part_names=("x", "B", "C")),
-    Rule(_X + "norm.weight", COLUMN, LAYER, lambda s, v: (_mamba_inner(s),), _always, MAMBA),
-    Rule(_X + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, _mamba_inner(s)), _always, MAMBA),
-    Rule(_X + "out_proj._extra_state", EXTRA, LAYER, None, _always, MAMBA),
-    Rule("decoder.final_layernorm.weight", REPLICATED, LAST, _h, _always),
-    Rule("decoder.final_layernorm.bias", REPLICATED, LAST, _h, _layernorm),
+    Rule(_L + "norm.weight", REPLICATED, LAYER, hidden_vector, always, MAMBA),
+    Rule(_X + "dt_bias", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), always, MAMBA),
+    Rule(_X + "A_log", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), always, MAMBA),
+    Rule(_X + "D", COLUMN, LAYER, lambda s, v: (s.mamba_num_heads,), always, MAMBA),
+    Rule(_X + "in_proj.weight", BLOCKED, LAYER, lambda s, v: (sum(mamba_in_parts(s)), s.hidden_size), always,
+         MAMBA, parts=mamba_in_parts, part_names=("z", "x", "B", "C", "dt")),
+    Rule(_X + "in_proj._extra_state", EXTRA, LAYER, None, always, MAMBA),
+    Rule(_X + "conv1d.weight", BLOCKED, LAYER, lambda s, v: (sum(mamba_conv_parts(s)), 1, MAMBA_CONV), always, MAMBA,
+         parts=mamba_conv_parts, part_names=("x", "B", "C")),
+    Rule(_X + "conv1d.bias", BLOCKED, LAYER, lambda s, v: (sum(mamba_conv_parts(s)),), always, MAMBA,
+         parts=mamba_conv_parts, part_names=("x", "B", "C")),
+    Rule(_X + "norm.weight", COLUMN, LAYER, lambda s, v: (mamba_inner(s),), always, MAMBA),
+    Rule(_X + "out_proj.weight", ROW, LAYER, lambda s, v: (s.hidden_size, mamba_inner(s)), always, MAMBA),
+    Rule(_X + "out_proj._extra_state", EXTRA, LAYER, None, always, MAMBA),
+    Rule("decoder.final_layernorm.weight", REPLICATED, LAST, hidden_vector, always),
+    Rule("decoder.final_layernorm.bias", REPLICATED, LAST, hidden_vector, with_layernorm),
     # multi-token prediction layers (megatron-core's MultiTokenPredictionBlock, on the last stage; DeepSeek-V3's MTP):
     # the shifted tokens' embedding and the previous depth's hidden states, each normed, concatenated [embedding;
     # hidden] and projected back to hidden size (a column layer), a transformer layer like the decoder's last (its
     # rows: MTP_LAYER_ROWS, below), a final norm; the embedding and output layer are the model's own
-    Rule(_M + "enorm.weight", REPLICATED, MTP_STAGE, _h, _always, MTP),
-    Rule(_M + "enorm.bias", REPLICATED, MTP_STAGE, _h, _layernorm, MTP),
-    Rule(_M + "hnorm.weight", REPLICATED, MTP_STAGE, _h, _always, MTP),
-    Rule(_M + "hnorm.bias", REPLICATED, MTP_STAGE, _h, _layernorm, MTP),
-    Rule(_M + "eh_proj.weight", COLUMN, MTP_STAGE, lambda s, v: (s.hidden_size, 2 * s.hidden_size), _always, MTP),
-    Rule(_M + "eh_proj._extra_state", EXTRA, MTP_STAGE, None, _always, MTP),
-    Rule(_M + "final_layernorm.weight", REPLICATED, MTP_STAGE, _h, _always, MTP),
-    Rule(_M + "final_layernorm.bias", REPLICATED, MTP_STAGE, _h, _layernorm, MTP),
+    Rule(_M + "enorm.weight", REPLICATED, MTP_STAGE, hidden_vector, always, MTP),
+    Rule(_M + "enorm.bias", REPLICATED, MTP_STAGE, hidden_vector, with_layernorm, MTP),
+    Rule(_M + "hnorm.weight", REPLICATED, MTP_STAGE, hidden_vector, always, MTP),
+    Rule(_M + "hnorm.bias", REPLICATED, MTP_STAGE, hidden_vector, with_layernorm, MTP),
+    Rule(_M + "eh_proj.weight", COLUMN, MTP_STAGE, lambda s, v: (s.hidden_size, 2 * s.hidden_size), always, MTP),
+    Rule(_M + "eh_proj._extra_state", EXTRA, MTP_STAGE, None, always, MTP),
+    Rule(_M + "final_layernorm.weight", REPLICATED, MTP_STAGE, hidden_vector, always, MTP),
+    Rule(_M + "final_layernorm.bias", REPLICATED, MTP_STAGE, hidden_vector, with_layernorm, MTP),
     # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
     Rule("output_layer.weight", VOCAB, LAST, lambda s, v: (v, s.hidden_size),
          lambda s, pp: not s.tie_word_embeddings or pp > 1),
-    Rule("output_layer._extra_state", EXTRA, LAST, None, _always),
+    Rule("output_layer._extra_state", EXTRA, LAST, None, always),
 )
 
 

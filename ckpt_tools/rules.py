@@ -36,7 +36,7 @@ When = Callable[[ModelSpec, int], bool]  # (spec, pp_size) -> present
 # every layer (its norms).
 ATTENTION, MLA, DENSE, MOE, SHARED, MTP, MAMBA, GDN = (
     "attention", "mla", "dense", "moe", "shared", "mtp", "mamba", "gdn")
-_SYMBOLS = {"*": ATTENTION, "+": MLA, "-": DENSE, "E": MOE, "M": MAMBA, "G": GDN}  # the layer pattern's symbols'
+SYMBOLS = {"*": ATTENTION, "+": MLA, "-": DENSE, "E": MOE, "M": MAMBA, "G": GDN}  # the layer pattern's symbols'
 # blocks
 
 
@@ -88,93 +88,93 @@ def in_blocks(block: str | tuple[str, ...] | None, blocks: Container[str]) -> bo
     return any(b in blocks for b in block) if isinstance(block, tuple) else block in blocks
 
 
-def _always(s: ModelSpec, pp: int) -> bool:
+def always(s: ModelSpec, pp: int) -> bool:
     return True
 
 
-def _layernorm(s: ModelSpec, pp: int) -> bool:
+def with_layernorm(s: ModelSpec, pp: int) -> bool:
     return s.normalization == "LayerNorm"
 
 
-def _bias(s: ModelSpec, pp: int) -> bool:
+def with_bias(s: ModelSpec, pp: int) -> bool:
     return s.add_bias_linear
 
 
-def _qk_norm(s: ModelSpec, pp: int) -> bool:
+def qk_norm_per_head(s: ModelSpec, pp: int) -> bool:
     return s.qk_layernorm and not s.qk_norm_across_heads
 
 
-def _qk_norm_across(s: ModelSpec, pp: int) -> bool:
+def qk_norm_across(s: ModelSpec, pp: int) -> bool:
     return s.qk_layernorm and s.qk_norm_across_heads
 
 
-def _shared_gate(s: ModelSpec, pp: int) -> bool:
+def with_shared_gate(s: ModelSpec, pp: int) -> bool:
     return s.moe_shared_expert_gate
 
 
-def _expert_bias(s: ModelSpec, pp: int) -> bool:
+def with_expert_bias(s: ModelSpec, pp: int) -> bool:
     return s.moe_router_enable_expert_bias
 
 
-def _q_lora(s: ModelSpec, pp: int) -> bool:
+def q_lora(s: ModelSpec, pp: int) -> bool:
     return s.q_lora_rank is not None
 
 
-def _q_plain(s: ModelSpec, pp: int) -> bool:
+def q_plain(s: ModelSpec, pp: int) -> bool:
     return s.q_lora_rank is None
 
 
-def _h(s: ModelSpec, v: int) -> tuple[int, ...]:
+def hidden_vector(s: ModelSpec, v: int) -> tuple[int, ...]:
     return (s.hidden_size,)
 
 
-def _d(s: ModelSpec, v: int) -> tuple[int, ...]:
+def head_vector(s: ModelSpec, v: int) -> tuple[int, ...]:
     return (s.kv_channels,)
 
 
-def _q_head(s: ModelSpec) -> int:
+def q_head_dim(s: ModelSpec) -> int:
     return s.qk_head_dim + s.qk_pos_emb_head_dim
 
 
-def _mamba_inner(s: ModelSpec) -> int:
+def mamba_inner(s: ModelSpec) -> int:
     return s.mamba_num_heads * s.mamba_head_dim
 
 
-def _mamba_in_parts(s: ModelSpec) -> tuple[int, ...]:
+def mamba_in_parts(s: ModelSpec) -> tuple[int, ...]:
     """Mamba-2's in_proj rows: [z; x; B; C; dt] (gate, input, the state's in and out projections per group, a step
     per head), each split over TP by heads and groups."""
     gn = s.mamba_num_groups * s.mamba_state_dim
-    return (_mamba_inner(s), _mamba_inner(s), gn, gn, s.mamba_num_heads)
+    return (mamba_inner(s), mamba_inner(s), gn, gn, s.mamba_num_heads)
 
 
-def _mamba_conv_parts(s: ModelSpec) -> tuple[int, ...]:
+def mamba_conv_parts(s: ModelSpec) -> tuple[int, ...]:
     """Mamba-2's convolution channels: [x; B; C]."""
-    return _mamba_in_parts(s)[1:4]
+    return mamba_in_parts(s)[1:4]
 
 
 MAMBA_CONV = 4  # the convolution's width (megatron-core's MambaMixer d_conv, which Megatron-LM does not set)
-_ATTENTIONS, _MLPS = (ATTENTION, MLA, GDN), (DENSE, MOE)  # the blocks a layer's input norm / pre-MLP norm serves
+ATTENTIONS, MLPS = (ATTENTION, MLA, GDN), (DENSE, MOE)  # the blocks a layer's input norm / pre-MLP norm serves
 
 
-def _gdn_qk(s: ModelSpec) -> int:
+def gdn_qk(s: ModelSpec) -> int:
     return s.linear_num_key_heads * s.linear_key_head_dim
 
 
-def _gdn_v(s: ModelSpec) -> int:
+def gdn_v(s: ModelSpec) -> int:
     return s.linear_num_value_heads * s.linear_value_head_dim
 
 
 def gdn_in_parts(s: ModelSpec) -> tuple[int, ...]:
     """Gated DeltaNet's in_proj rows: [q; k; v; z; b; a] (each head-major), each split over TP by heads."""
-    return (_gdn_qk(s), _gdn_qk(s), _gdn_v(s), _gdn_v(s), s.linear_num_value_heads, s.linear_num_value_heads)
+    return (gdn_qk(s), gdn_qk(s), gdn_v(s), gdn_v(s), s.linear_num_value_heads, s.linear_num_value_heads)
 
 
-def _gdn_conv_parts(s: ModelSpec) -> tuple[int, ...]:
+def gdn_conv_parts(s: ModelSpec) -> tuple[int, ...]:
     """Gated DeltaNet's convolution channels: [q; k; v]."""
     return gdn_in_parts(s)[:3]
 
 
-def _qkv_rows(s: ModelSpec) -> int:
+def qkv_rows(s: ModelSpec) -> int:
     """linear_qkv's rows: per query group its q heads (and, with an output gate, as many gate heads), k and v."""
     gate = s.num_attention_heads if s.attention_output_gate else 0
     return (s.num_attention_heads + gate + 2 * s.num_query_groups) * s.kv_channels
