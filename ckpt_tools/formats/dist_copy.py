@@ -18,7 +18,10 @@ hold what the torch path writes for the same target; tests/test_megatron_write.p
 q, k and v rows per query group, gate and up halves, the true vocab's rows) are one chunk each, copied from the
 safetensors file; a row-parallel tensor is one run of whole rows per target TP rank (byte ranges too: its columns
 would have to be gathered in memory), which Megatron-LM loads at any TP and ByteSource takes as the whole tensor;
-one .distcp per target rank.
+one .distcp per target rank. The choice between copying and torch is made per tensor: a tensor whose megatron-core
+value is not its HF bytes (GPT-2's transposed Conv1D weights, Gemma's norm offset, weights in another dtype than the
+one asked for or the one the layout table keeps) is made by torch alone (conversions.from_hf, as the torch path makes
+it) and written from memory into the same chunks; the rest are still copied file to file.
 """
 from __future__ import annotations
 
@@ -246,12 +249,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
-    started = start_hf_copy(copied_hf(hf_dir, dtype), out, want, force, team)
+    started = start_hf_copy(copied_hf(hf_dir, dtype, per_tensor=want.form == TORCH_DIST), out, want, force, team)
     if started is None:
         return None
     spec, index, rows, params, out, leftover, target = started
     args = to_megatron.check(spec, target, params, None, out)
-    nbytes = _import(hf_dir, index, rows, out, spec, target, args, force, quiet, team)
+    nbytes = _import(hf_dir, index, rows, out, spec, target, args, force, quiet, team, params)
     summary = to_megatron.imported(hf_dir, spec, out, target, params, nbytes, time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
 
@@ -268,8 +271,10 @@ def start_hf_copy(copied: tuple | None, out: str | Path, want: Request, force: b
     return spec, index, rows, params, out, leftover, want.resolve(spec)
 
 
-def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
-    """(spec, index, rows, params dtype) of an HF model whose tensors this path copies; None where it does not."""
+def copied_hf(hf_dir: Path, dtype: str | None, per_tensor: bool = False) -> tuple | None:
+    """(spec, index, rows, params dtype) of an HF model whose tensors this path copies; None where it does not.
+    `per_tensor` (torch_dist): the tensors whose values are not their HF bytes (`made_by_torch`) are no reason to
+    decline; the writer makes them with torch."""
     try:
         index = _safetensors_index(hf_dir)
         spec = hf.spec_of_model(hf_dir, index)
@@ -281,25 +286,58 @@ def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
     if any(not _same_bytes(index[a], index[b]) for a, b in copies.items()):
         return None  # the torch path refuses it, naming both
     extra = set(index) - wanted - set(copies) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
-    if extra or wanted - set(index) or any(row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC for row, _ in rows.values()):
+    if extra or wanted - set(index):
         return None
     params = dtype or index[rows["embedding.word_embeddings.weight"][1][0]][1]
     planning_pad = spec.padded_vocab_size(1)  # HF shapes do not depend on the padding
     for key, (row, names) in rows.items():
         shapes = conversions.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
-        if any(index[n][1] != params or index[n][2] != s for n, s in zip(names, shapes)):
+        if any(index[n][2] != s for n, s in zip(names, shapes)):
+            return None
+        if not per_tensor and (row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC
+                               or any(index[n][1] != params for n in names)):
             return None
     return spec, index, rows, params
 
 
+def made_by_torch(key: str, row, names: list[str], index: dict, spec, params: str) -> str | None:
+    """The dtype torch makes KEY's megatron-core tensor in, where its value is not the bytes of its HF tensors (a
+    transposed or arithmetic conversion kind, another dtype than the weights' or the layout table's own); None where
+    they are copied."""
+    want = layout.dtype_of(key, spec, params, None)
+    if row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC or any(index[n][1] != want for n in names):
+        return want
+    return None
+
+
+class TorchMade:
+    """The HF tensors of the tensors made by torch (made_by_torch), read through torch's safetensors reader, opened at
+    the first such tensor: a model without one never imports torch."""
+
+    def __init__(self, hf_dir: Path, spec, padded: int):
+        self.hf_dir, self.spec, self.padded, self._source = hf_dir, spec, padded, None
+
+    def rows(self, kind: str, names: list[str], dtype: str) -> tuple[memoryview, int]:
+        """The full megatron-core tensor (vocab padding included) as the torch path makes it: its bytes, and the bytes
+        of one of its rows."""
+        import torch
+        if self._source is None:
+            self._source = hf_tensors.HFTensors(self.hf_dir)
+        full = conversions.from_hf(kind, [self._source.get(n) for n in names], self.spec, self.padded)
+        full = full.to(getattr(torch, dtype)).contiguous()
+        data = memoryview(full.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return data, len(data) // full.shape[0]
+
+
 def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layout, args, force: bool, quiet: bool,
-            team: Team) -> int:
+            team: Team, params: str) -> int:
     tp, counts, padded = target.tp, target.counts, target.padded
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / megatron_lm.RELEASE
         iter_dir.mkdir(exist_ok=True)
         if target.form == TORCH_DIST:
-            nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team)
+            made = TorchMade(hf_dir, spec, padded)
+            nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team, made, params)
         else:
             source = legacy_copy.hf_source(hf_dir, spec, index, rows)
             try:
@@ -313,7 +351,7 @@ def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layo
 
 
 def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts: list[int], padded: int, args,
-                 quiet: bool, team: Team = SOLO) -> int:
+                 quiet: bool, team: Team, made: TorchMade, params: str) -> int:
     pp = len(counts)
     fds: dict[Path, int] = {}
 
@@ -323,7 +361,9 @@ def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts:
                 if not layout.holds_weights(key, spec, pp):
                     writer.put_extra(p, key)
                 elif writer.saves(key, Rank(0, p)):
-                    _put_hf(writer, index, fds, p, key, *rows[key], padded)
+                    row, names = rows[key]
+                    dtype = made_by_torch(key, row, names, index, spec, params)
+                    _put_hf(writer, index, fds, p, key, row, names, padded, None if dtype is None else (made, dtype))
             bar.update(1)
             writer.end_stage(p, 0)
         writer.close(0, None)
@@ -336,13 +376,14 @@ def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts:
 
 
 def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, row, names: list[str],
-            padded: int) -> None:
+            padded: int, made: tuple[TorchMade, str] | None = None) -> None:
     """One megatron-core tensor's chunks: the row ranges of its HF tensor(s), and zeros for the vocab padding, each
     cut at the target's TP shards and saved by the TP rank that holds it (one .distcp per target rank, as
     megatron-core saves them). A row-parallel tensor (split over TP by columns) is cut by rows instead, one run of
     rows per target TP rank: each chunk is then a byte range of the HF file, copied file to file, where a column
     block would have to be gathered in memory. torch_dist does not tie chunks to the loading layout: Megatron-LM
-    loads each rank's columns from the row chunks they cross, at any TP, as it loads any other save."""
+    loads each rank's columns from the row chunks they cross, at any TP, as it loads any other save. MADE: (the reader,
+    the dtype) of a tensor torch makes (made_by_torch), whose rows are then cut from memory the same way."""
     spec = writer.spec
     fqn, layer = writer.stored(key)
     full = layout.full_shape(key, spec, padded, writer.pp)
@@ -360,6 +401,10 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
             if lo < hi:
                 stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
                 writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
+    if made is not None:
+        dtype = made[1]
+        data, row_bytes = made[0].rows(row.kind, names, dtype)
+        return put(0, full[0], lambda i, j: data[i * row_bytes:j * row_bytes])
     for name, runs in zip(names, conversions.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
