@@ -36,7 +36,8 @@ def hf_dirs(tmp_path_factory):
     for arch in ("llama", "llama_tied", "gpt2"):
         dirs[arch] = root / arch
         hf_model(arch).save_pretrained(dirs[arch], safe_serialization=True)
-    for case in ("qwen2_tied", "qwen3"):  # QKV biases; per-head q/k norms with head_dim x heads != hidden
+    # QKV biases; per-head q/k norms with head_dim x heads != hidden; MLA, MTP and an fp32 expert bias
+    for case in ("qwen2_tied", "qwen3", "deepseek_v3"):
         dirs[case] = root / case
         family_model(case).save_pretrained(dirs[case], safe_serialization=True)
     return dirs
