@@ -2,7 +2,8 @@
 
 Each kind is the row ranges of the full tensor each HF tensor is made of (`hf_rows`, plain Python: the torch-free merge
 copies them as byte ranges), transposed for a TRANSPOSED kind; an ARITHMETIC kind's values differ too (the byte-copy
-paths decline a model holding one). ckpt_tools.hf re-exports these names.
+merge and the legacy-form and ours imports decline a model holding one; the torch_dist import has torch make those
+tensors alone: formats/dist_copy.made_by_torch).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _gdn_in_rows(spec: ModelSpec) -> list[shard_ops.Rows]:
     return [[r for g in rows[0::2] for r in g], [r for g in rows[1::2] for r in g]]
 
 
-# kinds whose HF values are not megatron-core's bytes (the byte-copy paths decline a model holding them)
+# kinds whose HF values are not megatron-core's bytes (not copied as bytes: see the module's docstring)
 ARITHMETIC = (NORM_OFFSET,)
 
 

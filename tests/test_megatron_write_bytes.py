@@ -85,23 +85,32 @@ def test_imported_chunks_hold_what_the_torch_path_writes(arch, hf_dirs, tmp_path
     same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "torch" / "release", tmp_path)
 
 
-@pytest.mark.parametrize("arch, dtype, pp", [("gpt2", None, 2), ("llama", torch.bfloat16, 2),
-                                           ("qwen3", torch.bfloat16, 2), ("deepseek_v3", torch.bfloat16, 1)],
-                         ids=["gpt2-transposed", "llama-to-bf16", "qwen3-to-bf16", "deepseek_v3-to-bf16"])
-def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp, hf_dirs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, dtype, pp, copied", [
+    ("gpt2", None, 2, {"embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight"}),
+    ("llama", torch.bfloat16, 2, set()), ("qwen3", torch.bfloat16, 2, set()),
+    ("deepseek_v3", torch.bfloat16, 1, {"decoder.layers.1.mlp.router.expert_bias"})],
+    ids=["gpt2-transposed", "llama-to-bf16", "qwen3-to-bf16", "deepseek_v3-to-bf16"])
+def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp, copied, hf_dirs, tmp_path,
+                                                                monkeypatch):
     """The byte path chooses per tensor: a tensor whose megatron-core value is not its HF bytes (GPT-2's Conv1D
     weights transposed, every weight of an fp32 model asked for in bf16 but DeepSeek-V3's expert bias, which the
     layout table keeps in fp32 and is then copied) is made
     by torch and written from memory, the rest still copied; the job never falls back whole to the torch path, and
     every value is the torch path's."""
     from ckpt_tools import importer
+    from ckpt_tools.formats import dist_copy
     slow = import_hf(hf_dirs[arch], tmp_path / "torch", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True,
                      copy_bytes=False)
 
     def declined(*args, **kwargs):
         raise AssertionError("the byte path declined the job: the torch path ran")
     monkeypatch.setattr(importer, "run", declined)
+    made, choose = {}, dist_copy.made_by_torch
+    monkeypatch.setattr(dist_copy, "made_by_torch", lambda key, *a: made.setdefault(key, choose(key, *a)))
     fast = import_hf(hf_dirs[arch], tmp_path / "fast", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True)
+    assert {k for k in made if made[k] is None} >= copied and any(made.values()), made  # some of each
+    if not copied:  # every weight cast
+        assert all(made.values()), made
     assert fast.replace(str(tmp_path / "fast"), str(tmp_path / "torch")).split(", ")[:-3] == slow.split(", ")[:-3]
     same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "torch" / "release", tmp_path)
 

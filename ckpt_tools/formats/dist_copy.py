@@ -19,9 +19,10 @@ q, k and v rows per query group, gate and up halves, the true vocab's rows) are 
 safetensors file; a row-parallel tensor is one run of whole rows per target TP rank (byte ranges too: its columns
 would have to be gathered in memory), which Megatron-LM loads at any TP and ByteSource takes as the whole tensor;
 one .distcp per target rank. The choice between copying and torch is made per tensor: a tensor whose megatron-core
-value is not its HF bytes (GPT-2's transposed Conv1D weights, Gemma's norm offset, weights in another dtype than the
+value is not its HF bytes (GPT-2's transposed Conv1D weights, an arithmetic kind, weights in another dtype than the
 one asked for or the one the layout table keeps) is made by torch alone (conversions.from_hf, as the torch path makes
-it) and written from memory into the same chunks; the rest are still copied file to file.
+it), by the process that writes a chunk of it, and written from memory into the same chunks; the rest are still
+copied file to file.
 """
 from __future__ import annotations
 
@@ -242,9 +243,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     """verbs.import_hf(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
-    from the safetensors file. None, having written nothing, where the torch path must do it: weights in another
-    dtype than asked for, transposed kinds (GPT-2), names or shapes that disagree with config.json (the torch
-    path words that), anything unreadable."""
+    from the safetensors file; into torch_dist, a tensor whose value is not its HF bytes (made_by_torch) is made by
+    torch alone. None, having written nothing, where the torch path must do it: into the legacy form, weights in
+    another dtype than asked for and transposed or arithmetic kinds (GPT-2); for both forms, names or shapes that
+    disagree with config.json (the torch path words that), tensors of more than 2 dimensions, FP8 weights with
+    their scales, anything unreadable."""
     start = time.perf_counter()
     if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
@@ -317,16 +320,14 @@ class TorchMade:
     def __init__(self, hf_dir: Path, spec, padded: int):
         self.hf_dir, self.spec, self.padded, self._source = hf_dir, spec, padded, None
 
-    def rows(self, kind: str, names: list[str], dtype: str) -> tuple[memoryview, int]:
-        """The full megatron-core tensor (vocab padding included) as the torch path makes it: its bytes, and the bytes
-        of one of its rows."""
+    def rows(self, kind: str, names: list[str], dtype: str) -> memoryview:
+        """The bytes of the full megatron-core tensor (vocab padding included) as the torch path makes it."""
         import torch
         if self._source is None:
             self._source = hf_tensors.HFTensors(self.hf_dir)
         full = conversions.from_hf(kind, [self._source.get(n) for n in names], self.spec, self.padded)
         full = full.to(getattr(torch, dtype)).contiguous()
-        data = memoryview(full.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        return data, len(data) // full.shape[0]
+        return memoryview(full.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layout, args, force: bool, quiet: bool,
@@ -401,10 +402,21 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
             if lo < hi:
                 stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
                 writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
-    if made is not None:
-        dtype = made[1]
-        data, row_bytes = made[0].rows(row.kind, names, dtype)
-        return put(0, full[0], lambda i, j: data[i * row_bytes:j * row_bytes])
+    if made is not None:  # made by torch once, where this process writes a chunk of it; counted alone elsewhere
+        dtype, made_rows = made[1], []
+        row_bytes = ELEMENT_SIZES[dtype] * math.prod(full[1:])
+        for r, lo, hi in shards:
+            if lo >= hi:
+                continue
+            if writer.writes_rank(Rank(r, stage)):
+                if not made_rows:
+                    made_rows.append(made[0].rows(row.kind, names, dtype))
+                data = made_rows[0][lo * row_bytes:hi * row_bytes]
+            else:
+                data = [(-1, 0, (hi - lo) * row_bytes)]  # its size only: the file is another process's
+            stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
+            writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data)
+        return
     for name, runs in zip(names, conversions.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
