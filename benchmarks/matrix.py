@@ -199,7 +199,7 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, cold: bool = False) -> dict:
+def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, drop: bool = False) -> dict:
     """Per cell: the command's and cp -r of its output's wall times, the command's peak RSS and output bytes. A cell
     is measured in one go (its output kept for cp only while it is measured: the whole matrix's outputs would not fit
     on the disk), the command and cp alternating, so that a slow phase of the machine hits both alike."""
@@ -207,7 +207,7 @@ def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, cold: 
     results = {}
     for i, (key, argv) in enumerate(cells.items()):
         ref = work / "ref"
-        if cold:
+        if drop:
             drop_caches()
         first = run(at(argv, ref), ref, log, env, keep=True)  # warm-up: fills the caches, keeps the output for cp
         r = results[key] = {"wall": [], "cp": [], "rss": [], "bytes": first[2]}
@@ -215,12 +215,12 @@ def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, cold: 
             if not warm and k == 0:
                 wall, rss, _ = first
             else:
-                if cold:
+                if drop:
                     drop_caches()
                 wall, rss, _ = run(at(argv, out), out, log, env)
             r["wall"].append(wall)
             r["rss"].append(rss)
-            if cold:
+            if drop:
                 drop_caches()
             r["cp"].append(run(["cp", "-r", str(ref), str(copy)], copy, log, env)[0])
         remove(ref)
@@ -294,6 +294,10 @@ def main() -> None:
     spec = make_spec(args.size_gb, args.quick)
     repeats = 1 if args.quick else args.repeats
     chosen = [n.strip() for n in args.only.split(",") if n.strip()] or list(INPUTS)
+    if set(chosen) - set(INPUTS):
+        sys.exit(f"--only: {', '.join(sorted(set(chosen) - set(INPUTS)))} is no input; the inputs: {', '.join(INPUTS)}")
+    if args.drop_caches and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        sys.exit("--drop-caches needs root (it writes /proc/sys/vm/drop_caches); run as root or without it")
     parts = [o.strip() for o in args.ops.split(",") if o.strip()]
     ops = [op for op in OPERATIONS if not parts or any(x in op for x in parts)]
     ops = [v for op in ops for v in ([op, team(op, args.procs)] if args.procs > 1 else [op])]

@@ -80,4 +80,4 @@ def test_matrix_large_mode_makes_one_input_at_a_time_and_runs_team_cells(tmp_pat
     ops = {"HF": ["import -> torch_dist TP2xPP2"], "torch_dist": ["reshard TP2 -> TP3"], "torch": ["reshard TP2 -> TP3"]}
     expected = {(o + extra, n) for n, names in ops.items() for o in names for extra in ("", " (2 processes)")}
     assert cells == expected, cells ^ expected
-    assert "Megatron-LM forms written by ckpt" in table.read_text() and "cold: no warm-up run" in table.read_text()
+    assert "Megatron-LM forms written by ckpt" in table.read_text()
