@@ -81,6 +81,18 @@ class TensorRef:
     shape: tuple[int, ...]
 
 
+class Pickled(bytes):
+    """A value already pickled (`pickled`): its opcodes, put as they are where it stands in a larger tree."""
+
+
+def pickled(obj: Any) -> Pickled:
+    """OBJ's pickle opcodes alone (no protocol header, no STOP), to stand in a tree given to dumps: a large index
+    (10^5 chunk records) held as bytes, not as an object tree of stand-ins, until it is written."""
+    out = _Pickle()
+    _save(obj, out)
+    return Pickled(out)
+
+
 def dtype_global(dtype: str) -> Global:
     """torch.<dtype>, as a pickle names it ("bfloat16" -> torch.bfloat16)."""
     return Global("torch", dtype)
@@ -91,15 +103,22 @@ def size(shape) -> Call:
     return Call(Global("torch", "Size"), (tuple(int(n) for n in shape),))
 
 
+class _Pickle(bytearray):
+    """A pickle's bytes as they are made, in one buffer: `append` adds an opcode and its argument. (A list of the
+    pieces, joined at the end, held an object per piece: a torch_dist index of 10^5 chunks took 100+ MB that way.)"""
+
+    append = bytearray.extend
+
+
 def dumps(obj: Any) -> bytes:
     """The protocol-2 pickle of `obj` (see the module docstring for what it may hold)."""
-    out: list[bytes] = [pickle.PROTO + b"\x02"]
+    out = _Pickle(pickle.PROTO + b"\x02")
     _save(obj, out)
     out.append(pickle.STOP)
-    return b"".join(out)
+    return bytes(out)
 
 
-def _save(obj: Any, out: list[bytes]) -> None:  # noqa: C901 (one branch per pickled type)
+def _save(obj: Any, out: _Pickle) -> None:  # noqa: C901 (one branch per pickled type)
     if obj is None:
         out.append(pickle.NONE)
     elif obj is True or obj is False:
@@ -151,6 +170,8 @@ def _save(obj: Any, out: list[bytes]) -> None:  # noqa: C901 (one branch per pic
                 _save(k, out)
                 _save(v, out)
             out.append(pickle.SETITEMS)
+    elif isinstance(obj, Pickled):
+        out.append(obj)
     elif isinstance(obj, Global):
         out.append(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
     elif isinstance(obj, New):

@@ -85,6 +85,16 @@ def test_pickles_equal_pythons_for_plain_values():
         assert pickle.loads(ts.dumps(v)) == v and type(pickle.loads(ts.dumps(v))) is type(v), v
 
 
+def test_parts_pickled_ahead_make_the_same_pickle():
+    """A large index is held as pickled parts (ts.pickled) until it is written: the same bytes as the whole tree."""
+    size = ts.size((3, 4))
+    namespace = ts.New(ts.Global("argparse", "Namespace"))
+    tree = {"a": [size, {"b": (1, "c")}], "items": ts.Items([(ts.size((1,)), namespace)])}
+    ahead = {"a": [ts.pickled(size), ts.pickled({"b": (1, "c")})],
+             "items": ts.Items([(ts.pickled(ts.size((1,))), ts.pickled(namespace))])}
+    assert ts.dumps(ahead) == ts.dumps(tree) and pickle.loads(ts.dumps(ahead))["a"][0] == torch.Size((3, 4))
+
+
 def test_stand_ins_load_as_the_torch_objects_they_name():
     ns = argparse.Namespace(params_dtype=ts.dtype_global("bfloat16"), tp=2, real=torch.float16)
     got = pickle.loads(ts.dumps({"args": ns, "size": ts.size((3, 4))}))

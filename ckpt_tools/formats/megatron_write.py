@@ -275,9 +275,10 @@ class DistWriter:
         if not self.team.lead:
             return
         state, storage = {}, []
-        for fqn, (dtype, shape, chunks) in tensors.items():
-            state[fqn] = _tensor_metadata(dtype, shape, [(o, s) for o, s, _ in chunks])
-            storage += [(_index(fqn, o), _storage(*where)) for o, _, where in chunks]
+        for fqn, (dtype, shape, chunks) in tensors.items():  # each entry pickled as it is made: bytes, not objects
+            state[fqn] = torchsave.pickled(_tensor_metadata(dtype, shape, [(o, s) for o, s, _ in chunks]))
+            storage += [(torchsave.pickled(_index(fqn, o)), torchsave.pickled(_storage(*where)))
+                        for o, _, where in chunks]
         for fqn, where in objects.items():
             state[fqn] = torchsave.New(torchsave.Global(DCP, "BytesStorageMetadata"))
             storage.append((_index(fqn, None), _storage(*where)))
