@@ -3,7 +3,7 @@
 Each kind is the row ranges of the full tensor each HF tensor is made of (`hf_rows`, plain Python: the torch-free merge
 copies them as byte ranges), transposed for a TRANSPOSED kind; an ARITHMETIC kind's values differ too (the byte-copy
 merge and the legacy-form and ours imports decline a model holding one; the torch_dist import has torch make those
-tensors alone: formats/dist_copy.made_by_torch).
+tensors alone: formats/hf_copy.made_by_torch).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The one entry of each rewriting verb, `ckpt reshard` and `ckpt import`, for the command line and the Python API
 alike (reshard.reshard, importer.import_hf): which path writes the output.
 
-First the torch-free byte copy, where it takes the job: formats/dist_copy.py for Megatron-LM's forms (the source's
-shards, or the HF tensors' rows, copied as the target's chunks), formats/ours_copy.py for an import into our format.
+First the torch-free byte copy, where it takes the job: formats/dist_copy.py for a reshard into Megatron-LM's forms
+(the source's shards copied as the target's chunks), formats/hf_copy.py for an import into them (the HF tensors' rows
+as the chunks), formats/ours_copy.py for an import into our format.
 It declines (None, nothing written) what it does not copy, and the torch path writes it: reshard.run, importer.run.
 torch is imported only then. `tuned`: the command line's process settings for the torch path (copying_process).
 """
@@ -36,8 +37,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     HF weights' own); `copy_bytes` False: the torch path only."""
     want.check()
     if copy_bytes:
-        from ckpt_tools.formats import dist_copy, ours_copy
-        copier = dist_copy.import_hf if want.megatron else ours_copy.import_hf
+        from ckpt_tools.formats import hf_copy, ours_copy
+        copier = hf_copy.import_hf if want.megatron else ours_copy.import_hf
         summary = copier(hf_dir, out, want, dtype, force, quiet, team)
         if summary is not None:
             return summary

@@ -135,10 +135,10 @@ def test_megatron_core_mtp_layers_reach_transformers_layout_and_come_back(tmp_pa
     merge(tmp_path / "megatron", tmp_path / "back", quiet=True)
     back = load_safetensors(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
-    from ckpt_tools.formats import dist_copy  # the byte path takes an MTP model (its copies checked byte for byte)
+    from ckpt_tools.formats import hf_copy  # the byte path takes an MTP model (its copies checked byte for byte)
     from ckpt_tools.request import Request
-    assert dist_copy.import_hf(tmp_path / "hf", tmp_path / "bytes", Request(2, 2, form="torch_dist"),
-                               quiet=True) is not None
+    assert hf_copy.import_hf(tmp_path / "hf", tmp_path / "bytes", Request(2, 2, form="torch_dist"),
+                             quiet=True) is not None
     merge(tmp_path / "bytes", tmp_path / "back_bytes", quiet=True)
     again = load_safetensors(tmp_path / "back_bytes" / "model.safetensors")
     assert sorted(again) == sorted(tensors) and all(torch.equal(again[k], tensors[k]) for k in tensors)

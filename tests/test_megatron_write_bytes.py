@@ -98,15 +98,15 @@ def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp,
     by torch and written from memory, the rest still copied; the job never falls back whole to the torch path, and
     every value is the torch path's."""
     from ckpt_tools import importer
-    from ckpt_tools.formats import dist_copy
+    from ckpt_tools.formats import hf_copy
     slow = import_hf(hf_dirs[arch], tmp_path / "torch", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True,
                      copy_bytes=False)
 
     def declined(*args, **kwargs):
         raise AssertionError("the byte path declined the job: the torch path ran")
     monkeypatch.setattr(importer, "run", declined)
-    made, choose = {}, dist_copy.made_by_torch
-    monkeypatch.setattr(dist_copy, "made_by_torch", lambda key, *a: made.setdefault(key, choose(key, *a)))
+    made, choose = {}, hf_copy.made_by_torch
+    monkeypatch.setattr(hf_copy, "made_by_torch", lambda key, *a: made.setdefault(key, choose(key, *a)))
     fast = import_hf(hf_dirs[arch], tmp_path / "fast", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True)
     assert {k for k in made if made[k] is None} >= copied and any(made.values()), made  # some of each
     if not copied:  # every weight cast

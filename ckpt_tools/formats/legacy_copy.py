@@ -137,7 +137,7 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
 def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
     """An HF model's safetensors as a TP 1 x PP 1 source whose vocab is unpadded: each megatron-core tensor one shard,
     made of the row ranges of its HF tensors in the order they take in it. `index`: name -> (file, dtype, shape,
-    data offset, bytes); `rows`: key -> (hf.Name, HF names), as dist_copy.import_hf checked them."""
+    data offset, bytes); `rows`: key -> (hf.Name, HF names), as hf_copy.import_hf checked them."""
     shards = {}
     for key, (row, names) in rows.items():
         full_rows = layout.full_shape(key, spec, spec.vocab_size)[0]

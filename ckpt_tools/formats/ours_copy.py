@@ -5,7 +5,7 @@ ranges of the HF tensors, conversions.hf_rows); the fresh optimizer recorded in 
 meta.json, the carried HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch
 path's, bit for bit.
 
-None, having written nothing, where the torch path must do it: what formats/dist_copy.py's HF copy declines (weights
+None, having written nothing, where the torch path must do it: what formats/hf_copy.py declines (weights
 in another dtype than asked for, transposed or arithmetic conversion kinds, names or shapes that disagree with
 config.json), a tensor the layout table keeps in a dtype of its own, expert parallelism.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hf, io, layout, output
-from ckpt_tools.formats import dist_copy, legacy_copy
+from ckpt_tools.formats import hf_copy, legacy_copy
 from ckpt_tools.ranks import Grid
 from ckpt_tools.request import Request
 from ckpt_tools.spec import ModelSpec
@@ -29,10 +29,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     team each process writes a run of the rank files (balanced by their bytes), process 0 the rest."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
-    copied = dist_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
+    copied = hf_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
     if copied is not None and any(layout.dtype_of(key, copied[0], copied[3], None) != copied[3] for key in copied[2]):
         copied = None  # a tensor kept in its own dtype (converted by the torch path)
-    started = dist_copy.start_hf_copy(copied, out, want, force, team)
+    started = hf_copy.start_hf_copy(copied, out, want, force, team)
     if started is None:
         return None
     spec, index, rows, params, out, leftover, target = started
