@@ -37,7 +37,8 @@ def hf_dirs(tmp_path_factory):
         dirs[arch] = root / arch
         hf_model(arch).save_pretrained(dirs[arch], safe_serialization=True)
     # QKV biases; per-head q/k norms with head_dim x heads != hidden; MLA, MTP and an fp32 expert bias
-    for case in ("qwen2_tied", "qwen3", "deepseek_v3"):
+    # Mamba-2 and gated DeltaNet: 3-D convolution weights, a norm offset
+    for case in ("qwen2_tied", "qwen3", "deepseek_v3", "qwen3_next", "nemotron_h"):
         dirs[case] = root / case
         family_model(case).save_pretrained(dirs[case], safe_serialization=True)
     return dirs

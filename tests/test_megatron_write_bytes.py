@@ -88,13 +88,16 @@ def test_imported_chunks_hold_what_the_torch_path_writes(arch, hf_dirs, tmp_path
 @pytest.mark.parametrize("arch, dtype, pp, copied", [
     ("gpt2", None, 2, {"embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight"}),
     ("llama", torch.bfloat16, 2, set()), ("qwen3", torch.bfloat16, 2, set()),
-    ("deepseek_v3", torch.bfloat16, 1, {"decoder.layers.1.mlp.router.expert_bias"})],
-    ids=["gpt2-transposed", "llama-to-bf16", "qwen3-to-bf16", "deepseek_v3-to-bf16"])
+    ("deepseek_v3", torch.bfloat16, 1, {"decoder.layers.1.mlp.router.expert_bias"}),
+    ("qwen3_next", None, 1, {"embedding.word_embeddings.weight", "decoder.layers.0.self_attention.conv1d.weight"}),
+    ("nemotron_h", torch.bfloat16, 1, set())],
+    ids=["gpt2-transposed", "llama-to-bf16", "qwen3-to-bf16", "deepseek_v3-to-bf16", "qwen3_next-norm-offset",
+         "nemotron_h-to-bf16"])
 def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp, copied, hf_dirs, tmp_path,
                                                                 monkeypatch):
     """The byte path chooses per tensor: a tensor whose megatron-core value is not its HF bytes (GPT-2's Conv1D
-    weights transposed, every weight of an fp32 model asked for in bf16 but DeepSeek-V3's expert bias, which the
-    layout table keeps in fp32 and is then copied) is made
+    weights transposed, Qwen3-Next's norm offset, every weight of an fp32 model asked for in bf16 but DeepSeek-V3's
+    expert bias, which the layout table keeps in fp32 and is then copied) is made
     by torch and written from memory, the rest still copied; the job never falls back whole to the torch path, and
     every value is the torch path's."""
     from ckpt_tools import importer

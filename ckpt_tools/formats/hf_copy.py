@@ -41,9 +41,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
     from the safetensors file; into torch_dist, a tensor whose value is not its HF bytes (made_by_torch) is made by
     torch alone. None, having written nothing, where the torch path must do it: into the legacy form, weights in
-    another dtype than asked for and transposed or arithmetic kinds (GPT-2); for both forms, names or shapes that
-    disagree with config.json (the torch path words that), tensors of more than 2 dimensions, FP8 weights with
-    their scales, anything unreadable."""
+    another dtype than asked for, transposed or arithmetic kinds (GPT-2) and tensors of more than 2 dimensions; for
+    both forms, names or shapes that disagree with config.json (the torch path words that; GPT-OSS's stacked experts
+    too), FP8 weights with their scales, anything unreadable."""
     start = time.perf_counter()
     if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
@@ -94,8 +94,8 @@ def copied_hf(hf_dir: Path, dtype: str | None, per_tensor: bool = False) -> tupl
         if any(index[n][2] != s for n, s in zip(names, shapes)):
             return None
         if not per_tensor and (row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC
-                               or any(index[n][1] != params for n in names)):
-            return None
+                               or any(index[n][1] != params or len(index[n][2]) > 2 for n in names)):
+            return None  # the legacy form's and our format's copies take 2-D tensors in the weights' dtype only
     return spec, index, rows, params
 
 
@@ -269,7 +269,7 @@ def _read_index(hf_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int
         entries = sorted(hf_tensors.data_offsets(path).items(), key=lambda item: item[1][2])
         for tensor, (code, shape, a, b) in entries:  # safetensors' own rule: the data one tensor after another
             dtype = SAFETENSORS_DTYPES.get(code)
-            if dtype not in COPIED_DTYPES or len(shape) > 2 or at not in (None, a) \
+            if dtype not in COPIED_DTYPES or at not in (None, a) \
                     or b - a != math.prod(shape) * ELEMENT_SIZES[dtype] or b > end or tensor in out:
                 raise Declined(f"{path}: {tensor} is not a tensor this path copies")
             out[tensor], at = (path, dtype, shape, a, b - a), b
