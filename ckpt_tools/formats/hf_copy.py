@@ -191,28 +191,26 @@ def _put_hf(writer: DistWriter, index: dict, fds: dict, stage: int, key: str, ro
         shards = [(r, p.start, p.stop) for r in (range(writer.tp) if TP in rule.axes else [0])
                   for p in shard_ops.reshard_pieces(key, spec, 1, padded, writer.tp, padded, r, writer.pp)]
 
-    def put(a: int, b: int, data) -> None:  # rows [a, b) of the full tensor, cut at the TP shards
+    def put(a: int, b: int, data, with_rank: bool = False) -> None:
+        """Rows [a, b) of the full tensor, cut at the TP shards; `data(i, j)` (with_rank: `data(i, j, tp rank)`)."""
         at = a
         for r, lo, hi in shards:
             lo, hi = max(a, lo), min(b, hi)
             if lo < hi:
                 stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
-                writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data(lo - at, hi - at))
+                part = data(lo - at, hi - at, r) if with_rank else data(lo - at, hi - at)
+                writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, part)
     if made is not None:  # made by torch once, where this process writes a chunk of it; counted alone elsewhere
         dtype, made_rows = made[1], []
         row_bytes = ELEMENT_SIZES[dtype] * math.prod(full[1:])
-        for r, lo, hi in shards:
-            if lo >= hi:
-                continue
-            if writer.writes_rank(Rank(r, stage)):
-                if not made_rows:
-                    made_rows.append(made[0].rows(row.kind, names, dtype))
-                data = made_rows[0][lo * row_bytes:hi * row_bytes]
-            else:
-                data = [(-1, 0, (hi - lo) * row_bytes)]  # its size only: the file is another process's
-            stored, offsets, sizes, gshape = writer.placed(key, fqn, layer, full, shard_ops.Piece(0, 0, lo, hi))
-            writer.put_chunk(Rank(r, stage), stored, dtype, gshape, offsets, sizes, data)
-        return
+
+        def rows_of(i: int, j: int, rank: int):
+            if not writer.writes_rank(Rank(rank, stage)):
+                return [(-1, 0, (j - i) * row_bytes)]  # its size only: the file is another process's
+            if not made_rows:
+                made_rows.append(made[0].rows(row.kind, names, dtype))
+            return made_rows[0][i * row_bytes:j * row_bytes]
+        return put(0, full[0], rows_of, with_rank=True)
     for name, runs in zip(names, conversions.hf_rows(row.kind, spec, full[0])):
         path, dtype, shape, offset, _ = index[name]
         if path not in fds:
