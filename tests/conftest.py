@@ -23,6 +23,8 @@ CONFIGS = ROOT / "fixtures" / "configs"
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
     os.environ.setdefault(io.PORT_RANGE, f"{20000 + 2000 * int(_WORKER[2:])}-{21999 + 2000 * int(_WORKER[2:])}")
+else:  # one process (the gpu groups): still below the ephemeral ports, which a run's own NCCL sockets take
+    os.environ.setdefault(io.PORT_RANGE, "18000-19999")
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

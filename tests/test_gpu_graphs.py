@@ -88,6 +88,21 @@ def test_graphs_train_the_eager_run_on_two_gpus(distributed, tmp_path):
     assert_same_files(tmp_path / "on" / "checkpoint-4", tmp_path / "off" / "checkpoint-4", "model", 1, 1, 0.0)
 
 
+@_needs_gpus(2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_graphs_train_the_eager_run_on_two_gpus_under_tensor_parallelism(sequence_parallel, tmp_path):
+    """TP2, with and without sequence parallelism: the layers' all-reduces (or the gathers and reduce-scatters) are
+    NCCL kernels inside the graphs; graphs on and off train the same run, fp32, to the last bit."""
+    common = dict(tp_degree=2, pp_degree=1, train_iters=4, num_micro_batches=2,
+                  sequence_parallelism=sequence_parallel)
+    on = train("tiny_llama.yaml", tmp_path / "on", 2, **common)
+    off = train("tiny_llama.yaml", tmp_path / "off", 2, cuda_graphs=False, **common)
+    print(f"\nsp={sequence_parallel} graphs {[m['loss'] for m in on]}\neager {[m['loss'] for m in off]}")
+    _exact(on, off)
+    for kind in ("model", "optimizer"):
+        assert_same_files(tmp_path / "on" / "checkpoint-4", tmp_path / "off" / "checkpoint-4", kind, 2, 1, 0.0)
+
+
 def test_compiled_layers_train_the_eager_curve(tmp_path):
     """torch.compile'd layers (captured as graphs, the fused accumulation's matmuls left out of the compiled graphs)
     follow the eager layers' fp32 curve within the reordering of compiled elementwise code."""

@@ -9,10 +9,14 @@ added into the optimizer's buffer inside it), so the optimizer's per-parameter h
 work as without graphs; the distributed optimizer's wait for new weights runs before each layer, outside its graph.
 The embedding, the final norm, the output layer, the loss and multi-token prediction stay eager.
 
+Tensor parallelism is captured: the layers' all-reduces (sequence parallelism's gathers and reduce-scatters) are NCCL
+kernels inside the graphs. The graphs are dropped before the process group is destroyed (`release`): a communicator
+is not destroyed while a live graph holds its collectives, and TP runs hung there before. Where
+`PYTORCH_CUDA_ALLOC_CONF` asks for expandable segments, the trainer turns NCCL's registration of captured buffers off
+(`NCCL_GRAPH_REGISTER=0`, trainer/train.py), as Megatron-LM requires for its graphs on such memory.
+
 Where the layers are not captured, and why (`plan` says which, the trainer prints it):
 - no CUDA, or `cuda_graphs: false`;
-- tensor parallelism: TP2 runs whose layers held their all-reduces inside the graphs hung on 2 x H200 (torch 2.11),
-  also with the captures in thread-local error mode; until that is understood, TP > 1 runs eagerly;
 - pipeline parallelism: the 1F1B schedule runs several micro-batches' forwards before their backwards, and a captured
   layer keeps one micro-batch's activations in its graph's buffers, which the next forward would overwrite;
 - activation recompute (selective or full): it frees activations to recompute them in backward, and a captured
@@ -23,6 +27,8 @@ Where the layers are not captured, and why (`plan` says which, the trainer print
   under capture), they run eagerly between the captured layers.
 """
 from __future__ import annotations
+
+import gc
 
 import torch
 from torch import nn
@@ -49,8 +55,6 @@ def plan(stage: nn.Module, enabled: bool, device: torch.device, pp_size: int,
         return [], "CUDA graphs: off (cuda_graphs: false)"
     if device.type != "cuda":
         return [], "CUDA graphs: off (no CUDA)"
-    if stage.tp_size > 1:
-        return [], "CUDA graphs: off under tensor parallelism (its all-reduces inside graphs hung: trainer/graphs.py)"
     if pp_size > 1:
         return [], "CUDA graphs: off under pipeline parallelism (1F1B keeps several micro-batches in flight)"
     if recompute is not None:
@@ -86,3 +90,13 @@ def capture(stage: nn.Module, indices: list[int], shape: tuple[int, ...], dtype:
         wgrad.mark_captured(stage.decoder.layers[i])
     stage.graphed = dict(zip(indices, graphed))
     stage.graphed_shape = (tuple(shape), dtype)
+
+
+def release(stage: nn.Module) -> None:
+    """Drop the stage's graphs and wait for them to go, before the process group is destroyed: a communicator whose
+    collectives a live graph holds is not destroyed until that graph is (the trainer's TP runs hung in
+    destroy_process_group otherwise)."""
+    if stage.graphed:
+        stage.graphed, stage.graphed_shape = {}, None
+        gc.collect()
+        torch.cuda.synchronize()

@@ -46,6 +46,10 @@ def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         backend = "nccl"
+        if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            # collectives captured in CUDA graphs (trainer/graphs.py) on expandable segments: Megatron-LM requires
+            # NCCL's registration of their buffers off there (an illegal memory access otherwise, its check says)
+            os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     else:
         if cfg.sequence_parallelism:
             raise ConfigError("sequence_parallelism needs CUDA GPUs (megatron-core's sequence-parallel layers "
@@ -265,6 +269,7 @@ def train(cfg: TrainConfig) -> None:
         saved_iteration = iteration
     if saved_iteration is not None:
         logger.say(f"saved {Path(cfg.save_dir) / fmt.checkpoint_name(saved_iteration)}")
+    graphs.release(stage)
     dist.barrier()
     dist.destroy_process_group()
 
