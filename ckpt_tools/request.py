@@ -18,7 +18,13 @@ from ckpt_tools.ranks import Grid
 from ckpt_tools.spec import ModelSpec
 
 OURS = "ours"
-CHOICES = (OURS, *FORMS)
+# Megatron-LM's forms named on the command line but not written, each with why and what to pass instead
+REFUSED = {megatron_lm.TORCH_DCP: (
+    "Megatron-LM cannot load a torch_dcp checkpoint into a run: its loader calls optimizer.state_dict(is_loading="
+    "True), which megatron-core's ChainedOptimizer does not take (Megatron-LM core_v0.16.1 to core_v0.19.0 and main), "
+    "even for its own saves; an FSDP2 run (--use-torch-fsdp2) also loads --ckpt-format torch_dist: pass --format "
+    "torch_dist (or fsdp_dtensor for Megatron-FSDP)")}
+CHOICES = (OURS, *FORMS, *REFUSED)
 GPT, HYBRID = "gpt", "hybrid"  # --model: megatron-core's GPTModel or HybridModel
 WHOLE_EXPERTS = (TORCH_DIST, megatron_lm.FSDP_DTENSOR)  # forms that hold each expert once, loaded at any EP
 
@@ -47,6 +53,8 @@ class Request:
 
     def check(self) -> Request:
         """Refuses options that do not apply to the form, before anything is read or written; returns itself."""
+        if self.form in REFUSED:
+            raise ConfigError(f"--format {self.form} is not written: {REFUSED[self.form]}")
         if self.form in WHOLE_EXPERTS and self.ep not in (None, 1):
             raise ConfigError(f"--ep {self.ep} does not apply to {self.form}: it holds each expert once and "
                               f"Megatron-LM loads it at any --expert-model-parallel-size; drop --ep")

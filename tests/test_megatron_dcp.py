@@ -98,3 +98,20 @@ def test_torch_dcp_optimizer_state_is_megatron_cores_own(fixture, tmp_path):
     assert _same_state(written, reference) == []
     scheduler = written.megatron_optimizer()[3]
     assert scheduler["num_steps"] == 3 and scheduler["lr_decay_style"] == "cosine"
+
+
+@pytest.mark.parametrize("verb", ["reshard", "import"])
+def test_torch_dcp_output_is_refused_naming_the_form_megatron_lm_loads(verb, tmp_path):
+    """`--format torch_dcp`: one line saying why Megatron-LM could not load it and what to pass; nothing written."""
+    from test_reshard import assert_nothing_written, one_line_error, run
+    if verb == "reshard":
+        src = FIXTURES / "megatron_torch_dcp" / "torch_dcp"
+        args = ["reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--vocab-size", "120"]
+    else:
+        from families_cases import hf_model
+        src = tmp_path / "hf"
+        hf_model("qwen2").save_pretrained(src, safe_serialization=True)
+        args = ["import", src, tmp_path / "out", "--tp", "1", "--pp", "1"]
+    line = one_line_error(run(*map(str, args), "--format", "torch_dcp"))
+    assert "--format torch_dcp is not written" in line and "is_loading" in line and "--format torch_dist" in line, line
+    assert_nothing_written(tmp_path / "out")
