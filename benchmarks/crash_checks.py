@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io
+from ckpt_tools import hashing
 from ckpt_tools.errors import CkptError
 
 
@@ -39,8 +39,8 @@ def checkpoint_problems(ckpt_dir: Path) -> list[str]:
 def tree_digest(path: Path) -> dict[str, str]:
     """relative name -> content hash of every file under path (or of path itself when it is a file)."""
     if path.is_file():
-        return {"<file>": io.hash_file(path)}
-    return {str(f.relative_to(path)): io.hash_file(f) for f in sorted(path.rglob("*")) if f.is_file()}
+        return {"<file>": hashing.hash_file(path)}
+    return {str(f.relative_to(path)): hashing.hash_file(f) for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 def diff_trees(got: dict[str, str], want: dict[str, str], label: str) -> list[str]:

@@ -1,5 +1,5 @@
 """The content hashes a manifest could record, measured on this machine: GB/s a core over a buffer in memory, and
-each one's pace against SHA-256's (what contract 2 recorded first). XXH3-128 is the one written (ckpt_tools/io.py).
+each one's pace against SHA-256's (what contract 2 recorded first). XXH3-128 is the one written (ckpt_tools/hashing.py).
 
     python benchmarks/hashes.py [--mib 256] [--repeat 3]
 """
@@ -12,7 +12,7 @@ import time
 
 
 def rate(make, data: memoryview, repeat: int, chunk: int = 8 << 20) -> float:
-    """Best of `repeat` passes, in GB/s, hashing `data` in chunks as io.hash_file does."""
+    """Best of `repeat` passes, in GB/s, hashing `data` in chunks as hashing.hash_file does."""
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()

@@ -8,8 +8,6 @@ import subprocess
 import time
 from pathlib import Path
 
-from ckpt_tools.io import free_port
-
 ROOT = Path(__file__).resolve().parent.parent
 POLL = 0.0005  # seconds between two looks at the disk
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools import io, layout
+from ckpt_tools import durable, hashing, io, layout
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
@@ -163,8 +163,8 @@ def _check_fields(path: Path, raw: dict, spec: ModelSpec) -> None:
     if raw.get("config") is not None and not isinstance(raw["config"], dict):
         refuse("config", raw["config"], "an object")
     for name, record in files.items():
-        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and io.record_hash(record)):
-            refuse(f"files.{name}", record, f'a record {{"size": bytes, "{io.HASH}" (or "sha256"): hex digest}}')
+        if not (isinstance(record, dict) and is_int(record.get("size"), 0) and hashing.record_hash(record)):
+            refuse(f"files.{name}", record, f'a record {{"size": bytes, "{hashing.HASH}" (or "sha256"): hex digest}}')
 
 
 def resolve(src: str | Path) -> Path:
@@ -236,10 +236,10 @@ def check_files(meta: Meta, names: Container[str] | None = None) -> list[str]:
             problems.append(f"{path}: missing, but meta.json records it: restore it from the source checkpoint")
         elif size_problem(meta, path):
             problems.append(size_problem(meta, path))
-        elif (recorded := io.record_hash(rec)) is None:
-            problems.append(f"{path}: meta.json's record {rec!r:.80} names no content hash ({' or '.join(io.HASHES)})"
+        elif (recorded := hashing.record_hash(rec)) is None:
+            problems.append(f"{path}: meta.json's record {rec!r:.80} names no content hash ({' or '.join(hashing.HASHES)})"
                             f": restore meta.json from the source checkpoint")
-        elif io.hash_file(path, recorded[0]) != recorded[1]:
+        elif hashing.hash_file(path, recorded[0]) != recorded[1]:
             problems.append(f"{path}: {recorded[0]} differs from meta.json: the file changed after it was saved; "
                             f"restore it from the source checkpoint")
     return problems
@@ -293,7 +293,7 @@ def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: C
 
 
 def file_record(path: Path) -> dict:
-    return {"size": path.stat().st_size, io.HASH: io.hash_file(path)}
+    return {"size": path.stat().st_size, hashing.HASH: hashing.hash_file(path)}
 
 
 def meta_checksum(meta: dict) -> str:
@@ -367,7 +367,7 @@ def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
     tmp = save_dir / temp_name(iteration)
     final = save_dir / checkpoint_name(iteration)
     write_meta(tmp / META, meta)
-    io.fsync_dir(tmp)
+    durable.fsync_dir(tmp)
     old = None
     if final.exists() and _exchange(tmp, final):  # one atomic step: `latest` never names a missing dir
         old = tmp  # now holds the previous checkpoint-N, removed below
@@ -376,7 +376,7 @@ def commit(save_dir: str | Path, iteration: int, meta: dict) -> Path:
             old = save_dir / f".{final.name}.old{os.getpid()}"
             os.replace(final, old)
         os.replace(tmp, final)
-    io.fsync_dir(save_dir)
+    durable.fsync_dir(save_dir)
     io.write_text_atomic(save_dir / LATEST, final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -78,8 +78,8 @@ def _team(nproc_per_node: int | None, nnodes: int | None, node_rank: int | None,
               help="Load files with full unpickling, which lets them run code: only for files you trust.")
 def main(debug: bool, trust_pickle: bool) -> None:
     """Merge, reshard, import, verify and inspect sharded Megatron checkpoints; train with the bundled trainer."""
-    from ckpt_tools import io
-    io.return_freed_memory()
+    from ckpt_tools import io, memory
+    memory.return_freed_memory()
     if trust_pickle:
         io.TRUST_PICKLE = True
         click.echo("warning: --trust-pickle: checkpoint files are fully unpickled and can run code", err=True)

@@ -193,7 +193,7 @@ def _measure(path: Path, threads: int) -> float:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt_tools.writers import copy_range
+    from ckpt_tools.durable import copy_range
     size = path.stat().st_size
     chunk = max(1, min(SAMPLE, size // threads))
     src = os.open(path, os.O_RDONLY)

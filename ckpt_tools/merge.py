@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import conversions, families, hf, io, layout, output, shard_ops
+from ckpt_tools import conversions, durable, families, hf, layout, output, shard_ops
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.fp8 import FP8, SCALE, fp8_quantized, quantize_blocks
 from ckpt_tools.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
@@ -164,7 +164,7 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         f.flush()
         dst = f.fileno()
         high = written = len(header)
-        worker = io.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
+        worker = durable.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
         try:
             for e in group:
                 dtype = job.entry_dtype(e)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ckpt_tools import io
+from ckpt_tools import durable
 from ckpt_tools.errors import CkptError
 from ckpt_tools.team import SOLO, Team
 
@@ -50,7 +50,7 @@ def staged(out: str | Path, force: bool, directory: bool = True, team: Team = SO
     try:
         yield tmp
         if directory and team.lead:
-            io.fsync_dir(tmp)
+            durable.fsync_dir(tmp)
         team.share(lambda: None)  # every process has written its part
     except BaseException as e:
         team.announce(e)  # the others hear of it where they wait (at the end of their part)
@@ -65,7 +65,7 @@ def staged(out: str | Path, force: bool, directory: bool = True, team: Team = SO
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
     os.replace(tmp, out)
-    io.fsync_dir(out.parent)
+    durable.fsync_dir(out.parent)
     if old is not None:
         _remove(old)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TP, PP, EP = "tp", "pp", "ep"
-AXES = (TP, PP, EP)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io, layout, shard_ops
+from ckpt_tools import io, layout, memory, shard_ops
 from ckpt_tools.errors import FormatError
 from ckpt_tools.ranks import Rank
 from ckpt_tools.team import SOLO, Team
@@ -100,7 +100,7 @@ class Reader:
 
     def _map(self, path: Path) -> None:
         """Note the ranges where `path` is mapped (after the mapping is made), for release() and locate()."""
-        maps = io.file_mappings(path)
+        maps = memory.file_mappings(path)
         self._ranges += maps
         self._mapped += [(start, end, offset, path) for start, end, offset in maps]
 
@@ -117,7 +117,7 @@ class Reader:
 
     def release(self) -> None:
         """Drop the resident pages of every shard tensor handed out since the last call."""
-        io.release_pages(self._handed, self._ranges)
+        memory.release_pages(self._handed, self._ranges)
         self._handed.clear()
 
     def locate(self, t) -> tuple[int, int] | None:

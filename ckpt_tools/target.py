@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import hf, io, layout, shard_ops
+from ckpt_tools import durable, hashing, hf, io, layout, shard_ops
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
 from ckpt_tools.spec import ModelSpec
@@ -184,11 +184,11 @@ def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
     if growth is None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            io.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
+            durable.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
         finally:
             os.close(fd)
         record = fmt.file_record(path)
-        io.fsync_file(path)
+        durable.fsync_file(path)
         return record
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -200,12 +200,12 @@ def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
     def ready(pos: int) -> int:
         nonlocal started
         if pos > started:  # the disk busy with what is hashed while the rest is written
-            io.start_writeback(fd, started, pos - started)
+            durable.start_writeback(fd, started, pos - started)
             started = pos
         return growth.ready(pos)
     try:
         try:
-            record = {io.HASH: io.hash_file(fd, ready=ready)}
+            record = {hashing.HASH: hashing.hash_file(fd, ready=ready)}
         finally:
             growth.finish()
         record = {"size": os.fstat(fd).st_size, **record}
@@ -282,7 +282,7 @@ def finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: 
     if team.lead:
         meta["files"] = dict(sorted((name, r) for records, _ in shared for name, r in records.items()))
         fmt.write_meta(ckpt / fmt.META, meta)
-        io.fsync_dir(ckpt)
+        durable.fsync_dir(ckpt)
         io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
         return sum(nbytes for _, nbytes in shared)
     return 0  # process 0 says the total

@@ -315,7 +315,7 @@ def launch(argv: Sequence[str], nproc: int, nnodes: int, node_rank: int, master_
     One node: started here (`spawn`); several: under torchrun, which every node runs."""
     import subprocess
 
-    from ckpt_tools.io import free_port
+    from ckpt_tools.ports import free_port
     import importlib.util
     if nnodes == 1 and nproc >= 1 and node_rank == 0:
         return spawn(argv, nproc, master_port or free_port())

@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.durable import copy_range
 from ckpt_tools.torchfile import ELEMENT_SIZES
-from ckpt_tools.writers import copy_range
 
 STORAGE_CLASSES = {"float32": "FloatStorage", "bfloat16": "BFloat16Storage", "float16": "HalfStorage",
                    "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
@@ -238,7 +238,7 @@ class Archive:
     add() each record, then close(), which writes the central directory and returns the archive's end. Offsets
     inside are relative to `start`: torch.load reads the archive's bytes on their own, as DCP hands them over.
     With fd None nothing is written: the positions are counted alone. `copy`: what copies a byte range of another
-    file into this one (copy_range's arguments; an io.FileWorker's copy runs it on the file's own thread).
+    file into this one (copy_range's arguments; a durable.FileWorker's copy runs it on the file's own thread).
     """
 
     def __init__(self, fd: int | None, start: int, prefix: str = "archive", copy=copy_range):

@@ -60,9 +60,9 @@ def copying_process() -> None:
 
     import torch
 
-    from ckpt_tools import io
+    from ckpt_tools import memory
     torch.set_num_threads(1)
-    io.reuse_freed_memory()
+    memory.reuse_freed_memory()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

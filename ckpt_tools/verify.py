@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from ckpt_tools import conversions, hf, hf_tensors, layout, shard_ops
-from ckpt_tools.io import free_port
 from ckpt_tools.errors import CkptError
 from ckpt_tools.plan import HF, SAFETENSORS, plan
+from ckpt_tools.ports import free_port
 from ckpt_tools.shards import Reader, open_checkpoint
 from ckpt_tools.team import SOLO, Alone, Team
 from ckpt_tools.tiers import TOLERANCES, Tier, calibrated, tier2, tier3

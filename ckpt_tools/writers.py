@@ -1,12 +1,11 @@
 """Streaming writers: tensors go to disk as soon as they are made, never a whole state dict in RAM.
 
-`SafetensorsWriter` lays out the file from a plan (names, dtypes, shapes are known up front from
-the layout table), writes the header, then each tensor's bytes in plan order; the result is a
-standard safetensors file. `TorchFileWriter` writes a standard `torch.save` zip archive one
+`safetensors_header` is a safetensors file's header for a plan of names, dtypes and shapes known up front (the
+merge writes the tensors' bytes after it). `TorchFileWriter` writes a standard `torch.save` zip archive one
 storage record at a time and pickles the small object tree (with references to those records)
 last, so `torch.load(weights_only=True, mmap=True)` reads it like any other checkpoint file.
-`safetensors_header` and `copy_range` need no torch (the torch-free merge writes with them); torch
-is imported where tensors are handled.
+`safetensors_header` needs no torch (the torch-free merge writes with it, and with durable.copy_range); torch is
+imported where tensors are handled.
 """
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpt_tools.durable import copy_range, fsync_file
 from ckpt_tools.errors import LayoutError
-from ckpt_tools.io import fsync_file
 from ckpt_tools.torchfile import ELEMENT_SIZES, record_offset
 
 if TYPE_CHECKING:
@@ -64,42 +63,6 @@ def contiguous_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(-1).view(torch.uint8).numpy())
-
-
-def _sync_close(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-
-
-class SafetensorsWriter:
-    """A safetensors file written tensor by tensor in the order of `plan` [(name, dtype, shape)]."""
-
-    def __init__(self, path: str | Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
-        self.path = Path(path)
-        self._order = [name for name, _, _ in plan]
-        self._expect = {name: (dtype, tuple(shape)) for name, dtype, shape in plan}
-        self.nbytes = sum(math.prod(shape) * ELEMENT_SIZES[dtype_name(dtype)] for _, dtype, shape in plan)
-        header = safetensors_header([(name, dtype_name(dtype), tuple(shape)) for name, dtype, shape in plan], metadata)
-        self._f = open(self.path, "wb")
-        self._f.write(header)
-        self._next = 0
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        if self._next >= len(self._order) or self._order[self._next] != name:
-            want = self._order[self._next] if self._next < len(self._order) else "nothing more"
-            raise LayoutError(f"{self.path}: writing {name} out of plan order (expected {want})")
-        dtype, shape = self._expect[name]
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            raise LayoutError(f"{self.path}: {name} is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
-        self._f.write(contiguous_bytes(t))
-        self._next += 1
-
-    def close(self) -> None:
-        if self._next != len(self._order):
-            raise LayoutError(f"{self.path}: closed after {self._next} of {len(self._order)} planned tensors")
-        _sync_close(self._f)
 
 
 class _StorageRef:
@@ -217,7 +180,7 @@ class TorchFileWriter:
 
     def close(self, obj: Any, fsync: bool = True, background: bool = False) -> Filling | None:
         """Write the object tree and the archive's end; fsync=False leaves the fsync to the caller. With `background`
-        the records reserved by tensor_from_files are filled on a thread of this file's own (io.FileWorker): the
+        the records reserved by tensor_from_files are filled on a thread of this file's own (durable.FileWorker): the
         returned Filling's wait() says when the file's bytes are complete (the caller waits for it before reading
         the file back or fsyncing it), and the caller goes on with the next file meanwhile; None: nothing to fill."""
         try:
@@ -253,7 +216,7 @@ class TorchFileWriter:
     def _fill_holes(self, background: bool) -> Filling:
         """Copy every reserved record's byte ranges into place (in order, on a FileWorker with `background`, else
         here); the records' places are read from the finished archive."""
-        from ckpt_tools.io import FileWorker
+        from ckpt_tools.durable import FileWorker
         with zipfile.ZipFile(self.path) as z:
             where = {info.filename: info.header_offset for info in z.infolist()}
         fd = os.open(self.path, os.O_RDWR)
@@ -295,7 +258,7 @@ class TorchFileWriter:
 
 class Growth:
     """How far a TorchFileWriter's file is final while it is still being written, for a hash that follows the writer
-    (io.hash_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends (its
+    (hashing.hash_file(ready=...)) instead of reading the file after it is closed. torch's zip writer only appends (its
     write callback refuses any write that is not at the end): each record in order, a reserved record skipped over
     forward, the end of the archive last. So the bytes before the file's current end are final, up to the first record
     reserved for copies (tensor_from_files); from the close on, the Filling of those copies says how far. The writer
@@ -403,16 +366,3 @@ class Filling:
             os.close(self._fd)
             self._fd = None
         return None
-
-
-def copy_range(src: int, offset: int, dst: int, pos: int, nbytes: int) -> None:
-    """nbytes of file src at offset -> file dst at pos, in the kernel where it can (copy_file_range)."""
-    end = offset + nbytes
-    while offset < end:
-        try:
-            n = os.copy_file_range(src, dst, end - offset, offset, pos)
-        except OSError:  # not supported here (an old kernel, another file system): through a buffer
-            n = os.pwrite(dst, os.pread(src, min(end - offset, 1 << 24), offset), pos)
-        if n <= 0:
-            raise OSError(f"copying into file {dst}: source ended at byte {offset}, expected {end}")
-        offset, pos = offset + n, pos + n

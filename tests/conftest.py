@@ -11,20 +11,20 @@ import pytest
 import torch
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io
-from ckpt_tools.io import free_port
+from ckpt_tools import io, ports
+from ckpt_tools.ports import free_port
 from ckpt_tools.ranks import Rank
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
 
 # Under pytest-xdist each worker draws rendezvous ports from a range of its own, below the kernel's ephemeral ports
-# (ckpt_tools.io.free_port): two workers' processes never race for one port. Children inherit it.
+# (ckpt_tools.ports.free_port): two workers' processes never race for one port. Children inherit it.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
-    os.environ.setdefault(io.PORT_RANGE, f"{20000 + 2000 * int(_WORKER[2:])}-{21999 + 2000 * int(_WORKER[2:])}")
+    os.environ.setdefault(ports.PORT_RANGE, f"{20000 + 2000 * int(_WORKER[2:])}-{21999 + 2000 * int(_WORKER[2:])}")
 else:  # one process (the gpu groups): still below the ephemeral ports, which a run's own NCCL sockets take
-    os.environ.setdefault(io.PORT_RANGE, "18000-19999")
+    os.environ.setdefault(ports.PORT_RANGE, "18000-19999")
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

@@ -90,7 +90,7 @@ import sys
 import tempfile
 import time
 
-from ckpt_tools.io import free_port
+from ckpt_tools.ports import free_port
 from pathlib import Path
 
 Layout = dict[tuple[int, int], list[tuple[str, "tuple[int, ...] | None", "str | None"]]]

@@ -1,4 +1,4 @@
-"""The copy path's speed-ups keep every byte and every check: io.FileWorker (a file's kernel copies and writeback on a
+"""The copy path's speed-ups keep every byte and every check: durable.FileWorker (a file's kernel copies and writeback on a
 thread of its own), torchsave's cached archive around a tensor's data, and torchfile's memo of parsed chunks."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from ckpt_tools import io, torchfile
+from ckpt_tools import durable, torchfile
 from ckpt_tools import torchsave as ts
 
 
@@ -21,7 +21,7 @@ def test_file_worker_copies_in_place_and_raises_the_first_error(tmp_path):
     src = _file(tmp_path / "src", bytes(range(256)) * 64)
     dst = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        worker = io.FileWorker()
+        worker = durable.FileWorker()
         worker.copy(src, 4096, dst, 100, 5000)  # later bytes first: each range lands in its place whatever the order
         os.pwrite(dst, b"head", 0)
         worker.copy(src, 0, dst, 5100, 100)
@@ -33,7 +33,7 @@ def test_file_worker_copies_in_place_and_raises_the_first_error(tmp_path):
         assert got[:4] == b"head" and got[100:5100] == whole[4096:9096] and got[5100:5200] == whole[:100]
         assert len(got) == 5200
 
-        failing, ran = io.FileWorker(), []
+        failing, ran = durable.FileWorker(), []
         failing.submit(os.fsync, 1 << 20)  # EBADF
         failing.submit(ran.append, "after")  # skipped: the file is incomplete
         with pytest.raises(OSError):
@@ -42,7 +42,7 @@ def test_file_worker_copies_in_place_and_raises_the_first_error(tmp_path):
         with pytest.raises(RuntimeError):
             failing.submit(ran.append, "late")
 
-        dropped = io.FileWorker()
+        dropped = durable.FileWorker()
         dropped.submit(os.fsync, 1 << 20)
         dropped.abandon()  # a write that failed elsewhere: nothing raised here
     finally:

@@ -137,7 +137,7 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     weights."""
     from ckpt_tools import verify
     from ckpt_tools.checkpoint import Meta
-    from ckpt_tools.io import hash_file
+    from ckpt_tools.hashing import hash_file
     src = hf_dirs["mixtral"]
     import_hf(src, tmp_path / "ep2", tp=2, pp=2, ep=2, quiet=True)
     ep2 = tmp_path / "ep2" / "checkpoint-0"

@@ -1,5 +1,5 @@
 """Our format's writer fills its copied records on a thread of the file's own (writers.Filling), and the file's sha256
-follows those copies (io.hash_file with `ready`): the same bytes and the same hashes as filling and hashing in turn,
+follows those copies (hashing.hash_file with `ready`): the same bytes and the same hashes as filling and hashing in turn,
 holes included, and a failed copy is raised where the hash waits for it. While the file is still being written, the
 hash follows the writer (writers.Growth): up to the first record reserved for copies, then the copies."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from ckpt_tools import io
+from ckpt_tools import hashing
 from ckpt_tools.writers import TorchFileWriter
 
 
@@ -42,14 +42,14 @@ def test_filled_on_a_thread_hashed_as_it_goes(tmp_path):
         (tmp_path / "thread").mkdir()  # the same file name: the archive's name is the file's
         assert _write(tmp_path / "plain" / "f.bin", fd, background=False) is None
         filling = _write(tmp_path / "thread" / "f.bin", fd, background=True)
-        digest = io.hash_file(tmp_path / "thread" / "f.bin", chunk=4096, ready=filling.ready)
+        digest = hashing.hash_file(tmp_path / "thread" / "f.bin", chunk=4096, ready=filling.ready)
         filling.wait()
         filling.wait()  # a second wait does nothing
     finally:
         os.close(fd)
     plain, threaded = (tmp_path / "plain" / "f.bin").read_bytes(), (tmp_path / "thread" / "f.bin").read_bytes()
     assert plain == threaded
-    assert digest == xxhash.xxh3_128(plain).hexdigest() == io.hash_file(tmp_path / "plain" / "f.bin")
+    assert digest == xxhash.xxh3_128(plain).hexdigest() == hashing.hash_file(tmp_path / "plain" / "f.bin")
     state = torch.load(tmp_path / "thread" / "f.bin", weights_only=True, mmap=True)
     assert torch.equal(state["b"], torch.cat([data[1 << 20:(1 << 20) + (1 << 19)], data[:1 << 19]]))
     assert not state["z"].any() and torch.equal(state["c"], data[2 << 20:(2 << 20) + 512])
@@ -64,14 +64,14 @@ def test_hash_bounded_by_ready_equals_whole_file_hash(tmp_path):
         f.truncate((1 << 22) + 123)
     size = (1 << 22) + 123
     marks = itertools.chain([7, 10000, 20000, 1 << 21, (1 << 21) + 1], itertools.repeat(size))  # then: all final
-    assert io.hash_file(path, chunk=4096, ready=lambda pos: next(marks)) == \
-        xxhash.xxh3_128(path.read_bytes()).hexdigest() == io.hash_file(path)
+    assert hashing.hash_file(path, chunk=4096, ready=lambda pos: next(marks)) == \
+        xxhash.xxh3_128(path.read_bytes()).hexdigest() == hashing.hash_file(path)
 
 
 def test_a_failed_copy_is_raised_where_the_hash_waits(tmp_path):
     filling = _write(tmp_path / "bad.bin", 1 << 20, background=True)  # no such descriptor: EBADF on the file's thread
     with pytest.raises(OSError):
-        io.hash_file(tmp_path / "bad.bin", ready=filling.ready)
+        hashing.hash_file(tmp_path / "bad.bin", ready=filling.ready)
 
 
 def _follow(growth) -> tuple[threading.Thread, dict]:
@@ -85,7 +85,7 @@ def _follow(growth) -> tuple[threading.Thread, dict]:
 
     def run():
         try:
-            out["digest"] = io.hash_file(growth.path, chunk=4096, ready=ready)
+            out["digest"] = hashing.hash_file(growth.path, chunk=4096, ready=ready)
         except Exception as e:  # what the test expects for a dropped writer
             out["error"] = e
         finally:

@@ -273,14 +273,14 @@ def test_import_refuses_weights_that_do_not_fit_the_config(edit, expected, hf_di
 @pytest.mark.parametrize("runs", [["hole", "data", "hole"], ["data", "hole", "data"], ["data"], ["hole"], []])
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
 def test_hash_of_a_file_with_holes_equals_the_hash_of_its_bytes(runs, algorithm, tmp_path):
-    """io.hash_file hashes holes from a zero buffer instead of reading them: the digest is that of the bytes, by
+    """hashing.hash_file hashes holes from a zero buffer instead of reading them: the digest is that of the bytes, by
     xxhash's and hashlib's own one-shot functions (the algorithm written now, and the one older manifests hold)."""
     import hashlib
     import os
 
     import xxhash
 
-    from ckpt_tools.io import hash_file
+    from ckpt_tools.hashing import hash_file
     path = tmp_path / "f"
     with open(path, "wb") as f:
         for i, run in enumerate(runs):
@@ -314,7 +314,7 @@ def test_an_hf_tensor_over_2_gib_is_read_whole(tmp_path):
     ({"size": 3}, False), ({"size": 3, "md5": "ab"}, False),
 ])
 def test_a_file_record_names_exactly_one_known_hash(record, ok):
-    """io.record_hash: the one (algorithm, digest) of a meta.json record; two, none, a null or an unknown one: None
+    """hashing.record_hash: the one (algorithm, digest) of a meta.json record; two, none, a null or an unknown one: None
     (meta.json is then refused naming the record)."""
-    from ckpt_tools.io import record_hash
+    from ckpt_tools.hashing import record_hash
     assert (record_hash(record) is not None) == ok

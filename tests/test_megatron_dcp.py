@@ -112,6 +112,8 @@ def test_torch_dcp_output_is_refused_naming_the_form_megatron_lm_loads(verb, tmp
         src = tmp_path / "hf"
         hf_model("qwen2").save_pretrained(src, safe_serialization=True)
         args = ["import", src, tmp_path / "out", "--tp", "1", "--pp", "1"]
+    from ckpt_tools import cli, request
+    assert cli.FORMS == request.CHOICES  # the command line offers what the request knows, torch_dcp included
     line = one_line_error(run(*map(str, args), "--format", "torch_dcp"))
     assert "--format torch_dcp is not written" in line and "is_loading" in line and "--format torch_dist" in line, line
     assert_nothing_written(tmp_path / "out")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckpt_tools import output
-from ckpt_tools.io import free_port
+from ckpt_tools.ports import free_port
 from ckpt_tools.team import split, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent

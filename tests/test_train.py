@@ -8,7 +8,7 @@ import torch
 
 from conftest import sharded_logits, torchrun, train, CONFIGS
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io
+from ckpt_tools import hashing, io
 from ckpt_tools.ranks import Rank
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def test_tp2_pp2_trains_and_saves_every_shard(llama_run):
     assert meta["iteration"] == 8 and meta["consumed_samples"] == 8 * 8
     for name, rec in meta["files"].items():
         assert (ckpt / name).stat().st_size == rec["size"]
-        assert io.hash_file(ckpt / name) == rec[io.HASH]
+        assert hashing.hash_file(ckpt / name) == rec[hashing.HASH]
     assert not list(save.glob(".checkpoint-*"))
 
 

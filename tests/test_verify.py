@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckpt_tools import io
+from ckpt_tools import memory
 from ckpt_tools.cli import main
 from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard
@@ -54,7 +54,7 @@ def test_one_changed_element_is_named_in_tier1_and_its_layer_in_tier2(llama_run,
     # through the file mapping, then write the new value there.
     obj = torch.load(shard, weights_only=True, mmap=True)
     t = obj["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
-    (start, _, _), = [r for r in io.file_mappings(shard) if r[0] <= t.data_ptr() < r[1]]
+    (start, _, _), = [r for r in memory.file_mappings(shard) if r[0] <= t.data_ptr() < r[1]]
     offset = t.data_ptr() - start + (3 * t.stride(0) + 5) * t.element_size()
     value = torch.tensor([float(t[3, 5]) + 0.5], dtype=t.dtype)
     del obj, t

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckpt_tools import layout
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.io import free_port
+from ckpt_tools.ports import free_port
 from ckpt_tools.team import torchrun
 from trainer import accelerate, data
 from trainer.config import TrainConfig, accelerate_keys_of, load_config, read_yaml

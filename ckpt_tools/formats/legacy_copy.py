@@ -19,7 +19,7 @@ import math
 import os
 from pathlib import Path
 
-from ckpt_tools import conversions, io, layout, megatron_lm, output, shard_ops, torchsave
+from ckpt_tools import conversions, durable, layout, megatron_lm, output, shard_ops, torchsave
 from ckpt_tools.byte_ranges import ByteSource, Shard
 from ckpt_tools.checkpoint import Meta, file_record
 from ckpt_tools.formats.megatron_write import CHECKPOINT_VERSION
@@ -56,7 +56,7 @@ def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], coun
     written. Legacy Megatron-LM files, and our format's model files (`header` empty; `records`: each file's meta.json
     record by its path, made on its own thread once its copies are done, beside the next file's writing)."""
     nbytes, bar = 0, output.progress(len(targets), label, quiet, unit="file")
-    files: list[tuple[io.FileWorker, int, Path]] = []  # written, their copies and fsync still running
+    files: list[tuple[durable.FileWorker, int, Path]] = []  # written, their copies and fsync still running
     try:
         for path, chunks in targets:
             nbytes += _write_rank(source, path, chunks, counts, padded, tp, ep, header, files, records)
@@ -68,7 +68,7 @@ def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], coun
             finally:
                 files.pop(0)
                 os.close(fd)
-            io.fsync_dir(path.parent)
+            durable.fsync_dir(path.parent)
     finally:  # a write that failed: stop the other files' threads before their descriptors close
         for worker, fd, _ in files:
             worker.abandon()
@@ -81,11 +81,11 @@ def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list
                 header: dict, files: list, records: dict | None = None) -> int:
     """One target rank's file (its model chunks: the ranks of `chunks`, one without an interleaved pipeline): its
     headers, pickles and gathered rows written here, its byte ranges copied and its fsync run on a thread of its own
-    (io.FileWorker), added to `files` with its descriptor (closed by the caller)."""
+    (durable.FileWorker), added to `files` with its descriptor (closed by the caller)."""
     spec = source.meta.spec
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    worker = io.FileWorker()
+    worker = durable.FileWorker()
     files.append((worker, fd, path))
     archive, models, nbytes, flushed = torchsave.Archive(fd, 0, path.stem, copy=worker.copy), {}, 0, 0
     base = 0  # the records of a file's earlier chunks: names stay unique

@@ -25,7 +25,7 @@ import math
 import os
 from pathlib import Path
 
-from ckpt_tools import hybrid, io, layout, megatron_lm, shard_ops, torchsave
+from ckpt_tools import durable, hybrid, layout, megatron_lm, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist_names import Placed, part_of, stored_candidates, te_alias
@@ -67,8 +67,8 @@ class DistWriter:
         self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}  # fqn -> dtype, global shape, chunks
         self._objects: dict[str, tuple[str, int, int]] = {}  # fqn -> (file, offset, length)
         self._opened: set[str] = set()  # the .distcp files this process writes
-        self._workers: dict[str, io.FileWorker] = {}  # each open .distcp's copies and writeback, on its own thread
-        self._ending: list[tuple[io.FileWorker, int]] = []  # ended files: fsync submitted, the fd closed at close()
+        self._workers: dict[str, durable.FileWorker] = {}  # each open .distcp's copies and writeback, on its own thread
+        self._ending: list[tuple[durable.FileWorker, int]] = []  # ended files: fsync submitted, the fd closed at close()
         self.nbytes = 0  # of the chunks this process writes; after close(), every process's
         self.writes: set[str] | None = None  # the .distcp files this process writes (None: all it is given)
         self.team, self.dry = SOLO, False
@@ -103,7 +103,7 @@ class DistWriter:
             self._files[rank] = [name, fd, 0, 0]  # name, fd (None: counted only), end, end at the last writeback
             if fd is not None:
                 self._opened.add(name)
-                self._workers[name] = io.FileWorker()
+                self._workers[name] = durable.FileWorker()
         return self._files[rank]
 
     def _written(self, entry: list) -> None:
@@ -285,16 +285,16 @@ class DistWriter:
         metadata = torchsave.New(torchsave.Global(DCP, "Metadata"), {
             "state_dict_metadata": state, "planner_data": None, "storage_data": torchsave.Items(storage),
             "storage_meta": None, "version": None})
-        io.write_bytes_durable(self.dir / ".metadata", torchsave.dumps(metadata))
+        durable.write_bytes_durable(self.dir / ".metadata", torchsave.dumps(metadata))
         self.write_common(iteration, common)
         self._finish_files()  # the index was written while the last files' copies ran
-        io.fsync_dir(self.dir)  # the files' names too, before the staged dir is renamed into place
+        durable.fsync_dir(self.dir)  # the files' names too, before the staged dir is renamed into place
 
     def write_common(self, iteration: int, common: dict | None) -> None:
         """dist_checkpointing's files beside the index: common.pt (args, iteration, ...) and metadata.json."""
         _save_common(self.dir / "common.pt", {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                                                "iteration": iteration, **(common or {})})
-        io.write_bytes_durable(self.dir / "metadata.json", json.dumps(DIST_METADATA).encode())
+        durable.write_bytes_durable(self.dir / "metadata.json", json.dumps(DIST_METADATA).encode())
 
     def _gathered_index(self) -> tuple[dict, dict]:
         """Every process's chunks and objects in the files it wrote, gathered by process 0 (whose `nbytes` becomes
@@ -352,7 +352,7 @@ def _save_common(path: Path, obj: dict) -> None:
     except torchsave.Unpicklable:
         import torch
         torch.save({**obj, "args": with_torch_globals(obj["args"])}, path)
-        io.fsync_file(path)
+        durable.fsync_file(path)
         return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

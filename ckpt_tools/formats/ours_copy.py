@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import hf, io, layout, output
+from ckpt_tools import durable, hf, io, layout, output
 from ckpt_tools.formats import hf_copy, legacy_copy
 from ckpt_tools.ranks import Grid
 from ckpt_tools.request import Request
@@ -55,12 +55,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
             nbytes = sum(n for _, n in shared)
             for path in hf.copy_carried(hf_dir, ckpt, True):
                 records[path.relative_to(ckpt).as_posix()] = fmt.file_record(path)
-                io.fsync_file(path)
+                durable.fsync_file(path)
             origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
             meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, params, None, {}, dict(sorted(records.items())),
                                   origin, fresh_optimizer=optimizer)
             fmt.write_meta(ckpt / fmt.META, meta)
-            io.fsync_dir(ckpt)
+            durable.fsync_dir(ckpt)
             io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
     return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, False, padded, nbytes,
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
