@@ -9,7 +9,7 @@ import click
 
 from ckpt_tools.errors import CkptError, ConfigError
 
-FORMS = ("ours", "torch_dist", "torch", "fsdp_dtensor", "torch_dcp")  # request.CHOICES, without importing its modules for --help
+FORMS = ("ours", "torch_dist", "torch", "fsdp_dtensor", "torch_dcp")  # request.CHOICES (tested), for a fast --help
 MODELS = ("gpt", "hybrid")  # request.GPT, HYBRID, without importing its modules for --help
 
 
