@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools.errors import CkptError
+from ckpt_tools.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from crash_checks import (  # noqa: E402
@@ -61,7 +62,6 @@ from crash_tools import SOURCES, ToolTrials, make_source  # noqa: E402
 from processes import (  # noqa: E402
     POLL,
     child_env,
-    free_port,
     kill_group,
     sleep_ms,
     start,

@@ -228,7 +228,7 @@ def _layers(text: str | None) -> list[int] | None:
 @click.option("--vocab-size", type=int, default=None, help="True vocab size, for inputs that do not record it.")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
               help="ours (pytorch_model_tp_X_pp_Y.bin), or Megatron-LM's --ckpt-format torch_dist / torch / fsdp_dtensor "
-                   "(Megatron-FSDP).")
+                   "(Megatron-FSDP); torch_dcp is refused, with the reason (Megatron-LM cannot load one).")
 @click.option("--no-optimizer", is_flag=True, help="Write the weights only.")
 @click.option("--model", type=click.Choice(MODELS), default=None,
               help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "
@@ -267,7 +267,7 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
               help="Model weight dtype (default: the HF weights' own).")
 @click.option("--format", "form", type=click.Choice(FORMS), default=FORMS[0], show_default=True,
               help="ours, or a Megatron-LM save dir (--ckpt-format torch_dist / torch / fsdp_dtensor; the weights, as a "
-                   "'release').")
+                   "'release'); torch_dcp is refused, with the reason (Megatron-LM cannot load one).")
 @click.option("--no-optimizer", is_flag=True, help="Write no optimizer state (the trainer then starts AdamW fresh).")
 @click.option("--model", type=click.Choice(MODELS), default=None,
               help="The megatron-core model class of a Megatron-LM output: gpt (GPTModel) or hybrid (HybridModel, "

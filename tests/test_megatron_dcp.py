@@ -105,12 +105,10 @@ def test_torch_dcp_output_is_refused_naming_the_form_megatron_lm_loads(verb, tmp
     """`--format torch_dcp`: one line saying why Megatron-LM could not load it and what to pass; nothing written."""
     from test_reshard import assert_nothing_written, one_line_error, run
     if verb == "reshard":
-        src = FIXTURES / "megatron_torch_dcp" / "torch_dcp"
+        src = tmp_path / "no-such-checkpoint"  # refused before the source is read
         args = ["reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--vocab-size", "120"]
     else:
-        from families_cases import hf_model
-        src = tmp_path / "hf"
-        hf_model("qwen2").save_pretrained(src, safe_serialization=True)
+        src = tmp_path / "no-such-hf-dir"  # refused before the source is read
         args = ["import", src, tmp_path / "out", "--tp", "1", "--pp", "1"]
     from ckpt_tools import cli, request
     assert cli.FORMS == request.CHOICES  # the command line offers what the request knows, torch_dcp included

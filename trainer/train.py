@@ -46,7 +46,8 @@ def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         backend = "nccl"
-        if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        if any("expandable_segments:True" in os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                                             "PYTORCH_ALLOC_CONF")):
             # collectives captured in CUDA graphs (trainer/graphs.py) on expandable segments: Megatron-LM requires
             # NCCL's registration of their buffers off there (an illegal memory access otherwise, its check says)
             os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")

@@ -120,7 +120,7 @@ class DistWriter:
         entry = self._file(rank)
         name, fd, start, _ = entry
         entry[2] = torchsave.save_tensor(fd, start, dtype, sizes, data,
-                                         self._workers[name].copy if fd is not None else torchsave.copy_range)
+                                         self._workers[name].copy if fd is not None else durable.copy_range)
         self._written(entry)
         known = self._tensors.setdefault(fqn, (dtype, tuple(shape), []))
         if known[:2] != (dtype, tuple(shape)):
