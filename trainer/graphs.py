@@ -12,8 +12,9 @@ The embedding, the final norm, the output layer, the loss and multi-token predic
 Tensor parallelism is captured: the layers' all-reduces (sequence parallelism's gathers and reduce-scatters) are NCCL
 kernels inside the graphs. The graphs are dropped before the process group is destroyed (`release`): a communicator
 is not destroyed while a live graph holds its collectives, and TP runs hung there before. Where
-`PYTORCH_CUDA_ALLOC_CONF` (or `PYTORCH_ALLOC_CONF`) asks for expandable segments, the trainer turns NCCL's registration of captured buffers off
-(`NCCL_GRAPH_REGISTER=0`, trainer/train.py), as Megatron-LM requires for its graphs on such memory.
+`PYTORCH_CUDA_ALLOC_CONF` (or `PYTORCH_ALLOC_CONF`) asks for expandable segments, the trainer turns NCCL's
+registration of captured buffers off (`NCCL_GRAPH_REGISTER=0`, trainer/train.py), as Megatron-LM requires for its
+graphs on such memory.
 
 Where the layers are not captured, and why (`plan` says which, the trainer prints it):
 - no CUDA, or `cuda_graphs: false`;
