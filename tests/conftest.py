@@ -21,10 +21,12 @@ CONFIGS = ROOT / "fixtures" / "configs"
 # Under pytest-xdist each worker draws rendezvous ports from a range of its own, below the kernel's ephemeral ports
 # (ckpt_tools.ports.free_port): two workers' processes never race for one port. Children inherit it.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_ONE_PROCESS = "18000-19999"  # pytest without workers (the gpu groups): below the ephemeral ports, which NCCL's take
 if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
-    os.environ.setdefault(ports.PORT_RANGE, f"{20000 + 2000 * int(_WORKER[2:])}-{21999 + 2000 * int(_WORKER[2:])}")
-else:  # one process (the gpu groups): still below the ephemeral ports, which a run's own NCCL sockets take
-    os.environ.setdefault(ports.PORT_RANGE, "18000-19999")
+    if os.environ.get(ports.PORT_RANGE) in (None, _ONE_PROCESS):  # a worker inherits the controller's: its own instead
+        os.environ[ports.PORT_RANGE] = f"{20000 + 2000 * int(_WORKER[2:])}-{21999 + 2000 * int(_WORKER[2:])}"
+else:
+    os.environ.setdefault(ports.PORT_RANGE, _ONE_PROCESS)
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
