@@ -382,15 +382,16 @@ class ByteSource:
         return buf
 
     def consistent(self) -> bool:
-        """Whether the torch path would take these bytes as they are (beside check_replicas): with tied embeddings
-        and PP > 1 the last stage's copy equal to the embedding in the true vocab rows (it notes a difference)."""
+        """Whether the torch path would take these bytes as they are (beside check_replicas): at PP > 1 each aliased
+        row's copy (a tied output layer) equal to the tensor it copies in the true vocab rows (it notes a difference)."""
         meta, model = self.meta, self.model
         pairs = []
-        if meta.spec.tie_word_embeddings and "output_layer.weight" in model:
+        for copy, original in layout.aliases(meta.spec).items():
+            if copy not in model:
+                continue
             rows = [(0, meta.spec.vocab_size)]
-            emb, out = (_byte_ranges(model[k], _full_pieces(k, meta, self.tp_of(k)), rows)
-                        for k in ("embedding.word_embeddings.weight", "output_layer.weight"))
-            pairs += list(zip(emb, out))  # the same pieces: both are vocab tensors of one shape (checked)
+            a, b = (_byte_ranges(model[k], _full_pieces(k, meta, self.tp_of(k)), rows) for k in (original, copy))
+            pairs += list(zip(a, b))  # the same pieces: both are vocab tensors of one shape (checked)
         return all(self.files.same(a, b) for a, b in pairs)
 
     def close(self) -> None:

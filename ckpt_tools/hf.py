@@ -117,6 +117,12 @@ def hf_copies(spec: ModelSpec) -> list[tuple[str, Name, str]]:
             for m in range(spec.mtp_num_layers or 0) for key, name in family.mtp_copies]
 
 
+def tied_head(spec: ModelSpec) -> set[str]:
+    """The HF head a model whose output layer is an alias (tied embeddings) may save as well, which transformers
+    ties to the embedding on load and megatron-core does not hold: read past, not an unknown tensor."""
+    return {"lm_head.weight"} if layout.aliases(spec) else set()
+
+
 def check_copies(source, spec: ModelSpec, hf_dir: Path) -> set[str]:
     """The copies (hf_copies) an HF model's weights (`source`, an HFTensors) hold, each checked equal to the tensor it
     copies: megatron-core keeps one, so a copy that differs would be lost (refused, naming both)."""

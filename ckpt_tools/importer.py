@@ -49,9 +49,7 @@ def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype |
         want.optimizer
     rows = {key: (row, names) for key, row, names in hf.hf_keys(spec)}
     wanted = {n for _, names in rows.values() for n in names}
-    extra = sorted(set(source.where) - {hf.part_of(n)[0] for n in wanted})
-    if spec.tie_word_embeddings and "lm_head.weight" in extra:  # some tied models also save the head
-        extra.remove("lm_head.weight")
+    extra = sorted(set(source.where) - {hf.part_of(n)[0] for n in wanted} - hf.tied_head(spec))
     missing = sorted(n for n in wanted if not source.holds(n))
     copies = hf.check_copies(source, spec, hf_dir)  # MTP layers' copies of the embedding and head
     extra = [n for n in extra if n not in copies]
@@ -102,10 +100,10 @@ def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype |
                     files.put(key, None)
                     bar.update(1)
                     continue
-                row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
+                source_key = layout.source_key(key, rows)  # an aliased row's copy (a tied output layer): its original
+                row, names = rows[source_key]
                 original = conversions.from_hf(row.kind, [source.get(n) for n in names], spec, padded)
                 full = original.to(_dtype(key, spec, params_dtype))
-                source_key = key if key in rows else "embedding.word_embeddings.weight"  # a tied output copy
                 files.put(key, full, master=original.float() if source_key in carried else False)
                 bar.update(1)
             files.end_stage(dict(fmt.FRESH_EXTRAS))

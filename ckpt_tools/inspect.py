@@ -22,7 +22,7 @@ def parameter_count(meta: fmt.Meta) -> tuple[int, int]:
     for pp_rank in range(meta.pp_size):
         for _, key in layout.stage_keys(meta.spec, meta.layer_counts, pp_rank):
             shape = layout.full_shape(key, meta.spec, meta.padded_vocab, meta.pp_size)
-            if shape is None or (key == "output_layer.weight" and meta.spec.tie_word_embeddings):
+            if shape is None or layout.alias_of(key, meta.spec):
                 continue
             total += math.prod(shape)
             if layout.has_padded_rows(key, meta.spec, meta.pp_size):

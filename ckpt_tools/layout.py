@@ -19,7 +19,7 @@ from collections.abc import Container
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.rules import (  # noqa: F401 (the table's vocabulary, re-exported)
     ATTENTION, ATTENTIONS, BLOCKED, COLUMN, DENSE, EXTRA, FIRST, GATED, GDN, LAST, LAYER, MAMBA, MAMBA_CONV, MLA, MLPS,
-    MOE, MTP, MTP_STAGE, QKV, REPLICATED, ROW, SHARED, SYMBOLS, VOCAB, Rule, always,
+    MOE, MTP, MTP_STAGE, QKV, REPLICATED, ROW, SHARED, SYMBOLS, VOCAB, Alias, Rule, always,
     gdn_conv_parts, gdn_in_parts, gdn_v, head_vector, hidden_vector, in_blocks, mamba_conv_parts, mamba_in_parts,
     mamba_inner, q_head_dim, q_lora, q_plain, qk_norm_across, qk_norm_per_head, qkv_rows, with_bias, with_expert_bias,
     with_layernorm, with_shared_gate)
@@ -54,7 +54,10 @@ def mtp_blocks(spec: ModelSpec) -> frozenset[str]:
 
 
 def _present(rule: Rule, spec: ModelSpec, pp: int, blocks: Container[str]) -> bool:
-    return in_blocks(rule.block, blocks) and rule.when(spec, pp)
+    """A row of this model at PP `pp`: in its blocks, its features present, and not an alias at PP = 1 (where the
+    aliased tensor is the one tensor)."""
+    aliased = rule.alias is not None and rule.alias.when(spec)
+    return in_blocks(rule.block, blocks) and rule.when(spec, pp) and not (aliased and pp == 1)
 
 
 _L = "decoder.layers.{i}."
@@ -194,8 +197,8 @@ TABLE: tuple[Rule, ...] = (
     Rule(_M + "final_layernorm.weight", REPLICATED, MTP_STAGE, hidden_vector, always, MTP),
     Rule(_M + "final_layernorm.bias", REPLICATED, MTP_STAGE, hidden_vector, with_layernorm, MTP),
     # Tied embeddings: at PP=1 the output layer reuses the embedding; at PP>1 the last stage keeps a copy.
-    Rule("output_layer.weight", VOCAB, LAST, lambda s, v: (v, s.hidden_size),
-         lambda s, pp: not s.tie_word_embeddings or pp > 1),
+    Rule("output_layer.weight", VOCAB, LAST, lambda s, v: (v, s.hidden_size), always,
+         alias=Alias("embedding.word_embeddings.weight", lambda s: bool(s.tie_word_embeddings))),
     Rule("output_layer._extra_state", EXTRA, LAST, None, always),
 )
 
@@ -263,6 +266,23 @@ def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
             f"tensor {key} is not expected for this model ({spec.architecture}, tie_word_embeddings="
             f"{spec.tie_word_embeddings}, pp={pp_size}): the checkpoint and its config disagree")
     raise LayoutError(f"unknown tensor key {key}: not in the megatron-core GPTModel (local spec) layout table")
+
+
+def alias_of(key: str, spec: ModelSpec) -> str | None:
+    """The key whose tensor `key` is in this model (a tied output layer: the word embedding), or None: a tensor of its
+    own. Such a key is a tensor only at PP > 1, as a copy on another stage."""
+    rule = find_rule(key, spec, None)
+    return rule.alias.of if rule.alias is not None and rule.alias.when(spec) else None
+
+
+def aliases(spec: ModelSpec) -> dict[str, str]:
+    """{copy: original} of the model's aliased rows (the keys `alias_of` answers for)."""
+    return {r.name: r.alias.of for r in TABLE if r.alias is not None and r.alias.when(spec)}
+
+
+# {copy: original} of every row that may be an alias: a layout that holds the copy reads it from the original where
+# the source has no copy (stages.source_key)
+ALIASES = {r.name: r.alias.of for r in TABLE if r.alias is not None}
 
 
 def holds_weights(key: str, spec: ModelSpec, pp_size: int | None = 1) -> bool:

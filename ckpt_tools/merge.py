@@ -80,18 +80,19 @@ class TensorSource:
 
 
 def _tied_copy_note(shards: Reader) -> str | None:
-    """With tied embeddings and PP > 1 the last stage keeps a copy; HF keeps one tensor. Say if they differ."""
-    spec = shards.meta.spec
-    if not spec.tie_word_embeddings or "output_layer.weight" not in shards.keys():
-        return None
-    emb = shards.full("embedding.word_embeddings.weight")[: spec.vocab_size]
-    out = shards.full("output_layer.weight")[: spec.vocab_size]
-    shards.release()
-    if shard_ops.same_bits(emb, out):
-        return None
-    diff = (emb.float() - out.float()).abs().max().item()
-    return (f"note: the last stage's copy of the tied embedding differs from the first stage's (max abs {diff:.3g}); "
-            f"the merged model uses the first stage's embedding")
+    """At PP > 1 an aliased row's stage keeps a copy (the last stage's of a tied embedding); HF keeps one tensor. Say
+    if they differ."""
+    spec, notes = shards.meta.spec, []
+    for copy, original in layout.aliases(spec).items():
+        if copy not in shards.keys():
+            continue
+        a, b = (shards.full(k)[: spec.vocab_size] for k in (original, copy))
+        shards.release()
+        if not shard_ops.same_bits(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            notes.append(f"note: the last stage's copy of the tied embedding differs from the first stage's (max abs "
+                         f"{diff:.3g}); the merged model uses the first stage's embedding")
+    return "\n".join(notes) or None
 
 
 def open_source(src: str | Path, vocab_size: int | None, from_master: bool, check_hashes: bool, via: str = AUTO,

@@ -41,6 +41,15 @@ SYMBOLS = {"*": ATTENTION, "+": MLA, "-": DENSE, "E": MOE, "M": MAMBA, "G": GDN}
 
 
 @dataclass(frozen=True)
+class Alias:
+    """A row whose tensor, in a model where `when` holds, is another row's tensor (`of`): megatron-core's tied output
+    layer is its word embedding. At PP = 1 it is not a tensor of its own; at PP > 1 its stage keeps a copy (a
+    gradient bucket of its own), which megatron-core saves only as the original."""
+    of: str
+    when: Callable[[ModelSpec], bool]
+
+
+@dataclass(frozen=True)
 class Rule:
     """One row of the table. `name` uses `{i}` for the stage-local layer index; `block` the layer part it belongs
     to (None: every layer's, or not a layer's; a tuple: a part of any of those blocks, a norm several share); `when`
@@ -55,6 +64,7 @@ class Rule:
     dtype: str | None = None  # kept in this dtype whatever the weights' (None: the weights' dtype)
     parts: Callable[[ModelSpec], tuple[int, ...]] | None = None  # a blocked row's parts' sizes along dim 0
     part_names: tuple[str, ...] | None = None  # their names where megatron-core saves them apart (`<key>.<name>`)
+    alias: Alias | None = None  # the row whose tensor this one is, in the models the alias names
 
     def part_sizes(self, spec: ModelSpec, size: int) -> tuple[int, ...]:
         """The parts of dim 0 that are each split over TP: a gated row's halves, a blocked row's parts, else the

@@ -1,13 +1,14 @@
 """The pipeline stages of the layout table (ckpt_tools.layout): how many layers each stage holds, which keys a stage
-(and an expert-parallel rank) holds in megatron-core's state-dict order, stage-local and global, and the tied copies a
-stage keeps. The rows themselves, their splits and shapes, are layout's; ckpt_tools.layout re-exports these names."""
+(and an expert-parallel rank) holds in megatron-core's state-dict order, stage-local and global, and the copies of
+aliased rows (a tied embedding) a stage keeps. The rows themselves, their splits and shapes, are layout's;
+ckpt_tools.layout re-exports these names."""
 from __future__ import annotations
 
 import math
 from collections.abc import Container, Sequence
 
 from ckpt_tools.errors import ConfigError, LayoutError
-from ckpt_tools.layout import _MT, holds_weights, layer_blocks, mtp_blocks, rules_for, shard_shape
+from ckpt_tools.layout import _MT, ALIASES, aliases, holds_weights, layer_blocks, mtp_blocks, rules_for, shard_shape
 from ckpt_tools.rules import FIRST, LAST, LAYER, MOE, MTP_STAGE, SHARED, Rule, in_blocks
 from ckpt_tools.spec import ModelSpec
 
@@ -30,19 +31,22 @@ def layers_per_stage(num_layers: int, pp_size: int, explicit: Sequence[int] | No
 
 
 def tied_copies(spec: ModelSpec, pp_size: int, pp_rank: int) -> set[str]:
-    """The copies of a tied embedding a stage holds when PP > 1 (the first stage's embedding, the last stage's
-    output layer): megatron-core keeps each in a grad-buffer bucket of its own. Empty when untied or PP = 1."""
-    if not spec.tie_word_embeddings or pp_size == 1:
+    """The aliased rows and their originals a stage holds when PP > 1 (a tied embedding: the first stage's
+    embedding, the last stage's output layer): megatron-core keeps each in a grad-buffer bucket of its own. Empty
+    where the model has no alias (untied) or PP = 1."""
+    pairs = aliases(spec)
+    if pp_size == 1 or not pairs:
         return set()
-    return ({"embedding.word_embeddings.weight"} if pp_rank == 0 else set()) | \
-        ({"output_layer.weight"} if pp_rank == pp_size - 1 else set())
+    stage = {r.name: r.stage for r in rules_for(spec, pp_size)}
+    held = {FIRST: pp_rank == 0, LAST: pp_rank == pp_size - 1}
+    return {k for k in set(pairs) | set(pairs.values()) if held.get(stage[k], False)}
 
 
 def source_key(key: str, present: Container[str]) -> str:
-    """The tensor that holds `key` in a checkpoint holding the keys `present`: itself, or, for the tied output copy
-    that a PP > 1 layout keeps but a PP = 1 checkpoint lacks, the word embedding it copies."""
-    if key == "output_layer.weight" and key not in present:
-        return "embedding.word_embeddings.weight"
+    """The tensor that holds `key` in a checkpoint holding the keys `present`: itself, or, for an aliased row's copy
+    that a PP > 1 layout keeps but a PP = 1 checkpoint lacks (the tied output layer), the tensor it copies."""
+    if key in ALIASES and key not in present:
+        return ALIASES[key]
     return key
 
 

@@ -10,11 +10,14 @@ Pure CPU, no distributed, runs in a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from layout_cases import (
     DTYPES,
     SMALL_GPT2,
+    SPECS,
     all_cases,
     assert_bitwise,
     layer0,
@@ -248,3 +251,21 @@ def test_replicated_join_accepts_identical_nan_replicas() -> None:
         pytest.fail("BUG in shard_ops.join: bit-identical replicated shards containing NaN are rejected as "
                     f"inconsistent (torch.equal treats NaN != NaN); it should compare bit patterns: {e}")
     assert_bitwise(out, a, "NaN replica join")
+
+
+# ---------------------------------------------------------------- the tied output layer, a declared alias
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_tied_output_layer_is_a_declared_alias_held_as_a_copy_only_at_pp_above_1(tied: bool) -> None:
+    spec = dataclasses.replace(SPECS["llama_tied" if tied else "llama_untied"], num_layers=4)
+    emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+    assert layout.aliases(spec) == ({out: emb} if tied else {})
+    assert layout.alias_of(out, spec) == (emb if tied else None) and layout.alias_of(emb, spec) is None
+    for pp in (1, 2, 4):
+        held = [k for r in range(pp) for _, k in layout.stage_keys(spec, [spec.num_layers // pp] * pp, r)]
+        assert held.count(out) == (0 if tied and pp == 1 else 1), (pp, held[-3:])  # megatron-core: a copy at PP > 1
+        copies = [layout.tied_copies(spec, pp, r) for r in range(pp)]
+        assert copies == ([set()] * pp if not tied or pp == 1 else [{emb}] + [set()] * (pp - 2) + [{out}])
+    if tied:
+        with pytest.raises(LayoutError, match="not expected for this model"):
+            layout.find_rule(out, spec, 1)
+    assert layout.source_key(out, {emb}) == emb and layout.source_key(out, {emb, out}) == out

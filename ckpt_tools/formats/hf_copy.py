@@ -84,7 +84,7 @@ def copied_hf(hf_dir: Path, dtype: str | None, per_tensor: bool = False) -> tupl
     copies = {name: row.hf[0] for _, row, name in hf.hf_copies(spec) if name in index}  # MTP layers' copies
     if any(not _same_bytes(index[a], index[b]) for a, b in copies.items()):
         return None  # the torch path refuses it, naming both
-    extra = set(index) - wanted - set(copies) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
+    extra = set(index) - wanted - set(copies) - hf.tied_head(spec)
     if extra or wanted - set(index):
         return None
     params = dtype or index[rows["embedding.word_embeddings.weight"][1][0]][1]

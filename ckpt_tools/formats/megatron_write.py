@@ -162,9 +162,9 @@ class DistWriter:
         return False
 
     def saves(self, key: str, rank: Rank) -> bool:
-        """Whether `rank` saves (a part of) key: megatron-core saves a tied output layer (and its optimizer state)
-        only as the embedding, and a tensor replicated over TP from TP rank 0."""
-        if key == "output_layer.weight" and self.spec.tie_word_embeddings:
+        """Whether `rank` saves (a part of) key: megatron-core saves an aliased row (a tied output layer) and its
+        optimizer state only as the tensor it copies, and a tensor replicated over TP from TP rank 0."""
+        if layout.alias_of(key, self.spec):
             return False
         return TP in layout.find_rule(key, self.spec, self.pp).axes or rank.tp == 0
 

@@ -146,9 +146,9 @@ class DistCheckpoint:
         """The stored tensor of a global key (or of one of its optimizer fields, per-parameter form), and its place
         on the stacked leading axes."""
         prefix = self.model_prefix if self.dcp else ""
-        tied = prefix + "output_layer.weight" not in self.index.tensors and self.meta.spec.tie_word_embeddings
-        if key == "output_layer.weight" and tied:
-            key = "embedding.word_embeddings.weight"  # a tied output layer is saved as the embedding
+        original = layout.alias_of(key, self.meta.spec)
+        if original and prefix + key not in self.index.tensors:
+            key = original  # an aliased row (a tied output layer) is saved as the tensor it copies
         candidates = dcp_candidates(key, self.meta.spec, prefix) if self.dcp else \
             stored_candidates(key, self.meta.spec, self._by_pattern)
         if field is not None and self.dcp:  # by the parameter's index (TorchDistShards maps them)
