@@ -16,11 +16,12 @@ def _needs_gpus(n: int):
     return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs")
 
 
-def _exact(a: list[dict], b: list[dict]) -> None:
-    """`a` ran its layers as graphs (all 4 of them, these models have no MoE or mixer layers: replayed in each of the
-    2 micro-batches of every step), `b` eagerly; the same losses and grad norms."""
-    assert a[0]["graphed_layers"] == 4 and b[0]["graphed_layers"] == 0, (a[0], b[0])
-    assert a[-1]["graph_replays"] == 4 * 2 * a[-1]["iteration"] and b[-1]["graph_replays"] == 0, (a[-1], b[-1])
+def _exact(a: list[dict], b: list[dict], layers: int = 4, micro_batches: int = 2) -> None:
+    """`a` ran its layers as graphs (all of the logging stage's `layers`, these models have no MoE or mixer layers:
+    replayed in each of the micro-batches of every step), `b` eagerly; the same losses and grad norms."""
+    assert a[0]["graphed_layers"] == layers and b[0]["graphed_layers"] == 0, (a[0], b[0])
+    assert a[-1]["graph_replays"] == layers * micro_batches * a[-1]["iteration"] and b[-1]["graph_replays"] == 0, \
+        (a[-1], b[-1])
     assert [(m["loss"], m["grad_norm"]) for m in a] == [(m["loss"], m["grad_norm"]) for m in b], (a, b)
 
 
@@ -89,18 +90,21 @@ def test_graphs_train_the_eager_run_on_two_gpus(distributed, tmp_path):
 
 
 @_needs_gpus(2)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_graphs_train_the_eager_run_on_two_gpus_under_tensor_parallelism(sequence_parallel, tmp_path):
+@pytest.mark.parametrize("tp,pp,sequence_parallel", [(2, 1, False), (2, 1, True), (1, 2, False)],
+                         ids=["tp2", "tp2-sp", "pp2"])
+def test_graphs_train_the_eager_run_on_two_gpus_under_model_parallelism(tp, pp, sequence_parallel, tmp_path):
     """TP2, with and without sequence parallelism: the layers' all-reduces (or the gathers and reduce-scatters) are
-    NCCL kernels inside the graphs; graphs on and off train the same run, fp32, to the last bit."""
-    common = dict(tp_degree=2, pp_degree=1, train_iters=4, num_micro_batches=2,
+    NCCL kernels inside the graphs. PP2 under 1F1B, 4 micro-batches a step: the first stage keeps 2 in flight and
+    replays 2 copies of its graphs in turn. Graphs on and off train the same run, fp32, to the last bit."""
+    micro_batches = 4 if pp > 1 else 2
+    common = dict(tp_degree=tp, pp_degree=pp, train_iters=4, num_micro_batches=micro_batches,
                   sequence_parallelism=sequence_parallel)
     on = train("tiny_llama.yaml", tmp_path / "on", 2, **common)
     off = train("tiny_llama.yaml", tmp_path / "off", 2, cuda_graphs=False, **common)
-    print(f"\nsp={sequence_parallel} graphs {[m['loss'] for m in on]}\neager {[m['loss'] for m in off]}")
-    _exact(on, off)
+    print(f"\ntp={tp} pp={pp} sp={sequence_parallel} graphs {[m['loss'] for m in on]}\neager {[m['loss'] for m in off]}")
+    _exact(on, off, 4 // pp, micro_batches)
     for kind in ("model", "optimizer"):
-        assert_same_files(tmp_path / "on" / "checkpoint-4", tmp_path / "off" / "checkpoint-4", kind, 2, 1, 0.0)
+        assert_same_files(tmp_path / "on" / "checkpoint-4", tmp_path / "off" / "checkpoint-4", kind, tp, pp, 0.0)
 
 
 def test_compiled_layers_train_the_eager_curve(tmp_path):

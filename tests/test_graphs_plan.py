@@ -34,7 +34,7 @@ def stage(fields: dict, counts: list[int], pp_rank: int = 0, tp_size: int = 1):
     (NEMOTRON_H, [4], 0, [1, 3]),  # the Mamba-2 mixers run eagerly, attention and MLP are captured
 ], ids=["llama", "deepseek-moe", "nemotron-h"])
 def test_the_layers_captured_follow_the_pattern(fields, counts, pp_rank, captured):
-    chosen, line = graphs.plan(stage(fields, counts, pp_rank), True, CUDA, 1, None)
+    chosen, line = graphs.plan(stage(fields, counts, pp_rank), True, CUDA, None)
     assert chosen == captured, line
     assert f"{len(captured)} of {counts[pp_rank]} layers captured" in line, line
     assert ("run eagerly" in line) == (len(captured) < counts[pp_rank]), line
@@ -43,18 +43,43 @@ def test_the_layers_captured_follow_the_pattern(fields, counts, pp_rank, capture
 def test_tensor_parallel_layers_are_captured():
     """TP > 1 is captured like TP 1 (its collectives inside the graphs; the graphs released before the process group
     goes: trainer/graphs.py)."""
-    chosen, line = graphs.plan(stage(LLAMA, [4], tp_size=2), True, CUDA, 1, None)
+    chosen, line = graphs.plan(stage(LLAMA, [4], tp_size=2), True, CUDA, None)
     assert chosen == [0, 1, 2, 3] and "4 of 4 layers captured" in line, line
 
 
-@pytest.mark.parametrize("enabled,device,tp,pp,recompute,why", [
-    (False, CUDA, 1, 1, None, "cuda_graphs: false"),
-    (True, torch.device("cpu"), 1, 1, None, "no CUDA"),
-    (True, CUDA, 1, 2, None, "pipeline parallelism"),
-    (True, CUDA, 1, 1, "selective", "selective recompute"),
-    (True, CUDA, 1, 1, "full", "full recompute"),
+@pytest.mark.parametrize("enabled,device,recompute,why", [
+    (False, CUDA, None, "cuda_graphs: false"),
+    (True, torch.device("cpu"), None, "no CUDA"),
+    (True, CUDA, "selective", "selective recompute"),
+    (True, CUDA, "full", "full recompute"),
 ])
-def test_no_layer_is_captured_where_graphs_do_not_apply_and_the_line_says_why(enabled, device, tp, pp, recompute,
-                                                                               why):
-    chosen, line = graphs.plan(stage(LLAMA, [4], tp_size=tp), enabled, device, pp, recompute)
+def test_no_layer_is_captured_where_graphs_do_not_apply_and_the_line_says_why(enabled, device, recompute, why):
+    chosen, line = graphs.plan(stage(LLAMA, [4]), enabled, device, recompute)
     assert chosen == [] and line.startswith("CUDA graphs: off") and why in line, line
+
+
+@pytest.mark.parametrize("pp,pp_rank,micro_batches,n", [
+    (1, 0, 8, 1), (2, 0, 8, 2), (2, 1, 8, 1), (4, 0, 8, 4), (4, 2, 8, 2), (4, 0, 2, 2)])
+def test_a_pipeline_stage_captures_a_copy_per_micro_batch_it_keeps_in_flight(pp, pp_rank, micro_batches, n):
+    """1F1B (torch.distributed.pipelining's Schedule1F1B) runs PP - rank warm-up forwards on a stage, at most the
+    step's micro-batches, before its first backward."""
+    assert graphs.copies(pp, pp_rank, micro_batches) == n
+    per = LLAMA["num_layers"] // pp
+    chosen, line = graphs.plan(stage(LLAMA, [per] * pp, pp_rank), True, CUDA, None)  # PP no longer turns graphs off
+    assert chosen == list(range(per)) and f"{per} of {per} layers captured" in line, line
+
+
+def test_micro_batches_take_the_copies_in_turn_and_a_copy_whose_backward_has_not_run_is_refused():
+    """The 1F1B order on the first of two stages: forward 0, forward 1, backward 0, forward 2 (copy 0 again), ...;
+    a third forward before backward 0 would overwrite micro-batch 0's activations in copy 0: refused."""
+    turns, w = graphs.Turns(2), torch.ones(3, requires_grad=True)
+    inputs = [w * float(m + 1) for m in range(4)]  # each micro-batch's input to the captured layers
+    assert [turns.take(inputs[0]), turns.take(inputs[1])] == [0, 1]
+    with pytest.raises(RuntimeError, match="micro-batch 2 would replay copy 0 .* micro-batch 0 it holds"):
+        turns.take(inputs[2])
+    inputs[0].sum().backward()  # micro-batch 0's backward passes the captured layers' input
+    assert turns.take(inputs[2]) == 0
+    inputs[1].sum().backward()
+    assert turns.take(inputs[3]) == 1
+    turns.start_step()  # the next step starts again at copy 0
+    assert turns.take(w * 5.0) == 0

@@ -168,10 +168,12 @@ class GPTStage(nn.Module):
         # all-gathers it left running (trainer/optim.py)
         self.params_ready = ready
         self.mtp_logits: list[torch.Tensor] = []  # the last forward's multi-token prediction logits, depth by depth
-        # layers captured as CUDA graphs (trainer/graphs.py): local index -> graphed layer, replayed while training on
-        # inputs of the captured shape and dtype
-        self.graphed: dict[int, nn.Module] = {}
+        # layers captured as CUDA graphs (trainer/graphs.py): local index -> the graphed layer's copies (one per
+        # micro-batch a pipeline schedule keeps in flight), replayed while training on inputs of the captured shape
+        # and dtype; `graph_turns` the copies' turns (graphs.Turns)
+        self.graphed: dict[int, tuple[nn.Module, ...]] = {}
         self.graphed_shape: tuple | None = None
+        self.graph_turns = None
         self.graph_replays = 0
         if self.post_process and spec.mtp_num_layers:  # megatron-core's MTP block, between decoder and output layer
             if not self.pre_process:
@@ -203,10 +205,12 @@ class GPTStage(nn.Module):
         mode = self.recompute if self.training else None
         replay = self.graphed if self.training and torch.is_grad_enabled() and \
             (tuple(x.shape), x.dtype) == self.graphed_shape else {}
+        copy = None
         for i, layer in enumerate(self.decoder.layers):
             self.params_ready(layer)
             if i in replay:
-                x = replay[i](x)
+                copy = self.graph_turns.take(x) if copy is None else copy  # this micro-batch's copy of the graphs
+                x = replay[i][copy](x)
                 self.graph_replays += 1
             elif mode == "full":
                 x = checkpoint(layer, x, rope, use_reentrant=False)

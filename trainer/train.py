@@ -95,7 +95,10 @@ class Stepper:
 
     def __init__(self, cfg: TrainConfig, stage: GPTStage, device: torch.device):
         self.cfg, self.stage, self.device = cfg, stage, device
-        self.captured, self.graphs = graphs.plan(stage, cfg.cuda_graphs, device, cfg.pp_degree, cfg.recompute)
+        self.captured, self.graphs = graphs.plan(stage, cfg.cuda_graphs, device, cfg.recompute)
+        self.copies = graphs.copies(cfg.pp_degree, stage.pp_rank, cfg.num_micro_batches)
+        if self.captured and self.copies > 1:
+            self.graphs += f", {self.copies} copies (1F1B keeps {self.copies} micro-batches in flight on this stage)"
         self.graphs_at = None
         self.loss_fn = VocabParallelLoss(compile=cfg.compile)
         self.schedule = None
@@ -107,10 +110,11 @@ class Stepper:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        if self.schedule is not None:
-            return self._pipelined(inputs, labels)
         if self.captured:
             self._capture()
+            self.stage.graph_turns.start_step()
+        if self.schedule is not None:
+            return self._pipelined(inputs, labels)
         losses = []
         n = self.cfg.num_micro_batches
         AuxLoss.scale = 1.0 / n  # the MoE load-balancing loss, divided as the LM loss is
@@ -131,7 +135,7 @@ class Stepper:
             self.stage.params_ready(self.stage)  # the distributed optimizer's weight all-gathers end first
             seq = self.cfg.seq_length // (self.cfg.tp_degree if self.cfg.sequence_parallelism else 1)
             graphs.capture(self.stage, self.captured, (seq, self.cfg.micro_batch_size, self.stage.spec.hidden_size),
-                           first.dtype)
+                           first.dtype, self.copies)
             self.graphs_at = at
 
     def _pipelined(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
