@@ -38,10 +38,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# The data section's alignment in the safetensors files written here: the torch.save archives and torch_dist chunks
+# they are copied from keep tensors 64-byte aligned, and the kernel copies a range 1.6x slower when its source and
+# destination differ in their alignment to 16 bytes (0.63 against 0.38 s/GB page cache to page cache here; 8-byte
+# alignment, safetensors' own, leaves half of all headers 8 bytes off)
+DATA_ALIGNMENT = 64
+
+
 def safetensors_header(plan: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
     """What a safetensors file holding `plan` [(name, dtype name, shape)], in order, has before its data:
-    the header's length (8 bytes) and the JSON header, padded with spaces so that the data section
-    starts 8-byte aligned, as safetensors writes it."""
+    the header's length (8 bytes) and the JSON header, padded with spaces so that the data section starts
+    DATA_ALIGNMENT-aligned (safetensors itself pads to 8; JSON takes any trailing spaces)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -52,7 +59,7 @@ def safetensors_header(plan: list[tuple[str, str, tuple[int, ...]]], metadata: d
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % DATA_ALIGNMENT)
     return struct.pack("<Q", len(text)) + text
 
 
