@@ -11,7 +11,7 @@ set -euo pipefail
 src=$(realpath "$1"); old=$(realpath "$2"); new=$(realpath "$3"); rounds=${4:-3}; work=${5:-$(mktemp -d)}
 py=${PYTHON:-$(dirname "$(realpath "$0")")/../.venv/bin/python}
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
-timed() { local s e; s=$(date +%s.%N); "$@"; sync; e=$(date +%s.%N); echo "$e - $s" | bc; }
+timed() { local s e; s=$(date +%s.%N); "$@" > /dev/null; sync; e=$(date +%s.%N); echo "$e - $s" | bc; }
 for r in $(seq "$rounds"); do
   for which in old new; do
     tree=$old; [ "$which" = new ] && tree=$new
