@@ -118,9 +118,11 @@ def hf_copies(spec: ModelSpec) -> list[tuple[str, Name, str]]:
 
 
 def tied_head(spec: ModelSpec) -> set[str]:
-    """The HF head a model whose output layer is an alias (tied embeddings) may save as well, which transformers
-    ties to the embedding on load and megatron-core does not hold: read past, not an unknown tensor."""
-    return {"lm_head.weight"} if layout.aliases(spec) else set()
+    """The HF tensors of the model's aliased rows (a tied output layer: the head), which a tied model may save as
+    well, which transformers ties to the embedding on load and megatron-core does not hold: read past, not unknown
+    tensors. A family whose output layer is always tied has no row for it: transformers' `lm_head.weight`."""
+    rows = {n.key: n for n in families.get(spec.architecture).names}
+    return {h for copy in layout.aliases(spec) for h in (rows[copy].hf if copy in rows else ("lm_head.weight",))}
 
 
 def check_copies(source, spec: ModelSpec, hf_dir: Path) -> set[str]:

@@ -122,7 +122,7 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
 
     def shard_of(key: str, rank: int) -> torch.Tensor:
         if key not in current:  # one full tensor in memory, split for every TP rank
-            row, names = rows[key if key in rows else "embedding.word_embeddings.weight"]
+            row, names = rows[layout.source_key(key, rows)]  # an aliased row's copy (tied output layer): its original
             full = conversions.from_hf(row.kind, [source.get(n) for n in names], spec, padded).to(_dtype(key, spec, params_dtype))
             current.clear()
             current[key] = shard_ops.split(key, full, spec, tp, pp)

@@ -10,8 +10,8 @@
 #   verify   `ckpt verify` on GPUs against the HF merge (tests/test_gpu.py)
 #   train    the trainer's parallel features and kernels: SP, DP buckets, the Triton AdamW, MoE and EP (tests/test_gpu.py)
 #   graphs   CUDA graphs and the GEMM-fused gradient accumulation on one GPU (tests/test_gpu_graphs.py)
-#   graphs2  CUDA graphs under DP2 and TP2 (with and without SP); the trainer on megatron-core 0.19 (tests/test_gpu_graphs.py,
-#            tests/test_trainer_newest.py; 0.19 where MCORE_NEWEST names its install)
+#   graphs2  CUDA graphs under DP2, TP2 (with and without SP) and PP2; the trainer on megatron-core 0.19
+#            (tests/test_gpu_graphs.py, tests/test_trainer_newest.py; 0.19 where MCORE_NEWEST names its install)
 #   resume   megatron-core and Megatron-FSDP resume from what `ckpt` writes (tests/test_gpu.py, test_megatron_fsdp_dtensor.py)
 #   te       Transformer Engine models load what `ckpt` writes (tests/test_megatron_lm_saves.py; skipped without TE_SITE)
 # Set-up first (docs/gpu.md): megatron-core on PYTHONPATH, e.g. pip install --target /tmp/site .whl/*.whl.

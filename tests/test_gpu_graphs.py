@@ -17,8 +17,9 @@ def _needs_gpus(n: int):
 
 
 def _exact(a: list[dict], b: list[dict], layers: int = 4, micro_batches: int = 2) -> None:
-    """`a` ran its layers as graphs (all of the logging stage's `layers`, these models have no MoE or mixer layers:
-    replayed in each of the micro-batches of every step), `b` eagerly; the same losses and grad norms."""
+    """`a` ran its layers as graphs (all `layers` of them, counted over the pipeline's stages; these models have no MoE
+    or mixer layers: replayed in each of the micro-batches of every step), `b` eagerly; the same losses and grad
+    norms."""
     assert a[0]["graphed_layers"] == layers and b[0]["graphed_layers"] == 0, (a[0], b[0])
     assert a[-1]["graph_replays"] == layers * micro_batches * a[-1]["iteration"] and b[-1]["graph_replays"] == 0, \
         (a[-1], b[-1])
@@ -102,7 +103,7 @@ def test_graphs_train_the_eager_run_on_two_gpus_under_model_parallelism(tp, pp, 
     on = train("tiny_llama.yaml", tmp_path / "on", 2, **common)
     off = train("tiny_llama.yaml", tmp_path / "off", 2, cuda_graphs=False, **common)
     print(f"\ntp={tp} pp={pp} sp={sequence_parallel} graphs {[m['loss'] for m in on]}\neager {[m['loss'] for m in off]}")
-    _exact(on, off, 4 // pp, micro_batches)
+    _exact(on, off, micro_batches=micro_batches)  # all 4 layers, both stages' (the counts are summed over PP)
     for kind in ("model", "optimizer"):
         assert_same_files(tmp_path / "on" / "checkpoint-4", tmp_path / "off" / "checkpoint-4", kind, tp, pp, 0.0)
 

@@ -86,6 +86,9 @@ def test_hf_dir_is_complete_and_shards_split_by_size(llama_run, tmp_path):
     single = load_file(one / "model.safetensors")
     assert merged.keys() == single.keys() == set(index["weight_map"])
     assert all(torch.equal(merged[k], single[k]) for k in single)
+    for path in [one / "model.safetensors"] + [many / f for f in files]:  # each file's data section 64-byte aligned
+        with open(path, "rb") as fh:  # (the kernel copies into it at full speed: writers.DATA_ALIGNMENT)
+            assert (8 + int.from_bytes(fh.read(8), "little")) % 64 == 0, path
     tokens = tokens_for(1)
     assert torch.equal(hf_logits(many, tokens), hf_logits(one, tokens))
 

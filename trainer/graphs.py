@@ -40,6 +40,9 @@ import gc
 import torch
 from torch import nn
 
+from torch.utils.hooks import RemovableHandle
+
+from ckpt_tools.errors import ConfigError
 from trainer import wgrad
 from trainer.layers import rope_tables
 
@@ -67,8 +70,9 @@ class Turns:
 
     def __init__(self, n: int):
         self.n, self.forwards, self.pending = n, 0, [False] * n
-        self.hooks: list = [None] * n  # each copy's last hook, removed when the copy is next taken (a pipeline
-        # schedule's receive buffers are the same tensors every step: their hooks would pile up)
+        # each copy's last hook, removed when the copy is next taken and when the graphs go (a pipeline schedule's
+        # receive buffers are the same tensors every step: their hooks would pile up)
+        self.hooks: list[RemovableHandle | None] = [None] * n
 
     def start_step(self) -> None:
         """A step's first forward takes copy 0 (the previous step's backwards have all run)."""
@@ -82,9 +86,10 @@ class Turns:
             self.hooks[c] = None
 
     def take(self, x: torch.Tensor) -> int:
+        """The copy this micro-batch's forward replays (`x`: its input to the first captured layer)."""
         c = self.forwards % self.n
         if self.pending[c]:
-            raise RuntimeError(f"CUDA graphs: micro-batch {self.forwards} would replay copy {c} of the layers' graphs "
+            raise ConfigError(f"CUDA graphs: micro-batch {self.forwards} would replay copy {c} of the layers' graphs "
                                f"while the micro-batch {self.forwards - self.n} it holds has not run its backward "
                                f"({self.n} copies for the micro-batches in flight): set cuda_graphs: false for this "
                                f"schedule")
@@ -137,6 +142,8 @@ def capture(stage: nn.Module, indices: list[int], shape: tuple[int, ...], dtype:
         sets.append(torch.cuda.make_graphed_callables(layers, samples))
     for i in indices:
         wgrad.mark_captured(stage.decoder.layers[i])
+    if stage.graph_turns is not None:  # graphs captured again: the old copies' hooks go with them
+        stage.graph_turns.start_step()
     stage.graphed = {i: tuple(s[k] for s in sets) for k, i in enumerate(indices)}
     stage.graphed_shape = (tuple(shape), dtype)
     stage.graph_turns = Turns(n)
@@ -147,6 +154,7 @@ def release(stage: nn.Module) -> None:
     collectives a live graph holds is not destroyed until that graph is (the trainer's TP runs hung in
     destroy_process_group otherwise)."""
     if stage.graphed:
+        stage.graph_turns.start_step()  # its hooks on the pipeline's receive buffers
         stage.graphed, stage.graphed_shape, stage.graph_turns = {}, None, None
         stage.mtp_logits = []  # the last forward's, whose autograd history holds the graphed layers' graphs
         gc.collect()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from trainer import mcore_moe
 from trainer.attention import SelfAttention
 from trainer.layers import Embedding, RowParallelLinear, make_norm, no_init, rope_tables, tp_group
 from trainer.moe import MoE
+
+if TYPE_CHECKING:
+    from trainer.graphs import Turns
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +177,7 @@ class GPTStage(nn.Module):
         # and dtype; `graph_turns` the copies' turns (graphs.Turns)
         self.graphed: dict[int, tuple[nn.Module, ...]] = {}
         self.graphed_shape: tuple | None = None
-        self.graph_turns = None
+        self.graph_turns: Turns | None = None
         self.graph_replays = 0
         if self.post_process and spec.mtp_num_layers:  # megatron-core's MTP block, between decoder and output layer
             if not self.pre_process:

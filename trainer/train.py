@@ -105,8 +105,24 @@ class Stepper:
         if cfg.pp_degree > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
             pipe = PipelineStage(stage, ps.get_pipeline_model_parallel_rank(), cfg.pp_degree, device,
-                                 group=ps.get_pipeline_model_parallel_group())
+                                 group=ps.get_pipeline_model_parallel_group(), **self._stage_args(cfg, stage))
             self.schedule = Schedule1F1B(pipe, n_microbatches=cfg.num_micro_batches, loss_fn=self.loss_fn)
+
+    @staticmethod
+    def _stage_args(cfg: TrainConfig, stage: GPTStage) -> dict:
+        """The stage's input and output as meta tensors (torch.distributed.pipelining's static metadata): without them
+        torch infers the shapes by running the stage, which torch >= 2.13 does with gradients on real, uninitialised
+        tensors (a backward whose fused weight gradients would land in the optimizer's buffer, a forward that would
+        take a copy of the CUDA graphs). Token ids [b, s] into the first stage, hidden states [s, b, h] (s / TP under
+        sequence parallelism) between stages, this TP rank's logits [s, b, vocab / TP] out of the last."""
+        b, s, h = cfg.micro_batch_size, cfg.seq_length, stage.spec.hidden_size
+        dtype = next(stage.parameters()).dtype
+        hidden = torch.empty(s // (stage.tp_size if cfg.sequence_parallelism else 1), b, h, dtype=dtype, device="meta",
+                             requires_grad=True)  # gradients flow back through it
+        inputs = torch.empty(b, s, dtype=torch.long, device="meta") if stage.pre_process else hidden
+        outputs = torch.empty(s, b, stage.output_layer.weight.shape[0], dtype=dtype, device="meta",
+                              requires_grad=True) if stage.post_process else hidden
+        return {"input_args": inputs, "output_args": outputs}
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -147,10 +163,22 @@ class Stepper:
             return None
         if self.stage.post_process:
             losses: list[torch.Tensor] = []
-            self.schedule.step(target=labels, losses=losses)
+            self.schedule.step(target=labels, losses=losses, return_outputs=False)  # the logits, whose history holds
+            # the graphed layers, kept by the schedule to the next step otherwise (and past graphs.release)
             return torch.stack([l.detach() for l in losses]).mean()
         self.schedule.step()
         return None
+
+
+def graph_counts(stage: GPTStage) -> list[int]:
+    """(layers captured as CUDA graphs, their replays so far) summed over the pipeline's stages (every PP rank calls
+    it): the logging rank, on the last stage, reports the whole model's."""
+    counts = [len(stage.graphed), stage.graph_replays]
+    if len(stage.layer_counts) == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.long, device=next(stage.parameters()).device)
+    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return t.tolist()
 
 
 def sync_sequence_parallel_grads(stage: GPTStage, opt: MasterAdamW) -> None:
@@ -255,13 +283,14 @@ def train(cfg: TrainConfig) -> None:
         iteration += 1
         consumed += global_batch
         if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters:
+            graphed = graph_counts(stage)
             if loss is not None:
                 loss, norm = float(loss), float(norm)  # the only host syncs of a step, and only here
                 now = time.perf_counter()
                 rate = (iteration - clock_iteration) * global_batch * cfg.seq_length / (now - clock)
                 clock, clock_iteration = now, iteration
                 record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate,
-                          "graphed_layers": len(stage.graphed), "graph_replays": stage.graph_replays}
+                          "graphed_layers": graphed[0], "graph_replays": graphed[1]}
                 balance = [m.balance for m in stage.modules() if isinstance(m, MoE) and m.balance is not None]
                 if balance:  # the last micro-batch's, mean over this stage's MoE layers: 1 = experts evenly loaded
                     record["moe_balance"] = float(torch.stack(balance).mean())
