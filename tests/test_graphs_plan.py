@@ -3,10 +3,12 @@ decided from the model's layer pattern and the run's layout, so it is checked he
 themselves are proven against the eager ones in tests/test_gpu_graphs.py)."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import torchrun
 
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.spec import ModelSpec
@@ -84,3 +86,18 @@ def test_micro_batches_take_the_copies_in_turn_and_a_copy_whose_backward_has_not
     assert turns.take(inputs[3]) == 1
     turns.start_step()  # the next step starts again at copy 0
     assert turns.take(w * 5.0) == 0
+
+
+@pytest.mark.parametrize("pp,micro_batches", [(2, 2), (3, 5)])
+def test_the_copies_suffice_for_torchs_own_1f1b_schedule_and_one_fewer_does_not(pp, micro_batches):
+    """torch.distributed.pipelining's Schedule1F1B, as installed, over stand-in stages on CPU
+    (tests/pipeline_turns_check.py): with `graphs.copies` copies no forward finds its copy busy, on any stage; with one
+    fewer, where a stage has more than one, some do. This pins the formula to the schedule of the torch in use, not to
+    a hand-written order."""
+    proc = torchrun(pp, ["tests/pipeline_turns_check.py", str(micro_batches)], timeout=120)
+    ranks = sorted((json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("TURNS ")),
+                   key=lambda r: r["rank"])
+    assert [r["copies"] for r in ranks] == [min(micro_batches, pp - k) for k in range(pp)], ranks
+    assert all(r["busy"] == 0 for r in ranks), ranks
+    assert all(r["busy_with_one_fewer"] > 0 for r in ranks if r["copies"] > 1), ranks
+    assert any(r["copies"] > 1 for r in ranks), ranks

@@ -18,11 +18,12 @@ graphs on such memory.
 
 Pipeline parallelism is captured too. The 1F1B schedule runs up to PP - rank forwards of a stage before their
 backwards, and a captured layer keeps one micro-batch's activations in its graphs' buffers, which the next forward
-would overwrite. So a stage captures as many copies of its layers' graphs as it keeps micro-batches in flight (`copies`),
-each copy in one `make_graphed_callables` call of its own (its own memory pool: its replays interleave with the other
-copies' in 1F1B's order, not in the order captured), and micro-batches take the copies in turn (`Turns`): 1F1B runs the
-backwards in the order of their forwards, so a micro-batch's copy is free again when the micro-batch PP - rank forwards
-later comes. A copy taken again before its micro-batch's backward has run is refused (an error, not wrong gradients).
+would overwrite. So a stage captures as many copies of its layers' graphs as it keeps micro-batches in flight
+(`copies`), each copy in one `make_graphed_callables` call of its own (its own memory pool: its replays interleave with
+the other copies' in 1F1B's order, not in the order captured), and micro-batches take the copies in turn (`Turns`):
+1F1B runs the backwards in the order of their forwards, so a micro-batch's copy is free again when the micro-batch
+PP - rank forwards later comes. A copy taken again before its micro-batch's backward has run is refused (an error, not
+wrong gradients). tests/test_graphs_plan.py checks the copies against torch's own Schedule1F1B on the CPU.
 
 Where the layers are not captured, and why (`plan` says which, the trainer prints it):
 - no CUDA, or `cuda_graphs: false`;
