@@ -40,7 +40,6 @@ import gc
 
 import torch
 from torch import nn
-
 from torch.utils.hooks import RemovableHandle
 
 from ckpt_tools.errors import ConfigError

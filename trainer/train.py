@@ -163,8 +163,9 @@ class Stepper:
             return None
         if self.stage.post_process:
             losses: list[torch.Tensor] = []
-            self.schedule.step(target=labels, losses=losses, return_outputs=False)  # the logits, whose history holds
-            # the graphed layers, kept by the schedule to the next step otherwise (and past graphs.release)
+            # the logits not kept: the schedule would hold them, and through their history the graphed layers, to the
+            # next step (and past graphs.release)
+            self.schedule.step(target=labels, losses=losses, return_outputs=False)
             return torch.stack([l.detach() for l in losses]).mean()
         self.schedule.step()
         return None
