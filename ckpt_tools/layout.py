@@ -271,6 +271,8 @@ def find_rule(key: str, spec: ModelSpec, pp_size: int | None = 1) -> Rule:
 def alias_of(key: str, spec: ModelSpec) -> str | None:
     """The key whose tensor `key` is in this model (a tied output layer: the word embedding), or None: a tensor of its
     own. Such a key is a tensor only at PP > 1, as a copy on another stage."""
+    if key not in ALIASES:  # asked for every tensor read or written: most are no alias row
+        return None
     rule = find_rule(key, spec, None)
     return rule.alias.of if rule.alias is not None and rule.alias.when(spec) else None
 
