@@ -1,7 +1,8 @@
 """Under torchrun (world = PP, gloo, CPU): drive torch.distributed.pipelining's real Schedule1F1B over stand-in stages
 that take a copy of the CUDA graphs (trainer/graphs.py `Turns`) where the trainer's stage does, at the input of its
 first captured layer, and count the forwards that would have found their copy still busy. With `graphs.copies` copies
-there must be none; with one fewer (where a stage has more than one), some. Prints one JSON line per rank.
+there must be none; with one fewer (where a stage has more than one), some. Rank 0 prints one JSON line holding every
+rank's counts (ranks printing their own lines could interleave them on one line of torchrun's output).
 
     torchrun --nproc-per-node PP tests/pipeline_turns_check.py MICRO_BATCHES
 """
@@ -75,7 +76,10 @@ def main() -> None:
     out["busy"] = run(pp, rank, micro_batches, 0)
     fewer = run(pp, rank, micro_batches, 1)  # every rank runs the second pipeline (a stage of one copy keeps one)
     out["busy_with_one_fewer"] = fewer if out["copies"] > 1 else None
-    print("TURNS " + json.dumps(out), flush=True)
+    everyone = [None] * pp
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        print("TURNS " + json.dumps(everyone), flush=True)
     dist.destroy_process_group()
 
 

@@ -95,8 +95,10 @@ def test_the_copies_suffice_for_torchs_own_1f1b_schedule_and_one_fewer_does_not(
     fewer, where a stage has more than one, some do. This pins the formula to the schedule of the torch in use, not to
     a hand-written order."""
     proc = torchrun(pp, ["tests/pipeline_turns_check.py", str(micro_batches)], timeout=120)
-    ranks = sorted((json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("TURNS ")),
-                   key=lambda r: r["rank"])
+    lines = [line[6:] for line in proc.stdout.splitlines() if line.startswith("TURNS ")]
+    assert len(lines) == 1, proc.stdout
+    ranks = json.loads(lines[0])
+    assert [r["rank"] for r in ranks] == list(range(pp)), ranks
     assert [r["copies"] for r in ranks] == [min(micro_batches, pp - k) for k in range(pp)], ranks
     assert all(r["busy"] == 0 for r in ranks), ranks
     assert all(r["busy_with_one_fewer"] > 0 for r in ranks if r["copies"] > 1), ranks
