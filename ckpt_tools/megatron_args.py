@@ -1,5 +1,6 @@
 """Megatron-LM's `args` a written Megatron-LM checkpoint carries for a model and layout (the other way, the ModelSpec
-and layout a checkpoint's args describe, is ckpt_tools.megatron_spec, re-exported here).
+and layout a checkpoint's args describe, is ckpt_tools.megatron_spec; each feature's own arguments are its record's,
+ckpt_tools.features).
 
 Megatron-LM keeps its whole argparse.Namespace in every checkpoint. At load it compares a few fields with
 the run's own (`check_checkpoint_args`: num_layers, hidden_size, num_attention_heads, add_position_embedding,
@@ -14,17 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ckpt_tools import hybrid, torchsave
+from ckpt_tools import features, hybrid, torchsave
 from ckpt_tools.errors import ConfigError
 # reading a checkpoint's args (-> ModelSpec and layout) is ckpt_tools.megatron_spec
-from ckpt_tools.megatron_spec import GPT_YARN, LINEAR_FIELDS, MAMBA_ARGS, MLA_FIELDS, YARN_ARGS
+from ckpt_tools.megatron_spec import LINEAR_FIELDS, MAMBA_ARGS, MLA_FIELDS
 from ckpt_tools.spec import ModelSpec
-
-# megatron-core's MLA YaRN takes its original context and betas from MLATransformerConfig's defaults.
-MLA_YARN = {"rope_original_max_position_embeddings": 4096, "rope_beta_fast": 32.0, "rope_beta_slow": 1.0}
-# Megatron-LM's --rope-scaling applies megatron-core's fixed llama3 frequency bounds.
-MCORE_LLAMA3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                "rope_original_max_position_embeddings": 8192}
 
 
 def pipeline_split(counts: list[int]) -> dict:
@@ -43,32 +38,10 @@ def pipeline_split(counts: list[int]) -> dict:
     return {"decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last}
 
 
-def check_expressible(spec: ModelSpec) -> None:
-    """Refuse what Megatron-LM's arguments cannot say (llama3 bounds other than megatron-core's, Gemma's scaled
-    embeddings and zero-centred norms, OLMoE's q/k norms over all heads)."""
-    if spec.qk_norm_across_heads:
-        raise ConfigError(f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises "
-                          f"each head: Megatron-LM's forms cannot hold this model; keep it in our format or HF")
-    if spec.scale_embeddings:
-        raise ConfigError(f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling: Megatron-LM's forms "
-                          f"cannot hold this model; keep it in our format or HF")
-    if spec.rope_scaling == "yarn" and spec.multi_latent_attention:
-        odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MLA_YARN.items() if getattr(spec, k) != v]
-        if odd:
-            raise ConfigError(f"YaRN with {', '.join(odd)}: megatron-core's MLA takes these from its defaults (no "
-                              f"Megatron-LM argument sets them), so the written model would differ; keep the model in "
-                              f"our format or HF")
-    if spec.rope_scaling == "llama3":
-        odd = [f"{k} {getattr(spec, k)} (Megatron-LM: {v})" for k, v in MCORE_LLAMA3.items() if getattr(spec, k) != v]
-        if odd:
-            raise ConfigError(f"llama3 rope scaling with {', '.join(odd)}: Megatron-LM's --use-rope-scaling fixes "
-                              f"these, so the written model would differ; keep the model in our format or HF")
-
-
 def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
     """Megatron-LM's MoE arguments: every layer's MLP megatron-core's MoE layer with SequentialMLP experts (no
     grouped GEMM), top-k routing, a shared expert where the family has one, the load-balancing loss megatron-core's
-    default (off)."""
+    default (off); the routing features' arguments are theirs (ckpt_tools.features.moe)."""
     if not spec.is_moe:
         return {"num_experts": None, "expert_model_parallel_size": 1}
     return {"num_experts": spec.num_moe_experts, "moe_router_topk": spec.moe_router_topk,
@@ -76,14 +49,9 @@ def moe_args(spec: ModelSpec, ep: int = 1) -> dict:
             "moe_grouped_gemm": False,
             "moe_layer_freq": 1 if spec.layer_pattern is None else [int(spec.moe_layer(i)) for i in range(spec.num_layers)],
             "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
-            "moe_shared_expert_gate": bool(spec.moe_shared_expert_gate), "moe_shared_expert_overlap": False,
-            "moe_router_score_function": spec.moe_router_score_function,
-            "moe_router_enable_expert_bias": bool(spec.moe_router_enable_expert_bias),
+            "moe_shared_expert_overlap": False,
             "moe_router_num_groups": spec.moe_router_num_groups, "moe_router_group_topk": spec.moe_router_group_topk,
             "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor,
-            # the sigmoid router's logits in fp32, as transformers computes DeepSeek's (megatron-core's default: the
-            # input's dtype)
-            "moe_router_dtype": "fp32" if spec.moe_router_score_function == "sigmoid" else None,
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
             "moe_token_dispatcher_type": "allgather",
             # megatron-core biases experts only unsplit (its TransformerConfig asserts ETP 1 with add_bias_linear);
@@ -116,7 +84,7 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     `pattern`, a HybridModel's (pretrain_hybrid.py's --hybrid-layer-pattern: num_layers counts its indices, its
     '|' segments give the pipeline split). With `vpp` > 1 `counts` are an interleaved pipeline's PP x VPP virtual
     stages (even: --num-layers-per-virtual-pipeline-stage)."""
-    check_expressible(spec)
+    features.check_expressible(spec)
     args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
     if ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's form: its --use-megatron-fsdp run
         vars(args).update(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
@@ -135,9 +103,7 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
 
 def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: str, ckpt_format: str,
               iteration: int, tokenizer: str | None, ep: int) -> argparse.Namespace:
-    rope = spec.position_embedding_type == "rope"
     gqa = spec.num_query_groups != spec.num_attention_heads
-    gpt_yarn = spec.rope_scaling == "yarn" and not spec.multi_latent_attention  # GPTModel's own YaRN embedding
     pp = len(counts)
     return argparse.Namespace(
         # the model
@@ -145,37 +111,14 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         num_attention_heads=spec.num_attention_heads, group_query_attention=gqa,
         num_query_groups=spec.num_query_groups if gqa else 1, kv_channels=spec.kv_channels,
         max_position_embeddings=spec.max_position_embeddings,
-        # Megatron-LM's default (its parser's, and its Llama 3 example's): megatron-core's GPTModel goes by
-        # position_embedding_type; check_checkpoint_args compares this flag with the run's
-        position_embedding_type="yarn" if gpt_yarn else spec.position_embedding_type, add_position_embedding=True,
-        use_rotary_position_embeddings=rope, rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer()
-        else spec.rotary_base, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
-        rotary_seq_len_interpolation_factor=None, use_rope_scaling=spec.rope_scaling == "llama3",
-        rope_scaling_factor=spec.rope_scaling_factor,
-        normalization=spec.normalization, norm_epsilon=spec.norm_epsilon,
-        apply_layernorm_1p=bool(spec.zero_centered_norm), attention_output_gate=bool(spec.attention_output_gate),
-        **linear_args(spec),
-        qk_layernorm=spec.qk_layernorm, apply_residual_connection_post_layernorm=False,
-        swiglu=spec.activation == "swiglu", openai_gelu=False, squared_relu=spec.activation == "squared_relu",
-        quick_geglu=spec.activation == "quick_geglu", glu_linear_offset=spec.glu_linear_offset,
-        activation_func_clamp_value=spec.activation_clamp,
-        # quick_geglu's fused kernel clamps before the bias is added (megatron-core's SequentialMLP): off
-        bias_gelu_fusion=spec.add_bias_linear and spec.activation == "gelu_tanh", bias_swiglu_fusion=True,
-        softmax_type=spec.softmax_type or "vanilla",
+        rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer() else spec.rotary_base,
+        rotary_percent=spec.rotary_percent, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
+        norm_epsilon=spec.norm_epsilon, **linear_args(spec), apply_residual_connection_post_layernorm=False,
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
         window_attn_skip_freq=spec.window_attn_skip_freq,
-        add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.qkv_bias,
-        untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, padded_vocab_size=padded,
-        vocab_size=spec.vocab_size, multi_latent_attention=bool(spec.multi_latent_attention),
-        mtp_num_layers=spec.mtp_num_layers,
-        **{k: getattr(spec, k) for k in MLA_FIELDS}, **moe_args(spec, ep),
-        # multi-latent attention's rotary embedding: plain RoPE or YaRN (megatron-core's MLA defaults to YaRN)
-        rope_type=("yarn" if spec.rope_scaling == "yarn" else "rope") if spec.multi_latent_attention else None,
-        **({theirs: getattr(spec, ours) for theirs, (ours, _) in YARN_ARGS.items()} if spec.rope_scaling == "yarn"
-           else {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}),
-        **({f"yarn_{k}": getattr(spec, YARN_ARGS[k][0]) for k in GPT_YARN}
-           | {"yarn_correction_range_round_to_int": spec.rope_truncate} if gpt_yarn else {}),
+        vocab_size=spec.vocab_size, mtp_num_layers=spec.mtp_num_layers,
+        **{k: getattr(spec, k) for k in MLA_FIELDS}, **moe_args(spec, ep), **features.megatron_args(spec),
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False,
         # Transformer Engine's where megatron-core has no local module (zero-centred norms, gated DeltaNet)
         transformer_impl="transformer_engine" if spec.zero_centered_norm or spec.linear_num_key_heads else "local",

@@ -26,7 +26,7 @@ from pathlib import Path
 from ckpt_tools import hybrid, io, names
 from ckpt_tools.checkpoint import Meta
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.megatron_spec import arg as _arg
+from ckpt_tools.features.base import arg
 from ckpt_tools.megatron_spec import expert_parallel, expert_tensor_parallel, layout_of, virtual_stages
 from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.spec import ModelSpec
@@ -175,7 +175,7 @@ def qkv_order(path: Path, state: dict) -> int | None:
     if version >= 2:
         return None
     args = state.get("args")
-    if _arg(args, "group_query_attention", False) and _arg(args, "num_query_groups", None) != _arg(
+    if arg(args, "group_query_attention", False) and arg(args, "num_query_groups", None) != arg(
             args, "num_attention_heads", None):
         raise FormatError(f"{path}: checkpoint_version {version} with grouped-query attention, which no Megatron-LM "
                           f"of that version wrote: the file is damaged; restore it from the source")
@@ -212,7 +212,7 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
     if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
         raise FormatError(f"{path}: 'iteration' is {iteration!r:.40}, expected an integer >= 0 (Megatron-LM always "
                           f"saves it): the file is damaged; restore it from the source")
-    dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
+    dtype = "bfloat16" if arg(args, "bf16", False) else "float16" if arg(args, "fp16", False) else "float32"
     raw = {
         "format": source,
         "model": spec.to_dict(),
@@ -220,7 +220,7 @@ def meta_of(path: Path, iter_dir: Path, args, state: dict, spec: ModelSpec, tp: 
         "vocab": {"true": spec.vocab_size, "padded": padded, "divisible_by": spec.make_vocab_size_divisible_by,
                   "padding": "unknown"},
         "iteration": iteration,
-        "consumed_samples": _arg(args, "consumed_train_samples"),
+        "consumed_samples": arg(args, "consumed_train_samples"),
         "dtypes": {"params": dtype, "master": "float32"},
         "files": {},
         "checkpoint_version": state.get("checkpoint_version"),
@@ -255,7 +255,7 @@ def model_state(obj, where: object = None, split: bool = True) -> dict | None:
     except ConfigError as e:
         raise FormatError(f"{where}: {e}; restore the checkpoint from the source") from None
     if split and grouped_experts(model):
-        _split_grouped(where, state, _arg(obj.get("args"), "num_experts", 0) // _arg(obj.get("args"),
+        _split_grouped(where, state, arg(obj.get("args"), "num_experts", 0) // arg(obj.get("args"),
                                                                                     "expert_model_parallel_size", 1))
     return state
 
@@ -306,7 +306,7 @@ def read_meta(path, vocab_size: int | None = None, load: Callable = io.load_file
     _check_rank_dirs(iter_dir, tp, pp, ep)
     vpp, counts = virtual_stages(first, args, counts)
     _check_model_keys(first, chunk(state, 0, vpp, first))
-    padded = _arg(args, "padded_vocab_size")
+    padded = arg(args, "padded_vocab_size")
     if padded is None:
         padded = model_state(chunk(state, 0, vpp, first), first,
                              split=False)["embedding.word_embeddings.weight"].shape[0] * tp

@@ -1,13 +1,15 @@
 """Megatron-LM's `args` read: the ModelSpec and layout a checkpoint's argparse.Namespace describes (the first family
 whose features the arguments fit, its sizes, the pipeline split), what the toolkit cannot represent refused in one
-line. The other way (the args a written checkpoint carries) is ckpt_tools.megatron_args, which re-exports these
-names."""
+line. The other way (the args a written checkpoint carries) is ckpt_tools.megatron_args. Each feature's own argument
+is read by its record (ckpt_tools.features)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_tools import families, hybrid, layout
+from ckpt_tools import families, features, hybrid, layout
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.features.base import arg
+from ckpt_tools.features.positions import GPT_YARN, YARN_ARGS, gpt_yarn
 from ckpt_tools.spec import ModelSpec
 
 MAMBA_ARGS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")  # both sides' names
@@ -21,80 +23,6 @@ _REFUSED = {
     "rotary_interleaved": "interleaved rotary embeddings",
     "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
 }
-
-
-def arg(args, name: str, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
-# Each feature as the Megatron-LM argument that sets it: (argument, feature value -> argument value).
-_ARG_OF = {
-    "activation": ("activation (--swiglu, --squared-relu, --quick-geglu)", None),
-    "normalization": ("normalization", None),
-    "position_embedding_type": ("position_embedding_type", None), "add_bias_linear": ("add_bias_linear", None),
-    "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
-    "rope_scaling": ("position_embedding_type", lambda v: {"llama3": "rope + use_rope_scaling"}.get(v, v or "rope")),
-    "tie_word_embeddings": ("untie_embeddings_and_output_weights", lambda v: not v),
-    "moe_shared_expert_gate": ("moe_shared_expert_gate", None),
-    "multi_latent_attention": ("multi_latent_attention", None),
-    "moe_router_score_function": ("moe_router_score_function", None),
-    "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", None),
-    "softmax_type": ("softmax_type", None), "glu_linear_offset": ("glu_linear_offset", None),
-    "zero_centered_norm": ("apply_layernorm_1p", None), "attention_output_gate": ("attention_output_gate", None),
-}
-
-
-def _as_args(bad: dict) -> list[str]:
-    """Misfitting features {feature: (found, allowed values)} in Megatron-LM's argument terms."""
-    out = []
-    for feature, (arg, to_arg) in _ARG_OF.items():
-        if feature in bad:
-            found, allowed = bad[feature]
-            conv = to_arg or (lambda v: v)
-            wants = sorted({repr(conv(v)) for v in allowed})
-            if conv(found) not in {conv(v) for v in allowed}:
-                out.append(f"{arg}={conv(found)!r} (needs {' or '.join(wants)})")
-    return out
-
-
-def features_of(args) -> dict:
-    """Megatron-LM's arguments -> ModelSpec feature fields (families.FEATURES)."""
-    bias = bool(arg(args, "add_bias_linear", True))
-    if arg(args, "squared_relu", False):
-        activation = "squared_relu"
-    elif arg(args, "swiglu", False):
-        activation = "swiglu"
-    elif arg(args, "quick_geglu", False):
-        activation = "quick_geglu"
-    else:  # megatron-core's MLP applies the tanh-approximated GELU when bias_gelu_fusion is on (the default);
-        # openai_gelu (tanh as well) switches only the legacy model
-        tanh = arg(args, "bias_gelu_fusion", True) or (arg(args, "use_legacy_models", False)
-                                                       and arg(args, "openai_gelu", False))
-        activation = "gelu_tanh" if tanh else "gelu"
-    return {
-        "normalization": arg(args, "normalization", "LayerNorm"), "activation": activation,
-        "add_bias_linear": bias, "add_qkv_bias": bool(arg(args, "add_qkv_bias", False)) and not bias,
-        "qk_layernorm": bool(arg(args, "qk_layernorm", False)),
-        "position_embedding_type": "rope" if _gpt_yarn(args) else arg(args, "position_embedding_type",
-                                                                         "learned_absolute"),
-        "rope_scaling": "llama3" if arg(args, "use_rope_scaling", False) else "yarn" if _gpt_yarn(args) else None,
-        "tie_word_embeddings": not arg(args, "untie_embeddings_and_output_weights", False),
-        # Megatron-LM builds the gate only with a shared expert (and experts): without one the flag means nothing
-        "moe_shared_expert_gate": bool(arg(args, "moe_shared_expert_gate", False))
-        and bool(arg(args, "moe_shared_expert_intermediate_size", None)) and bool(arg(args, "num_experts", None)),
-        "multi_latent_attention": bool(arg(args, "multi_latent_attention", False)),
-        "moe_router_score_function": arg(args, "moe_router_score_function", "softmax")
-        if arg(args, "num_experts", None) else "softmax",
-        "moe_router_enable_expert_bias": bool(arg(args, "moe_router_enable_expert_bias", False))
-        and bool(arg(args, "num_experts", None)),
-        "softmax_type": arg(args, "softmax_type", "vanilla"),
-        "glu_linear_offset": float(arg(args, "glu_linear_offset", 0.0)),
-        # --apply-layernorm-1p (megatron-core's layernorm_zero_centered_gamma): every norm scales by 1 + w
-        "zero_centered_norm": bool(arg(args, "apply_layernorm_1p", False)
-                                   or arg(args, "layernorm_zero_centered_gamma", False)),
-        "attention_output_gate": bool(arg(args, "attention_output_gate", False)),
-    }
 
 
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -124,18 +52,10 @@ def linear_fields(args) -> dict:
     return {k: int(arg(args, k, v)) for k, v in zip(LINEAR_FIELDS, LINEAR_DEFAULTS)}
 
 
-def _gpt_yarn(args) -> bool:
-    """GPTModel's own YaRN rotary embedding (--position-embedding-type yarn; MLA has its own, mla_fields)."""
-    return arg(args, "position_embedding_type", None) == "yarn" and not arg(args, "multi_latent_attention", False)
-
-
-GPT_YARN = ("original_max_position_embeddings", "beta_fast", "beta_slow")  # GPTModel's YaRN: `yarn_` + these
-
-
 def attention_fields(args) -> dict:
     """GPTModel's YaRN parameters, the sliding window and the experts' GLU clamp (GPT-OSS) as ModelSpec fields."""
     out: dict = {}
-    if _gpt_yarn(args):
+    if gpt_yarn(args):
         out["rope_scaling_factor"] = float(arg(args, "rotary_scaling_factor", 1.0))
         out.update({YARN_ARGS[k][0]: type(YARN_ARGS[k][1])(arg(args, f"yarn_{k}", YARN_ARGS[k][1])) for k in GPT_YARN})
         out.update(rope_mscale=float(arg(args, "mscale", 1.0)), rope_mscale_all_dim=float(arg(args, "mscale_all_dim", 0.0)),
@@ -159,13 +79,6 @@ def attention_fields(args) -> dict:
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # both sides' names
-
-
-# YaRN's arguments (MLATransformerConfig's names) -> ModelSpec's, with megatron-core's defaults
-YARN_ARGS = {"rotary_scaling_factor": ("rope_scaling_factor", 1.0),
-             "original_max_position_embeddings": ("rope_original_max_position_embeddings", 4096),
-             "beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
-             "mscale": ("rope_mscale", 1.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0)}
 
 
 def mla_fields(args) -> dict:
@@ -199,19 +112,19 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
     if pattern is not None and pattern.moe and not moe:
         raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} has MoE layers ('E') but the args set no num_experts: "
                           f"the args are damaged; restore them from the source")
-    found = features_of(args)
+    found = features.from_megatron(args)
     single = pattern is not None and pattern.single  # Mamba-2 layers: a hybrid family's
     linear = (pattern is not None and hybrid.GDN in pattern.text) or (pattern is None and linear_attention(args))
     family, misfits = families.for_features(found, moe=bool(moe), hybrid=single, linear=bool(linear))
     named = getattr(args, "hf_family", None)  # written by this toolkit: Mistral's and Phi-3's arguments are Llama's
     if family is not None and named in families.names() and named != family.name:
         candidate = families.get(named)
-        if all(v in candidate.features[k] for k, v in found.items() if k in candidate.features):
+        if all(v in candidate.allowed(k) for k, v in found.items()):
             family = candidate
     if family is None:
         grouped: dict[str, list[str]] = {}  # families that miss in the same way are named together
         for name, bad in misfits.items():
-            grouped.setdefault(", ".join(_as_args(bad)), []).append(name)
+            grouped.setdefault(", ".join(features.misfits(bad)), []).append(name)
         what = "Mamba-2 layers ('M')" if single else "gated DeltaNet layers ('G')" if linear else None
         raise ConfigError((f"{f'hybrid_layer_pattern {pattern.text!r}' if pattern else 'the model'} has {what}, but "
                            f"its " if what else "") + "Megatron-LM arguments fit no supported architecture: " + "; ".join(

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.features import NAMES as FEATURE_NAMES
 
 
 def _families():
@@ -48,7 +49,7 @@ class ModelSpec:
     tie_word_embeddings: bool | None = None  # None: the family's default (gpt2 tied, the others not)
     make_vocab_size_divisible_by: int = 128
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
-    # values it cannot express (families.FEATURES lists them).
+    # values it cannot express (ckpt_tools.features lists them).
     activation: str | None = None  # swiglu (gated silu) | geglu_tanh (gated tanh-GELU) | gelu | gelu_tanh |
     # quick_geglu (gated x * sigmoid(1.702 x): megatron-core's quick_gelu, GPT-OSS's experts) | squared_relu
     # (relu(x)^2, not gated: megatron-core's squared_relu, Nemotron-H's relu2)
@@ -141,8 +142,8 @@ class ModelSpec:
         self._check_types()
         family = families.get(self.architecture)
         object.__setattr__(self, "_hybrid", family.hybrid)  # asked per key (layer_symbols): not looked up each time
-        for name, allowed in family.features.items():
-            value = getattr(self, name)
+        for name in FEATURE_NAMES:
+            allowed, value = family.allowed(name), getattr(self, name)
             if value is None and None not in allowed:
                 object.__setattr__(self, name, allowed[0])
             elif value not in allowed:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import hf, hybrid, io, layout, megatron_lm, output
+from ckpt_tools import features, hf, hybrid, io, layout, megatron_lm, output
 from ckpt_tools.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.formats.megatron_resume import ResumeState
@@ -142,18 +142,13 @@ def write(out: Path, target: Layout, spec: ModelSpec, dtype: str, shard_of: Call
 
 
 def loads_with(out: Path, target: Layout, resume: bool = False, spec: ModelSpec | None = None) -> str:
-    """The Megatron-LM command-line flags that load the written checkpoint (`--use-checkpoint-args` restores
-    neither MLA's rotary type nor YaRN's parameters: given where the model has them)."""
+    """The Megatron-LM command-line flags that load the written checkpoint (with the flags of what
+    `--use-checkpoint-args` does not restore: MLA's rotary type, YaRN's parameters, GPT-OSS's features)."""
     form, tp, ep, vpp, pp = target.form, target.tp, target.ep, target.vpp, target.pp_ranks
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
     layers = spec.num_layers // target.pp if spec is not None else None
-    if spec is not None and spec.multi_latent_attention:
-        where += " --rope-type " + ("yarn" if spec.rope_scaling == "yarn" else "rope")
-        if spec.rope_scaling == "yarn":
-            where += (f" --rotary-scaling-factor {spec.rope_scaling_factor:g} --mscale {spec.rope_mscale:g} "
-                      f"--mscale-all-dim {spec.rope_mscale_all_dim:g}")
     if spec is not None:
-        where += _not_restored(spec)
+        where += features.load_flags(spec) + _not_restored(spec)
     if resume:
         where += " --use-distributed-optimizer"
     if form == megatron_lm.FSDP_DTENSOR:  # no RNG state to load; weights only: no optimizer or scheduler either
@@ -168,20 +163,9 @@ def loads_with(out: Path, target: Layout, resume: bool = False, spec: ModelSpec 
 
 
 def _not_restored(spec: ModelSpec) -> str:
-    """The flags of GPT-OSS's features, which --use-checkpoint-args does not restore."""
+    """The flags of the sliding window and of biased experts, which --use-checkpoint-args does not restore (the
+    features' own: `features.load_flags`)."""
     flags = ""
-    if spec.rope_scaling == "yarn" and not spec.multi_latent_attention:
-        flags += (f" --rotary-scaling-factor {spec.rope_scaling_factor:g} --yarn-original-max-position-embeddings "
-                  f"{spec.rope_original_max_position_embeddings} --yarn-beta-fast {spec.rope_beta_fast:g} "
-                  f"--yarn-beta-slow {spec.rope_beta_slow:g} --mscale {spec.rope_mscale:g} --mscale-all-dim "
-                  f"{spec.rope_mscale_all_dim:g} --" + ("" if spec.rope_truncate else "no-")
-                  + "yarn-correction-range-round-to-int")
-    if spec.activation == "quick_geglu":
-        flags += " --quick-geglu --no-bias-gelu-fusion"
-        flags += f" --glu-linear-offset {spec.glu_linear_offset:g}" if spec.glu_linear_offset else ""
-        flags += f" --activation-func-clamp-value {spec.activation_clamp:g}" if spec.activation_clamp else ""
-    if spec.softmax_type not in (None, "vanilla"):
-        flags += f" --softmax-type {spec.softmax_type}"
     if spec.sliding_window is not None:
         flags += f" --window-size {spec.sliding_window - 1},0"
         flags += f" --window-attn-skip-freq {spec.window_attn_skip_freq}" if spec.window_attn_skip_freq else ""

@@ -17,17 +17,17 @@ import re
 import pytest
 from families_cases import OWN_FIELDS, VOCAB
 
-from ckpt_tools import families, hf
+from ckpt_tools import families, features, hf
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.request import Layout
 from ckpt_tools.spec import ModelSpec
 
 
 def test_family_records_map_their_config_both_ways():
-    """Each family writes a config.json that it reads back as the same spec, and declares a default for
-    every feature field."""
+    """Each family writes a config.json that it reads back as the same spec, and names only features
+    (ckpt_tools.features) among the values it allows."""
     for family in families.all_families():
-        assert set(family.features) == set(families.FEATURES), family.name
+        assert set(family.features) <= set(features.NAMES), family.name
         spec = ModelSpec(architecture=family.name, num_layers=2, hidden_size=64, num_attention_heads=4,
                          num_query_groups=4 if family.name in ("gpt2", "deepseek_v3") else 2, ffn_hidden_size=96,
                          vocab_size=VOCAB, kv_channels=16, max_position_embeddings=128,
@@ -130,7 +130,7 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
     in one line, and the load command names the rotary flags --use-checkpoint-args does not restore."""
     from pathlib import Path
 
-    from ckpt_tools import megatron_args, to_megatron
+    from ckpt_tools import to_megatron
     from ckpt_tools.errors import ConfigError
     fields = {**OWN_FIELDS["deepseek_v3"], "rope_scaling": "yarn", "rope_scaling_factor": 40.0,
               "rope_mscale_all_dim": 1.0}
@@ -138,8 +138,8 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
                      num_query_groups=4, ffn_hidden_size=96, vocab_size=VOCAB, num_moe_experts=4, moe_router_topk=2,
                      moe_shared_expert_intermediate_size=48, **{**fields, "rope_original_max_position_embeddings": 32})
     with pytest.raises(ConfigError, match="YaRN with rope_original_max_position_embeddings 32 \\(Megatron-LM: 4096\\)"):
-        megatron_args.check_expressible(spec)
+        features.check_expressible(spec)
     ok = ModelSpec(**{**spec.to_dict(), "rope_original_max_position_embeddings": 4096})
-    megatron_args.check_expressible(ok)
+    features.check_expressible(ok)
     line = to_megatron.loads_with(Path("out"), Layout("torch_dist", 1, [spec.num_layers], 128), spec=ok)
     assert "--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1" in line, line

@@ -1,8 +1,8 @@
 """Model families: one declarative record per HuggingFace model type (DESIGN.md: "adding a family").
 
 A `Family` says everything the tools need to know about one kind of model beyond the sizes:
-  features  the ModelSpec feature fields it fixes (normalization, activation, biases, qk norms,
-            positions, tying), each with the values it allows, the first being the default;
+  features  the ModelSpec features (ckpt_tools.features) it allows other values of than the feature's own, each with
+            the values it allows, the first being the default;
   names     megatron-core key <-> HF name(s) and the conversion kind of each tensor (`Name` rows);
             rows whose megatron-core key the model does not hold (a bias of an unbiased model) are unused;
   config    config.json <-> ModelSpec, each key written once (`Field`, `Const`, `Rope`): reading a
@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_tools.features import BY_NAME as FEATURES, NAMES as FEATURE_NAMES
 from ckpt_tools.errors import ConfigError
 
 # Conversion kinds (full megatron-core tensor <-> HF tensors; see ckpt_tools/hf.py):
@@ -26,13 +27,6 @@ GATE_UP_T = "gate_up_t"
 # a gated DeltaNet's in_proj_qkvz + in_proj_ba per key head (megatron-core's in_proj: [q; k; v; z; b; a] head-major);
 # a norm transformers scales by w where megatron-core's zero-centred one scales by 1 + w (megatron-core's = HF's - 1)
 QKV_GATED, GDN_IN, NORM_OFFSET = "qkv_gated", "gdn_in", "norm_offset"
-
-# ModelSpec feature fields a family fixes; `None` in a ModelSpec means "the family's default".
-FEATURES = ("normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
-            "position_embedding_type", "rope_scaling", "tie_word_embeddings", "zero_centered_norm", "scale_embeddings",
-            "moe_shared_expert_gate", "multi_latent_attention", "moe_router_score_function",
-            "moe_router_enable_expert_bias", "softmax_type", "glu_linear_offset", "attention_output_gate")
-
 
 @dataclass(frozen=True)
 class Name:
@@ -213,8 +207,9 @@ class Family:
     name: str  # ModelSpec.architecture
     model_type: str  # config.json's model_type
     hf_class: str  # config.json's architectures[0]
-    features: Mapping[str, tuple]  # ModelSpec feature -> allowed values, the default first
     names: tuple[Name, ...]
+    # ModelSpec feature -> the values the family allows, its default first; a feature not named: the feature's own
+    features: Mapping[str, tuple] = field(default_factory=dict)
     config: tuple = ()
     check: Callable | None = None  # extra constraints on a ModelSpec (raises ConfigError)
     extras: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
@@ -234,8 +229,17 @@ class Family:
     # (megatron-core key, HF name with `{i}` the MTP layer's number) of each tensor an HF MTP layer holds a copy of
     mtp_copies: tuple[tuple[str, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        unknown = set(self.features) - set(FEATURE_NAMES)
+        if unknown:
+            raise ValueError(f"family {self.name}: {sorted(unknown)} are no features (ckpt_tools.features.NAMES)")
+
+    def allowed(self, feature: str) -> tuple:
+        """The values of `feature` the family allows, its default first."""
+        return self.features.get(feature) or FEATURES[feature].allowed
+
     def default(self, feature: str):
-        return self.features[feature][0]
+        return self.allowed(feature)[0]
 
     def computed_keys(self) -> set[str]:
         """The config.json keys that follow from the weights (a merge writes ours, never a carried original's)."""
@@ -325,7 +329,7 @@ def for_features(found: Mapping[str, Any], moe: bool = False, hybrid: bool = Fal
     does, for each family what does not fit: {feature: (found, allowed)}."""
     misfits = {}
     for fam in (f for f in all_families() if f.moe == moe and f.hybrid == hybrid and f.linear_attention == linear):
-        bad = {k: (v, fam.features[k]) for k, v in found.items() if k in fam.features and v not in fam.features[k]}
+        bad = {k: (v, fam.allowed(k)) for k, v in found.items() if v not in fam.allowed(k)}
         if not bad:
             return fam, {}
         misfits[fam.name] = bad

@@ -150,7 +150,7 @@ def check_routing(spec) -> None:
 FAMILY = Family(
     name="deepseek_v3", model_type="deepseek_v3", hf_class="DeepseekV3ForCausalLM", moe=True, shared_experts=True,
     grouped_routing=True, dense_first=True, fp8_blocks=True, mtp_layers=True, mtp_copies=MTP_COPIES,
-    features={**llama.FEATURES, "multi_latent_attention": (True,), "qk_layernorm": (True,),
+    features={"multi_latent_attention": (True,), "qk_layernorm": (True,),
               "rope_scaling": (None, "yarn"),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,

@@ -11,7 +11,7 @@ def tanh_gelu(v) -> bool:
 
 FAMILY = Family(
     name="gemma", model_type="gemma", hf_class="GemmaForCausalLM",
-    features={**llama.FEATURES, "activation": ("geglu_tanh",), "zero_centered_norm": (True,),
+    features={"activation": ("geglu_tanh",), "zero_centered_norm": (True,),
               "scale_embeddings": (True,), "tie_word_embeddings": (True,)},
     names=llama.NAMES,
     config=llama.config(1e-6, 256, 8192,

@@ -26,7 +26,7 @@ FAMILY = Family(
     name="glm4_moe", model_type="glm4_moe", hf_class="Glm4MoeForCausalLM", moe=True, shared_experts=True,
     grouped_routing=True, dense_first=True, fp8_blocks=True, mtp_layers=True, mtp_copies=ds.MTP_COPIES,
     partial_rotary=True,
-    features={**llama.FEATURES, "add_qkv_bias": (False, True), "qk_layernorm": (False, True),
+    features={"add_qkv_bias": (False, True), "qk_layernorm": (False, True),
               "moe_router_score_function": ("sigmoid",), "moe_router_enable_expert_bias": (True,)},
     names=NAMES, check=check,
     config=llama.config(

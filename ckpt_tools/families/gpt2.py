@@ -36,12 +36,7 @@ def _ffn(c: dict) -> int:
 FAMILY = Family(
     name="gpt2", model_type="gpt2", hf_class="GPT2LMHeadModel",
     features={"normalization": ("LayerNorm",), "activation": ("gelu", "gelu_tanh"), "add_bias_linear": (True,),
-              "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
-              "position_embedding_type": ("learned_absolute",),
-              "rope_scaling": (None,), "tie_word_embeddings": (True,), "zero_centered_norm": (False,),
-              "scale_embeddings": (False,), "moe_shared_expert_gate": (False,), "multi_latent_attention": (False,),
-              "moe_router_score_function": ("softmax",), "moe_router_enable_expert_bias": (False,),
-              "softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "attention_output_gate": (False,)},
+              "position_embedding_type": ("learned_absolute",), "tie_word_embeddings": (True,)},
     names=NAMES, check=_check,
     config=(
         Field("vocab_size", "vocab_size"),

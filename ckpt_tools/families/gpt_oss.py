@@ -99,7 +99,7 @@ FAMILY = Family(
     # the published checkpoints' MXFP4: the experts' weights (biases, router, attention, embeddings, head unquantized)
     mxfp4=(".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"),
     mxfp4_unconverted=("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"),
-    features={**llama.FEATURES, "activation": ("quick_geglu",), "add_bias_linear": (True,),
+    features={"activation": ("quick_geglu",), "add_bias_linear": (True,),
               "rope_scaling": ("yarn", None), "tie_word_embeddings": (False,), "softmax_type": ("learnable",),
               # transformers' experts: gate * sigmoid(alpha * gate) * (up + 1)
               "glu_linear_offset": (1.0,)},

@@ -20,16 +20,6 @@ NAMES = (
     Name("output_layer.weight", VOCAB, ("lm_head.weight",)),
 )
 
-# What every Llama-like family fixes; a family overrides single entries.
-FEATURES = {"normalization": ("RMSNorm",), "activation": ("swiglu",), "add_bias_linear": (False,),
-            "add_qkv_bias": (False,), "qk_layernorm": (False,), "qk_norm_across_heads": (False,),
-            "position_embedding_type": ("rope",),
-            "rope_scaling": (None,), "tie_word_embeddings": (False, True), "zero_centered_norm": (False,),
-            "scale_embeddings": (False,), "moe_shared_expert_gate": (False,), "multi_latent_attention": (False,),
-            "moe_router_score_function": ("softmax",), "moe_router_enable_expert_bias": (False,),
-            "softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "attention_output_gate": (False,)}
-
-
 def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,
            act: Const = Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"), tied: bool = False,
            theta: float = 10000.0, rope: Rope | None = None) -> tuple:
@@ -56,7 +46,7 @@ def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *co
 
 FAMILY = Family(
     name="llama", model_type="llama", hf_class="LlamaForCausalLM",
-    features={**FEATURES, "rope_scaling": (None, "llama3")},
+    features={"rope_scaling": (None, "llama3")},
     names=NAMES,
     config=config(1e-6, heads_dim, 2048,
                   Const("attention_bias", False, "biases on q, k, v and o but not the MLP: megatron-core biases "

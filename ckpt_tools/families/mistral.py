@@ -3,7 +3,7 @@ from ckpt_tools.families import Const, Family, heads_dim, llama
 
 FAMILY = Family(
     name="mistral", model_type="mistral", hf_class="MistralForCausalLM",
-    features=llama.FEATURES, names=llama.NAMES,
+    names=llama.NAMES,
     config=llama.config(1e-6, heads_dim, 4096 * 32,
                         Const("sliding_window", None, "sliding-window attention: megatron-core's GPTModel attends "
                                                       "to every earlier position; set it to null only if the model "

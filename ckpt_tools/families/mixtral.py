@@ -36,7 +36,7 @@ def check(spec) -> None:
 
 FAMILY = Family(
     name="mixtral", model_type="mixtral", hf_class="MixtralForCausalLM", moe=True,
-    features=llama.FEATURES, check=check,
+    check=check,
     names=moe_names(_H + "gate.weight", _H + "experts.{e}.w1.weight", _H + "experts.{e}.w3.weight",
                     _H + "experts.{e}.w2.weight"),
     config=llama.config(1e-5, heads_dim, 4096 * 32,

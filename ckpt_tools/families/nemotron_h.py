@@ -13,7 +13,7 @@ another width or without its bias, biased projections, activations other than re
 than megatron-core's gated norm's 1e-5.
 """
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.families import QKV, SAME, VOCAB, Const, Derived, Family, Field, Name, anything, llama
+from ckpt_tools.families import QKV, SAME, VOCAB, Const, Derived, Family, Field, Name, anything
 
 _L, _H = "decoder.layers.{i}.", "backbone.layers.{i}."
 _X, _HX = _L + "mixer.", _H + "mixer."
@@ -68,7 +68,7 @@ def check(spec) -> None:
 
 FAMILY = Family(
     name="nemotron_h", model_type="nemotron_h", hf_class="NemotronHForCausalLM", hybrid=True,
-    features={**llama.FEATURES, "activation": ("squared_relu",), "position_embedding_type": ("none",)},
+    features={"activation": ("squared_relu",), "position_embedding_type": ("none",)},
     names=NAMES, check=check,
     config=(
         Field("vocab_size", "vocab_size"),

@@ -24,7 +24,7 @@ def check(spec) -> None:
 
 FAMILY = Family(
     name="olmoe", model_type="olmoe", hf_class="OlmoeForCausalLM", moe=True, check=check,
-    features={**llama.FEATURES, "qk_layernorm": (True,), "qk_norm_across_heads": (True,)},
+    features={"qk_layernorm": (True,), "qk_norm_across_heads": (True,)},
     names=moe_names(_H + "gate.weight", _H + "experts.{e}.gate_proj.weight", _H + "experts.{e}.up_proj.weight",
                     _H + "experts.{e}.down_proj.weight"),
     config=llama.config(1e-5, heads_dim, 4096,

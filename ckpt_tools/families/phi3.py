@@ -18,7 +18,7 @@ NAMES = (
 
 FAMILY = Family(
     name="phi3", model_type="phi3", hf_class="Phi3ForCausalLM",
-    features=llama.FEATURES, names=NAMES,
+    names=NAMES,
     config=llama.config(1e-5, heads_dim, 4096,
                         Const("sliding_window", None, "sliding-window attention: megatron-core's GPTModel attends "
                                                       "to every earlier position"),

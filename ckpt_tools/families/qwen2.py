@@ -10,7 +10,7 @@ def full_attention(v) -> bool:
 
 FAMILY = Family(
     name="qwen2", model_type="qwen2", hf_class="Qwen2ForCausalLM",
-    features={**llama.FEATURES, "add_qkv_bias": (True,)}, names=llama.NAMES,
+    features={"add_qkv_bias": (True,)}, names=llama.NAMES,
     config=llama.config(1e-6, heads_dim, 32768,
                         Const("use_sliding_window", False, SLIDING),
                         Const("layer_types", None, SLIDING, accept=full_attention)),

@@ -12,7 +12,7 @@ _L, _H = "decoder.layers.{i}.mlp.shared_experts.", "model.layers.{i}.mlp."
 
 FAMILY = Family(
     name="qwen2_moe", model_type="qwen2_moe", hf_class="Qwen2MoeForCausalLM", moe=True, shared_experts=True,
-    features={**llama.FEATURES, "add_qkv_bias": (True,), "moe_shared_expert_gate": (True,)},
+    features={"add_qkv_bias": (True,), "moe_shared_expert_gate": (True,)},
     names=moe_names(_H + "gate.weight", _H + "experts.{e}.gate_proj.weight", _H + "experts.{e}.up_proj.weight",
                     _H + "experts.{e}.down_proj.weight") + (
         Name(_L + "gate_weight", SAME, (_H + "shared_expert_gate.weight",)),

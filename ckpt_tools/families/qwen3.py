@@ -5,7 +5,7 @@ from ckpt_tools.families.qwen2 import SLIDING, full_attention
 
 FAMILY = Family(
     name="qwen3", model_type="qwen3", hf_class="Qwen3ForCausalLM",
-    features={**llama.FEATURES, "qk_layernorm": (True,)}, names=llama.NAMES,
+    features={"qk_layernorm": (True,)}, names=llama.NAMES,
     config=llama.config(1e-6, 128, 32768,
                         Const("attention_bias", False, "biases on q, k, v and o"),
                         Const("use_sliding_window", False, SLIDING),

@@ -9,7 +9,7 @@ from ckpt_tools.families.qwen2 import SLIDING, full_attention
 _H = "model.layers.{i}.mlp."
 FAMILY = Family(
     name="qwen3_moe", model_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM", moe=True,
-    features={**llama.FEATURES, "qk_layernorm": (True,)},
+    features={"qk_layernorm": (True,)},
     names=moe_names(_H + "gate.weight", _H + "experts.{e}.gate_proj.weight", _H + "experts.{e}.up_proj.weight",
                     _H + "experts.{e}.down_proj.weight"),
     config=llama.config(1e-6, heads_dim, 32768,

@@ -57,7 +57,7 @@ def _write_types(spec) -> list[str]:
 FAMILY = Family(
     name="qwen3_next", model_type="qwen3_next", hf_class="Qwen3NextForCausalLM", moe=True, shared_experts=True,
     partial_rotary=True, linear_attention=True,
-    features={**llama.FEATURES, "qk_layernorm": (True,), "zero_centered_norm": (True,),
+    features={"qk_layernorm": (True,), "zero_centered_norm": (True,),
               "moe_shared_expert_gate": (True,), "attention_output_gate": (True,)},
     names=NAMES,
     config=llama.config(

@@ -1,0 +1,21 @@
+"""The embeddings' features: the output layer tied to the word embeddings, and Gemma's embeddings scaled by
+sqrt(hidden)."""
+from __future__ import annotations
+
+from ckpt_tools.features.base import Feature, arg
+
+TIED = Feature(
+    "tie_word_embeddings", (False, True), "untie_embeddings_and_output_weights",
+    read=lambda args: not arg(args, "untie_embeddings_and_output_weights", False),
+    shown=lambda tied: not tied,
+    write=lambda spec: {"untie_embeddings_and_output_weights": not spec.tie_word_embeddings})
+
+
+def _scaled(spec) -> str | None:
+    if not spec.scale_embeddings:
+        return None
+    return (f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling: Megatron-LM's forms cannot hold "
+            f"this model; keep it in our format or HF")
+
+
+SCALED = Feature("scale_embeddings", (False,), refuse=_scaled)
