@@ -109,16 +109,26 @@ def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp,
     (formats/ours_copy.py; torch is not imported by the command) where the torch path would only move them: every
     rank file holds the torch path's tensors, bit for bit, in its order (QKV groups, row-parallel columns, a tied
     model's output copy on the last stage), and meta.json is the torch path's but for the files'
-    hashes. Where the weights must be converted (GPT-2's transposed Conv1D, a --dtype) the torch path does it."""
+    hashes. A tensor whose value is not its HF bytes (GPT-2's transposed Conv1D weights) is made by torch alone inside
+    the same path (formats/hf_copy.made_by_torch); where every weight must be cast (a --dtype) the torch path does it."""
     import subprocess
     import sys
+
+    from ckpt_tools import importer
     hf_dir = hf_dirs[arch, "bf16"]
-    code = ("import sys; from ckpt_tools.cli import main; sys.argv = ['ckpt', 'import', sys.argv[1], sys.argv[2], "
-            f"'--tp', '{tp}', '--pp', '{pp}', '--quiet']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
-    proc = subprocess.run([sys.executable, "-c", code, str(hf_dir), str(tmp_path / "bytes")], capture_output=True,
-                          text=True, check=True)
-    assert proc.stdout.strip().splitlines()[-1] == ("TORCH" if arch == "gpt2" else "NO TORCH"), proc.stdout
+    if arch == "gpt2":  # torch makes the transposed weights; the job stays on the byte path
+        def declined(*args, **kwargs):
+            raise AssertionError("the byte path declined the job: the torch path ran")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(importer, "run", declined)
+            import_hf(hf_dir, tmp_path / "bytes", tp=tp, pp=pp, quiet=True)
+    else:
+        code = ("import sys; from ckpt_tools.cli import main; sys.argv = ['ckpt', 'import', sys.argv[1], sys.argv[2], "
+                f"'--tp', '{tp}', '--pp', '{pp}', '--quiet']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+                "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+        proc = subprocess.run([sys.executable, "-c", code, str(hf_dir), str(tmp_path / "bytes")], capture_output=True,
+                              text=True, check=True)
+        assert proc.stdout.strip().splitlines()[-1] == "NO TORCH", proc.stdout
     import_hf(hf_dir, tmp_path / "torch", tp=tp, pp=pp, quiet=True, copy_bytes=False)
     a, b = tmp_path / "bytes" / "checkpoint-0", tmp_path / "torch" / "checkpoint-0"
     names = sorted(f.name for f in b.iterdir())

@@ -253,3 +253,55 @@ def test_imported_row_chunks_reshard_on_the_byte_path(form, tp, hf_dirs, tmp_pat
         same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp)
     else:
         same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "slow" / "release", tmp_path)
+
+
+def _all_bf16(src, dst):
+    """A copy of an HF dir with every tensor in bf16 (DeepSeek-V3's expert bias too, which the layout table keeps in
+    fp32: torch makes it)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    shutil.copytree(src, dst)
+    tensors = load_safetensors(dst / "model.safetensors")
+    save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("arch, form, tp, pp", [
+    ("gpt2", "torch", 2, 2), ("gpt2", "ours", 2, 2), ("deepseek_v3", "torch", 2, 1), ("deepseek_v3", "ours", 2, 1),
+    ("qwen3_next", "ours", 2, 1), ("nemotron_h", "ours", 1, 2)],
+    ids=["gpt2-transposed-legacy", "gpt2-transposed-ours", "deepseek_v3-expert-bias-legacy",
+         "deepseek_v3-expert-bias-ours", "qwen3_next-norm-offset-ours", "nemotron_h-3d-conv-ours"])
+def test_rank_files_take_the_tensors_torch_makes(arch, form, tp, pp, hf_dirs, tmp_path, monkeypatch):
+    """Into the legacy form and our format the byte path chooses per tensor too: a tensor whose value is not its HF
+    bytes (GPT-2's transposed Conv1D weights, Qwen3-Next's norm offset, DeepSeek-V3's expert bias kept in fp32 from a
+    bf16 model, a 3-D convolution) is made by torch, split as the torch path splits it and written from memory into
+    its rank files; the rest are still copied; the job never falls back whole to the torch path, and every rank
+    file's tensors are the torch path's, bit for bit (our meta.json too, but for the files' hashes)."""
+    from ckpt_tools import importer
+    from ckpt_tools.formats import hf_copy
+    src = _all_bf16(hf_dirs[arch], tmp_path / "hf") if arch == "deepseek_v3" else hf_dirs[arch]
+    asked = {"form": "torch"} if form == "torch" else {}
+    import_hf(src, tmp_path / "slow", tp=tp, pp=pp, quiet=True, copy_bytes=False, **asked)
+
+    def declined(*args, **kwargs):
+        raise AssertionError("the byte path declined the job: the torch path ran")
+    monkeypatch.setattr(importer, "run", declined)
+    made, choose = {}, hf_copy.made_by_torch
+    monkeypatch.setattr(hf_copy, "made_by_torch", lambda key, *a, **k: made.setdefault(key, choose(key, *a, **k)))
+    import_hf(src, tmp_path / "fast", tp=tp, pp=pp, quiet=True, **asked)
+    assert any(made.values()) and not all(made.values()), made  # some of each
+    if form == "torch":
+        same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp * pp)
+        return
+    a, b = tmp_path / "fast" / "checkpoint-0", tmp_path / "slow" / "checkpoint-0"
+    files = sorted(f.name for f in b.glob("pytorch_model_*.bin"))
+    assert files and sorted(f.name for f in a.glob("pytorch_model_*.bin")) == files
+    for name in files:
+        ours, theirs = (torch.load(d / name, weights_only=True)["model"] for d in (a, b))
+        assert list(ours) == list(theirs), name
+        for key, t in theirs.items():
+            assert (t is None and ours[key] is None) or (t.dtype == ours[key].dtype and torch.equal(t, ours[key])), key
+    ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
+    assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
+        {k: v for k, v in mb.items() if k not in ("files", "checksum")}

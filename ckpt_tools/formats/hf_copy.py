@@ -4,11 +4,13 @@ for an HF model; the legacy form's files by formats/legacy_copy.py).
 The rows of a megatron-core tensor that one HF tensor holds (conversions.hf_rows: q, k and v rows per query group,
 gate and up halves, the true vocab's rows) are one chunk each, copied from the safetensors file; a row-parallel tensor
 is one run of whole rows per target TP rank (byte ranges too: its columns would have to be gathered in memory), which
-Megatron-LM loads at any TP and ByteSource takes as the whole tensor; one .distcp per target rank. Into torch_dist the
-choice between copying and torch is made per tensor: a tensor whose megatron-core value is not its HF bytes (GPT-2's
-transposed Conv1D weights, an arithmetic kind, weights in another dtype than the one asked for or the one the layout
-table keeps) is made by torch alone (conversions.from_hf, as the torch path makes it), by the process that writes a
-chunk of it, and written from memory into the same chunks; the rest are still copied file to file.
+Megatron-LM loads at any TP and ByteSource takes as the whole tensor; one .distcp per target rank. The choice between
+copying and torch is made per tensor: a tensor whose megatron-core value is not its HF bytes (GPT-2's transposed
+Conv1D weights, an arithmetic kind, weights in another dtype than the one asked for or the one the layout table
+keeps; in the legacy form and our format, a tensor of more than 2 dimensions too) is made by torch alone
+(conversions.from_hf, as the torch path makes it) and written from memory: into torch_dist by the process that writes
+a chunk of it, into the same chunks; into a legacy or our rank file as that rank's shard of it
+(formats/legacy_copy.py). The rest are still copied file to file.
 """
 from __future__ import annotations
 
@@ -38,17 +40,17 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
               quiet: bool = False, team: Team = SOLO) -> str | None:
     """verbs.import_hf(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
     formats/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
-    holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk, copied
-    from the safetensors file; into torch_dist, a tensor whose value is not its HF bytes (made_by_torch) is made by
-    torch alone. None, having written nothing, where the torch path must do it: into the legacy form, weights in
-    another dtype than asked for, transposed or arithmetic kinds (GPT-2) and tensors of more than 2 dimensions; for
-    both forms, names or shapes that disagree with config.json (the torch path words that; GPT-OSS's stacked experts
-    too), FP8 weights with their scales, anything unreadable."""
+    holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a
+    chunk, copied from the safetensors file; in both forms a tensor whose value is not its HF bytes (made_by_torch) is
+    made by torch alone. None, having written nothing, where the torch path must do it: into the legacy form, weights
+    asked for in another dtype than the HF weights' (every tensor cast: the torch path makes each once for all the
+    ranks); for both forms, names or shapes that disagree with config.json (the torch path words that; GPT-OSS's
+    stacked experts too), FP8 weights with their scales, anything unreadable."""
     start = time.perf_counter()
     if want.form not in (TORCH_DIST, megatron_lm.TORCH):
         return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
-    started = start_hf_copy(copied_hf(hf_dir, dtype, per_tensor=want.form == TORCH_DIST), out, want, force, team)
+    started = start_hf_copy(copied_hf(hf_dir, dtype, cast=want.form == TORCH_DIST), out, want, force, team)
     if started is None:
         return None
     spec, index, rows, params, out, leftover, target = started
@@ -70,10 +72,11 @@ def start_hf_copy(copied: tuple | None, out: str | Path, want: Request, force: b
     return spec, index, rows, params, out, leftover, want.resolve(spec)
 
 
-def copied_hf(hf_dir: Path, dtype: str | None, per_tensor: bool = False) -> tuple | None:
-    """(spec, index, rows, params dtype) of an HF model whose tensors this path copies; None where it does not.
-    `per_tensor` (torch_dist): the tensors whose values are not their HF bytes (`made_by_torch`) are no reason to
-    decline; the writer makes them with torch."""
+def copied_hf(hf_dir: Path, dtype: str | None, cast: bool = False) -> tuple | None:
+    """(spec, index, rows, params dtype) of an HF model whose tensors this path copies (those whose values are not
+    their HF bytes made by torch, `made_by_torch`); None where it does not. `cast` (torch_dist): weights asked for in
+    another dtype than the HF weights' are taken too (each tensor is made once, for its chunks); the legacy form and
+    our format leave them to the torch path, which makes each tensor once for all the ranks' files."""
     try:
         index = _safetensors_index(hf_dir)
         spec = hf.spec_of_model(hf_dir, index)
@@ -93,20 +96,32 @@ def copied_hf(hf_dir: Path, dtype: str | None, per_tensor: bool = False) -> tupl
         shapes = conversions.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
         if any(index[n][2] != s for n, s in zip(names, shapes)):
             return None
-        if not per_tensor and (row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC
-                               or any(index[n][1] != params or len(index[n][2]) > 2 for n in names)):
-            return None  # the legacy form's and our format's copies take 2-D tensors in the weights' dtype only
+    if not cast and params != index[rows["embedding.word_embeddings.weight"][1][0]][1]:
+        return None
     return spec, index, rows, params
 
 
-def made_by_torch(key: str, row, names: list[str], index: dict, spec, params: str) -> str | None:
+def made_by_torch(key: str, row, names: list[str], index: dict, spec, params: str, flat: bool = False) -> str | None:
     """The dtype torch makes KEY's megatron-core tensor in, where its value is not the bytes of its HF tensors (a
-    transposed or arithmetic conversion kind, another dtype than the weights' or the layout table's own); None where
-    they are copied."""
+    transposed or arithmetic conversion kind, another dtype than the weights' or the layout table's own; with `flat`,
+    the rank files' copies, a tensor of more than 2 dimensions too); None where they are copied."""
     want = layout.dtype_of(key, spec, params, None)
     if row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC or any(index[n][1] != want for n in names):
         return want
+    if flat and any(len(index[n][2]) > 2 for n in names):
+        return want
     return None
+
+
+def rank_file_source(hf_dir: Path, spec, index: dict, rows: dict, params: str, padded: int):
+    """The HF model as formats/legacy_copy.py's source for rank files (the legacy form's, our format's): the tensors
+    torch makes (made_by_torch), each (kind, HF names, dtype), beside the row ranges of the others."""
+    made = {}
+    for key, (row, names) in rows.items():
+        dtype = made_by_torch(key, row, names, index, spec, params, flat=True)
+        if dtype is not None:
+            made[key] = (row.kind, names, dtype)
+    return legacy_copy.hf_source(hf_dir, spec, index, rows, TorchMade(hf_dir, spec, padded), made)
 
 
 class TorchMade:
@@ -116,14 +131,17 @@ class TorchMade:
     def __init__(self, hf_dir: Path, spec, padded: int):
         self.hf_dir, self.spec, self.padded, self._source = hf_dir, spec, padded, None
 
-    def rows(self, kind: str, names: list[str], dtype: str) -> memoryview:
-        """The bytes of the full megatron-core tensor (vocab padding included) as the torch path makes it."""
+    def full(self, kind: str, names: list[str], dtype: str):
+        """The full megatron-core tensor (vocab padding included) as the torch path makes it."""
         import torch
         if self._source is None:
             self._source = hf_tensors.HFTensors(self.hf_dir)
         full = conversions.from_hf(kind, [self._source.get(n) for n in names], self.spec, self.padded)
-        full = full.to(getattr(torch, dtype)).contiguous()
-        return memoryview(full.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return full.to(getattr(torch, dtype)).contiguous()
+
+    def rows(self, kind: str, names: list[str], dtype: str) -> memoryview:
+        """The bytes of the full megatron-core tensor."""
+        return legacy_copy.as_bytes(self.full(kind, names, dtype))
 
 
 def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layout, args, force: bool, quiet: bool,
@@ -136,7 +154,7 @@ def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layo
             made = TorchMade(hf_dir, spec, padded)
             nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team, made, params)
         else:
-            source = legacy_copy.hf_source(hf_dir, spec, index, rows)
+            source = rank_file_source(hf_dir, spec, index, rows, params, padded)
             try:
                 nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, 0, quiet, "import", team)
             finally:

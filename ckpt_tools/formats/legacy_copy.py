@@ -11,7 +11,9 @@ model dict naming its tensors by record) last: torch.load finds records by name.
 optimizer state is not written by this version (to_megatron.check_optimizer_form).
 
 An HF model is read as a TP 1 source (`hf_source`): each megatron-core tensor's rows are row ranges of the HF
-tensors that hold them (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows).
+tensors that hold them (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's
+rows); a tensor whose value is not its HF bytes is made by torch (formats/hf_copy.made_by_torch), split as the torch
+path splits it (shard_ops.split) and its rank's shard written from memory.
 """
 from __future__ import annotations
 
@@ -115,6 +117,10 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
            pp: int) -> tuple[str, tuple, torchsave.Data]:
     """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
     meta, spec = source.meta, source.meta.spec
+    if source.made:
+        held = layout.source_key(key, source.shards.keys() | source.made.keys())
+        if held in source.made:
+            return _made_shard(source, key, held, rank, tp, pp)
     shards = source.shards[layout.source_key(key, source.shards)]
     dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
     shape = layout.shard_shape(key, spec, padded, tp, pp)
@@ -134,12 +140,32 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
     return dtype, shape, [source.gather(shards, pieces, [(0, shape[0])], itemsize)]
 
 
-def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
+def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
+    """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`), as the torch path
+    splits it. The full tensor is made once for consecutive asks of it."""
+    kind, names, dtype = source.made[held]
+    if source.made_last[0] != (held, key):
+        full = source.maker.full(kind, names, dtype)
+        source.made_last = ((held, key), shard_ops.split(key, full, source.meta.spec, tp, pp))
+    shard = source.made_last[1][rank].contiguous()
+    return dtype, tuple(shard.shape), [as_bytes(shard)]
+
+
+def as_bytes(t) -> memoryview:
+    """A contiguous tensor's bytes, without a copy."""
+    import torch
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def hf_source(hf_dir: Path, spec, index: dict, rows: dict, maker=None, made: dict | None = None) -> ByteSource:
     """An HF model's safetensors as a TP 1 x PP 1 source whose vocab is unpadded: each megatron-core tensor one shard,
     made of the row ranges of its HF tensors in the order they take in it. `index`: name -> (file, dtype, shape,
-    data offset, bytes); `rows`: key -> (hf.Name, HF names), as hf_copy.import_hf checked them."""
-    shards = {}
+    data offset, bytes); `rows`: key -> (hf.Name, HF names), as hf_copy.import_hf checked them; `made`: the tensors
+    `maker` (hf_copy.TorchMade) makes instead, key -> (conversion kind, HF names, dtype)."""
+    shards, made = {}, made or {}
     for key, (row, names) in rows.items():
+        if key in made:
+            continue
         full_rows = layout.full_shape(key, spec, spec.vocab_size)[0]
         parts = []
         for name, runs in zip(names, conversions.hf_rows(row.kind, spec, full_rows)):
@@ -152,4 +178,6 @@ def hf_source(hf_dir: Path, spec, index: dict, rows: dict) -> ByteSource:
         shards[key] = [Shard(tuple(part for _, part in sorted(parts, key=lambda p: p[0])))]
     meta = Meta(path=hf_dir / "config.json", raw={}, spec=spec, tp_size=1, pp_size=1, layer_counts=[spec.num_layers],
                 padded_vocab=spec.vocab_size, iteration=0, source="hf", root=hf_dir)
-    return ByteSource(meta, shards, shards, False)
+    source = ByteSource(meta, shards, shards, False)
+    source.made, source.maker = made, maker
+    return source

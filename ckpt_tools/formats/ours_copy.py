@@ -1,13 +1,13 @@
 """`ckpt import HF OUT` into our format without torch: each rank's `pytorch_model_tp_X_pp_Y.bin` written as
 torch.save lays it out (`{"model": {local key: tensor}}`), its tensors' bytes copied from the safetensors files
 (formats/legacy_copy.py's rank writer over the HF tensors as a TP 1 source: each megatron-core tensor's rows are row
-ranges of the HF tensors, conversions.hf_rows); the fresh optimizer recorded in meta.json, not written (contract 2);
-meta.json, the carried HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch
-path's, bit for bit.
+ranges of the HF tensors, conversions.hf_rows; a tensor whose value is not its HF bytes made by torch,
+hf_copy.made_by_torch); the fresh optimizer recorded in meta.json, not written (contract 2); meta.json, the carried
+HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch path's, bit for bit.
 
-None, having written nothing, where the torch path must do it: what formats/hf_copy.py declines (weights
-in another dtype than asked for, transposed or arithmetic conversion kinds, names or shapes that disagree with
-config.json), a tensor the layout table keeps in a dtype of its own, expert parallelism.
+None, having written nothing, where the torch path must do it: what formats/hf_copy.py declines (weights asked for in
+another dtype than the HF weights', names or shapes that disagree with config.json), a fresh optimizer whose fp32
+masters must be written (an HF tensor holding more than the dtype it is kept in: contract 2), expert parallelism.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
     copied = hf_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
-    if copied is not None and any(layout.dtype_of(key, copied[0], copied[3], None) != copied[3] for key in copied[2]):
-        copied = None  # a tensor kept in its own dtype (converted by the torch path)
+    if copied is not None and want.optimizer and _masters_written(*copied):
+        copied = None
     started = hf_copy.start_hf_copy(copied, out, want, force, team)
     if started is None:
         return None
@@ -43,7 +43,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
-        source, written = legacy_copy.hf_source(hf_dir, spec, index, rows), {}
+        source, written = hf_copy.rank_file_source(hf_dir, spec, index, rows, params, padded), {}
         try:
             nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in mine], counts, padded,
                                              tp, 1, {}, quiet, "import", written)
@@ -64,6 +64,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
             io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
     return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, False, padded, nbytes,
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
+
+
+def _masters_written(spec: ModelSpec, index: dict, rows: dict, params: str) -> bool:
+    """Whether a fresh optimizer's fp32 masters must be written: a trained tensor kept in a dtype other than fp32 whose
+    HF tensors hold another (more than it keeps), as importer.py decides."""
+    for key, (_, names) in rows.items():
+        kept = layout.dtype_of(key, spec, params, None)
+        if kept != "float32" and layout.has_optimizer_state(key, spec) and any(index[n][1] != kept for n in names):
+            return True
+    return False
 
 
 def imported(hf_dir: Path, spec: ModelSpec, out: Path, tp: int, counts: list[int], ep: int, dtype: str,
