@@ -264,7 +264,7 @@ def full_init(key: str, spec: ModelSpec, padded_vocab: int, seed: int, std: floa
         return torch.zeros(shape)
     if kind < 0:
         return torch.ones(shape)
-    name = "embedding.word_embeddings.weight" if key == "output_layer.weight" and spec.tie_word_embeddings else key
+    name = layout.alias_of(key, spec) or key  # a tied output layer starts as the embedding it copies
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     full = torch.empty(shape).normal_(0.0, kind, generator=gen)
     if layout.has_padded_rows(key, spec, None):

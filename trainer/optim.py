@@ -57,7 +57,7 @@ def counted_once(stage: GPTStage, tp_rank: int) -> list[bool]:
     flags = []
     for name, _ in stage.named_parameters():
         replicated = layout.is_replicated(keys[name], stage.spec, pp_size)
-        tied_copy = name == "output_layer.weight" and stage.spec.tie_word_embeddings
+        tied_copy = layout.alias_of(keys[name], stage.spec) is not None
         flags.append(not (replicated and tp_rank != 0) and not tied_copy)
     return flags
 
@@ -207,10 +207,11 @@ class MasterAdamW:
         """Runs of parameters in flat order, each closed past `ddp_bucket_size` elements (Megatron-LM's default:
         max(40M, 1M x DP)) or where deferred and overlapped parameters meet."""
         limit = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
-        tied = stage.spec.tie_word_embeddings and len(stage.layer_counts) > 1
+        pairs = layout.aliases(stage.spec) if len(stage.layer_counts) > 1 else {}
+        shared = set(pairs) | set(pairs.values())  # an aliased pair's copies, their grads summed across stages
+        keys = stage.global_keys()
         deferred = [p.dim() < 2 or getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_tp", False)
-                    or (tied and name in ("embedding.word_embeddings.weight", "output_layer.weight"))
-                    for name, p in self.named]
+                    or keys[name] in shared for name, p in self.named]
         runs: list[list[int]] = []
         for i in range(len(self.params)):
             if not runs or deferred[i] != deferred[runs[-1][0]] or sum(self.sizes[j] for j in runs[-1]) >= limit:

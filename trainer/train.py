@@ -197,7 +197,7 @@ def sync_sequence_parallel_grads(stage: GPTStage, opt: MasterAdamW) -> None:
 
 def sync_tied_embeddings(stage: GPTStage, opt: MasterAdamW) -> None:
     """With tied embeddings and PP > 1 the first and last stages hold copies; sum their grads."""
-    if not (stage.spec.tie_word_embeddings and len(stage.layer_counts) > 1 and ps.is_rank_in_embedding_group()):
+    if not (layout.aliases(stage.spec) and len(stage.layer_counts) > 1 and ps.is_rank_in_embedding_group()):
         return
     weight = stage.embedding.word_embeddings.weight if stage.pre_process else stage.output_layer.weight
     dist.all_reduce(opt.grad_of(weight), group=ps.get_embedding_group())
