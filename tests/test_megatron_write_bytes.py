@@ -255,32 +255,53 @@ def test_imported_row_chunks_reshard_on_the_byte_path(form, tp, hf_dirs, tmp_pat
         same_dist_checkpoints(tmp_path / "fast" / "release", tmp_path / "slow" / "release", tmp_path)
 
 
-def _all_bf16(src, dst):
-    """A copy of an HF dir with every tensor in bf16 (DeepSeek-V3's expert bias too, which the layout table keeps in
-    fp32: torch makes it)."""
+def _in_bf16(src, dst, fp32: tuple[str, ...] = ()):
+    """A copy of an HF dir with its tensors in bf16 but those whose names end in `fp32`."""
     import shutil
 
     from safetensors.torch import save_file
     shutil.copytree(src, dst)
     tensors = load_safetensors(dst / "model.safetensors")
-    save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: t if k.endswith(fp32) else t.to(torch.bfloat16) for k, t in tensors.items()},
+              dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
-@pytest.mark.parametrize("arch, form, tp, pp", [
-    ("gpt2", "torch", 2, 2), ("gpt2", "ours", 2, 2), ("deepseek_v3", "torch", 2, 1), ("deepseek_v3", "ours", 2, 1),
-    ("qwen3_next", "ours", 2, 1), ("nemotron_h", "ours", 1, 2)],
+def _same_objects(a, b, where: str) -> None:
+    """Two loaded torch.save objects equal: the same keys in the same order, tensors bit-exact in dtype and shape."""
+    if torch.is_tensor(b):
+        assert torch.is_tensor(a) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(b, dict):
+        assert isinstance(a, dict) and list(a) == list(b), where
+        for k in b:
+            _same_objects(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+# DeepSeek-V3 in bf16: with its expert bias in bf16 too (the layout table keeps it in fp32: torch makes it), or with
+# its router weight and expert bias in fp32, as transformers saves a bf16 model (the router, kept in bf16, is made by
+# torch; into our format its fresh optimizer's fp32 masters are written, as contract 2 says)
+ALL_BF16, AS_SAVED = (), ("mlp.gate.weight", "e_score_correction_bias")
+
+
+@pytest.mark.parametrize("arch, fp32, form, tp, pp", [
+    ("gpt2", None, "torch", 2, 2), ("gpt2", None, "ours", 2, 2), ("deepseek_v3", ALL_BF16, "torch", 2, 1),
+    ("deepseek_v3", ALL_BF16, "ours", 2, 1), ("deepseek_v3", AS_SAVED, "ours", 2, 2),
+    ("qwen3_next", None, "ours", 2, 1), ("nemotron_h", None, "ours", 1, 2)],
     ids=["gpt2-transposed-legacy", "gpt2-transposed-ours", "deepseek_v3-expert-bias-legacy",
-         "deepseek_v3-expert-bias-ours", "qwen3_next-norm-offset-ours", "nemotron_h-3d-conv-ours"])
-def test_rank_files_take_the_tensors_torch_makes(arch, form, tp, pp, hf_dirs, tmp_path, monkeypatch):
+         "deepseek_v3-expert-bias-ours", "deepseek_v3-fp32-router-masters-ours", "qwen3_next-norm-offset-ours",
+         "nemotron_h-3d-conv-ours"])
+def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, hf_dirs, tmp_path, monkeypatch):
     """Into the legacy form and our format the byte path chooses per tensor too: a tensor whose value is not its HF
     bytes (GPT-2's transposed Conv1D weights, Qwen3-Next's norm offset, DeepSeek-V3's expert bias kept in fp32 from a
-    bf16 model, a 3-D convolution) is made by torch, split as the torch path splits it and written from memory into
-    its rank files; the rest are still copied; the job never falls back whole to the torch path, and every rank
-    file's tensors are the torch path's, bit for bit (our meta.json too, but for the files' hashes)."""
+    bf16 model or its fp32 router kept in bf16, a 3-D convolution) is made by torch, split as the torch path splits
+    it and written from memory into its rank files; the rest are still copied; the job never falls back whole to the
+    torch path, and every rank file's tensors are the torch path's, bit for bit, the fresh optimizer's fp32 masters
+    too where they are written (our meta.json too, but for the files' hashes)."""
     from ckpt_tools import importer
     from ckpt_tools.formats import hf_copy
-    src = _all_bf16(hf_dirs[arch], tmp_path / "hf") if arch == "deepseek_v3" else hf_dirs[arch]
+    src = _in_bf16(hf_dirs[arch], tmp_path / "hf", fp32) if fp32 is not None else hf_dirs[arch]
     asked = {"form": "torch"} if form == "torch" else {}
     import_hf(src, tmp_path / "slow", tp=tp, pp=pp, quiet=True, copy_bytes=False, **asked)
 
@@ -295,13 +316,13 @@ def test_rank_files_take_the_tensors_torch_makes(arch, form, tp, pp, hf_dirs, tm
         same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp * pp)
         return
     a, b = tmp_path / "fast" / "checkpoint-0", tmp_path / "slow" / "checkpoint-0"
-    files = sorted(f.name for f in b.glob("pytorch_model_*.bin"))
-    assert files and sorted(f.name for f in a.glob("pytorch_model_*.bin")) == files
+    files = sorted(f.name for f in b.glob("*.bin"))
+    assert sorted(f.name for f in a.glob("*.bin")) == files
+    assert any(n.startswith("optimizer_") for n in files) == (fp32 == AS_SAVED), files  # the masters, where written
     for name in files:
-        ours, theirs = (torch.load(d / name, weights_only=True)["model"] for d in (a, b))
-        assert list(ours) == list(theirs), name
-        for key, t in theirs.items():
-            assert (t is None and ours[key] is None) or (t.dtype == ours[key].dtype and torch.equal(t, ours[key])), key
+        _same_objects(*(torch.load(d / name, weights_only=True) for d in (a, b)), name)
+    from ckpt_tools.shards import open_checked
+    open_checked(tmp_path / "fast", None, True).close()  # every file's recorded size and content hash
     ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
     assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
         {k: v for k, v in mb.items() if k not in ("files", "checksum")}

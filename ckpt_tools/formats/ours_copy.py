@@ -5,17 +5,21 @@ ranges of the HF tensors, conversions.hf_rows; a tensor whose value is not its H
 hf_copy.made_by_torch); the fresh optimizer recorded in meta.json, not written (contract 2); meta.json, the carried
 HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch path's, bit for bit.
 
+A fresh optimizer's fp32 masters of the tensors whose HF values carry more than the dtype they are kept in (an fp32
+router of a bf16 DeepSeek-V3, contract 2) are written alone, each rank's into its `optimizer_tp_X_pp_Y.bin`, as the
+torch path writes them.
+
 None, having written nothing, where the torch path must do it: what formats/hf_copy.py declines (weights asked for in
-another dtype than the HF weights', names or shapes that disagree with config.json), a fresh optimizer whose fp32
-masters must be written (an HF tensor holding more than the dtype it is kept in: contract 2), expert parallelism.
+another dtype than the HF weights', names or shapes that disagree with config.json), expert parallelism.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from ckpt_tools import checkpoint as fmt
-from ckpt_tools import durable, hf, io, layout, output
+from ckpt_tools import durable, hf, io, layout, output, shard_ops, torchsave
 from ckpt_tools.formats import hf_copy, legacy_copy
 from ckpt_tools.ranks import Grid
 from ckpt_tools.request import Request
@@ -30,8 +34,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
     copied = hf_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
-    if copied is not None and want.optimizer and _masters_written(*copied):
-        copied = None
     started = hf_copy.start_hf_copy(copied, out, want, force, team)
     if started is None:
         return None
@@ -44,9 +46,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
         source, written = hf_copy.rank_file_source(hf_dir, spec, index, rows, params, padded), {}
+        carried = _carried(spec, index, rows, params) if optimizer else set()
         try:
             nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in mine], counts, padded,
                                              tp, 1, {}, quiet, "import", written)
+            for r in mine if carried else ():
+                path = ckpt / fmt.optimizer_file(r)
+                nbytes += _write_masters(path, source, r, carried, rows, tp, counts)
+                written[path] = fmt.file_record(path)
         finally:
             source.close()
         shared = team.share(lambda: ({path.name: record for path, record in written.items()}, nbytes), to_lead=True)
@@ -62,18 +69,44 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
             fmt.write_meta(ckpt / fmt.META, meta)
             durable.fsync_dir(ckpt)
             io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
-    return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, False, padded, nbytes,
+    return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, bool(carried), padded, nbytes,
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
 
 
-def _masters_written(spec: ModelSpec, index: dict, rows: dict, params: str) -> bool:
-    """Whether a fresh optimizer's fp32 masters must be written: a trained tensor kept in a dtype other than fp32 whose
-    HF tensors hold another (more than it keeps), as importer.py decides."""
+def _carried(spec: ModelSpec, index: dict, rows: dict, params: str) -> set[str]:
+    """The tensors whose fresh fp32 masters are written: trained, kept in a dtype other than fp32, their HF tensors in
+    another (holding more than it keeps), as importer.py decides."""
+    carried = set()
     for key, (_, names) in rows.items():
         kept = layout.dtype_of(key, spec, params, None)
         if kept != "float32" and layout.has_optimizer_state(key, spec) and any(index[n][1] != kept for n in names):
-            return True
-    return False
+            carried.add(key)
+    return carried
+
+
+def _write_masters(path: Path, source, rank, carried: set[str], rows: dict, tp: int, counts: list[int]) -> int:
+    """A rank's optimizer file holding the fresh fp32 masters of its `carried` tensors alone (the output layer's copy
+    at PP > 1 with its embedding's), the HF values split as the torch path splits them; its tensors' bytes."""
+    spec, nbytes, state = source.meta.spec, 0, {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        archive = torchsave.Archive(fd, 0, path.stem)
+        for local, key in layout.stage_keys(spec, counts, rank.pp):
+            held = layout.source_key(key, rows)
+            if held not in carried:
+                continue
+            row, names = rows[held]
+            full = source.maker.full(row.kind, names, "float32")
+            shard = shard_ops.split(key, full, spec, tp, len(counts))[rank.tp].contiguous()
+            ref = str(len(state))
+            archive.add(f"data/{ref}", [legacy_copy.as_bytes(shard)])
+            state[local] = {"master": torchsave.TensorRef(ref, "float32", tuple(shard.shape))}
+            nbytes += shard.numel() * 4
+        torchsave.finish(archive, torchsave.dumps({"optimizer": state, **fmt.FRESH_EXTRAS}))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return nbytes
 
 
 def imported(hf_dir: Path, spec: ModelSpec, out: Path, tp: int, counts: list[int], ep: int, dtype: str,
