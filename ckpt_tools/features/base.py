@@ -26,6 +26,15 @@ def _expressible(spec) -> str | None:
     return None
 
 
+def cannot_hold(field: str, why: str) -> Callable[[Any], str | None]:
+    """A `refuse` for a feature Megatron-LM's forms cannot hold at all where the model has it (`field` true)."""
+    def refuse(spec) -> str | None:
+        if not getattr(spec, field):
+            return None
+        return f"{spec.architecture}: {why}: Megatron-LM's forms cannot hold this model; keep it in our format or HF"
+    return refuse
+
+
 @dataclass(frozen=True)
 class Feature:
     """One ModelSpec feature (a field a family fixes; `None` in a ModelSpec means the family's default).

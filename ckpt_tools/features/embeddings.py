@@ -2,7 +2,7 @@
 sqrt(hidden)."""
 from __future__ import annotations
 
-from ckpt_tools.features.base import Feature, arg
+from ckpt_tools.features.base import Feature, arg, cannot_hold
 
 TIED = Feature(
     "tie_word_embeddings", (False, True), "untie_embeddings_and_output_weights",
@@ -11,11 +11,5 @@ TIED = Feature(
     write=lambda spec: {"untie_embeddings_and_output_weights": not spec.tie_word_embeddings})
 
 
-def _scaled(spec) -> str | None:
-    if not spec.scale_embeddings:
-        return None
-    return (f"{spec.architecture}: megatron-core's GPTModel has no embedding scaling: Megatron-LM's forms cannot hold "
-            f"this model; keep it in our format or HF")
-
-
-SCALED = Feature("scale_embeddings", (False,), refuse=_scaled)
+SCALED = Feature("scale_embeddings", (False,), refuse=cannot_hold(
+    "scale_embeddings", "megatron-core's GPTModel has no embedding scaling"))

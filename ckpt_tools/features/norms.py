@@ -2,7 +2,7 @@
 norms across all heads."""
 from __future__ import annotations
 
-from ckpt_tools.features.base import Feature, arg
+from ckpt_tools.features.base import Feature, arg, cannot_hold
 
 NORMALIZATION = Feature(
     "normalization", ("RMSNorm",), "normalization",
@@ -21,11 +21,5 @@ QK_NORM = Feature(
     write=lambda spec: {"qk_layernorm": spec.qk_layernorm})
 
 
-def _across_heads(spec) -> str | None:
-    if not spec.qk_norm_across_heads:
-        return None
-    return (f"{spec.architecture}: its q/k norms span all heads, megatron-core's qk_layernorm normalises each head: "
-            f"Megatron-LM's forms cannot hold this model; keep it in our format or HF")
-
-
-QK_NORM_ACROSS_HEADS = Feature("qk_norm_across_heads", (False,), refuse=_across_heads)
+QK_NORM_ACROSS_HEADS = Feature("qk_norm_across_heads", (False,), refuse=cannot_hold(
+    "qk_norm_across_heads", "its q/k norms span all heads, megatron-core's qk_layernorm normalises each head"))
