@@ -17,6 +17,7 @@ import sys
 
 from ckpt_tools import features, hybrid, torchsave
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.formats import forms
 # reading a checkpoint's args (-> ModelSpec and layout) is ckpt_tools.megatron_spec
 from ckpt_tools.megatron_spec import LINEAR_FIELDS, MAMBA_ARGS, MLA_FIELDS
 from ckpt_tools.spec import ModelSpec
@@ -86,8 +87,7 @@ def build_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: 
     stages (even: --num-layers-per-virtual-pipeline-stage)."""
     features.check_expressible(spec)
     args = _gpt_args(spec, tp, counts, padded, dtype, ckpt_format, iteration, tokenizer, ep)
-    if ckpt_format == "fsdp_dtensor":  # Megatron-FSDP's form: its --use-megatron-fsdp run
-        vars(args).update(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
+    vars(args).update(forms.get(ckpt_format).args)  # the form's own run (fsdp_dtensor: --use-megatron-fsdp)
     if vpp > 1:
         vars(args).update(pipeline_model_parallel_size=len(counts) // vpp, virtual_pipeline_model_parallel_size=vpp,
                           num_layers_per_virtual_pipeline_stage=counts[0], num_virtual_stages_per_pipeline_rank=None,

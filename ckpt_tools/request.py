@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ckpt_tools import hybrid, layout, megatron_lm
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.formats.megatron_write import FORMS, TORCH_DIST
+from ckpt_tools.formats import forms
 from ckpt_tools.ranks import Grid
 from ckpt_tools.spec import ModelSpec
 
@@ -24,9 +24,8 @@ REFUSED = {megatron_lm.TORCH_DCP: (
     "True), which megatron-core's ChainedOptimizer does not take (Megatron-LM core_v0.16.1 to core_v0.19.0 and main), "
     "even for its own saves; an FSDP2 run (--use-torch-fsdp2) also loads --ckpt-format torch_dist: pass --format "
     "torch_dist (or fsdp_dtensor for Megatron-FSDP)")}
-CHOICES = (OURS, *FORMS, *REFUSED)
+CHOICES = (OURS, *forms.WRITTEN, *REFUSED)
 GPT, HYBRID = "gpt", "hybrid"  # --model: megatron-core's GPTModel or HybridModel
-WHOLE_EXPERTS = (TORCH_DIST, megatron_lm.FSDP_DTENSOR)  # forms that hold each expert once, loaded at any EP
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,8 @@ class Request:
         """Refuses options that do not apply to the form, before anything is read or written; returns itself."""
         if self.form in REFUSED:
             raise ConfigError(f"--format {self.form} is not written: {REFUSED[self.form]}")
-        if self.form in WHOLE_EXPERTS and self.ep not in (None, 1):
+        written = forms.WRITTEN.get(self.form)  # None: ours
+        if written is not None and written.whole_experts and self.ep not in (None, 1):
             raise ConfigError(f"--ep {self.ep} does not apply to {self.form}: it holds each expert once and "
                               f"Megatron-LM loads it at any --expert-model-parallel-size; drop --ep")
         if self.model is not None and not self.megatron:
@@ -63,9 +63,10 @@ class Request:
                               f"ours, which holds GPTModel's keys: drop --model or pass --format torch_dist")
         if self.vpp < 1:
             raise ConfigError(f"--vpp {self.vpp}: give the model chunks per PP rank, 1 or more")
-        if self.vpp > 1 and self.form == megatron_lm.FSDP_DTENSOR:
-            raise ConfigError(f"--vpp {self.vpp} with --format fsdp_dtensor: Megatron-FSDP's form is written at PP 1 "
-                              f"by this version; drop --vpp, or pass --format torch_dist or torch")
+        if self.vpp > 1 and written is not None and not written.interleaved:
+            at = "at PP 1" if not written.pipeline else "without interleaving"
+            raise ConfigError(f"--vpp {self.vpp} with --format {self.form}: Megatron-LM's {self.form} form is written "
+                              f"{at} by this version; drop --vpp, or pass --format {forms.only('interleaved')}")
         if self.vpp > 1 and not self.megatron:
             raise ConfigError(f"--vpp {self.vpp} applies to Megatron-LM's forms (an interleaved pipeline's model "
                               f"chunks), not to ours: pass --format torch_dist or torch, or --pp <PP x VPP> for as "
@@ -77,7 +78,8 @@ class Request:
         `meta`: its EP and model class, kept where the request leaves them); refused before anything is written."""
         counts, padded = layout.target_layout(spec, self.tp, self.pp, list(self.layers) if self.layers else None,
                                               padded_now, self.vpp)
-        ep = 1 if self.form in WHOLE_EXPERTS else source_ep if self.ep is None else self.ep
+        written = forms.WRITTEN.get(self.form)
+        ep = 1 if written is not None and written.whole_experts else source_ep if self.ep is None else self.ep
         if not self.megatron:
             layout.check_ep(spec, ep)
         return Layout(self.form, self.tp, counts, padded, ep, self.vpp, model_of(self.model, meta))

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 from ckpt_tools import features, hf, hybrid, io, layout, megatron_lm, output
 from ckpt_tools.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.formats import forms
 from ckpt_tools.formats.megatron_resume import ResumeState
-from ckpt_tools.formats.megatron_write import TORCH_DIST, writer_for
+from ckpt_tools.formats.megatron_write import writer_for
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.ranks import Grid
 from ckpt_tools.request import HYBRID, Layout
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
     import torch
 
 def check_optimizer_form(form: str, where: object) -> None:
-    """Optimizer state goes into torch_dist and fsdp_dtensor only (refused before anything is read or written)."""
-    if form not in (TORCH_DIST, megatron_lm.FSDP_DTENSOR):
+    """Optimizer state goes into the forms that hold it, torch_dist and fsdp_dtensor (refused before anything is read
+    or written)."""
+    if not forms.get(form).optimizer:
         raise ConfigError(f"{where}: holds optimizer state, which this version writes in Megatron-LM's torch_dist "
                           f"form (the distributed optimizer's fully_reshardable state) and Megatron-FSDP's "
                           f"fsdp_dtensor only, not in {form}: pass --format torch_dist, or --no-optimizer to write the "
@@ -46,13 +48,13 @@ def check(spec: ModelSpec, target: Layout, dtype: str, resume: ResumeState | Non
                                                 target.model, target.vpp)
     if resume is not None:
         check_optimizer_form(form, where)
-    pattern = None
+    written, pattern = forms.get(form), None
     if spec.hybrid:  # Mamba-2 layers: only a HybridModel holds them
         model = HYBRID
     if model == HYBRID:
-        if form != TORCH_DIST:
-            raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's torch_dist form only by "
-                              f"this version, not in {form}: pass --format torch_dist" + (
+        if not written.hybrid:
+            raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's {forms.only('hybrid')} "
+                              f"form only by this version, not in {form}: pass --format {forms.only('hybrid')}" + (
                                   "" if spec.hybrid else ", or --model gpt to write a GPTModel checkpoint of the same "
                                                          "weights"))
         if spec.mtp_num_layers:
@@ -63,27 +65,29 @@ def check(spec: ModelSpec, target: Layout, dtype: str, resume: ResumeState | Non
                               f"segments per virtual stage) is not written by this version: drop --vpp, or pass "
                               f"--model gpt")
         pattern = hybrid.Pattern.for_layers(counts, spec.pattern, single=spec.hybrid)
-    if form == megatron_lm.FSDP_DTENSOR and (len(counts) > 1 or spec.mtp_num_layers):
-        raise ConfigError(f"{where}: Megatron-FSDP's fsdp_dtensor form " + (
+    if (len(counts) > 1 and not written.pipeline) or (spec.mtp_num_layers and not written.mtp):
+        raise ConfigError(f"{where}: Megatron-LM's {form} form " + (
             f"at PP {len(counts)} (its layers keyed by their index within a stage)" if len(counts) > 1 else
             "with multi-token prediction layers") + " is not written by this version: pass --pp 1" + (
-            "" if len(counts) > 1 else ", or --format torch_dist"))
+            "" if len(counts) > 1 else f", or --format {forms.only('mtp')}"))
     if vpp > 1 and spec.mtp_num_layers:
         raise ConfigError(f"{where}: multi-token prediction layers in an interleaved pipeline (--vpp {vpp}) are not "
                           f"written by this version: drop --vpp")
-    if spec.mtp_num_layers and len(counts) > 1 and form != TORCH_DIST:
+    if spec.mtp_num_layers and len(counts) > 1 and not written.mtp_pipeline:
         raise ConfigError(f"{where}: multi-token prediction layers at PP {len(counts)} in Megatron-LM's {form} form (its "
                           f"last stage keeps an embedding copy of its own): not written by this version; pass --format "
-                          f"torch_dist, or --pp 1")
-    if spec.is_moe and spec.add_bias_linear and tp > 1 and form != TORCH_DIST:
+                          f"{forms.only('mtp_pipeline')}, or --pp 1")
+    if spec.is_moe and spec.add_bias_linear and tp > 1 and not written.split_biased_experts:
+        only = forms.only("split_biased_experts")
         raise ConfigError(f"{where}: biased experts at TP {tp} in Megatron-LM's {form} form: megatron-core keeps them "
-                          f"whole (expert_tensor_parallel_size 1), which this version writes in torch_dist only; pass "
-                          f"--format torch_dist, or --tp 1")
+                          f"whole (expert_tensor_parallel_size 1), which this version writes in {only} only; pass "
+                          f"--format {only}, or --tp 1")
     args = build_args(spec, tp, counts, padded, dtype, form, ep=layout.check_ep(spec, ep), pattern=pattern, vpp=vpp)
-    if (spec.linear_num_key_heads is not None or spec.zero_centered_norm) and form != TORCH_DIST:
+    if (spec.linear_num_key_heads is not None or spec.zero_centered_norm) and not written.te_modules:
+        only = forms.only("te_modules")
         raise ConfigError(f"{where}: {spec.architecture}'s gated DeltaNet layers and zero-centred norms are Transformer "
-                          f"Engine modules in megatron-core, written in Megatron-LM's torch_dist form only by this "
-                          f"version, not in {form}: pass --format torch_dist")
+                          f"Engine modules in megatron-core, written in Megatron-LM's {only} form only by this "
+                          f"version, not in {form}: pass --format {only}")
     if resume is not None:
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
         args.no_save_optim, args.use_distributed_optimizer = False, True
@@ -144,19 +148,14 @@ def write(out: Path, target: Layout, spec: ModelSpec, dtype: str, shard_of: Call
 def loads_with(out: Path, target: Layout, resume: bool = False, spec: ModelSpec | None = None) -> str:
     """The Megatron-LM command-line flags that load the written checkpoint (with the flags of what
     `--use-checkpoint-args` does not restore: MLA's rotary type, YaRN's parameters, GPT-OSS's features)."""
-    form, tp, ep, vpp, pp = target.form, target.tp, target.ep, target.vpp, target.pp_ranks
+    form, vpp = target.form, target.vpp
     where = f"--load {out} --ckpt-format {form} --use-checkpoint-args"
     layers = spec.num_layers // target.pp if spec is not None else None
     if spec is not None:
         where += features.load_flags(spec) + _not_restored(spec)
     if resume:
         where += " --use-distributed-optimizer"
-    if form == megatron_lm.FSDP_DTENSOR:  # no RNG state to load; weights only: no optimizer or scheduler either
-        where += " --use-megatron-fsdp" + ("" if resume else " --no-load-optim") + " --no-load-rng"
-    if form == megatron_lm.TORCH:
-        where += f" --transformer-impl local --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
-        if ep > 1:
-            where += f" --expert-model-parallel-size {ep}"
+    where += forms.get(form).load_flags(target, resume)
     if vpp > 1:
         where += f" --num-layers-per-virtual-pipeline-stage {layers}"
     return where

@@ -27,9 +27,9 @@ from pathlib import Path
 from ckpt_tools import checkpoint, hf, io, layout, megatron_lm, output, shard_ops, to_megatron
 from ckpt_tools.byte_ranges import ByteSource, Declined, Shard, field_shards
 from ckpt_tools.errors import CkptError
-from ckpt_tools.formats import legacy_copy
+from ckpt_tools.formats import forms, legacy_copy
 from ckpt_tools.formats.megatron_resume import ResumeState, from_ours, state_key
-from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
+from ckpt_tools.formats.megatron_write import DistWriter
 from ckpt_tools.ranks import Rank
 from ckpt_tools.request import Layout, Request
 from ckpt_tools.team import SOLO, Team
@@ -45,7 +45,7 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
     not apply. The legacy torch form is written by formats/legacy_copy.py, weights only.
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
-    if want.form not in (TORCH_DIST, megatron_lm.TORCH):
+    if not forms.get(want.form).byte_copy:
         return None  # fsdp_dtensor: written by the torch path
     try:
         source = ByteSource.open(src, vocab_size, False)
@@ -68,7 +68,7 @@ def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, qu
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta = source.meta
     with_opt = want.optimizer and _has_optimizer(meta)
-    if with_opt and want.form != TORCH_DIST:
+    if with_opt and not forms.get(want.form).optimizer:
         return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
     try:
@@ -111,7 +111,7 @@ def _write(source: ByteSource, fields: dict, out: Path, target: Layout, args, re
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir(exist_ok=True)
-        if target.form == TORCH_DIST:
+        if forms.get(target.form).chunks:
             nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet, team)
         else:
             nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet, team=team)

@@ -24,9 +24,9 @@ from ckpt_tools import families
 from ckpt_tools import conversions, hf, hf_tensors, io, layout, megatron_lm, output, shard_ops, to_megatron
 from ckpt_tools.byte_ranges import Declined
 from ckpt_tools.errors import CkptError
-from ckpt_tools.formats import legacy_copy
+from ckpt_tools.formats import forms, legacy_copy
 from ckpt_tools.formats.dist_copy import shared_dist
-from ckpt_tools.formats.megatron_write import TORCH_DIST, DistWriter
+from ckpt_tools.formats.megatron_write import DistWriter
 from ckpt_tools.ranks import TP, Rank
 from ckpt_tools.request import Layout, Request
 from ckpt_tools.team import SOLO, Team
@@ -47,10 +47,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     ranks); for both forms, names or shapes that disagree with config.json (the torch path words that; GPT-OSS's
     stacked experts too), FP8 weights with their scales, anything unreadable."""
     start = time.perf_counter()
-    if want.form not in (TORCH_DIST, megatron_lm.TORCH):
+    if not forms.get(want.form).byte_copy:
         return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
-    started = start_hf_copy(copied_hf(hf_dir, dtype, cast=want.form == TORCH_DIST), out, want, force, team)
+    started = start_hf_copy(copied_hf(hf_dir, dtype, cast=forms.get(want.form).chunks), out, want, force, team)
     if started is None:
         return None
     spec, index, rows, params, out, leftover, target = started
@@ -150,7 +150,7 @@ def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layo
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / megatron_lm.RELEASE
         iter_dir.mkdir(exist_ok=True)
-        if target.form == TORCH_DIST:
+        if forms.get(target.form).chunks:
             made = TorchMade(hf_dir, spec, padded)
             nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team, made, params)
         else:

@@ -36,7 +36,6 @@ from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
 TORCH, TORCH_DIST, FSDP_DTENSOR = megatron_lm.TORCH, megatron_lm.TORCH_DIST, megatron_lm.FSDP_DTENSOR
-FORMS = (TORCH_DIST, TORCH, FSDP_DTENSOR)
 CHECKPOINT_VERSION = 3.0
 WRITEBACK = 32 << 20  # bytes written to a .distcp between two starts of its writeback
 DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
