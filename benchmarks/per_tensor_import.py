@@ -57,8 +57,16 @@ def make_hf(path: Path, arch: str, quick: bool) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+# the byte path's runs: a torch path that would run instead fails the benchmark (a stand-in for the importer module,
+# which is not loaded, so torch is not imported for it)
+NO_TORCH_PATH = ("import types; m = types.ModuleType('ckpt_tools.importer'); "
+                 "m.run = lambda *a, **k: sys.exit('the byte path declined the job'); "
+                 "sys.modules['ckpt_tools.importer'] = m; ")
+
+
 def command(src: Path, out: Path, form: str, tp: int, pp: int, copy_bytes: bool) -> list[str]:
-    code = ("import sys; from ckpt_tools import verbs; from ckpt_tools.request import Request; "
+    code = ("import sys; " + (NO_TORCH_PATH if copy_bytes else "") + "from ckpt_tools import verbs; "
+            "from ckpt_tools.request import Request; "
             f"verbs.import_hf(sys.argv[1], sys.argv[2], Request({tp}, {pp}, form={form!r}), quiet=True, "
             f"copy_bytes={copy_bytes}, tuned=True)")
     return [sys.executable, "-c", code, str(src), str(out)]

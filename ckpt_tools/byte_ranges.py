@@ -259,11 +259,6 @@ class ByteSource:
         self._buf, self._sink = bytearray(), bytearray()
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
         self.torch_threads: int | None = None  # torch's intra-op threads for a conversion step
-        # an HF source's tensors made by torch, not copied (formats/hf_copy.rank_file_source): key -> (conversion kind,
-        # HF names, dtype), and their maker (hf_copy.TorchMade)
-        self.made: dict[str, tuple] = {}
-        self.maker = None
-        self.made_last: tuple = (None, None)  # the last made tensor's (held, key) and its TP shards
 
     @classmethod
     def open(cls, src: str | Path, vocab_size: int | None, from_master: bool) -> ByteSource:

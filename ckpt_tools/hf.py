@@ -117,6 +117,19 @@ def hf_copies(spec: ModelSpec) -> list[tuple[str, Name, str]]:
             for m in range(spec.mtp_num_layers or 0) for key, name in family.mtp_copies]
 
 
+def fresh_masters(rows: dict, spec: ModelSpec, params: str, dtype_of, pp: int) -> set[str]:
+    """The tensors whose fresh optimizer's fp32 masters an HF import writes (contract 2: the masters are written only
+    where they are not the weights): trained tensors kept in a dtype other than fp32 (`params`, a dtype name, or their
+    layout row's own) whose HF tensors are in another, holding values the kept dtype rounds (fp32, FP8 blocks or fp16
+    kept in bf16, bf16 in fp16). `rows`: key -> (hf.Name, HF names); `dtype_of`: an HF tensor's dtype name."""
+    out = set()
+    for key, (_, names) in rows.items():
+        kept = layout.dtype_of(key, spec, params, None)
+        if kept != "float32" and layout.has_optimizer_state(key, spec, pp) and any(dtype_of(n) != kept for n in names):
+            out.add(key)
+    return out
+
+
 def tied_head(spec: ModelSpec) -> set[str]:
     """The HF tensors of the model's aliased rows (a tied output layer: the head), which a tied model may save as
     well, which transformers ties to the embedding on load and megatron-core does not hold: read past, not unknown

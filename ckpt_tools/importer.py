@@ -79,8 +79,7 @@ def run(hf_dir: str | Path, out: str | Path, want: Request, dtype: torch.dtype |
                                    team) + tail
     # A fresh optimizer is recorded in meta.json, not written (contract 2): zero moments, step 0, masters equal to the
     # weights; the masters are written (alone) where the HF weights carry more than the weights' dtype keeps.
-    carried = {key for key, (_, names) in rows.items() if optimizer and layout.has_optimizer_state(key, spec, pp)
-               and _carries_more(source, names, _dtype(key, spec, params_dtype))}  # their masters are written
+    carried = hf.fresh_masters(rows, spec, dtype_name(params_dtype), source.dtype_name, pp) if optimizer else set()
     masters = bool(carried)
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
@@ -136,9 +135,3 @@ def _import_to_megatron(hf_dir: Path, source: HFTensors, rows: dict, out: Path, 
 def _dtype(key: str, spec, params_dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor is imported in: the weights' (params_dtype), or its layout row's own."""
     return getattr(torch, layout.dtype_of(key, spec, str(params_dtype).removeprefix("torch."), None))
-
-
-def _carries_more(source: HFTensors, names: list[str], kept: torch.dtype) -> bool:
-    """Whether HF tensors hold values the kept dtype rounds (fp32, FP8 blocks or fp16 kept in bf16, bf16 in fp16):
-    then the fresh optimizer's fp32 master is written, as contract 2 says."""
-    return kept != torch.float32 and any(source.dtype_name(n) != str(kept).removeprefix("torch.") for n in names)

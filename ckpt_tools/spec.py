@@ -142,13 +142,16 @@ class ModelSpec:
         self._check_types()
         family = families.get(self.architecture)
         object.__setattr__(self, "_hybrid", family.hybrid)  # asked per key (layer_symbols): not looked up each time
+        unavailable = []  # every feature the family does not allow, named in one line
         for name in FEATURE_NAMES:
             allowed, value = family.allowed(name), getattr(self, name)
             if value is None and None not in allowed:
                 object.__setattr__(self, name, allowed[0])
             elif value not in allowed:
-                raise ConfigError(f"{name} {value!r} is not available for {self.architecture}: expected "
-                                  f"{' or '.join(map(repr, allowed))}")
+                unavailable.append(f"{name} {value!r} is not available for {self.architecture}: expected "
+                                   f"{' or '.join(map(repr, allowed))}")
+        if unavailable:
+            raise ConfigError("; ".join(unavailable))
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.kv_channels is None:

@@ -285,17 +285,22 @@ def _same_objects(a, b, where: str) -> None:
 ALL_BF16, AS_SAVED = (), ("mlp.gate.weight", "e_score_correction_bias")
 
 
-@pytest.mark.parametrize("arch, fp32, form, tp, pp", [
-    ("gpt2", None, "torch", 2, 2), ("gpt2", None, "ours", 2, 2), ("deepseek_v3", ALL_BF16, "torch", 2, 1),
-    ("deepseek_v3", ALL_BF16, "ours", 2, 1), ("deepseek_v3", AS_SAVED, "ours", 2, 2),
-    ("qwen3_next", None, "ours", 2, 1), ("nemotron_h", None, "ours", 1, 2)],
+HEAD = ("lm_head.weight",)  # a bf16 Llama whose head is fp32: made by torch, its vocab padded, its masters written
+
+
+@pytest.mark.parametrize("arch, fp32, form, tp, pp, masters", [
+    ("gpt2", None, "torch", 2, 2, False), ("gpt2", None, "ours", 2, 2, False),
+    ("deepseek_v3", ALL_BF16, "torch", 2, 1, False), ("deepseek_v3", ALL_BF16, "ours", 2, 1, False),
+    ("deepseek_v3", AS_SAVED, "ours", 2, 2, True), ("llama", HEAD, "torch", 2, 2, False),
+    ("llama", HEAD, "ours", 2, 2, True), ("qwen3_next", None, "ours", 2, 1, False),
+    ("nemotron_h", None, "ours", 1, 2, False)],
     ids=["gpt2-transposed-legacy", "gpt2-transposed-ours", "deepseek_v3-expert-bias-legacy",
-         "deepseek_v3-expert-bias-ours", "deepseek_v3-fp32-router-masters-ours", "qwen3_next-norm-offset-ours",
-         "nemotron_h-3d-conv-ours"])
-def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, hf_dirs, tmp_path, monkeypatch):
+         "deepseek_v3-expert-bias-ours", "deepseek_v3-fp32-router-masters-ours", "llama-fp32-head-legacy",
+         "llama-fp32-head-masters-ours", "qwen3_next-norm-offset-ours", "nemotron_h-3d-conv-ours"])
+def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, masters, hf_dirs, tmp_path, monkeypatch):
     """Into the legacy form and our format the byte path chooses per tensor too: a tensor whose value is not its HF
     bytes (GPT-2's transposed Conv1D weights, Qwen3-Next's norm offset, DeepSeek-V3's expert bias kept in fp32 from a
-    bf16 model or its fp32 router kept in bf16, a 3-D convolution) is made by torch, split as the torch path splits
+    bf16 model or its fp32 router kept in bf16, a padded fp32 head kept in bf16, a 3-D convolution) is made by torch, split as the torch path splits
     it and written from memory into its rank files; the rest are still copied; the job never falls back whole to the
     torch path, and every rank file's tensors are the torch path's, bit for bit, the fresh optimizer's fp32 masters
     too where they are written (our meta.json too, but for the files' hashes)."""
@@ -318,7 +323,7 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, hf_di
     a, b = tmp_path / "fast" / "checkpoint-0", tmp_path / "slow" / "checkpoint-0"
     files = sorted(f.name for f in b.glob("*.bin"))
     assert sorted(f.name for f in a.glob("*.bin")) == files
-    assert any(n.startswith("optimizer_") for n in files) == (fp32 == AS_SAVED), files  # the masters, where written
+    assert any(n.startswith("optimizer_") for n in files) == masters, files  # the fresh masters, where written
     for name in files:
         _same_objects(*(torch.load(d / name, weights_only=True) for d in (a, b)), name)
     from ckpt_tools.shards import open_checked

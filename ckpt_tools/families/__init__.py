@@ -236,7 +236,7 @@ class Family:
 
     def allowed(self, feature: str) -> tuple:
         """The values of `feature` the family allows, its default first."""
-        return self.features.get(feature) or FEATURES[feature].allowed
+        return self.features[feature] if feature in self.features else FEATURES[feature].allowed
 
     def default(self, feature: str):
         return self.allowed(feature)[0]

@@ -56,7 +56,3 @@ class Feature:
     write: Callable[[Any], dict] = _none
     flags: Callable[[Any], str] = _no_flags
     refuse: Callable[[Any], str | None] = _expressible
-
-    @property
-    def default(self):
-        return self.allowed[0]

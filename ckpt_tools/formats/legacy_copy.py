@@ -1,5 +1,5 @@
-"""`ckpt reshard / import ... --format torch` without torch: each target rank's `model_optim_rng.pt` written as
-torch.save lays it out, its tensors' bytes copied from the source's files.
+"""`ckpt reshard / import ... --format torch` by copying bytes: each target rank's `model_optim_rng.pt` written as
+torch.save lays it out, its tensors' bytes copied from the source's files (torch only for an HF tensor it makes).
 
 A legacy file holds each TP rank's shard exactly, so unlike torch_dist (formats/dist_copy.py) the source's shards
 must be cut to the target's: `shard_ops.reshard_pieces` names the pieces of the source shards that make a target
@@ -117,8 +117,8 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
            pp: int) -> tuple[str, tuple, torchsave.Data]:
     """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
     meta, spec = source.meta, source.meta.spec
-    if source.made:
-        held = layout.source_key(key, source.shards.keys() | source.made.keys())
+    if isinstance(source, HFSource):
+        held = key if key in source.shards or key in source.made else layout.source_key(key, ())
         if held in source.made:
             return _made_shard(source, key, held, rank, tp, pp)
     shards = source.shards[layout.source_key(key, source.shards)]
@@ -140,14 +140,20 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
     return dtype, shape, [source.gather(shards, pieces, [(0, shape[0])], itemsize)]
 
 
-def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
+class HFSource(ByteSource):
+    """An HF model as a source of rank files (`hf_source`): the row ranges of its copied tensors, and the tensors torch
+    makes instead (`made`: key -> (conversion kind, HF names, dtype); `maker`: formats/hf_copy.TorchMade)."""
+
+    def __init__(self, meta: Meta, shards: dict, made: dict[str, tuple], maker):
+        super().__init__(meta, shards, shards, False)
+        self.made, self.maker = made, maker
+
+
+def _made_shard(source: HFSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
     """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`), as the torch path
-    splits it. The full tensor is made once for consecutive asks of it."""
+    splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew."""
     kind, names, dtype = source.made[held]
-    if source.made_last[0] != (held, key):
-        full = source.maker.full(kind, names, dtype)
-        source.made_last = ((held, key), shard_ops.split(key, full, source.meta.spec, tp, pp))
-    shard = source.made_last[1][rank].contiguous()
+    shard = shard_ops.split(key, source.maker.full(kind, names, dtype), source.meta.spec, tp, pp)[rank].contiguous()
     return dtype, tuple(shard.shape), [as_bytes(shard)]
 
 
@@ -157,12 +163,12 @@ def as_bytes(t) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def hf_source(hf_dir: Path, spec, index: dict, rows: dict, maker=None, made: dict | None = None) -> ByteSource:
+def hf_source(hf_dir: Path, spec, index: dict, rows: dict, maker, made: dict[str, tuple]) -> HFSource:
     """An HF model's safetensors as a TP 1 x PP 1 source whose vocab is unpadded: each megatron-core tensor one shard,
     made of the row ranges of its HF tensors in the order they take in it. `index`: name -> (file, dtype, shape,
     data offset, bytes); `rows`: key -> (hf.Name, HF names), as hf_copy.import_hf checked them; `made`: the tensors
     `maker` (hf_copy.TorchMade) makes instead, key -> (conversion kind, HF names, dtype)."""
-    shards, made = {}, made or {}
+    shards = {}
     for key, (row, names) in rows.items():
         if key in made:
             continue
@@ -178,6 +184,4 @@ def hf_source(hf_dir: Path, spec, index: dict, rows: dict, maker=None, made: dic
         shards[key] = [Shard(tuple(part for _, part in sorted(parts, key=lambda p: p[0])))]
     meta = Meta(path=hf_dir / "config.json", raw={}, spec=spec, tp_size=1, pp_size=1, layer_counts=[spec.num_layers],
                 padded_vocab=spec.vocab_size, iteration=0, source="hf", root=hf_dir)
-    source = ByteSource(meta, shards, shards, False)
-    source.made, source.maker = made, maker
-    return source
+    return HFSource(meta, shards, made, maker)

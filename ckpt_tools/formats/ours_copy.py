@@ -1,4 +1,4 @@
-"""`ckpt import HF OUT` into our format without torch: each rank's `pytorch_model_tp_X_pp_Y.bin` written as
+"""`ckpt import HF OUT` into our format by copying bytes (torch only for the tensors it makes): each rank's `pytorch_model_tp_X_pp_Y.bin` written as
 torch.save lays it out (`{"model": {local key: tensor}}`), its tensors' bytes copied from the safetensors files
 (formats/legacy_copy.py's rank writer over the HF tensors as a TP 1 source: each megatron-core tensor's rows are row
 ranges of the HF tensors, conversions.hf_rows; a tensor whose value is not its HF bytes made by torch,
@@ -21,7 +21,7 @@ from pathlib import Path
 from ckpt_tools import checkpoint as fmt
 from ckpt_tools import durable, hf, io, layout, output, shard_ops, torchsave
 from ckpt_tools.formats import hf_copy, legacy_copy
-from ckpt_tools.ranks import Grid
+from ckpt_tools.ranks import Grid, Rank
 from ckpt_tools.request import Request
 from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -46,7 +46,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
         source, written = hf_copy.rank_file_source(hf_dir, spec, index, rows, params, padded), {}
-        carried = _carried(spec, index, rows, params) if optimizer else set()
+        carried = hf.fresh_masters(rows, spec, params, lambda name: index[name][1], len(counts)) if optimizer else set()
         try:
             nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in mine], counts, padded,
                                              tp, 1, {}, quiet, "import", written)
@@ -73,18 +73,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
 
 
-def _carried(spec: ModelSpec, index: dict, rows: dict, params: str) -> set[str]:
-    """The tensors whose fresh fp32 masters are written: trained, kept in a dtype other than fp32, their HF tensors in
-    another (holding more than it keeps), as importer.py decides."""
-    carried = set()
-    for key, (_, names) in rows.items():
-        kept = layout.dtype_of(key, spec, params, None)
-        if kept != "float32" and layout.has_optimizer_state(key, spec) and any(index[n][1] != kept for n in names):
-            carried.add(key)
-    return carried
-
-
-def _write_masters(path: Path, source, rank, carried: set[str], rows: dict, tp: int, counts: list[int]) -> int:
+def _write_masters(path: Path, source: legacy_copy.HFSource, rank: Rank, carried: set[str], rows: dict, tp: int,
+                   counts: list[int]) -> int:
     """A rank's optimizer file holding the fresh fp32 masters of its `carried` tensors alone (the output layer's copy
     at PP > 1 with its embedding's), the HF values split as the torch path splits them; its tensors' bytes."""
     spec, nbytes, state = source.meta.spec, 0, {}
