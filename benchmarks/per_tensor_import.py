@@ -10,7 +10,7 @@ Models (built by transformers from a config, saved by save_pretrained):
 Each command a subprocess (`verbs.import_hf`, as `ckpt import` calls it, `copy_bytes` on or off), warm page cache,
 rounds alternating, median wall time, `sync` after each; peak RSS by GNU time.
 
-Usage: python benchmarks/per_tensor_import.py [--repeats 3] [--quick] [--markdown FILE]
+Usage: python benchmarks/per_tensor_import.py [--repeats 3] [--quick] [--only gpt2 deepseek_v3] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ QUICK = {"gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positio
                              num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
                              qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, moe_intermediate_size=32,
                              vocab_size=1000, max_position_embeddings=128)}
-TARGETS = [("gpt2", "ours", 2, 2), ("gpt2", "torch", 2, 2), ("deepseek_v3", "ours", 2, 2), ("deepseek_v3", "torch", 2, 1)]
+TARGETS = [("gpt2", "ours", 2, 2), ("gpt2", "torch", 2, 2), ("deepseek_v3", "ours", 2, 2),
+           ("deepseek_v3", "torch", 2, 1)]
 
 
 def make_hf(path: Path, arch: str, quick: bool) -> None:
@@ -78,15 +79,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny models, one round: a smoke run")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="these models only (gpt2, deepseek_v3)")
     a = ap.parse_args()
     repeats = 1 if a.quick else a.repeats
     work = Path(tempfile.mkdtemp(prefix="ckpt-per-tensor-", dir=a.workdir))
     env = child_env(work)
     try:
-        for arch in MODELS:
+        archs = a.only or list(MODELS)
+        for arch in archs:
             make_hf(work / arch, arch, a.quick)
         rows = []
-        for arch, form, tp, pp in TARGETS:
+        for arch, form, tp, pp in (t for t in TARGETS if t[0] in archs):
             src, out, log = work / arch, work / "out", work / "log"
             times: dict[str, list] = {"byte path": [], "torch path": [], "cp -r": []}
             rss, nbytes = {}, 0

@@ -110,7 +110,8 @@ def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp,
     rank file holds the torch path's tensors, bit for bit, in its order (QKV groups, row-parallel columns, a tied
     model's output copy on the last stage), and meta.json is the torch path's but for the files'
     hashes. A tensor whose value is not its HF bytes (GPT-2's transposed Conv1D weights) is made by torch alone inside
-    the same path (formats/hf_copy.made_by_torch); where every weight must be cast (a --dtype) the torch path does it."""
+    the same path (formats/hf_copy.made_by_torch); where every weight must be cast (a --dtype) the torch path does
+    it."""
     import subprocess
     import sys
 

@@ -300,10 +300,10 @@ HEAD = ("lm_head.weight",)  # a bf16 Llama whose head is fp32: made by torch, it
 def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, masters, hf_dirs, tmp_path, monkeypatch):
     """Into the legacy form and our format the byte path chooses per tensor too: a tensor whose value is not its HF
     bytes (GPT-2's transposed Conv1D weights, Qwen3-Next's norm offset, DeepSeek-V3's expert bias kept in fp32 from a
-    bf16 model or its fp32 router kept in bf16, a padded fp32 head kept in bf16, a 3-D convolution) is made by torch, split as the torch path splits
-    it and written from memory into its rank files; the rest are still copied; the job never falls back whole to the
-    torch path, and every rank file's tensors are the torch path's, bit for bit, the fresh optimizer's fp32 masters
-    too where they are written (our meta.json too, but for the files' hashes)."""
+    bf16 model or its fp32 router kept in bf16, a padded fp32 head kept in bf16, a 3-D convolution) is made by torch,
+    split as the torch path splits it and written from memory into its rank files; the rest are still copied; the
+    job never falls back whole to the torch path, and every rank file's tensors are the torch path's, bit for bit,
+    the fresh optimizer's fp32 masters too where they are written (our meta.json too, but for the files' hashes)."""
     from ckpt_tools import importer
     from ckpt_tools.formats import hf_copy
     src = _in_bf16(hf_dirs[arch], tmp_path / "hf", fp32) if fp32 is not None else hf_dirs[arch]

@@ -131,17 +131,18 @@ class TorchMade:
     def __init__(self, hf_dir: Path, spec, padded: int):
         self.hf_dir, self.spec, self.padded, self._source = hf_dir, spec, padded, None
 
-    def full(self, kind: str, names: list[str], dtype: str):
-        """The full megatron-core tensor (vocab padding included) as the torch path makes it."""
+    def tensor(self, kind: str, names: list[str], dtype: str):
+        """The full megatron-core tensor (vocab padding included) as the torch path makes it, in any layout: a
+        transposed kind stays a view, so that a rank's shard of it is made contiguous alone."""
         import torch
         if self._source is None:
             self._source = hf_tensors.HFTensors(self.hf_dir)
         full = conversions.from_hf(kind, [self._source.get(n) for n in names], self.spec, self.padded)
-        return full.to(getattr(torch, dtype)).contiguous()
+        return full.to(getattr(torch, dtype))
 
     def rows(self, kind: str, names: list[str], dtype: str) -> memoryview:
         """The bytes of the full megatron-core tensor."""
-        return legacy_copy.as_bytes(self.full(kind, names, dtype))
+        return legacy_copy.as_bytes(self.tensor(kind, names, dtype).contiguous())
 
 
 def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layout, args, force: bool, quiet: bool,

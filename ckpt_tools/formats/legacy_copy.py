@@ -151,9 +151,10 @@ class HFSource(ByteSource):
 
 def _made_shard(source: HFSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
     """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`), as the torch path
-    splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew."""
+    splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew (only
+    that shard laid out contiguously)."""
     kind, names, dtype = source.made[held]
-    shard = shard_ops.split(key, source.maker.full(kind, names, dtype), source.meta.spec, tp, pp)[rank].contiguous()
+    shard = shard_ops.split(key, source.maker.tensor(kind, names, dtype), source.meta.spec, tp, pp)[rank].contiguous()
     return dtype, tuple(shard.shape), [as_bytes(shard)]
 
 

@@ -1,9 +1,10 @@
-"""`ckpt import HF OUT` into our format by copying bytes (torch only for the tensors it makes): each rank's `pytorch_model_tp_X_pp_Y.bin` written as
-torch.save lays it out (`{"model": {local key: tensor}}`), its tensors' bytes copied from the safetensors files
-(formats/legacy_copy.py's rank writer over the HF tensors as a TP 1 source: each megatron-core tensor's rows are row
-ranges of the HF tensors, conversions.hf_rows; a tensor whose value is not its HF bytes made by torch,
-hf_copy.made_by_torch); the fresh optimizer recorded in meta.json, not written (contract 2); meta.json, the carried
-HF files and `latest` as the torch path (importer.py) writes them. The tensors are the torch path's, bit for bit.
+"""`ckpt import HF OUT` into our format by copying bytes (torch only for the tensors it makes): each rank's
+`pytorch_model_tp_X_pp_Y.bin` written as torch.save lays it out (`{"model": {local key: tensor}}`), its tensors'
+bytes copied from the safetensors files (formats/legacy_copy.py's rank writer over the HF tensors as a TP 1 source:
+each megatron-core tensor's rows are row ranges of the HF tensors, conversions.hf_rows; a tensor whose value is not
+its HF bytes made by torch, hf_copy.made_by_torch); the fresh optimizer recorded in meta.json, not written (contract
+2); meta.json, the carried HF files and `latest` as the torch path (importer.py) writes them. The tensors are the
+torch path's, bit for bit.
 
 A fresh optimizer's fp32 masters of the tensors whose HF values carry more than the dtype they are kept in (an fp32
 router of a bf16 DeepSeek-V3, contract 2) are written alone, each rank's into its `optimizer_tp_X_pp_Y.bin`, as the
@@ -86,7 +87,7 @@ def _write_masters(path: Path, source: legacy_copy.HFSource, rank: Rank, carried
             if held not in carried:
                 continue
             row, names = rows[held]
-            full = source.maker.full(row.kind, names, "float32")
+            full = source.maker.tensor(row.kind, names, "float32")
             shard = shard_ops.split(key, full, spec, tp, len(counts))[rank.tp].contiguous()
             ref = str(len(state))
             archive.add(f"data/{ref}", [legacy_copy.as_bytes(shard)])
