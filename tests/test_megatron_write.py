@@ -54,8 +54,9 @@ def same_tensors(a, b) -> None:
 # (HF model, form, written TP x PP, TP x PP megatron-core loads it at); "resharded": imported into ours at TP1 x PP1,
 # then `reshard --format torch` (the legacy files written by copying bytes, formats/legacy_copy.py)
 # (an import into torch_dist saves row-parallel tensors as row chunks: megatron-core's TP2 takes its columns from them)
+# (GPT-2 into the legacy form: its transposed Conv1D weights made by torch inside the byte path, hf_copy.made_by_torch)
 LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("llama", "torch_dist", (2, 2), (2, 1)),
-         ("gpt2", "torch_dist", (2, 2), (2, 1)),
+         ("gpt2", "torch_dist", (2, 2), (2, 1)), ("gpt2", "torch", (2, 2), (2, 2)),
          ("llama_tied", "torch", (2, 2), (2, 2)), ("qwen2_tied", "torch_dist", (1, 2), (2, 2)),
          ("qwen3", "torch", (2, 1), (2, 1)), ("gpt2", "resharded", (2, 2), (2, 2))]
 
