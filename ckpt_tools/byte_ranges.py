@@ -91,20 +91,44 @@ def _shard(path: Path, info: TensorInfo) -> Shard:
     return Shard(((path, info),))
 
 
-def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta, Shards, bool]:
-    """A Megatron-LM checkpoint's meta and model shards as byte ranges, read torch-free, in either form; every
-    check the torch path's reader makes must pass."""
+@dataclass
+class Index:
+    """A checkpoint's tensors as byte ranges: the model's shards and those to copy (the model's, or its fp32 master
+    weights), the form's meta; `ours`: our format; `megatron_optimizer`: a Megatron-LM source that holds optimizer
+    state (which the torch path decodes)."""
+    meta: checkpoint.Meta
+    model: Shards
+    sources: Shards
+    ours: bool = False
+    megatron_optimizer: bool = False
+
+
+def _no_master(from_master: bool) -> None:
+    if from_master:
+        raise Declined("no optimizer state is read from a Megatron-LM checkpoint")
+
+
+def dist_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
+    """A torch_dist (torch_dcp, fsdp_dtensor) checkpoint's model shards as byte ranges of its chunks, read torch-free;
+    every check the torch path's reader makes must pass."""
+    _no_master(from_master)
+    from ckpt_tools.formats.torch_dist import DistCheckpoint
+    ckpt = DistCheckpoint.read(megatron_lm.resolve_iter_dir(src), vocab_size, load=read, load_embedded=read)
+    if ckpt.validate():
+        raise Declined("the checkpoint does not match the layout table")
+    parts = ckpt.byte_parts()
+    if parts is None:
+        raise Declined("a TP shard that is not whole chunks")
+    held = ckpt.optimizer_form is not None or bool(ckpt.common.get("optimizer"))
+    model = {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}
+    return Index(ckpt.meta, model, model, megatron_optimizer=held)
+
+
+def legacy_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
+    """A legacy (`--ckpt-format torch`) checkpoint's model shards as byte ranges of its rank files, read torch-free;
+    every check the torch path's reader makes must pass."""
+    _no_master(from_master)
     iter_dir = megatron_lm.resolve_iter_dir(src)
-    if megatron_lm.form(iter_dir) in megatron_lm.DCP_FORMS:
-        from ckpt_tools.formats.torch_dist import DistCheckpoint
-        ckpt = DistCheckpoint.read(iter_dir, vocab_size, load=read, load_embedded=read)
-        if ckpt.validate():
-            raise Declined("the checkpoint does not match the layout table")
-        parts = ckpt.byte_parts()
-        if parts is None:
-            raise Declined("a TP shard that is not whole chunks")
-        held = ckpt.optimizer_form is not None or bool(ckpt.common.get("optimizer"))
-        return ckpt.meta, {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}, held
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
     if meta.raw.get(megatron_lm.VIRTUAL, 1) > 1:
         raise Declined("an interleaved pipeline's model chunks")
@@ -124,7 +148,19 @@ def _megatron_shards(src: Path, vocab_size: int | None) -> tuple[checkpoint.Meta
         if state is None or checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
             raise Declined(f"{path}: does not match the layout table")
         _add_shards(shards, meta, rank, path, state)
-    return meta, shards, held
+    return Index(meta, shards, shards, megatron_optimizer=held)
+
+
+def ours_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
+    """Our checkpoint's model shards, and with `from_master` its fp32 master weights, as byte ranges of its shard
+    files; every check the torch path's reader makes must pass."""
+    meta = checkpoint.Meta.read(checkpoint.resolve(src))
+    if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
+        raise Declined("--vocab-size differs from meta.json, or extra shard files")
+    if from_master and meta.fresh_optimizer:
+        raise Declined("a fresh optimizer's masters are made from the weights (contract 2)")
+    model = _model_shards(meta)
+    return Index(meta, model, {**model, **field_shards(meta)} if from_master else model, ours=True)
 
 
 def _model_shards(meta: checkpoint.Meta) -> Shards:
@@ -263,27 +299,18 @@ class ByteSource:
     @classmethod
     def open(cls, src: str | Path, vocab_size: int | None, from_master: bool) -> ByteSource:
         """The model shards and the shards to copy (model or master weights), or Declined."""
+        from ckpt_tools.formats import readers
         try:
-            if megatron_lm.is_megatron_lm(Path(src)):
-                if from_master:
-                    raise Declined("no optimizer state is read from a Megatron-LM checkpoint")
-                meta, model, held = _megatron_shards(Path(src), vocab_size)
-                ours = False
-            else:
-                held = False
-                meta = checkpoint.Meta.read(checkpoint.resolve(src))
-                if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
-                    raise Declined("--vocab-size differs from meta.json, or extra shard files")
-                model, ours = _model_shards(meta), True
-                if from_master and meta.fresh_optimizer:
-                    raise Declined("a fresh optimizer's masters are made from the weights (contract 2)")
-            sources = {**model, **field_shards(meta)} if from_master else model  # a buffer: its own master
+            form = readers.detect(src, sharded=True)
+            if form.byte_index is None:
+                raise Declined(f"{form.name}: read through torch only")
+            index = form.byte_index(Path(src), vocab_size, from_master)
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
-        source = cls(meta, model, sources, ours)
-        source.megatron_optimizer = not ours and held
+        source = cls(index.meta, index.model, index.sources, index.ours)
+        source.megatron_optimizer = index.megatron_optimizer
         try:
-            source.check_replicas(sources)
+            source.check_replicas(index.sources)
             if not source.consistent():
                 raise Declined("replicas that differ, or a tied copy that differs")
         except BaseException:

@@ -71,10 +71,17 @@ def form(iter_dir: Path) -> str:
     fsdp_dtensor by their keys: Megatron-FSDP's are `model.module.<name>`)."""
     if (iter_dir / "metadata.json").is_file():
         return TORCH_DIST
-    if (iter_dir / ".metadata").is_file() and not any(iter_dir.glob("mp_rank_*")):
+    if by_dcp(iter_dir):
         from ckpt_tools.formats import dcp
         return dcp_form(iter_dir, dcp.read_metadata(iter_dir))
     return TORCH
+
+
+def by_dcp(iter_dir: Path) -> bool:
+    """Written through torch.distributed.checkpoint (torch_dist, torch_dcp or fsdp_dtensor), told from the files'
+    names alone; else the legacy per-rank files."""
+    return (iter_dir / "metadata.json").is_file() or ((iter_dir / ".metadata").is_file()
+                                                      and not any(iter_dir.glob("mp_rank_*")))
 
 
 def dcp_form(iter_dir: Path, index) -> str:
@@ -83,16 +90,6 @@ def dcp_form(iter_dir: Path, index) -> str:
         raise FormatError(f"{iter_dir}: a .metadata without metadata.json, but no model.* tensors and args: not a "
                           f"Megatron-LM torch_dcp or fsdp_dtensor checkpoint; restore it from the source")
     return FSDP_DTENSOR if any(k.startswith(FSDP_MODEL) for k in index.tensors) else TORCH_DCP
-
-
-def open_reader(path: Path, vocab_size: int | None = None):
-    """The reader of a Megatron-LM save dir or iter dir, in whichever form it was saved."""
-    iter_dir = _iter_dir(Path(path))
-    if form(iter_dir) in DCP_FORMS:
-        from ckpt_tools.formats.torch_dist_tensors import open_torch_dist
-        return open_torch_dist(iter_dir, vocab_size)
-    from ckpt_tools.formats.megatron_torch import LegacyShards
-    return LegacyShards(read_meta(iter_dir, vocab_size))
 
 
 def resolve_iter_dir(path: Path) -> Path:

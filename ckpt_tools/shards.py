@@ -6,7 +6,7 @@ forward): `meta` (a typed description), `keys()`, `shards(key, field)`, `full(ke
 `stage_state(rank)`, `validate()`, `has_optimizer()`, `release()`. One reader per on-disk form:
 `ShardSet` here (our format, Contract 2, and the per-rank files of Megatron-LM's legacy `torch` format,
 whose subclass lives in megatron_lm.py) and `formats.torch_dist.TorchDistShards` (Megatron-LM's default
-`torch_dist`). `open_checkpoint` picks one from what the directory holds; verbs never ask which.
+`torch_dist`). `open_checkpoint` gives the one formats/readers.py finds the directory holds; verbs never ask which.
 Files are opened with mmap on first use, so holding a reader costs address space, not RAM; `full()` reads
 only the TP shards of one tensor and joins them with the layout table, and `release()` drops the
 resident pages of everything handed out since the last call, so memory stays near one tensor.
@@ -318,10 +318,13 @@ class ShardSet(Reader):
 
 def open_checkpoint(src: str | Path, vocab_size: int | None = None) -> Reader:
     """Our checkpoint dir or save dir, or a Megatron-LM checkpoint dir in any of its forms (then `vocab_size`
-    may be needed): the reader of its form."""
-    from ckpt_tools import megatron_lm
-    if megatron_lm.is_megatron_lm(Path(src)):
-        return megatron_lm.open_reader(Path(src), vocab_size)
+    may be needed): the reader of its form (formats/readers.py tells which)."""
+    from ckpt_tools.formats import readers
+    return readers.detect(src, sharded=True).reader(Path(src), vocab_size)
+
+
+def open_ours(src: str | Path, vocab_size: int | None = None) -> ShardSet:
+    """The reader of our checkpoint dir or save dir."""
     meta = fmt.Meta.read(fmt.resolve(src))
     if vocab_size is not None and vocab_size != meta.spec.vocab_size:
         raise FormatError(f"{meta.path}: records a true vocab of {meta.spec.vocab_size}, --vocab-size says "

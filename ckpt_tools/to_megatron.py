@@ -18,7 +18,6 @@ from ckpt_tools.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.formats import forms
 from ckpt_tools.formats.megatron_resume import ResumeState
-from ckpt_tools.formats.megatron_write import writer_for
 from ckpt_tools.megatron_args import build_args
 from ckpt_tools.ranks import Grid
 from ckpt_tools.request import HYBRID, Layout
@@ -116,7 +115,7 @@ def write(out: Path, target: Layout, spec: ModelSpec, dtype: str, shard_of: Call
     with output.staged(out, force, team=team) as tmp:
         iter_dir = tmp / name
         iter_dir.mkdir(exist_ok=True)
-        with writer_for(form, iter_dir, spec, tp, counts, padded, args, resume).only_ranks(mine, team) as writer:
+        with forms.get(form).writer(iter_dir, spec, tp, counts, padded, args, resume).only_ranks(mine, team) as writer:
             keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
             bar = output.progress(sum(len(keys[r.pp]) for r in mine), label, quiet, unit="tensor")
             for p in range(pp):

@@ -30,6 +30,7 @@ import torch
 
 from ckpt_tools import conversions, hf, hf_tensors, layout, shard_ops
 from ckpt_tools.errors import CkptError
+from ckpt_tools.formats import readers
 from ckpt_tools.plan import HF, SAFETENSORS, plan
 from ckpt_tools.ports import free_port
 from ckpt_tools.shards import Reader, open_checkpoint
@@ -37,11 +38,9 @@ from ckpt_tools.team import SOLO, Alone, Team
 from ckpt_tools.tiers import TOLERANCES, Tier, calibrated, tier2, tier3
 
 def other_kind(path: Path) -> str:
-    if path.is_file() and path.suffix == ".safetensors":
-        return SAFETENSORS
-    if path.is_dir() and (path / "config.json").is_file():
-        return HF
-    return "shards"
+    """OTHER's kind: an HF dir, a safetensors file, or sharded (formats/readers.py tells which)."""
+    form = readers.detect(path)
+    return {readers.HF: HF, readers.SAFETENSORS: SAFETENSORS}.get(form, "shards")
 
 
 # ---------------------------------------------------------------- tier 1

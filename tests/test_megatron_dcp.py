@@ -18,6 +18,7 @@ from families_cases import VOCAB, logits, rel
 from ckpt_tools import megatron_lm
 from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard
+from ckpt_tools.shards import open_checkpoint
 from ckpt_tools.spec import ModelSpec
 
 BASE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 96,
@@ -88,13 +89,13 @@ def test_torch_dcp_optimizer_state_is_megatron_cores_own(fixture, tmp_path):
     from ckpt_tools.shards import open_checked
     reference = torch.load(FIXTURES / fixture / "reference.pt", weights_only=True)
     src = FIXTURES / fixture / "torch_dcp"
-    reader = megatron_lm.open_reader(src, vocab_size=120)
+    reader = open_checkpoint(src, vocab_size=120)
     assert reader.has_optimizer() and len(reference) == 15
     assert _same_state(reader, reference) == []
     reshard(src, tmp_path / "ours", tp=2, pp=2, vocab_size=120, quiet=True)
     assert _same_state(open_checked(tmp_path / "ours", None, True), reference) == []
     reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=120, form="torch_dist", quiet=True)
-    written = megatron_lm.open_reader(tmp_path / "dist", vocab_size=120)
+    written = open_checkpoint(tmp_path / "dist", vocab_size=120)
     assert _same_state(written, reference) == []
     scheduler = written.megatron_optimizer()[3]
     assert scheduler["num_steps"] == 3 and scheduler["lr_decay_style"] == "cosine"

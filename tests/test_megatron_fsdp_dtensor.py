@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools import layout, megatron_lm
+from ckpt_tools import layout
 from ckpt_tools.merge import merge
 from ckpt_tools.reshard import reshard
-from ckpt_tools.shards import open_checked
+from ckpt_tools.shards import open_checked, open_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_fsdp_dtensor"
 CASES = ["llama_dp1", "llama_dp2_model"]
@@ -48,7 +48,7 @@ def test_fsdp_dtensor_weights_are_megatron_cores_own_and_merge_to_its_logits(cas
     a reshard into our format at TP2."""
     from transformers import AutoModelForCausalLM
     src = FIXTURES / case / "fsdp_dtensor"
-    reader = megatron_lm.open_reader(src, vocab_size=VOCAB)
+    reader = open_checkpoint(src, vocab_size=VOCAB)
     assert reader.meta.source == "fsdp_dtensor"
     reference = torch.load(FIXTURES / case / "weights.pt", weights_only=True)
     found = _weights(reader)
@@ -80,7 +80,7 @@ def test_fsdp_dtensor_optimizer_state_is_what_torch_reads_from_the_files(tmp_pat
     import torch.distributed.checkpoint as dcp
     src = FIXTURES / "llama_dp1" / "fsdp_dtensor"
     iter_dir = src / "iter_0000003"
-    reader = megatron_lm.open_reader(src, vocab_size=VOCAB)
+    reader = open_checkpoint(src, vocab_size=VOCAB)
     assert reader.has_optimizer() and reader.step() == 2.0
     prefix = reader.ckpt.dcp_prefix
     assert prefix == "optimizer.state.module.module.module."
@@ -109,7 +109,7 @@ def test_fsdp_dtensor_optimizer_state_is_what_torch_reads_from_the_files(tmp_pat
     for out in ("ours", "back"):
         assert differ(open_checked(tmp_path / out, None, True)) == [], out
     reshard(src, tmp_path / "dist", tp=2, pp=1, vocab_size=VOCAB, form="torch_dist", quiet=True)
-    written = megatron_lm.open_reader(tmp_path / "dist", vocab_size=VOCAB)
+    written = open_checkpoint(tmp_path / "dist", vocab_size=VOCAB)
     assert differ(written) == []
     scheduler = written.megatron_optimizer()[3]
     assert scheduler["num_steps"] == 2 and scheduler["lr_decay_style"] == "cosine"

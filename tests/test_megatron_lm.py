@@ -24,6 +24,7 @@ from ckpt_tools import megatron_lm as mlm
 from ckpt_tools.checkpoint import FORMAT, Meta, model_file
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.ranks import Rank
+from ckpt_tools.shards import open_checkpoint
 from ckpt_tools.spec import ModelSpec
 from trainer.model import full_init
 
@@ -279,11 +280,11 @@ def test_dcp_forms_megatron_lm_wrote_are_told_apart(tmp_path):
             continue
         with pytest.raises(FormatError, match=re.escape("no model.* tensors and args: not a Megatron-LM torch_dcp or "
                                                         "fsdp_dtensor checkpoint")):
-            mlm.open_reader(save.parent)
+            open_checkpoint(save.parent)
     (tmp_path / "damaged" / "iter_0000010").mkdir(parents=True)
     (tmp_path / "damaged" / "iter_0000010" / ".metadata").write_bytes(b"")
     with pytest.raises(FormatError, match="unreadable"):
-        mlm.open_reader(tmp_path / "damaged" / "iter_0000010")
+        open_checkpoint(tmp_path / "damaged" / "iter_0000010")
 
 
 @pytest.mark.parametrize("changes,expected", [

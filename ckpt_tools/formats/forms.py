@@ -1,8 +1,9 @@
 """Megatron-LM's output forms as records: what each holds and what this version writes in it, its writer, its extra
 arguments and the flags that load it. The refusals (request.Request.check, to_megatron.check), the byte paths
-(formats/dist_copy.py, formats/hf_copy.py), the arguments (megatron_args.build_args) and the load command
-(to_megatron.loads_with) ask a form's record instead of testing its name. A new output form is a record here, its
-writer and its line in megatron_write.writer_for, and its name in the command line's choices (cli.FORMS).
+(formats/dist_copy.py, formats/hf_copy.py), the arguments (megatron_args.build_args), the torch path's writer
+(to_megatron.write) and the load command (to_megatron.loads_with) ask a form's record instead of testing its name.
+A new output form is a record here with its writer, and its name in the command line's choices (cli.FORMS); the
+forms read are formats/readers.py's records.
 """
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ from ckpt_tools import megatron_lm
 
 def _no_flags(target, resume: bool) -> str:
     return ""
+
+
+def _dist_writer(iter_dir, spec, tp, counts, padded, args, resume):
+    from ckpt_tools.formats.megatron_write import DistWriter
+    return DistWriter(iter_dir, spec, tp, counts, padded, args)
+
+
+def _legacy_writer(iter_dir, spec, tp, counts, padded, args, resume):
+    from ckpt_tools.formats.legacy_write import LegacyWriter
+    return LegacyWriter(iter_dir, spec, tp, counts, padded, args)
+
+
+def _fsdp_writer(iter_dir, spec, tp, counts, padded, args, resume):
+    from ckpt_tools.formats.fsdp_write import FsdpWriter
+    return FsdpWriter(iter_dir, spec, tp, counts, padded, args, resume=resume)
 
 
 @dataclass(frozen=True)
@@ -32,8 +48,12 @@ class Form:
     te_modules      Transformer Engine's modules with no local twin (gated DeltaNet, zero-centred norms)
     byte_copy       written by the torch-free byte paths too (else by the torch path alone)
     args            Megatron-LM arguments of its runs, beside the model's (megatron_args.build_args)
-    load_flags      the flags its load command adds, of the target Layout and whether it resumes"""
+    load_flags      the flags its load command adds, of the target Layout and whether it resumes
+    writer          (iter_dir, spec, tp, layer counts, padded vocab, args, resume) -> the writer of its files, where
+                    `resume` is what a checkpoint with optimizer state holds beside the tensors (torch_dist's goes into
+                    common.pt at close)"""
     name: str
+    writer: Callable
     chunks: bool = False
     optimizer: bool = False
     whole_experts: bool = False
@@ -61,10 +81,10 @@ def _fsdp_flags(target, resume: bool) -> str:
     return " --use-megatron-fsdp" + ("" if resume else " --no-load-optim") + " --no-load-rng"
 
 
-TORCH_DIST = Form(megatron_lm.TORCH_DIST, chunks=True, optimizer=True, whole_experts=True, hybrid=True,
+TORCH_DIST = Form(megatron_lm.TORCH_DIST, _dist_writer, chunks=True, optimizer=True, whole_experts=True, hybrid=True,
                   mtp_pipeline=True, split_biased_experts=True, te_modules=True, byte_copy=True)
-TORCH = Form(megatron_lm.TORCH, byte_copy=True, load_flags=_legacy_flags)
-FSDP_DTENSOR = Form(megatron_lm.FSDP_DTENSOR, chunks=True, optimizer=True, whole_experts=True, pipeline=False,
+TORCH = Form(megatron_lm.TORCH, _legacy_writer, byte_copy=True, load_flags=_legacy_flags)
+FSDP_DTENSOR = Form(megatron_lm.FSDP_DTENSOR, _fsdp_writer, chunks=True, optimizer=True, whole_experts=True, pipeline=False,
                     interleaved=False, mtp=False,
                     args={"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
                     load_flags=_fsdp_flags)

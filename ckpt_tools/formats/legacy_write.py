@@ -1,6 +1,6 @@
 """Writing Megatron-LM's legacy torch form (`--format torch`): each rank's `mp_rank_TT[_PPP]/model_optim_rng.pt`
 ({args, checkpoint_version, iteration, model}), the local spec's state dict per rank, for `--transformer-impl local`;
-an interleaved pipeline's model chunks `model<v>` in each PP rank's file. megatron_write.writer_for gives it.
+an interleaved pipeline's model chunks `model<v>` in each PP rank's file. Its form's record (formats/forms.py) gives it.
 """
 from __future__ import annotations
 

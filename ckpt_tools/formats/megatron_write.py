@@ -25,7 +25,7 @@ import math
 import os
 from pathlib import Path
 
-from ckpt_tools import durable, hybrid, layout, megatron_lm, shard_ops, torchsave
+from ckpt_tools import durable, hybrid, layout, shard_ops, torchsave
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.formats import megatron_resume
 from ckpt_tools.formats.torch_dist_names import Placed, part_of, stored_candidates, te_alias
@@ -35,7 +35,6 @@ from ckpt_tools.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.torchfile import ELEMENT_SIZES
 
-TORCH, TORCH_DIST, FSDP_DTENSOR = megatron_lm.TORCH, megatron_lm.TORCH_DIST, megatron_lm.FSDP_DTENSOR
 CHECKPOINT_VERSION = 3.0
 WRITEBACK = 32 << 20  # bytes written to a .distcp between two starts of its writeback
 DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -366,16 +365,3 @@ def with_torch_globals(args: argparse.Namespace) -> argparse.Namespace:
     import torch
     return argparse.Namespace(**{k: getattr(torch, v.name) if isinstance(v, torchsave.Global) and v.module == "torch"
                                  else v for k, v in vars(args).items()})
-
-
-def writer_for(form: str, iter_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int,
-               args: argparse.Namespace, resume: megatron_resume.ResumeState | None = None):
-    """The writer of `form`; `resume`: what an fsdp_dtensor checkpoint with optimizer state holds beside the tensors
-    (torch_dist's goes into common.pt at close)."""
-    if form == FSDP_DTENSOR:
-        from ckpt_tools.formats.fsdp_write import FsdpWriter
-        return FsdpWriter(iter_dir, spec, tp, counts, padded, args, resume=resume)
-    if form == TORCH_DIST:
-        return DistWriter(iter_dir, spec, tp, counts, padded, args)
-    from ckpt_tools.formats.legacy_write import LegacyWriter
-    return LegacyWriter(iter_dir, spec, tp, counts, padded, args)
