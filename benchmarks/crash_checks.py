@@ -6,9 +6,9 @@ import collections
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hashing
 from ckpt_tools.errors import CkptError
+from ckpt_tools.forms import checkpoint as fmt
 
 
 @dataclass

@@ -13,10 +13,10 @@ from pathlib import Path
 from crash_checks import Trial, checkpoint_problems, diff_trees, tree_digest
 from processes import kill_group, sleep_ms, start, tail, wait_until
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import output
 from ckpt_tools.errors import CkptError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = [sys.executable, "-m", "ckpt_tools.cli"]

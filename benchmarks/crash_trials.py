@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools.errors import CkptError
+from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -53,7 +53,7 @@ import megatron_forms  # noqa: E402
 import merge_reshard  # noqa: E402
 from merge_reshard import CKPT, MIB, child_env, remove, run, tree_bytes  # noqa: E402
 
-from ckpt_tools.spec import ModelSpec  # noqa: E402
+from ckpt_tools.model.spec import ModelSpec  # noqa: E402
 
 TP, PP = 2, 2
 INPUTS = ("ours bf16", "ours fp32", "torch_dist", "torch", "HF")
@@ -236,7 +236,7 @@ def startup(work: Path, env: dict, repeats: int) -> dict:
         start = time.perf_counter()
         subprocess.run(CKPT + ["--help"], env=env, check=True, stdout=subprocess.DEVNULL)
         walls.append(time.perf_counter() - start)
-    probe = ("import sys, ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.byte_ranges; "
+    probe = ("import sys, ckpt_tools.cli, ckpt_tools.verbs.merge, ckpt_tools.forms.byte_ranges; "
              "print(json.dumps('torch' in sys.modules))")
     torch_loaded = subprocess.run([sys.executable, "-c", "import json; " + probe], env=env, check=True,
                                   capture_output=True, text=True).stdout.strip()

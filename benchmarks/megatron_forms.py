@@ -26,8 +26,8 @@ from pathlib import Path
 
 from merge_reshard import CKPT, MIB, child_env, remove, render, run, tree_bytes
 
-from ckpt_tools import layout
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout
+from ckpt_tools.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 TP, PP, ITERATION = 2, 2, 1000

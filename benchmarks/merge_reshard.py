@@ -5,7 +5,7 @@ For two model sizes (N layers and N/2 layers, same widths, so the same largest t
    full tensors from `trainer.model.full_init` (seeded, no training), split by the layout table,
    written TP2 x PP2 with `TorchFileWriter` (bf16 model + fp32 master/exp_avg/exp_avg_sq), meta.json
    built by the toolkit's own meta writer and committed (temp dir, rename, `latest`) by
-   `ckpt_tools.checkpoint.commit`, as the trainer does;
+   `ckpt_tools.forms.checkpoint.commit`, as the trainer does;
 2. times, as subprocesses, `cp -r` of the save dir, `cp` of the model shards only (the bytes merge
    reads), `ckpt merge SRC OUT --format hf` (bf16; it takes the torch-free path), the same merge
    forced onto its torch path (CKPT_MERGE_TORCH=1), and `ckpt reshard SRC OUT --tp 4 --pp 1` (model +
@@ -38,11 +38,12 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools import io, layout, shard_ops
-from ckpt_tools.ranks import Rank
-from ckpt_tools.spec import ModelSpec
-from ckpt_tools.writers import TorchFileWriter
+from ckpt_tools import io
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.forms.writers import TorchFileWriter
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.model.spec import ModelSpec
 from trainer.model import full_init
 
 TP, PP, ITERATION, SEED = 2, 2, 1000, 1234
@@ -214,12 +215,13 @@ def operations(src: Path, ckpt_dir: Path, out: Path) -> dict[str, list[str]]:
         MERGE: CKPT + merge,
         MERGE_TORCH: ["env", "CKPT_MERGE_TORCH=1"] + CKPT + merge,
         RESHARD: CKPT + ["reshard", str(src), str(out), "--tp", "4", "--pp", "1", "--quiet"],
-        STARTUP: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.reshard"],
-        STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.merge, ckpt_tools.byte_ranges"],
+        STARTUP: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.verbs.merge, ckpt_tools.verbs.reshard"],
+        STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.verbs.merge, "
+                                              "ckpt_tools.forms.byte_ranges"],
         DIST: CKPT + ["reshard", str(src), str(out), "--tp", "1", "--pp", "1", "--format", "torch_dist", "--quiet"],
         DIST_TORCH: [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); "
-                     "from ckpt_tools.reshard import reshard; reshard(sys.argv[1], sys.argv[2], 1, 1, quiet=True, "
-                     "form='torch_dist', copy_bytes=False)", str(src), str(out)],
+                     "from ckpt_tools.verbs.reshard import reshard; reshard(sys.argv[1], sys.argv[2], 1, 1, "
+                     "quiet=True, form='torch_dist', copy_bytes=False)", str(src), str(out)],
     }
 
 

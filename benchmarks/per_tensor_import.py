@@ -1,5 +1,5 @@
 """Import HF -> our format / the legacy form where some tensors' values are not their HF bytes: the byte path with
-those tensors made by torch (formats/hf_copy.made_by_torch) against the torch path that wrote the whole job before,
+those tensors made by torch (verbs/hf_copy.made_by_torch) against the torch path that wrote the whole job before,
 and against `cp -r` of the output.
 
 Models (built by transformers from a config, saved by save_pretrained):
@@ -7,7 +7,7 @@ Models (built by transformers from a config, saved by save_pretrained):
   deepseek_v3  a DeepSeek-V3 of bf16 weights saved as transformers saves it, its router weight and expert bias in fp32
                (0.9 GB): the routers made by torch (kept in bf16), into our format their fresh fp32 masters written
                beside them (contract 2); every other tensor copied. The torch path took all of it before.
-Each command a subprocess (`verbs.import_hf`, as `ckpt import` calls it, `copy_bytes` on or off), warm page cache,
+Each command a subprocess (`paths.import_hf`, as `ckpt import` calls it, `copy_bytes` on or off), warm page cache,
 rounds alternating, median wall time, `sync` after each; peak RSS by GNU time.
 
 Usage: python benchmarks/per_tensor_import.py [--repeats 3] [--quick] [--only gpt2 deepseek_v3] [--markdown FILE]
@@ -60,15 +60,15 @@ def make_hf(path: Path, arch: str, quick: bool) -> None:
 
 # the byte path's runs: a torch path that would run instead fails the benchmark (a stand-in for the importer module,
 # which is not loaded, so torch is not imported for it)
-NO_TORCH_PATH = ("import types; m = types.ModuleType('ckpt_tools.importer'); "
+NO_TORCH_PATH = ("import types; m = types.ModuleType('ckpt_tools.verbs.importer'); "
                  "m.run = lambda *a, **k: sys.exit('the byte path declined the job'); "
-                 "sys.modules['ckpt_tools.importer'] = m; ")
+                 "sys.modules['ckpt_tools.verbs.importer'] = m; ")
 
 
 def command(src: Path, out: Path, form: str, tp: int, pp: int, copy_bytes: bool) -> list[str]:
-    code = ("import sys; " + (NO_TORCH_PATH if copy_bytes else "") + "from ckpt_tools import verbs; "
-            "from ckpt_tools.request import Request; "
-            f"verbs.import_hf(sys.argv[1], sys.argv[2], Request({tp}, {pp}, form={form!r}), quiet=True, "
+    code = ("import sys; " + (NO_TORCH_PATH if copy_bytes else "") + "from ckpt_tools.verbs import paths; "
+            "from ckpt_tools.verbs.request import Request; "
+            f"paths.import_hf(sys.argv[1], sys.argv[2], Request({tp}, {pp}, form={form!r}), quiet=True, "
             f"copy_bytes={copy_bytes}, tuned=True)")
     return [sys.executable, "-c", code, str(src), str(out)]
 

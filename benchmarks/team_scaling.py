@@ -29,7 +29,7 @@ from pathlib import Path
 
 from merge_reshard import CKPT, MIB, child_env, generate, layers_for, make_spec, remove, run, tree_bytes
 
-from ckpt_tools import checkpoint as fmt
+from ckpt_tools.forms import checkpoint as fmt
 
 CP_ALL, CP_MODEL, CP_HF = "cp -r checkpoint", "cp model shards", "cp -r HF dir"
 STARTUP = "start-up (merge of a 1 MB checkpoint)"

@@ -28,10 +28,10 @@ def main() -> None:
     from conftest import train
     from test_verify import CORPUS, FAULTS, _faulty
 
-    from ckpt_tools import verify
-    from ckpt_tools.merge import merge
-    from ckpt_tools.reshard import reshard
-    from ckpt_tools.tiers import NOISE_FACTOR
+    from ckpt_tools.verbs import verify
+    from ckpt_tools.verbs.merge import merge
+    from ckpt_tools.verbs.reshard import reshard
+    from ckpt_tools.verbs.tiers import NOISE_FACTOR
     with tempfile.TemporaryDirectory(prefix="verify-noise-") as work:
         root = Path(work)
         metrics = train("tiny_llama.yaml", root / "tp1", 1, tp_degree=1, pp_degree=1, train_iters=args.iters,

@@ -125,7 +125,7 @@ def train(config_path: str, tp: int | None, pp: int | None, dp: int | None, over
 @_handle_errors
 def inspect(src: str, tensors: bool, vocab_size: int | None, nproc: int | None, bandwidth: float | None) -> None:
     """Summarize a checkpoint: architecture, sizes, layout, files, dtype, iteration, parameters, bytes."""
-    from ckpt_tools.inspect import describe, team_plan
+    from ckpt_tools.verbs.inspect import describe, team_plan
     click.echo(describe(src, show_tensors=tensors, vocab_size=vocab_size))
     if nproc is not None:
         click.echo(team_plan(src, nproc, bandwidth, vocab_size))
@@ -173,8 +173,8 @@ def merge(src: str, out: str, fmt: str, dtype: str | None, from_master_weights: 
           no_preflight: bool, quiet: bool, **launcher) -> None:
     """Merge a sharded checkpoint into one HuggingFace model dir (or one safetensors file)."""
     # no torch imported here: a merge that needs none never imports it (a team of processes does, for its rendezvous)
-    from ckpt_tools import merge as m
-    from ckpt_tools.plan import parse_size
+    from ckpt_tools.verbs import merge as m
+    from ckpt_tools.verbs.plan import parse_size
     team = _team(**launcher)
     if team is None:
         return
@@ -242,14 +242,14 @@ def reshard(src: str, out: str, tp: int, pp: int, ep: int | None, layers_per_sta
             vocab_size: int | None, form: str, no_optimizer: bool, model: str | None, force: bool, check_hashes: bool,
             no_preflight: bool, quiet: bool, **launcher) -> None:
     """Rewrite a checkpoint (model + optimizer) at another TP x PP layout, into a save dir OUT."""
-    from ckpt_tools.request import Request
+    from ckpt_tools.verbs.request import Request
     want = Request(tp, pp, _layers(layers_per_stage), ep, vpp, form, model, not no_optimizer).check()
     team = _team(**launcher)
     if team is None:
         return
     quiet = quiet or not team.lead  # one progress bar: process 0's
-    from ckpt_tools import verbs
-    summary = verbs.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team, tuned=True)
+    from ckpt_tools.verbs import paths
+    summary = paths.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team, tuned=True)
     if team.lead:
         click.echo(summary)
 
@@ -280,15 +280,15 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
             dtype: str | None,
             form: str, no_optimizer: bool, model: str | None, force: bool, quiet: bool, **launcher) -> None:
     """Import a HuggingFace model (docs/families.md) into sharded checkpoints (a save dir OUT)."""
-    from ckpt_tools.plan import DTYPE_OPTIONS
-    from ckpt_tools.request import Request
+    from ckpt_tools.verbs.plan import DTYPE_OPTIONS
+    from ckpt_tools.verbs.request import Request
     want = Request(tp, pp, _layers(layers_per_stage), ep, vpp, form, model, not no_optimizer).check()
     team = _team(**launcher)
     if team is None:
         return
     quiet = quiet or not team.lead  # one progress bar: process 0's
-    from ckpt_tools import verbs
-    summary = verbs.import_hf(hf_dir, out, want, DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, team,
+    from ckpt_tools.verbs import paths
+    summary = paths.import_hf(hf_dir, out, want, DTYPE_OPTIONS[dtype] if dtype else None, force, quiet, team,
                               tuned=True)
     if team.lead:
         click.echo(summary)
@@ -312,8 +312,8 @@ def import_(hf_dir: str, out: str, tp: int, pp: int, ep: int, layers_per_stage: 
 def verify(src: str, other: str | None, device: str | None, dtype: str, tokens_file: str | None, batch: int,
            seq_len: int, seed: int, report: str | None, vocab_size: int | None, **launcher) -> None:
     """Prove SRC (sharded) and OTHER (HF dir, safetensors file or checkpoint) are the same model: tiers 1-3."""
-    from ckpt_tools import verify as v
-    from ckpt_tools.tiers import table, write_report
+    from ckpt_tools.verbs import verify as v
+    from ckpt_tools.verbs.tiers import table, write_report
     team = _team(**launcher)
     if team is None:
         return

@@ -3,8 +3,8 @@
 Reads use `torch.load(weights_only=True)`: nothing in a checkpoint may run code when loaded.
 Real Megatron-LM files also hold an argparse.Namespace, numpy RNG states and (Transformer Engine's
 `_extra_state` in older TE versions) io.BytesIO; those types are allow-listed explicitly, nothing else. torch is
-imported where it is used: the torch-free merge path (ckpt_tools.merge with ckpt_tools.byte_ranges) writes through
-this module too. The disk's side of writing is durable.py; hashes hashing.py; memory memory.py; ports ports.py.
+imported where it is used: the torch-free merge path (ckpt_tools.verbs.merge with ckpt_tools.forms.byte_ranges) writes
+through this module too. The disk's side of writing is durable.py; hashes hashing.py; memory memory.py; ports ports.py.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ckpt_tools.errors import FormatError
 
 def _allowed_globals() -> list:
     import io as _io
-    from ckpt_tools.torchfile import MEGATRON_INERT, Record
+    from ckpt_tools.forms.torchfile import MEGATRON_INERT, Record
     allowed: list = [argparse.Namespace, _io.BytesIO]  # BytesIO: Transformer Engine's _extra_state in older TE
     allowed += [(Record, f"{module}.{name}") for module, name in sorted(MEGATRON_INERT)]  # read, never built
     try:

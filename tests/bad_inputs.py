@@ -24,11 +24,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools import layout, shard_ops
 from ckpt_tools.cli import main
-from ckpt_tools.ranks import Rank
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.model.spec import ModelSpec
 from trainer.model import full_init
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,8 +248,8 @@ class Bases:
 
 def make_bases(root: Path) -> Bases:
     """The good inputs every bad-input test damages a copy of."""
-    from ckpt_tools.merge import merge
-    from ckpt_tools.reshard import reshard
+    from ckpt_tools.verbs.merge import merge
+    from ckpt_tools.verbs.reshard import reshard
     make_ckpt(root / "base", llama())
     make_ckpt(root / "other", llama(), seed=8)
     make_ckpt(root / "tp1", llama(), tp=1)

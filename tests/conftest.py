@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import io, ports
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model.ranks import Rank
 from ckpt_tools.ports import free_port
-from ckpt_tools.ranks import Rank
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"

@@ -20,8 +20,8 @@ from rank_reports import write_reports
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ckpt_tools.shards import open_checkpoint
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms.shards import open_checkpoint
+from ckpt_tools.model.spec import ModelSpec
 from trainer.forward import build_from_checkpoint
 from trainer.layers import megatron_config
 from trainer.model import GPTStage, initialize

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_tools import layout
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout
+from ckpt_tools.model.spec import ModelSpec
 
 TPS = (1, 2, 4, 8)
 DTYPES = (torch.float32, torch.bfloat16)

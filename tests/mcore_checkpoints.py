@@ -205,7 +205,7 @@ def on_cpu(tp: int, pp: int, ep: int = 1, etp: int | None = None, newest: bool =
 
 
 def main(config_path: str, out: str) -> None:
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     cfg = json.loads(Path(config_path).read_text())
     tp, pp, iteration, ep = cfg["tp"], cfg["pp"], cfg.get("iteration", 5), cfg.get("ep", 1)
     spec = ModelSpec.from_dict(cfg["model"])

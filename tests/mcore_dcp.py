@@ -31,7 +31,7 @@ def main(config_path: str, out: str) -> None:
     from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
     from mcore_reference_child import _build_model
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     iteration = cfg.get("iteration", 5)
     spec = ModelSpec.from_dict(cfg["model"])
     padded = spec.padded_vocab_size(1)

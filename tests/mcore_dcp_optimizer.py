@@ -45,7 +45,7 @@ def main(out: str, precision: str = "bf16") -> None:
     from mcore_checkpoints import _args, _perturb, save_dcp
     from mcore_reference_child import _build_model
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     ps.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     spec = ModelSpec.from_dict(SPEC)

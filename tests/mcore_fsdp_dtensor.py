@@ -118,7 +118,7 @@ def _start(cfg: dict):
     from megatron.core import tensor_parallel
     ps.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     return torch, dist, ModelSpec.from_dict(cfg["model"])
 
 

@@ -37,7 +37,7 @@ def main(config_path: str) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 names it without Transformer Engine too
         moe_utils.te_general_gemm = None
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     cfg = json.loads(Path(config_path).read_text())
     tp, pp, form, load = cfg["tp"], cfg["pp"], cfg["form"], Path(cfg["load"])
     ep = cfg.get("ep", 1)
@@ -49,8 +49,8 @@ def main(config_path: str) -> None:
     model = _build_model({**spec.to_dict(), "padded_vocab_size": cfg["padded_vocab"], "ep": ep}, tp, pp)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if form == "ours":  # this rank's file of our format, its experts under local indices as megatron-core's
-        from ckpt_tools import checkpoint
-        from ckpt_tools.ranks import Rank
+        from ckpt_tools.forms import checkpoint
+        from ckpt_tools.model.ranks import Rank
         rank = Rank(tp_rank, pp_rank, ps.get_expert_model_parallel_rank() if ep > 1 else None)
         state = torch.load(checkpoint.resolve(load) / checkpoint.model_file(rank), weights_only=True)["model"]
         model.load_state_dict(state, strict=True)

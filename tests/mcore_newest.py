@@ -132,7 +132,7 @@ def build(cfg: dict, padded: int):
     from megatron.core import parallel_state
     from mcore_reference_child import _build_model
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(cfg["model"])
     tp, pp = cfg["tp"], cfg["pp"]
     if spec.hybrid:
@@ -179,7 +179,7 @@ def _start(cfg: dict):
     from mcore_checkpoints import _shim_cuda, shim_masks
     from mcore_reference_child import expert_tp
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     _shim_cuda(torch)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -202,7 +202,7 @@ def save(cfg: dict, out: Path) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from mcore_checkpoints import _args, _forward, _perturb
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(cfg["model"])
     tp, pp, iteration = cfg["tp"], cfg["pp"], cfg.get("iteration", 5)
     padded = spec.padded_vocab_size(tp)
@@ -273,7 +273,7 @@ def load(cfg: dict) -> None:
     from megatron.core import dist_checkpointing
     from mcore_checkpoints import _forward
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(cfg["model"])
     save_dir = Path(cfg["load"])
     iter_dir = save_dir / f"iter_{int((save_dir / 'latest_checkpointed_iteration.txt').read_text()):07d}" \

@@ -71,7 +71,7 @@ def run(out: Path, kind: str, distributed: bool, bucket_size: int | None) -> Non
     from mcore_checkpoints import _args, _perturb
     from mcore_reference_child import _build_model
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(SPEC)
     padded = spec.padded_vocab_size(1)
     torch.manual_seed(1234)

@@ -38,7 +38,7 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
 
     fields = {k: v for k, v in model.items() if k not in ("padded_vocab_size", "ep", "etp") and v is not None}
     s = ModelSpec.from_dict({"vocab_size": 1, **fields})  # the family's defaults for unset features

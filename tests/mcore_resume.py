@@ -226,8 +226,8 @@ def run_megatron_source(out: Path, result: dict) -> None:
     from megatron.core import dist_checkpointing
     from mcore_checkpoints import _args
 
-    from ckpt_tools.reshard import reshard
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
+    from ckpt_tools.verbs.reshard import reshard
     spec = ModelSpec.from_dict(SPEC)
     padded = spec.padded_vocab_size(TP)
     gpt, ddp, opt, sched = build(spec, padded, 1234)
@@ -325,7 +325,7 @@ def same_as_ours(ours_tp1: Path, got: dict, tied: bool) -> dict:
     a stacked key is row l)."""
     import torch
 
-    from ckpt_tools.formats.torch_dist_names import stacked_key
+    from ckpt_tools.forms.torch_dist_names import stacked_key
     ckpt = next(ours_tp1.glob("checkpoint-*"))
     state = torch.load(ckpt / "optimizer_tp_0_pp_0.bin", weights_only=True)["optimizer"]
     want, have = {}, {}
@@ -342,8 +342,8 @@ def same_as_ours(ours_tp1: Path, got: dict, tied: bool) -> dict:
 
 
 def run_ours(ours: Path, out: Path, result: dict) -> None:
-    from ckpt_tools.reshard import reshard
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.forms.shards import open_checkpoint
+    from ckpt_tools.verbs.reshard import reshard
     reader = open_checkpoint(ours)
     spec, padded, iteration = reader.meta.spec, reader.meta.padded_vocab, reader.meta.iteration
     result["ours_line"] = reshard(ours, out / "ours_dst", tp=2, pp=2, quiet=True, form="torch_dist")
@@ -369,8 +369,8 @@ def run_imported(out: Path, result: dict) -> None:
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ckpt_tools import hf
-    from ckpt_tools.importer import import_hf
+    from ckpt_tools.model import hf
+    from ckpt_tools.verbs.importer import import_hf
     config = LlamaConfig(vocab_size=SPEC["vocab_size"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                          tie_word_embeddings=False)

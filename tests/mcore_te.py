@@ -71,7 +71,7 @@ def build(cfg: dict, padded: int):
     from megatron.core.models.gpt import gpt_layer_specs
     from mcore_reference_child import _build_model
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
 
     def te_spec(normalization=None, qk_layernorm=False, num_experts=None, moe_grouped_gemm=False, **_):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -138,7 +138,7 @@ def _save(cfg: dict, out: Path, torch, dist, ps) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from mcore_checkpoints import _perturb
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(cfg["model"])
     padded = spec.padded_vocab_size(cfg["tp"])
     model = build(cfg, padded)
@@ -193,7 +193,7 @@ def load(*triples: str) -> None:
 def _load(cfg: dict, save_dir: Path, out: Path, torch, dist, ps) -> None:
     from megatron.core import dist_checkpointing
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     tracker = (save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
     iter_dir = save_dir / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
     spec = ModelSpec.from_dict(cfg["model"])

@@ -85,7 +85,7 @@ def save(out: str) -> None:
                                  virtual_pipeline_model_parallel_size=VPP)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(MODEL)
     padded = spec.padded_vocab_size(1)
     chunks = _chunks(spec, padded, torch)
@@ -139,7 +139,7 @@ def load(reference: str, out: str, *save_dirs: str, newest: bool = False) -> Non
     dist.init_process_group("gloo")
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec.from_dict(MODEL)
     tokens = torch.load(reference, weights_only=True)["tokens"]
     found = {}

@@ -50,8 +50,8 @@ def main(out: str) -> None:
     import megatron.training.global_vars as global_vars
     import mcore_resume as mr
 
-    from ckpt_tools.reshard import reshard
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
+    from ckpt_tools.verbs.reshard import reshard
     global_vars._GLOBAL_ARGS = args
     checkpointing.on_save_checkpoint_start = lambda *a, **k: None
     mr.keep_torch_adam_step()

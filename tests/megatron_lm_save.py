@@ -51,7 +51,7 @@ def main(out: str, form: str) -> None:
     from mcore_checkpoints import _forward, _perturb, _shim_cuda
     from mcore_reference_child import _build_model
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     _shim_cuda(torch)
     checkpointing.on_save_checkpoint_start = lambda *a, **k: None
     torch.manual_seed(1234)

@@ -17,16 +17,16 @@ import numpy as np
 import torch
 
 from ckpt_tools import io
-from ckpt_tools.checkpoint import Meta, model_file
-from ckpt_tools.megatron_args import build_args
-from ckpt_tools.megatron_lm import TRACKER, model_path
-from ckpt_tools.ranks import Rank
+from ckpt_tools.forms.checkpoint import Meta, model_file
+from ckpt_tools.forms.megatron_args import build_args
+from ckpt_tools.forms.megatron_lm import TRACKER, model_path
+from ckpt_tools.model.ranks import Rank
 
 
 
 def megatron_args(meta: Meta, vocab_recorded: bool = True) -> argparse.Namespace:
     """A Namespace with the arguments Megatron-LM would have had for this model and layout: the package's
-    model and layout fields (ckpt_tools.megatron_args), and a training run's."""
+    model and layout fields (ckpt_tools.forms.megatron_args), and a training run's."""
     cfg = meta.raw.get("config", {})
     dtype = meta.raw.get("dtypes", {}).get("params", "float32")
     args = build_args(meta.spec, meta.tp_size, list(getattr(meta, "layer_counts", None) or

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import trainer  # noqa: F401,I001 (megatron-core imported as the trainer imports it: no CPU torch.compile wrappers)
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import layout
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout
+from ckpt_tools.model.spec import ModelSpec
 from trainer.layers import megatron_config
 from trainer.model import GPTStage
 

@@ -5,8 +5,8 @@ takes), for tests/test_team.py:
 """
 import sys
 
-from ckpt_tools.reshard import reshard
 from ckpt_tools.team import Team, run_worker
+from ckpt_tools.verbs.reshard import reshard
 
 src, out, tp, pp, form = sys.argv[1:6]
 run_worker(lambda: reshard(src, out, int(tp), int(pp), quiet=True, form=form, copy_bytes=False,

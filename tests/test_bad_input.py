@@ -34,8 +34,8 @@ from bad_inputs import (
     truncate,
 )
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools.families import names as family_names
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model.families import names as family_names
 
 # ---------------------------------------------------------------- the table: damaged checkpoints
 # (the rows for wrong arguments and foreign inputs are in bad_input_foreign.py)

@@ -8,11 +8,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import CONFIGS
-from ckpt_tools import layout
+from ckpt_tools.model import layout
 from ckpt_tools.cli import main
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.shards import open_checkpoint
-from ckpt_tools.families import names as family_names
+from ckpt_tools.forms.shards import open_checkpoint
+from ckpt_tools.model.families import names as family_names
 from trainer.config import load_config
 
 FAMILY_NAMES = ", ".join(family_names())

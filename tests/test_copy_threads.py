@@ -8,8 +8,9 @@ import zipfile
 
 import pytest
 
-from ckpt_tools import durable, torchfile
-from ckpt_tools import torchsave as ts
+from ckpt_tools import durable
+from ckpt_tools.forms import torchfile
+from ckpt_tools.forms import torchsave as ts
 
 
 def _file(path, data: bytes) -> int:

@@ -20,10 +20,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import crash_trials as ct
 
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import output
-from ckpt_tools.ranks import Rank
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.model.spec import ModelSpec
 
 SEED = 20261122
 COUNTS = {"train": 6, "merge": 7, "reshard": 7}

@@ -1,4 +1,4 @@
-"""Model families (ckpt_tools/families) as whole models, each against its independent references:
+"""Model families (ckpt_tools/model/families) as whole models, each against its independent references:
 
 - transformers builds the model (tiny, random, every norm and bias non-trivial); `ckpt import` at TP2 x PP2,
   `ckpt reshard` to TP1 x PP2 and `ckpt merge` give every tensor back bit for bit, and transformers loads
@@ -28,11 +28,11 @@ from families_cases import CASES, OWN_FIELDS, TOKENS, VOCAB, logits, rel
 from families_cases import hf_dirs  # noqa: F401 (a fixture)
 from safetensors.torch import load_file as load_safetensors
 
-from ckpt_tools import hf
+from ckpt_tools.model import hf
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.merge import merge
-from ckpt_tools.importer import import_hf
-from ckpt_tools.reshard import reshard
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.reshard import reshard
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -65,7 +65,7 @@ FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtra
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FORWARD)
 def test_sharded_forward_equals_transformers(case, hf_dirs, tmp_path):
-    from ckpt_tools import verify
+    from ckpt_tools.verbs import verify
     import_hf(hf_dirs[case], tmp_path / "shards", tp=2, pp=1, optimizer=False, quiet=True)
     tiers, _ = verify.run(tmp_path / "shards", hf_dirs[case], seq=48, batch=2)
     assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
@@ -77,7 +77,7 @@ def test_gated_deltanet_moe_model_at_ep2(hf_dirs, tmp_path):
     """Qwen3-Next at TP2 x PP2 x EP2 (its experts over EP ranks beside the DeltaNet's heads over TP): resharded to one
     rank it merges to transformers' tensors bit for bit, and the EP2 checkpoint's sharded forward gives
     transformers' logits."""
-    from ckpt_tools import verify
+    from ckpt_tools.verbs import verify
     import_hf(hf_dirs["qwen3_next"], tmp_path / "ep2", tp=2, pp=2, ep=2, optimizer=False, quiet=True)
     reshard(tmp_path / "ep2", tmp_path / "one", tp=1, pp=1, ep=1, quiet=True)
     merge(tmp_path / "one", tmp_path / "merged", quiet=True)
@@ -180,7 +180,7 @@ def test_trainer_trains_and_resumes_after_reshard(arch, tmp_path):
              "qwen3_next": ("self_attention", ("query", "key", "value", "z", "beta", "alpha"))}
     if arch in parts:  # through Megatron-LM's torch_dist and back, optimizer state included: Mamba's and the DeltaNet's
         # in_proj and convolution as megatron-core's per-part tensors (`...in_proj.weight.z`), their moments too
-        from ckpt_tools.formats import dcp
+        from ckpt_tools.forms import dcp
         reshard(run / "checkpoint-3", tmp_path / "mlm", tp=1, pp=2, form="torch_dist", quiet=True)
         index = dcp.read_metadata(tmp_path / "mlm" / "iter_0000003")
         module, names = parts[arch]

@@ -1,4 +1,4 @@
-"""What each model family (ckpt_tools/families) reads from and writes to a config, no model built:
+"""What each model family (ckpt_tools/model/families) reads from and writes to a config, no model built:
 
 - every family writes a config.json that it reads back as the same ModelSpec, and declares a default for every
   feature field;
@@ -17,15 +17,15 @@ import re
 import pytest
 from families_cases import OWN_FIELDS, VOCAB
 
-from ckpt_tools import families, features, hf
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.request import Layout
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import families, features, hf
+from ckpt_tools.model.spec import ModelSpec
+from ckpt_tools.verbs.request import Layout
 
 
 def test_family_records_map_their_config_both_ways():
     """Each family writes a config.json that it reads back as the same spec, and names a feature
-    (ckpt_tools.features) only where the values it allows differ from the feature's own."""
+    (ckpt_tools.model.features) only where the values it allows differ from the feature's own."""
     for family in families.all_families():
         assert all(allowed != features.BY_NAME[f].allowed for f, allowed in family.features.items()), family.name
         spec = ModelSpec(architecture=family.name, num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -130,8 +130,8 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
     in one line, and the load command names the rotary flags --use-checkpoint-args does not restore."""
     from pathlib import Path
 
-    from ckpt_tools import to_megatron
     from ckpt_tools.errors import ConfigError
+    from ckpt_tools.verbs import to_megatron
     fields = {**OWN_FIELDS["deepseek_v3"], "rope_scaling": "yarn", "rope_scaling_factor": 40.0,
               "rope_mscale_all_dim": 1.0}
     spec = ModelSpec(architecture="deepseek_v3", num_layers=2, hidden_size=64, num_attention_heads=4,

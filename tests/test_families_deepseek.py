@@ -19,10 +19,10 @@ from conftest import train
 from families_cases import VOCAB, hf_model, logits, rel
 from safetensors.torch import load_file as load_safetensors
 
-from ckpt_tools import hf
-from ckpt_tools.merge import merge
-from ckpt_tools.importer import import_hf
-from ckpt_tools.reshard import reshard
+from ckpt_tools.model import hf
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.reshard import reshard
 
 
 DEEPSEEK = {"architecture": "deepseek_v3", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
@@ -58,7 +58,7 @@ def test_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
     """DeepSeek-V3 in bf16: transformers keeps e_score_correction_bias in float32, as megatron-core keeps its
     router.expert_bias; import (bf16 weights), reshard and merge keep it float32 and bit for bit, and the imported
     shards pass the checkpoint's own shape and dtype checks."""
-    from ckpt_tools.shards import open_checked
+    from ckpt_tools.forms.shards import open_checked
     from transformers import AutoModelForCausalLM
     hf_model("deepseek_v3").save_pretrained(tmp_path / "fp32")
     src = tmp_path / "hf"  # loaded in bf16 by transformers (which keeps the bias float32) and saved
@@ -70,8 +70,8 @@ def test_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
     open_checked(tmp_path / "ours")  # the layout table's dtypes: bf16 weights, the float32 bias
     # the fresh optimizer: recorded; written, alone, only the masters that carry more than bf16 (the float32 router
     # weights transformers keeps; the bias, a buffer, has none)
-    from ckpt_tools import checkpoint as fmt
-    from ckpt_tools.ranks import Rank
+    from ckpt_tools.forms import checkpoint as fmt
+    from ckpt_tools.model.ranks import Rank
     written = set()
     for rank in (Rank(t, p, e) for t in range(2) for p in range(2) for e in range(2)):
         state = torch.load(tmp_path / "ours" / "checkpoint-0" / fmt.optimizer_file(rank),
@@ -135,8 +135,8 @@ def test_megatron_core_mtp_layers_reach_transformers_layout_and_come_back(tmp_pa
     merge(tmp_path / "megatron", tmp_path / "back", quiet=True)
     back = load_safetensors(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
-    from ckpt_tools.formats import hf_copy  # the byte path takes an MTP model (its copies checked byte for byte)
-    from ckpt_tools.request import Request
+    from ckpt_tools.verbs import hf_copy  # the byte path takes an MTP model (its copies checked byte for byte)
+    from ckpt_tools.verbs.request import Request
     assert hf_copy.import_hf(tmp_path / "hf", tmp_path / "bytes", Request(2, 2, form="torch_dist"),
                              quiet=True) is not None
     merge(tmp_path / "bytes", tmp_path / "back_bytes", quiet=True)
@@ -191,9 +191,9 @@ def test_mtp_layers_are_refused_where_megatron_core_holds_them_otherwise():
     trainer keeps the MTP embedding at PP 1 only: each is refused before anything is written, in one line."""
     from layout_cases import llama
 
-    from ckpt_tools import to_megatron
     from ckpt_tools.errors import ConfigError
-    from ckpt_tools.request import Layout
+    from ckpt_tools.verbs import to_megatron
+    from ckpt_tools.verbs.request import Layout
     from trainer.config import TrainConfig
     spec = llama(architecture="glm4_moe", num_moe_experts=4, moe_shared_expert_intermediate_size=48, mtp_num_layers=1)
     with pytest.raises(ConfigError, match="multi-token prediction layers in a HybridModel"):

@@ -17,10 +17,10 @@ from conftest import train
 from families_cases import CASES, TOKENS, VOCAB, hf_dirs, logits, rel  # noqa: F401 (hf_dirs: a fixture)
 from safetensors.torch import load_file as load_safetensors
 
-from ckpt_tools import hf
-from ckpt_tools.merge import merge
-from ckpt_tools.importer import import_hf
-from ckpt_tools.reshard import reshard
+from ckpt_tools.model import hf
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.reshard import reshard
 
 
 @pytest.mark.slow
@@ -53,8 +53,8 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     merge(tmp_path / "ours", tmp_path / "merged_ours", quiet=True)
     merged["ours"] = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
     # Megatron-LM's legacy form written from its torch_dist save by copying bytes (every expert at EP 1)
-    from ckpt_tools.formats import dist_copy
-    from ckpt_tools.request import Request
+    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs.request import Request
     # holding no optimizer state: not left to the torch path
     assert dist_copy.reshard(tmp_path / "torch_dist", tmp_path / "legacy", Request(1, 2, form="torch"),
                              vocab_size=VOCAB, quiet=True) is not None
@@ -135,9 +135,9 @@ def test_experts_move_between_expert_parallel_ranks_bit_exactly(hf_dirs, tmp_pat
     experts gathered from their EP ranks) gives transformers' logits, and written into Megatron-LM's forms (the
     torch_dist chunks copied from each EP rank's file; the legacy form at the source's EP2) it merges to the same
     weights."""
-    from ckpt_tools import verify
-    from ckpt_tools.checkpoint import Meta
+    from ckpt_tools.forms.checkpoint import Meta
     from ckpt_tools.hashing import hash_file
+    from ckpt_tools.verbs import verify
     src = hf_dirs["mixtral"]
     import_hf(src, tmp_path / "ep2", tp=2, pp=2, ep=2, quiet=True)
     ep2 = tmp_path / "ep2" / "checkpoint-0"

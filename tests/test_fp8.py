@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from families_cases import TOKENS, hf_model, rel
 
 from ckpt_tools.errors import FormatError
-from ckpt_tools.hf_tensors import HFTensors
-from ckpt_tools.importer import import_hf
-from ckpt_tools.merge import merge
-from ckpt_tools.reshard import reshard
+from ckpt_tools.forms.hf_tensors import HFTensors
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.reshard import reshard
 
 E4M3_MAX = 448.0
 # the weights DeepSeek-V3's published checkpoint holds in FP8 blocks (its model.safetensors.index.json): every linear
@@ -176,9 +176,9 @@ def test_fp8_problems_are_refused_in_one_line(tmp_path):
     """An e4m3 tensor without its scales; --fp8-blocks for a family whose HF weights have no FP8 form; multi-token
     prediction layers in the weights (published DeepSeek-V3 holds them as model.layers.61): refused, nothing written.
     `ckpt verify` of a bf16 import against its FP8 source finds every tensor the same (cast once, as imported)."""
-    from ckpt_tools import verify
     from ckpt_tools.errors import ConfigError
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.forms.shards import open_checkpoint
+    from ckpt_tools.verbs import verify
     src = fp8_dir(tmp_path, (8, 8))
     tensors = load_safetensors(src / "model.safetensors")
     import_hf(src, tmp_path / "bf16", tp=2, pp=1, dtype=torch.bfloat16, quiet=True)

@@ -31,8 +31,8 @@ import torch
 from bad_inputs import invoke, llama, make_ckpt
 from safetensors.torch import load_file as load_safetensors
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools.shard_ops import same_bits
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model.shard_ops import same_bits
 
 SECONDS = float(os.environ.get("CKPT_FUZZ_SECONDS", "20"))
 SEED = int(os.environ.get("CKPT_FUZZ_SEED", "0"))

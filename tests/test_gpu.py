@@ -38,7 +38,7 @@ def gpu_llama(request, tmp_path_factory):
     """tiny llama trained on GPUs (NCCL) at TP1 or TP2, bf16 weights with fp32 masters, and its HF merge."""
     from conftest import train
 
-    from ckpt_tools.merge import merge
+    from ckpt_tools.verbs.merge import merge
     tp = request.param
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPUs")
@@ -76,7 +76,7 @@ def test_megatron_core_gptmodel_agrees_with_trainer_and_hf_merge(arch, tmp_path)
     from conftest import sharded_logits, train
     from transformers import AutoModelForCausalLM
 
-    from ckpt_tools.merge import merge
+    from ckpt_tools.verbs.merge import merge
     save = tmp_path / "run"
     train(f"tiny_{arch}.yaml", save, 2, tp_degree=2, pp_degree=1, train_iters=4, num_micro_batches=2)
     ckpt = save / "checkpoint-4"
@@ -235,7 +235,7 @@ def test_moe_expert_parallel_training_on_gpus(tmp_path):
     from conftest import train
 
     from ckpt_tools.cli import main
-    from ckpt_tools.merge import merge
+    from ckpt_tools.verbs.merge import merge
     moe = {"architecture": "mixtral", "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
            "tp_degree": 1, "pp_degree": 1, "train_iters": 6, "num_micro_batches": 2}
     for dtype, tol in (("fp32", 1e-5), ("bf16", 2e-2)):

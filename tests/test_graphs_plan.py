@@ -11,7 +11,7 @@ import torch
 from conftest import torchrun
 
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from trainer import graphs
 
 CUDA = torch.device("cuda", 0)

@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from ckpt_tools import hashing
-from ckpt_tools.writers import TorchFileWriter
+from ckpt_tools.forms.writers import TorchFileWriter
 
 
 def _source(tmp_path) -> tuple[int, torch.Tensor]:
@@ -137,8 +137,8 @@ def test_a_writer_dropped_unclosed_stops_its_hash(tmp_path):
 def test_a_target_file_that_fails_or_is_dropped_stops_its_hash(tmp_path):
     """Through target.Target.open_file (the hash on a thread of its own): a close that fails, and a writer dropped
     unclosed (an error mid-stage), end the file's hash with an error instead of leaving its thread waiting."""
-    from ckpt_tools.spec import ModelSpec
-    from ckpt_tools.target import Target
+    from ckpt_tools.forms.target import Target
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                      vocab_size=128)
     target = Target(tmp_path, spec, 1, [2], 128, optimizer=False)

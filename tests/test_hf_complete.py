@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from ckpt_tools.merge import merge
-from ckpt_tools.importer import import_hf
-from ckpt_tools.reshard import reshard
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.reshard import reshard
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

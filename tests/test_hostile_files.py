@@ -29,7 +29,7 @@ from bad_inputs import (
     truncate,
 )
 
-from ckpt_tools import checkpoint as fmt
+from ckpt_tools.forms import checkpoint as fmt
 
 
 # ---------------------------------------------------------------- malicious pickles

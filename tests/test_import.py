@@ -1,4 +1,4 @@
-"""`ckpt import`: ckpt_tools/importer.py's import_hf, against transformers' own models and files.
+"""`ckpt import`: ckpt_tools/verbs/importer.py's import_hf, against transformers' own models and files.
 
 - HF -> shards -> HF gives transformers' own tensors back bit for bit (fp32 and bf16, tied and untied,
   Llama and GPT-2), with a fresh optimizer state and zero vocab padding rows;
@@ -19,11 +19,11 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 from test_reshard import BAD_TARGETS, assert_nothing_written, full_tensors, meta, one_line_error, run
 
-from ckpt_tools import checkpoint as fmt
+from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools import io
-from ckpt_tools.merge import merge
-from ckpt_tools.ranks import Rank
-from ckpt_tools.importer import import_hf
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.verbs.importer import import_hf
 
 # ---------------------------------------------------------------- HF import -> merge, and logits
 VOCAB = 1000
@@ -75,7 +75,7 @@ def test_import_then_merge_gives_the_hf_tensors_back(arch, dtype, hf_dirs, tmp_p
     # the fresh optimizer is recorded, not written (contract 2): no optimizer files; the reader makes it from the
     # weights (fp32 masters equal to them, zero moments, step 0), as the trainer does
     assert m["fresh_optimizer"] is True and not list(ckpt.glob("optimizer_*"))
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.forms.shards import open_checkpoint
     reader = open_checkpoint(ckpt)
     assert reader.has_optimizer()
     for key in reader.keys():
@@ -106,16 +106,16 @@ def test_import_then_merge_gives_the_hf_tensors_back(arch, dtype, hf_dirs, tmp_p
 @pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 4), ("llama_tied", 2, 2), ("gpt2", 2, 1)])
 def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp, pp, hf_dirs, tmp_path):
     """`ckpt import` into our format copies the HF tensors' rows into each rank's file without torch
-    (formats/ours_copy.py; torch is not imported by the command) where the torch path would only move them: every
+    (verbs/ours_copy.py; torch is not imported by the command) where the torch path would only move them: every
     rank file holds the torch path's tensors, bit for bit, in its order (QKV groups, row-parallel columns, a tied
     model's output copy on the last stage), and meta.json is the torch path's but for the files'
     hashes. A tensor whose value is not its HF bytes (GPT-2's transposed Conv1D weights) is made by torch alone inside
-    the same path (formats/hf_copy.made_by_torch); where every weight must be cast (a --dtype) the torch path does
+    the same path (verbs/hf_copy.made_by_torch); where every weight must be cast (a --dtype) the torch path does
     it."""
     import subprocess
     import sys
 
-    from ckpt_tools import importer
+    from ckpt_tools.verbs import importer
     hf_dir = hf_dirs[arch, "bf16"]
     if arch == "gpt2":  # torch makes the transposed weights; the job stays on the byte path
         def declined(*args, **kwargs):
@@ -145,7 +145,7 @@ def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp,
     assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
         {k: v for k, v in mb.items() if k not in ("files", "checksum")}
     assert sorted(ma["files"]) == sorted(mb["files"])
-    from ckpt_tools.shards import open_checked
+    from ckpt_tools.forms.shards import open_checked
     open_checked(tmp_path / "bytes", None, True).close()  # every file's recorded size and content hash
     import_hf(hf_dir, tmp_path / "fp32", tp=tp, pp=pp, quiet=True, dtype=torch.float32)  # converted: torch's path
     assert meta(tmp_path / "fp32" / "checkpoint-0")["dtypes"]["params"] == "float32"
@@ -155,7 +155,7 @@ def test_masters_that_carry_more_than_the_weights_are_written(hf_dirs, tmp_path)
     """An fp32 HF model imported in bf16: the fresh optimizer stays recorded (no moments written), but its fp32
     masters, the HF values bf16 rounds, are written alone; merge --from-master-weights gives the HF tensors back bit
     for bit, directly and after a reshard (which keeps it so); a recorded masters file that is missing is named."""
-    from ckpt_tools.reshard import reshard
+    from ckpt_tools.verbs.reshard import reshard
     src = hf_dirs["llama", "fp32"]
     import_hf(src, tmp_path / "bf16", tp=2, pp=1, dtype=torch.bfloat16, quiet=True)
     ckpt = tmp_path / "bf16" / "checkpoint-0"
@@ -175,7 +175,7 @@ def test_masters_that_carry_more_than_the_weights_are_written(hf_dirs, tmp_path)
     assert all(torch.equal(weights[k], t.to(torch.bfloat16)) for k, t in original.items())
     (ckpt / fmt.optimizer_file(Rank(1, 0))).unlink()
     from ckpt_tools.errors import FormatError
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.forms.shards import open_checkpoint
     with pytest.raises(FormatError, match="optimizer_tp_1_pp_0.bin: missing shard"):
         open_checkpoint(ckpt).full("decoder.layers.0.mlp.linear_fc2.weight", "master")
 
@@ -307,7 +307,7 @@ def test_an_hf_tensor_over_2_gib_is_read_whole(tmp_path):
     several, not refused as truncated. The file is sparse: zeros but for its last element."""
     import json
     import struct
-    from ckpt_tools.hf_tensors import HFTensors
+    from ckpt_tools.forms.hf_tensors import HFTensors
     n = (1 << 30) + (1 << 19)  # bf16 elements: 2 GiB + 1 MiB
     header = json.dumps({"x": {"dtype": "BF16", "shape": [n], "data_offsets": [0, 2 * n]}}).encode()
     header += b" " * (-len(header) % 8)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.inspect import needs
-from ckpt_tools.shards import open_checkpoint
+from ckpt_tools.forms.shards import open_checkpoint
+from ckpt_tools.verbs.inspect import needs
 
 TIME = Path("/usr/bin/time")
 

@@ -1,4 +1,4 @@
-"""Tests for ckpt_tools/layout.py (the layout table, DESIGN.md Contract 1) and ModelSpec helpers.
+"""Tests for ckpt_tools/model/layout.py (the layout table, DESIGN.md Contract 1) and ModelSpec helpers.
 
 Expected values are written by hand from DESIGN.md Contract 1 and the layout docstring wherever
 possible (explicit rows, explicit key lists, explicit padded vocab sizes), or computed with index
@@ -24,9 +24,9 @@ from layout_cases import (
     random_full,
 )
 
-from ckpt_tools import layout, shard_ops
 from ckpt_tools.errors import LayoutError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.spec import ModelSpec
 
 
 # ---------------------------------------------------------------- 1. join(split(x)) == x bitwise

@@ -1,4 +1,4 @@
-"""Tests for ckpt_tools/layout.py, the table itself: one-line errors for what does not divide or is
+"""Tests for ckpt_tools/model/layout.py, the table itself: one-line errors for what does not divide or is
 unknown, the table's coverage of megatron-core's keys, stage keys (even and uneven), vocab padding,
 and shard_shape against split. Expected values are written by hand (see test_layout.py)."""
 
@@ -26,9 +26,9 @@ from layout_cases import (
     random_full,
 )
 
-from ckpt_tools import families, layout, shard_ops
 from ckpt_tools.errors import ConfigError, LayoutError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import families, layout, shard_ops
+from ckpt_tools.model.spec import ModelSpec
 
 
 # ---------------------------------------------------------------- 4. errors

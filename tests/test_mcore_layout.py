@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import torchrun
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from mcore_reference import mcore_state_dict_layout
 
 pytestmark = pytest.mark.slow

@@ -20,10 +20,10 @@ from bad_inputs import SystemCall
 from safetensors.torch import load_file
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools import hybrid
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.merge import merge
-from ckpt_tools.reshard import reshard
+from ckpt_tools.model import hybrid
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.reshard import reshard
 
 TESTS = Path(__file__).resolve().parent
 SAVES = TESTS.parent / "fixtures" / "megatron_019"
@@ -114,7 +114,7 @@ def test_megatron_core_019_hybrid_model_loads_what_we_write(name, tp, pp, via, t
         result = run("reshard", src, out, "--tp", tp, "--pp", pp, "--format", "torch_dist", "--vocab-size", VOCAB,
                      "--quiet", *(["--no-optimizer"] if via == "reshard" else []))
         if via == "reshard-torch":
-            from ckpt_tools.reshard import reshard as reshard_torch
+            from ckpt_tools.verbs.reshard import reshard as reshard_torch
             shutil.rmtree(out)
             reshard_torch(src, out, tp=tp, pp=pp, vocab_size=VOCAB, form="torch_dist", copy_bytes=False, quiet=True)
     assert result.exit_code == 0, result.output
@@ -378,8 +378,8 @@ def test_megatron_core_loads_our_mamba_hybrid_and_saves_it_back(version, pp, tmp
     loaded merges back to the same HF tensors, bit for bit; `ckpt import` of that HF model to the same layout gives the
     same checkpoint."""
     import json
-    from ckpt_tools.hf import spec_from_hf
-    from ckpt_tools.importer import import_hf
+    from ckpt_tools.model.hf import spec_from_hf
+    from ckpt_tools.verbs.importer import import_hf
     mcore_newest = newest_or_skip()
     save = MAMBA_SAVES[version]
     merge(save / "torch_dist", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
@@ -415,8 +415,8 @@ def test_the_moe_norm_alias_follows_the_model_class():
     """An MoE layer's pre-MLP norm, written under the local GPT spec's fused name, gets Transformer Engine's own name as
     a second entry in a GPTModel's keys (layer i is the table's layer i; a stacked key only when every layer is MoE);
     a HybridModel writes it under its own name already, so none there (its index is not the table's layer)."""
-    from ckpt_tools.formats.torch_dist_names import te_alias
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.forms.torch_dist_names import te_alias
+    from ckpt_tools.model.spec import ModelSpec
     glm = ModelSpec(architecture="glm4_moe", num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
                     vocab_size=VOCAB, num_moe_experts=4, moe_shared_expert_intermediate_size=32, layer_pattern="*-*E*E")
     fused = "decoder.layers.{}.mlp.linear_fc1.layer_norm_weight"

@@ -15,11 +15,11 @@ from conftest import torchrun
 from safetensors.torch import load_file as load_safetensors
 from families_cases import VOCAB, logits, rel
 
-from ckpt_tools import megatron_lm
-from ckpt_tools.merge import merge
-from ckpt_tools.reshard import reshard
-from ckpt_tools.shards import open_checkpoint
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms import megatron_lm
+from ckpt_tools.forms.shards import open_checkpoint
+from ckpt_tools.model.spec import ModelSpec
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.reshard import reshard
 
 BASE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 96,
         "vocab_size": VOCAB, "max_position_embeddings": 128, "norm_epsilon": 1e-5}
@@ -86,7 +86,7 @@ def test_torch_dcp_optimizer_state_is_megatron_cores_own(fixture, tmp_path):
     step, found by its index in megatron-core's param groups, are megatron-core's own optimizer object's, bit for bit;
     resharded into our format (TP2 x PP2) and into Megatron-LM's torch_dist (TP2, with its param groups and
     scheduler), they read back the same."""
-    from ckpt_tools.shards import open_checked
+    from ckpt_tools.forms.shards import open_checked
     reference = torch.load(FIXTURES / fixture / "reference.pt", weights_only=True)
     src = FIXTURES / fixture / "torch_dcp"
     reader = open_checkpoint(src, vocab_size=120)
@@ -111,7 +111,8 @@ def test_torch_dcp_output_is_refused_naming_the_form_megatron_lm_loads(verb, tmp
     else:
         src = tmp_path / "no-such-hf-dir"  # refused before the source is read
         args = ["import", src, tmp_path / "out", "--tp", "1", "--pp", "1"]
-    from ckpt_tools import cli, request
+    from ckpt_tools import cli
+    from ckpt_tools.verbs import request
     assert cli.FORMS == request.CHOICES  # the command line offers what the request knows, torch_dcp included
     line = one_line_error(run(*map(str, args), "--format", "torch_dcp"))
     assert "--format torch_dcp is not written" in line and "is_loading" in line and "--format torch_dist" in line, line

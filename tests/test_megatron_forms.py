@@ -15,9 +15,9 @@ import torch
 from bad_inputs import SystemCall, assert_no_out, error_line, invoke
 from conftest import torchrun
 
-from ckpt_tools import megatron_lm as mlm
-from ckpt_tools.formats import dcp
-from ckpt_tools.ranks import Rank
+from ckpt_tools.forms import megatron_lm as mlm
+from ckpt_tools.forms import dcp
+from ckpt_tools.model.ranks import Rank
 
 FORMS = ("torch_dist", "torch", "torch_te")
 VOCAB = 250
@@ -210,7 +210,7 @@ def test_cli_merge_of_torch_dist_imports_no_torch(mcore_checkpoints, tmp_path):
     fast = run_cli("merge", str(mcore_checkpoints("llama") / "torch_dist"), str(tmp_path / "hf"), "-q",
                    "--vocab-size", str(VOCAB))
     assert fast.returncode == 0, fast.stderr[-2000:]
-    assert "ckpt_tools.formats.torch_dist" in imported(fast)
+    assert "ckpt_tools.forms.torch_dist" in imported(fast)
     assert not {m for m in imported(fast) if m == "torch" or m.startswith("torch.")}
 
 
@@ -220,7 +220,7 @@ def test_transformer_engine_extra_state_as_bytes_is_carried(mcore_checkpoints, t
     merge paths take the file and write the model of the local-spec save."""
     import io as _io
 
-    from ckpt_tools.merge import merge
+    from ckpt_tools.verbs.merge import merge
     from test_merge_sources import assert_same_as_torch
     arch_dir = mcore_checkpoints("llama")
     src = Path(shutil.copytree(arch_dir / "torch_te", tmp_path / "src"))
@@ -240,7 +240,7 @@ FUZZ_SECONDS = float(__import__("os").environ.get("CKPT_FUZZ_SECONDS", "10"))
 
 def _data_ranges(iter_dir: Path) -> dict[str, list[tuple[int, int]]]:
     """file -> the byte ranges that hold tensor data (a flipped byte there changes a value, nothing else)."""
-    from ckpt_tools.formats import dcp as _dcp
+    from ckpt_tools.forms import dcp as _dcp
     out: dict[str, list[tuple[int, int]]] = {}
     for entry in _dcp.read_metadata(iter_dir).tensors.values():
         for c in entry.chunks:
@@ -316,7 +316,7 @@ def test_fuzz_torch_dist(mcore_checkpoints, tmp_path):
 
 def test_a_missing_extra_state_is_no_reason_to_refuse(mcore_checkpoints, tmp_path):
     """`_extra_state` holds no weights: a legacy file without it merges (both paths) and reshards to the model."""
-    from ckpt_tools.merge import merge
+    from ckpt_tools.verbs.merge import merge
     from test_merge_sources import assert_same_as_torch
     arch_dir = mcore_checkpoints("gpt2")
     src = Path(shutil.copytree(arch_dir / "torch", tmp_path / "src"))

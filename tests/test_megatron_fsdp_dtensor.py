@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools import layout
-from ckpt_tools.merge import merge
-from ckpt_tools.reshard import reshard
-from ckpt_tools.shards import open_checked, open_checkpoint
+from ckpt_tools.forms.shards import open_checked, open_checkpoint
+from ckpt_tools.model import layout
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.reshard import reshard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_fsdp_dtensor"
 CASES = ["llama_dp1", "llama_dp2_model"]
@@ -241,7 +241,7 @@ def test_megatron_core_loads_what_ckpt_writes_as_fsdp_dtensor(tmp_path):
     from conftest import torchrun
     case = FIXTURES / "llama_dp2_model"
     merge(case / "fsdp_dtensor", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
-    from ckpt_tools.importer import import_hf
+    from ckpt_tools.verbs.importer import import_hf
     dirs = {"resharded": tmp_path / "a", "imported": tmp_path / "b", "bf16": tmp_path / "c"}
     reshard(case / "fsdp_dtensor", dirs["resharded"], tp=1, pp=1, vocab_size=VOCAB, form="fsdp_dtensor", quiet=True)
     import_hf(tmp_path / "hf", dirs["imported"], tp=1, pp=1, form="fsdp_dtensor", quiet=True)
@@ -269,7 +269,7 @@ def test_fsdp_dtensor_of_experts_holds_both_specs_names_and_merges_back(tmp_path
     import torch.distributed.checkpoint as dcp
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from ckpt_tools.importer import import_hf
+    from ckpt_tools.verbs.importer import import_hf
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,

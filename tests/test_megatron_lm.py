@@ -1,4 +1,4 @@
-"""Reading real Megatron-LM checkpoint dirs (DESIGN.md Contract 3): ckpt_tools/megatron_lm.py.
+"""Reading real Megatron-LM checkpoint dirs (DESIGN.md Contract 3): ckpt_tools/forms/megatron_lm.py.
 
 Tiny checkpoints of our format are built here from trainer.model.full_init split by the layout
 table (no training), converted to Megatron-LM's layout by tests/megatron_lm_writer.py, and read
@@ -18,14 +18,15 @@ import pytest
 import torch
 from megatron_lm_writer import megatron_args, write_megatron_lm
 
-from ckpt_tools import io, layout, shard_ops
-from ckpt_tools import megatron_spec as margs
-from ckpt_tools import megatron_lm as mlm
-from ckpt_tools.checkpoint import FORMAT, Meta, model_file
+from ckpt_tools import io
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.ranks import Rank
-from ckpt_tools.shards import open_checkpoint
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms import megatron_spec as margs
+from ckpt_tools.forms import megatron_lm as mlm
+from ckpt_tools.forms.checkpoint import FORMAT, Meta, model_file
+from ckpt_tools.forms.shards import open_checkpoint
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.model.spec import ModelSpec
 from trainer.model import full_init
 
 TP, PP, ITERATION, CONSUMED = 2, 2, 100, 1600
@@ -178,7 +179,7 @@ def test_model_shards_are_ours_unchanged(llama_ckpt, tmp_path):
 
 
 def test_shardset_reads_megatron_dir_like_ours(llama_ckpt, tmp_path):
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.forms.shards import open_checkpoint
     a, b = open_checkpoint(tmp_path / "ours" / "checkpoint-100"), open_checkpoint(llama_ckpt)
     assert a.keys() == b.keys()
     for key in ("embedding.word_embeddings.weight", "decoder.layers.3.self_attention.linear_qkv.weight",
@@ -207,7 +208,7 @@ def test_vocab_size_argument_and_recorded_vocab(tmp_path):
 
 
 def test_inspect_describes_a_megatron_dir(llama_ckpt):
-    from ckpt_tools.inspect import describe
+    from ckpt_tools.verbs.inspect import describe
     text = describe(llama_ckpt)
     needs = next(line for line in text.splitlines() if line.startswith("needs"))
     # a Megatron-LM dir is merged through torch: one estimate for merge, none for a torch-free path

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools.merge import merge
-from ckpt_tools.reshard import reshard
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.reshard import reshard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_legacy"
 SAVES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_save"
@@ -127,7 +127,8 @@ def test_real_args_objects_are_read_inertly(torch_path, tmp_path, monkeypatch):
     from megatron.core.transformer.enums import AttnBackend
     from test_megatron_optimizer import FIXTURES as OPTIMIZER_FIXTURES
 
-    from ckpt_tools import io, torchfile
+    from ckpt_tools import io
+    from ckpt_tools.forms import torchfile
     src = tmp_path / "src"
     shutil.copytree(OPTIMIZER_FIXTURES / "dist" / "torch_dist_full", src)
     common_pt = src / "iter_0000003" / "common.pt"
@@ -161,7 +162,7 @@ def test_interleaved_pipeline_written_loads_into_megatron_cores_model_chunks(tmp
     model) and the torch path; a layout Megatron-LM cannot express is refused in one line, nothing written."""
     from conftest import torchrun
 
-    from ckpt_tools.importer import import_hf
+    from ckpt_tools.verbs.importer import import_hf
     merge(VPP / "torch", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     outs = {"dist-torch": (VPP / "torch_dist", "torch"), "legacy-torch": (VPP / "torch", "torch"),
             "legacy-dist": (VPP / "torch", "torch_dist")}
@@ -263,7 +264,7 @@ def test_torch_dist_written_holds_every_entry_a_transformer_engine_save_holds(ca
     # TENorm's, in the save (GPTModel's final norm; HybridModel's is `final_norm`)
     assert any(n.startswith(("decoder.final_layernorm._extra_state", "decoder.final_norm._extra_state")) for n in names)
     names -= {n for n in names if n.startswith(("rng_state", "common_state"))}
-    from ckpt_tools.importer import import_hf
+    from ckpt_tools.verbs.importer import import_hf
     merge(case / "torch_dist", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     model = "hybrid" if (case / "torch_dist").parent.name.startswith("hybrid") else None
     written = {}

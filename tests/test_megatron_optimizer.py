@@ -14,11 +14,11 @@ import torch
 from bad_inputs import assert_no_out, error_line, invoke
 from safetensors.torch import load_file
 
-from ckpt_tools import layout
-from ckpt_tools import megatron_lm as mlm
-from ckpt_tools.formats import megatron_optim as mo
-from ckpt_tools.ranks import Rank
-from ckpt_tools.shards import open_checkpoint
+from ckpt_tools.forms import megatron_lm as mlm
+from ckpt_tools.forms import megatron_optim as mo
+from ckpt_tools.forms.shards import open_checkpoint
+from ckpt_tools.model import layout
+from ckpt_tools.model.ranks import Rank
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_optimizer"
 VOCAB = 120
@@ -193,7 +193,7 @@ def test_data_parallel_runs_optimizer_state_is_megatron_cores_own(run, form, tmp
     the same way, as PP x VPP model chunks."""
     from mcore_resume import full_tensors, same_as_ours
 
-    from ckpt_tools.reshard import reshard
+    from ckpt_tools.verbs.reshard import reshard
     src = DP_FIXTURES / run / form
     meta = open_checkpoint(src, VOCAB).meta  # the legacy reader's stages of an interleaved pipeline: its chunks
     assert (meta.tp_size, meta.pp_size) == {"dp2": (1, 1), "tp2_dp2": (2, 1), "pp2_dp2": (1, 2),

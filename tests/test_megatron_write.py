@@ -21,12 +21,13 @@ from test_families import same_optimizer
 from test_import import VOCAB, hf_model
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools import hf, megatron_lm
+from ckpt_tools.forms import megatron_lm
+from ckpt_tools.model import hf
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.megatron_args import pipeline_split
-from ckpt_tools.merge import merge
-from ckpt_tools.importer import import_hf
-from ckpt_tools.reshard import reshard
+from ckpt_tools.forms.megatron_args import pipeline_split
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.reshard import reshard
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def same_tensors(a, b) -> None:
 
 
 # (HF model, form, written TP x PP, TP x PP megatron-core loads it at); "resharded": imported into ours at TP1 x PP1,
-# then `reshard --format torch` (the legacy files written by copying bytes, formats/legacy_copy.py)
+# then `reshard --format torch` (the legacy files written by copying bytes, forms/legacy_copy.py)
 # (an import into torch_dist saves row-parallel tensors as row chunks: megatron-core's TP2 takes its columns from them)
 # (GPT-2 into the legacy form: its transposed Conv1D weights made by torch inside the byte path, hf_copy.made_by_torch)
 LOADS = [("llama", "torch_dist", (2, 2), (1, 2)), ("llama", "torch_dist", (2, 2), (2, 1)),
@@ -69,8 +70,8 @@ def test_megatron_core_loads_what_we_write(arch, form, written, loaded, hf_dirs,
     src, out = hf_dirs[arch], tmp_path / "megatron"
     if form == "resharded":
         import_hf(src, tmp_path / "ours", tp=1, pp=1, optimizer=False, quiet=True)
-        from ckpt_tools.formats import dist_copy
-        from ckpt_tools.request import Request
+        from ckpt_tools.verbs import dist_copy
+        from ckpt_tools.verbs.request import Request
         form, line = "torch", dist_copy.reshard(tmp_path / "ours", out, Request(*written, form="torch"), quiet=True)
         assert line is not None  # written by copying bytes, not left to the torch path
     else:
@@ -193,7 +194,7 @@ def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tm
     from test_megatron_optimizer import FIXTURES, reference
     from test_megatron_optimizer import VOCAB as FIXTURE_VOCAB
 
-    from ckpt_tools.formats.torch_dist_names import stacked_key
+    from ckpt_tools.forms.torch_dist_names import stacked_key
     out = tmp_path / "out"
     src = with_full_schedule(FIXTURES / form, tmp_path / "src")
     line = reshard(src, out, tp=2, pp=2, vocab_size=FIXTURE_VOCAB, quiet=True, form="torch_dist")
@@ -235,7 +236,7 @@ def test_our_optimizer_state_goes_to_torch_dist_and_back(llama_run, tmp_path):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from mcore_resume import same_as_ours
 
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.forms.shards import open_checkpoint
     save = llama_run[0]
     reshard(save, tmp_path / "mlm", tp=1, pp=2, form="torch_dist", quiet=True)
     reshard(save, tmp_path / "tp1", tp=1, pp=1, quiet=True)
@@ -272,7 +273,7 @@ def test_layer_splits_megatron_lm_can_express():
 
 @pytest.mark.slow
 def test_verify_takes_the_written_checkpoint(hf_dirs, tmp_path):
-    from ckpt_tools import verify
+    from ckpt_tools.verbs import verify
     import_hf(hf_dirs["llama_tied"], tmp_path / "megatron", tp=2, pp=1, form="torch_dist", quiet=True)
     tiers, _ = verify.run(tmp_path / "megatron", hf_dirs["llama_tied"], seq=32, batch=2)
     assert all(t.ok for t in tiers), [(t.name, t.reason) for t in tiers]
@@ -322,7 +323,7 @@ def test_an_expert_parallel_size_for_torch_dist_is_refused_before_writing(tmp_pa
     written. (The legacy form takes `--ep`: a dir per EP rank; tests/test_families.py.)"""
     from bad_inputs import make_ckpt
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec("mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                      ffn_hidden_size=96, vocab_size=256, max_position_embeddings=128, num_moe_experts=4)
     ck = make_ckpt(tmp_path / "src", spec, tp=1, pp=1, optimizer=False)

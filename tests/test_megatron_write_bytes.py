@@ -1,5 +1,5 @@
-"""Megatron-LM's forms written by copying bytes, without torch (formats/dist_copy.py for torch_dist,
-formats/legacy_copy.py for the legacy torch form), hold what the torch path writes: every chunk's values, every
+"""Megatron-LM's forms written by copying bytes, without torch (verbs/dist_copy.py for torch_dist,
+forms/legacy_copy.py for the legacy torch form), hold what the torch path writes: every chunk's values, every
 rank file's tensors, the same args and common.pt; sources the byte path must not take are left to the torch path.
 That the torch path's output is what megatron-core loads is tests/test_megatron_write.py's.
 """
@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from test_megatron_write import hf_dirs, whole_tensors  # noqa: F401 (hf_dirs: a fixture)
 
-from ckpt_tools.importer import import_hf
-from ckpt_tools.request import Request
-from ckpt_tools.reshard import reshard
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.request import Request
+from ckpt_tools.verbs.reshard import reshard
 
 
 # ------------------------------------------------------------ torch_dist by copying the source's shards
@@ -55,7 +55,7 @@ def test_copied_chunks_repad_the_vocab_and_import_no_torch(tmp_path):
     from bad_inputs import make_ckpt
     from test_merge_sources import imported
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                      ffn_hidden_size=96, vocab_size=250, max_position_embeddings=128, make_vocab_size_divisible_by=2)
     ck = make_ckpt(tmp_path / "src", spec, tp=1, pp=1)
@@ -64,7 +64,7 @@ def test_copied_chunks_repad_the_vocab_and_import_no_torch(tmp_path):
                            "-q"], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     modules = imported(proc)
-    assert "ckpt_tools.formats.dist_copy" in modules and not {m for m in modules if m.split(".")[0] == "torch"}
+    assert "ckpt_tools.verbs.dist_copy" in modules and not {m for m in modules if m.split(".")[0] == "torch"}
     reshard(ck, tmp_path / "torch", tp=4, pp=1, form="torch_dist", quiet=True, optimizer=False, copy_bytes=False)
     fast, slow = tmp_path / "fast" / "release", tmp_path / "torch" / "release"
     same_dist_checkpoints(fast, slow, tmp_path)
@@ -100,8 +100,8 @@ def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp,
     expert bias, which the layout table keeps in fp32 and is then copied) is made
     by torch and written from memory, the rest still copied; the job never falls back whole to the torch path, and
     every value is the torch path's."""
-    from ckpt_tools import importer
-    from ckpt_tools.formats import hf_copy
+    from ckpt_tools.verbs import hf_copy
+    from ckpt_tools.verbs import importer
     slow = import_hf(hf_dirs[arch], tmp_path / "torch", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True,
                      copy_bytes=False)
 
@@ -126,8 +126,8 @@ def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tm
 
     from bad_inputs import O, resave
 
-    from ckpt_tools.formats import dist_copy
-    from ckpt_tools.shards import open_checkpoint
+    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.forms.shards import open_checkpoint
     ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
     key = "decoder.layers.0.input_layernorm.weight"
     resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
@@ -163,7 +163,7 @@ LEGACY_COPIES = [
 @pytest.mark.parametrize("arch,fields,src,dst", LEGACY_COPIES,
                          ids=[f"{a}-tp{s[0]}pp{s[1]}-to-tp{d[0]}pp{d[1]}" for a, _, s, d in LEGACY_COPIES])
 def test_legacy_files_written_without_torch_hold_what_the_torch_path_writes(arch, fields, src, dst, tmp_path):
-    """`--format torch` by copying bytes (formats/legacy_copy.py: dim-0 pieces copied file to file, row-parallel
+    """`--format torch` by copying bytes (forms/legacy_copy.py: dim-0 pieces copied file to file, row-parallel
     shards gathered by columns, new vocab rows zero) writes, file by file, what the torch path's torch.save writes:
     the same keys in the same order, tensors bit-exact in dtype and shape, the same args."""
     import subprocess
@@ -172,7 +172,7 @@ def test_legacy_files_written_without_torch_hold_what_the_torch_path_writes(arch
     from bad_inputs import make_ckpt
     from test_merge_sources import imported
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec(arch, **{"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
                               "vocab_size": 256, "max_position_embeddings": 128, **fields})
     ck = make_ckpt(tmp_path / "src", spec, tp=src[0], pp=src[1], optimizer=False)
@@ -224,7 +224,7 @@ def test_legacy_files_at_expert_parallelism_hold_what_the_torch_path_writes(tmp_
     it."""
     from bad_inputs import make_ckpt
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec("mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                      ffn_hidden_size=96, vocab_size=256, max_position_embeddings=128, num_moe_experts=4)
     ck = make_ckpt(tmp_path / "src", spec, tp=2, pp=1, optimizer=False)
@@ -245,7 +245,7 @@ def test_imported_row_chunks_reshard_on_the_byte_path(form, tp, hf_dirs, tmp_pat
     """An import into torch_dist saves row-parallel tensors as whole rows (ByteSource holds them as one shard, TP 1):
     resharded without torch into torch_dist and into the legacy form at TP 1 and 2 (columns cut from the rows), it
     holds what the torch path writes."""
-    from ckpt_tools.formats import dist_copy
+    from ckpt_tools.verbs import dist_copy
     import_hf(hf_dirs["llama"], tmp_path / "mlm", tp=2, pp=2, form="torch_dist", quiet=True)
     assert dist_copy.reshard(tmp_path / "mlm", tmp_path / "fast", Request(tp, 1, form=form), quiet=True) is not None
     reshard(tmp_path / "mlm", tmp_path / "slow", tp=tp, pp=1, form=form, quiet=True, copy_bytes=False)
@@ -304,8 +304,8 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, maste
     split as the torch path splits it and written from memory into its rank files; the rest are still copied; the
     job never falls back whole to the torch path, and every rank file's tensors are the torch path's, bit for bit,
     the fresh optimizer's fp32 masters too where they are written (our meta.json too, but for the files' hashes)."""
-    from ckpt_tools import importer
-    from ckpt_tools.formats import hf_copy
+    from ckpt_tools.verbs import hf_copy
+    from ckpt_tools.verbs import importer
     src = _in_bf16(hf_dirs[arch], tmp_path / "hf", fp32) if fp32 is not None else hf_dirs[arch]
     asked = {"form": "torch"} if form == "torch" else {}
     import_hf(src, tmp_path / "slow", tp=tp, pp=pp, quiet=True, copy_bytes=False, **asked)
@@ -326,7 +326,7 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, maste
     assert any(n.startswith("optimizer_") for n in files) == masters, files  # the fresh masters, where written
     for name in files:
         _same_objects(*(torch.load(d / name, weights_only=True) for d in (a, b)), name)
-    from ckpt_tools.shards import open_checked
+    from ckpt_tools.forms.shards import open_checked
     open_checked(tmp_path / "fast", None, True).close()  # every file's recorded size and content hash
     ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
     assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from ckpt_tools import io
 from ckpt_tools.cli import main
-from ckpt_tools.merge import merge
+from ckpt_tools.verbs.merge import merge
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -162,7 +162,7 @@ def test_megatron_lm_checkpoint_merges_and_reshards_like_ours(llama_run, tmp_pat
     """A checkpoint in Megatron-LM's own layout (Contract 3, args Namespace, numpy RNG) gives the same model."""
     from megatron_lm_writer import write_megatron_lm
 
-    from ckpt_tools.reshard import reshard
+    from ckpt_tools.verbs.reshard import reshard
     save, _ = llama_run
     mlm = write_megatron_lm(save / "checkpoint-8", tmp_path / "mlm", vocab_recorded=False)
     assert (mlm / "latest_checkpointed_iteration.txt").is_file()

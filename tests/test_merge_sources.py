@@ -1,4 +1,4 @@
-"""`ckpt merge`'s two sources: the byte ranges read without torch (ckpt_tools.byte_ranges) against the torch
+"""`ckpt merge`'s two sources: the byte ranges read without torch (ckpt_tools.forms.byte_ranges) against the torch
 reader they stand in for.
 
 On every checkpoint the byte source takes, the output directory is byte-identical (every file) to the one
@@ -24,14 +24,16 @@ import bad_inputs as bad
 import pytest
 import torch
 
-from ckpt_tools import byte_ranges, conversions, families, hf, io, layout, shard_ops, torchfile
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools.byte_ranges import ByteSource, Declined
+from ckpt_tools import io
 from ckpt_tools.cli import main
 from ckpt_tools.errors import FormatError
-from ckpt_tools.merge import BYTES, TENSORS, TORCH_PATH, merge
-from ckpt_tools.ranks import Rank
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.forms import byte_ranges, torchfile
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.forms.byte_ranges import ByteSource, Declined
+from ckpt_tools.model import conversions, families, hf, layout, shard_ops
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.model.spec import ModelSpec
+from ckpt_tools.verbs.merge import BYTES, TENSORS, TORCH_PATH, merge
 from trainer.model import full_init
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +152,7 @@ def test_gpt2_transposed_weights_are_byte_identical(checkpoints, tmp_path, tp, p
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["tp1pp2", "tp2pp1"])
 def test_resharded_checkpoint_is_byte_identical(checkpoints, tmp_path, tp, pp):
     """Files of the toolkit's own TorchFileWriter (as reshard writes them: no CRCs, data filled in place)."""
-    from ckpt_tools.reshard import reshard
+    from ckpt_tools.verbs.reshard import reshard
     reshard(checkpoints("llama", True, 2, 2), tmp_path / "re", tp, pp, quiet=True)
     assert_same_as_torch(tmp_path / "re", tmp_path, from_master=True, max_shard_size=200_000)
     assert_same_as_torch(tmp_path / "re", tmp_path / "st", fmt="safetensors")
@@ -324,7 +326,7 @@ def test_cli_merge_imports_no_torch(checkpoints, tmp_path, args):
     src = checkpoints("llama", True, 2, 2).parent  # a save dir: `latest` is followed
     fast = run_cli("merge", str(src), str(tmp_path / "fast"), "-q", *args)
     assert fast.returncode == 0, fast.stderr[-2000:]
-    assert "ckpt_tools.byte_ranges" in imported(fast)
+    assert "ckpt_tools.forms.byte_ranges" in imported(fast)
     assert not {m for m in imported(fast) if m == "torch" or m.startswith("torch.")}
     slow = run_cli("merge", str(src), str(tmp_path / "torch"), "-q", *args, torch_path=True)
     assert slow.returncode == 0 and "torch" in imported(slow)  # the check above can fail

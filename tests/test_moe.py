@@ -46,7 +46,7 @@ def test_the_loss_trains_the_router_through_the_output():
 EXPERTS_CHILD = '''
 import sys, torch, torch.distributed as dist
 from megatron.core import parallel_state as ps
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from trainer.layers import megatron_config
 from trainer.model import MLP
 from trainer.moe import Experts

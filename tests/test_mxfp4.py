@@ -12,11 +12,11 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 from families_cases import TOKENS, hf_model, rel
 
-from ckpt_tools import families, mxfp4
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.hf_tensors import HFTensors
-from ckpt_tools.importer import import_hf
-from ckpt_tools.merge import merge
+from ckpt_tools.forms.hf_tensors import HFTensors
+from ckpt_tools.model import families, mxfp4
+from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.merge import merge
 
 
 def packed(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:

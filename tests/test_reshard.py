@@ -1,4 +1,4 @@
-"""`ckpt reshard`: ckpt_tools/reshard.py (`ckpt import` is in test_import.py).
+"""`ckpt reshard`: ckpt_tools/verbs/reshard.py (`ckpt import` is in test_import.py).
 
 What is shown, each against a reference that the code under test did not make:
 - round trips A -> B -> A are byte-identical to A, model and optimizer shards (and the intermediate
@@ -20,13 +20,13 @@ from click.testing import CliRunner
 from conftest import train
 from safetensors.torch import load_file as load_safetensors
 
-from ckpt_tools import checkpoint as fmt
+from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools import io
 from ckpt_tools.cli import main
-from ckpt_tools.shard_ops import same_bits
-from ckpt_tools.merge import merge
-from ckpt_tools.ranks import Rank
-from ckpt_tools.reshard import reshard
+from ckpt_tools.model.shard_ops import same_bits
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.verbs.reshard import reshard
 
 RESUME_RTOL = 1e-6  # resharded resume vs the straight run, per iteration
 DROPPED_OPTIMIZER_RTOL = 1e-4  # a resume without optimizer state must differ by more than this
@@ -86,7 +86,7 @@ def meta(ckpt: Path) -> dict:
     return json.loads((ckpt / fmt.META).read_text())
 
 
-# An independent join (DESIGN.md Contract 1, written out by name here, not read from ckpt_tools.layout).
+# An independent join (DESIGN.md Contract 1, written out by name here, not read from ckpt_tools.model.layout).
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _DIM0 = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "word_embeddings.weight",
          "output_layer.weight")
@@ -272,7 +272,7 @@ def test_padded_vocab_is_repadded_when_the_new_tp_does_not_divide_it(tmp_path):
     """Padded 1001 rows (divisible_by 1) at TP1 -> TP2 needs 1002: real rows kept, the new row zero, said so."""
     from test_megatron_lm import write_ours
 
-    from ckpt_tools.spec import ModelSpec
+    from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec(architecture="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                      ffn_hidden_size=96, vocab_size=1001, make_vocab_size_divisible_by=1)
     src = write_ours(spec, tmp_path / "src" / "checkpoint-100", tp=1, pp=1)

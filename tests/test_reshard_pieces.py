@@ -10,15 +10,15 @@ import json
 import pytest
 import torch
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools import layout, shard_ops
-from ckpt_tools.layout import target_layout
-from ckpt_tools.ranks import Rank
-from ckpt_tools.reshard import reshard
-from ckpt_tools.shards import OPTIMIZER, OPTIMIZER_FIELDS, open_checked
-from ckpt_tools.spec import ModelSpec
-from ckpt_tools.target import Target, finish
-from ckpt_tools.writers import TorchFileWriter
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.forms.shards import OPTIMIZER, OPTIMIZER_FIELDS, open_checked
+from ckpt_tools.forms.target import Target, finish
+from ckpt_tools.forms.writers import TorchFileWriter
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.layout import target_layout
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.model.spec import ModelSpec
+from ckpt_tools.verbs.reshard import reshard
 
 TPS = (1, 2, 4, 8)
 LLAMA = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=16, num_query_groups=8,

@@ -162,7 +162,7 @@ if os.environ.get("CKPT_TEAM") == "1" and os.environ.get("RANK") == "1":
 def test_a_team_reshards_through_the_torch_reader_as_one_process(sources, tmp_path):
     """Model and optimizer state into torch_dist through the torch reader (the path of a Megatron-LM source's
     optimizer state), by 3 processes under torchrun and by one: the same files."""
-    from ckpt_tools.reshard import reshard
+    from ckpt_tools.verbs.reshard import reshard
     reshard(sources["ours"], tmp_path / "alone", 1, 2, quiet=True, form="torch_dist", copy_bytes=False)
     env = {**os.environ, "CKPT_TEAM": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "ckpt_tools.team", "--nproc-per-node", "3",
@@ -226,7 +226,7 @@ def test_inspect_plan_splits_the_files_by_bytes_and_times_the_slowest_process(so
     """`ckpt inspect --plan N --bandwidth B`: every file once, in contiguous runs, the time of the slowest run at B/N."""
     import re
 
-    from ckpt_tools.inspect import team_plan
+    from ckpt_tools.verbs.inspect import team_plan
     text = team_plan(sources["ours"], 3, bandwidth=30.0)
     rows = re.findall(r"process (\d): (\d+) files, .*?, ~([\d.]+) s", text)
     assert [int(p) for p, _, _ in rows] == [0, 1, 2]
@@ -302,6 +302,6 @@ def test_a_team_on_one_node_starts_without_torch_and_writes_what_one_process_wri
     proc = ckpt("import", str(tmp_path / "hf"), str(tmp_path / "team"), *opts, "--nproc-per-node", "2",
                 env={"PYTHONPROFILEIMPORTTIME": "1"})
     modules = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    assert modules.count("ckpt_tools.formats.dist_copy") == 2  # each process of the team (the launcher only starts them)
+    assert modules.count("ckpt_tools.verbs.dist_copy") == 2  # each process of the team (the launcher only starts them)
     assert not [m for m in modules if m == "torch" or m.startswith("torch.")]
     assert tree(tmp_path / "team") == tree(tmp_path / "alone")

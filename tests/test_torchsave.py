@@ -1,4 +1,4 @@
-"""ckpt_tools.torchsave (torch.save archives and pickles written without torch) against torch's own readers:
+"""ckpt_tools.forms.torchsave (torch.save archives and pickles written without torch) against torch's own readers:
 torch.load (plain, mmap, weights_only), Python's zipfile, torch.distributed.checkpoint's metadata reader."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import zipfile
 import pytest
 import torch
 
-from ckpt_tools import torchsave as ts
+from ckpt_tools.forms import torchsave as ts
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64]
 
@@ -112,7 +112,7 @@ def test_dcp_metadata_reads_as_torchs(tmp_path):
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                        TensorProperties, TensorStorageMetadata)
 
-    from ckpt_tools.formats import megatron_write as mw
+    from ckpt_tools.forms import megatron_write as mw
     chunks = [((0, 0), (2, 8)), ((2, 0), (2, 8))]
     meta = ts.New(ts.Global(mw.DCP, "Metadata"), {
         "state_dict_metadata": {"w": mw._tensor_metadata("bfloat16", (4, 8), chunks),

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import sharded_logits, torchrun, train, CONFIGS
-from ckpt_tools import checkpoint as fmt
 from ckpt_tools import hashing, io
-from ckpt_tools.ranks import Rank
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model.ranks import Rank
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from ckpt_tools import memory
 from ckpt_tools.cli import main
-from ckpt_tools.merge import merge
-from ckpt_tools.reshard import reshard
+from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.reshard import reshard
 
 FAST = ["--batch", "2", "--seq-len", "32", "--device", "cpu"]
 
@@ -188,7 +188,7 @@ def test_every_fault_is_caught_and_its_layer_named(trained, fault, dtype, tmp_pa
 
 def test_values_that_are_not_finite_never_pass():
     """NaN or Inf on one side fails in fp32 and in bf16 (where a NaN floor must not become a NaN tolerance)."""
-    from ckpt_tools import tiers as v
+    from ckpt_tools.verbs import tiers as v
     good = torch.randn(2, 8, 16)
     bad = good.clone()
     bad[0, 3, 5] = float("nan")
@@ -210,7 +210,7 @@ def test_a_checkpoint_with_sha256_records_still_verifies_and_its_damage_is_named
 
     from bad_inputs import tensor_record_span
 
-    from ckpt_tools import checkpoint as fmt
+    from ckpt_tools.forms import checkpoint as fmt
     old = tmp_path / "old"
     shutil.copytree(llama_run[0] / "checkpoint-8", old)
     meta = json.loads((old / fmt.META).read_text())

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from trainer.layers import AcrossHeadsRMSNorm, RowParallelLinear, make_norm, no_init, tp_group
 
 

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools import hf, io, layout
+from ckpt_tools import io
 from ckpt_tools.errors import ConfigError, FormatError
-from ckpt_tools.ranks import Grid, Rank
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model import hf, layout
+from ckpt_tools.model.ranks import Grid, Rank
 from trainer.config import TrainConfig
 from trainer.model import GPTStage
 from trainer.optim import MasterAdamW

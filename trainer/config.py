@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.spec import ModelSpec, build_dataclass
+from ckpt_tools.model.spec import ModelSpec, build_dataclass
 
 # The model keys of a config file are ModelSpec's fields (vocab_size comes from the tokenizer), flat in the
 # file and kept together in `TrainConfig.model`; these are the trainer's defaults for a tiny model.
@@ -78,7 +78,7 @@ class TrainConfig:
 
     def _multi_latent_attention(self) -> bool:
         """Whether the model's attention is multi-latent (given, or the family's default)."""
-        from ckpt_tools import families
+        from ckpt_tools.model import families
         given = self.model.get("multi_latent_attention")
         if given is not None:
             return bool(given)

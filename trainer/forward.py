@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import io, layout, shard_ops
+from ckpt_tools import io
 from ckpt_tools.errors import CkptError
-from ckpt_tools.ranks import Rank
-from ckpt_tools.shards import Reader, open_checkpoint
+from ckpt_tools.forms.shards import Reader, open_checkpoint
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.ranks import Rank
 from trainer.layers import megatron_config
 from trainer.model import GPTStage
 

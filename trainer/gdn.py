@@ -19,7 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from trainer.layers import RowParallelLinear, make_norm, no_init, tp_group
 
 
@@ -86,7 +86,7 @@ def full_init(key: str, spec: ModelSpec) -> torch.Tensor | None:
     if key.endswith("self_attention.dt_bias"):
         return torch.ones(n)
     if key.endswith("self_attention.conv1d.weight"):
-        from ckpt_tools import layout
+        from ckpt_tools.model import layout
         g = torch.Generator().manual_seed(n)
         return (torch.rand(layout.full_shape(key, spec, 0, None), generator=g) * 2 - 1) / spec.linear_conv_kernel_dim ** 0.5
     return None

@@ -5,8 +5,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_tools import layout
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.model import layout
 from ckpt_tools.ports import free_port
 from ckpt_tools.team import torchrun
 from trainer import accelerate, data

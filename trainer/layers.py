@@ -12,7 +12,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 
 
 def megatron_config(spec: ModelSpec, tp_size: int, pp_size: int, dtype: torch.dtype, on_cpu: bool,

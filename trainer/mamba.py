@@ -18,8 +18,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ckpt_tools import layout
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout
+from ckpt_tools.model.spec import ModelSpec
 
 
 class MambaMixer(nn.Module):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 
 
 def set_aux_loss_scale(scale: float) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from trainer.attention import ATTENTION_BACKENDS, apply_rope
 from trainer.layers import RowParallelLinear, make_norm, no_init, tp_group, yarn_mscale
 

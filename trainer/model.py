@@ -18,9 +18,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_tools import layout, shard_ops
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout, shard_ops
+from ckpt_tools.model.spec import ModelSpec
 from trainer import mcore_moe
 from trainer.attention import SelfAttention
 from trainer.layers import Embedding, RowParallelLinear, make_norm, no_init, rope_tables, tp_group

@@ -12,7 +12,7 @@ input is the same on every TP rank, so every TP rank picks the same experts and 
 layers.
 
 Expert parallelism (EP over the data-parallel ranks, as megatron-core's): an EP rank holds the experts
-ckpt_tools.layout.local_experts gives it. Each rank routes its own tokens, then the EP group's tokens, weights and
+ckpt_tools.model.layout.local_experts gives it. Each rank routes its own tokens, then the EP group's tokens, weights and
 choices are gathered on every rank of the group (megatron-core's all-gather token dispatcher); each rank applies its
 experts to the tokens routed to them, and the partial outputs are summed back to the rank whose tokens they are
 (a reduce-scatter). Gradients flow back through both collectives.
@@ -33,8 +33,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_tools import layout
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model import layout
+from ckpt_tools.model.spec import ModelSpec
 
 
 def route(logits: torch.Tensor, topk: int, pre_softmax: bool, spec: ModelSpec | None = None,

@@ -15,7 +15,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ckpt_tools.spec import ModelSpec
+from ckpt_tools.model.spec import ModelSpec
 from trainer.mla import GatherLastDim
 from trainer.layers import make_norm, no_init, tp_group
 from trainer.model import TransformerLayer

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import layout
+from ckpt_tools.model import layout
 from trainer import model, wgrad
 from trainer.config import TrainConfig
 from trainer.model import GPTStage

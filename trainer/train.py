@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ckpt_tools import checkpoint as fmt
-from ckpt_tools import layout
 from ckpt_tools.errors import CkptError, ConfigError
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.model import layout
 from trainer import checkpoint, data, graphs, mcore_moe
 from trainer.config import TrainConfig, load_config
 from trainer.loss import VocabParallelLoss

@@ -1,0 +1,289 @@
+"""Writing a checkpoint in our format: `Target` (its files, every TP rank's of a stage open together, or one file
+at a time), `Resharder` (a target shard built from the pieces of the mmap'd source shards that
+`shard_ops.reshard_pieces` names: a contiguous piece is written straight from the mapping, no copy), and `finish`
+(carried files, meta.json, `latest`). Each shard file is hashed on a thread of its own while it is written
+(writers.Growth), and fsynced after, so its record is ready soon after its close; files written otherwise are hashed
+on a pool. Used by `ckpt reshard` (reshard.py) and `ckpt import` (importer.py).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_tools import durable, hashing, io
+from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.forms.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
+from ckpt_tools.forms.writers import Growth, TorchFileWriter
+from ckpt_tools.model import hf, layout, shard_ops
+from ckpt_tools.model.ranks import Grid, Rank
+from ckpt_tools.model.spec import ModelSpec
+from ckpt_tools.team import SOLO, Team
+
+
+IN_FLIGHT = 16  # output files being filled and hashed at once
+
+
+class Scratch:
+    """One reused buffer for a tensor that is written as soon as it is made (a gathered shard, an fp32 master, a
+    contiguous copy): no fresh pages to fault in per tensor, each fault a page zeroed by the kernel."""
+
+    def __init__(self):
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer as a tensor of this shape and dtype, valid until the next call."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+    def contiguous(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`t` (in `dtype`) contiguous: itself where it is, else copied into the buffer."""
+        dtype = dtype or t.dtype
+        if t.dtype == dtype and t.is_contiguous():
+            return t
+        out = self.empty(tuple(t.shape), dtype)
+        out.copy_(t)
+        return out
+
+
+class Target:
+    """One checkpoint in our format, written stage by stage with every TP rank's files open together."""
+
+    def __init__(self, ckpt_dir: Path, spec: ModelSpec, tp: int, counts: list[int], padded: int, optimizer: bool,
+                 ep: int = 1):
+        self.dir, self.spec, self.tp, self.counts, self.padded, self.ep = ckpt_dir, spec, tp, counts, padded, ep
+        self.mine: set[Rank] | None = None  # the ranks whose files this process writes (a team's share; None: all)
+        self.pp = len(counts)
+        self.optimizer = optimizer
+        # hashes and fsyncs finished files while the next ones are written
+        self._pool = ThreadPoolExecutor(min(8, max(2, os.cpu_count() or 2)))
+        self._hashes: dict[str, Future] = {}  # file name (in the checkpoint dir) -> its meta.json record
+        self._open: set[str] = set()  # files of open_file() not closed yet
+        self._scratch = Scratch()
+        self.nbytes = 0
+
+    def begin_stage(self, pp_rank: int) -> None:
+        self.pp_rank = pp_rank
+        self._ranks = [r for r in Grid(self.tp, self.pp, self.ep).ranks(pp_rank)  # file order
+                       if self.mine is None or r in self.mine]
+        self._model = [self.open_file(fmt.model_file(rank)) for rank in self._ranks]
+        self._model_state: list[dict] = [{} for _ in self._ranks]
+        self._optim = [self.open_file(fmt.optimizer_file(rank)) for rank in self._ranks] if self.optimizer else []
+        self._optim_state: list[dict] = [{} for _ in self._ranks]
+        self._local = {}  # global key -> [(file index, file-local key)] of this stage's files
+        for i, rank in enumerate(self._ranks):
+            for local, key in layout.stage_keys(self.spec, self.counts, pp_rank, rank.ep, self.ep):
+                self._local.setdefault(key, []).append((i, local))
+
+    def open_file(self, name: str) -> TorchFileWriter:
+        """A file of the checkpoint, hashed on a thread of its own as it is written (writers.Growth): its hash is done
+        soon after its close instead of starting there. Each holds two descriptors (the writer's, the hash's) and a
+        thread until it is hashed; a new file waits for the oldest closed file's hash while IN_FLIGHT are open or
+        hashing (the files of a stage are open together whatever their number)."""
+        while len(self._open) + len(closed := [f for n, f in self._hashes.items()
+                                               if n not in self._open and not f.done()]) >= IN_FLIGHT and closed:
+            closed[0].result()
+        writer = TorchFileWriter(self.dir / name)
+        self._open.add(name)
+        path, growth, done = writer.path, writer.follow(), Future()
+
+        def follow() -> None:  # holds no reference to the writer: one dropped unclosed stops this (Growth)
+            try:
+                done.set_result(_record_and_sync(path, growth=growth))
+            except BaseException as e:  # handed to whoever waits for the record
+                done.set_exception(e)
+        threading.Thread(target=follow, name=f"hash {name}", daemon=True).start()
+        self._hashes[name] = done
+        return writer
+
+    def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
+        if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
+            full = shard_ops.pad_vocab(key, full, self.spec, self.padded)
+        return shard_ops.split(key, full, self.spec, self.tp, self.pp)
+
+    def holds(self, key: str) -> bool:
+        """Whether a file of this stage that this process writes holds `key`."""
+        return key in self._local
+
+    def _files(self, key: str) -> list[tuple[int, str, int]]:
+        """(file index, file-local key, TP rank) of every file of this stage that holds `key` (an expert: the files of
+        its EP rank; anything else: every EP rank's)."""
+        return [(i, local, self._ranks[i].tp) for i, local in self._local[key]]
+
+    def put(self, key: str, value: Any, master: bool | torch.Tensor = False) -> None:
+        """One model tensor (full, TP=1; `key` global), split and written to every file that holds it; with `master`
+        each shard's fp32 copy too, as the optimizer's master weight (a tensor: the master's own full values, where
+        they carry more than the weights). A shard that is not contiguous, and the fp32 copy, are made in one reused
+        buffer (each is written before the next is made): no fresh pages per tensor."""
+        if not layout.holds_weights(key, self.spec, self.pp):
+            for i, local, _ in self._files(key):
+                self._model_state[i][local] = value
+            return
+        shards = self._split(key, value)
+        masters = self._split(key, master) if torch.is_tensor(master) else shards
+        for i, local, t in self._files(key):
+            self._model_state[i][local] = self._model[i].tensor(self._scratch.contiguous(shards[t]))
+            if master is not False:
+                self._optim_state[i].setdefault(local, {})["master"] = \
+                    self._optim[i].tensor(self._scratch.contiguous(masters[t], torch.float32))
+
+    def put_state(self, key: str, field: str, value: torch.Tensor) -> None:
+        """One optimizer field of a parameter: a full tensor (exp_avg, exp_avg_sq), or the replicated step. Fields
+        come one at a time, so one full tensor is in memory, not four."""
+        shards = [value] * self.tp if field == "step" else self._split(key, value)
+        for i, local, t in self._files(key):
+            self._optim_state[i].setdefault(local, {})[field] = self._optim[i].tensor(shards[t])
+
+    def end_stage(self, optimizer_extras: dict) -> None:
+        for i in range(len(self._ranks)):
+            self.close_file(self._model[i], {"model": self._model_state[i]})
+            if self.optimizer:
+                self.close_file(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
+
+    def close_file(self, writer: TorchFileWriter, obj: dict) -> None:
+        """Close a file of open_file(); the copies into it go on on its own thread, its Growth telling the hash how
+        far they are."""
+        writer.close(obj, fsync=False, background=True)
+        self._open.discard(writer.path.relative_to(self.dir).as_posix())
+        self.nbytes += writer.path.stat().st_size
+
+    def add_file(self, path: Path) -> None:
+        """Hash and fsync a finished file written otherwise (carried along, copied) in the background; `records()`
+        waits for all of them."""
+        self._hashes[path.relative_to(self.dir).as_posix()] = self._pool.submit(_record_and_sync, path)
+
+    def records(self) -> dict[str, dict]:
+        out = {name: fut.result() for name, fut in sorted(self._hashes.items())}
+        self._pool.shutdown()
+        return out
+
+    def file_bytes(self, rank: Rank, kind: str, itemsize: int) -> int:
+        """About the bytes of one of its files (model tensors of `itemsize`, or their fp32 master and moments): what
+        a team balances."""
+        numel = layout.rank_numel(self.spec, self.counts, self.padded, self.tp, rank.pp, rank.ep, self.ep)
+        return numel * (itemsize if kind == MODEL else 4 * len(OPTIMIZER_FIELDS))
+
+    def share(self, team: Team, kinds: tuple[str, ...], itemsize: int) -> list[tuple[str, Rank]]:
+        """The (kind, rank) files this process writes, in the order one process writes them all; sets `mine`."""
+        files = [(kind, rank) for kind in kinds for rank in Grid(self.tp, self.pp, self.ep).ranks()]
+        owners = team.split([self.file_bytes(rank, kind, itemsize) for kind, rank in files])
+        mine = [f for f, owner in zip(files, owners) if owner == team.rank]
+        self.mine = {rank for _, rank in mine}
+        return mine
+
+
+def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
+    """The file's record for meta.json, then its fsync. A file still being written and filled (`growth`) is hashed as
+    the writes and copies go, read back from the page cache, its writeback started behind the hash; one written
+    whole has its writeback started first."""
+    if growth is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            durable.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
+        finally:
+            os.close(fd)
+        record = fmt.file_record(path)
+        durable.fsync_file(path)
+        return record
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except BaseException:
+        growth.finish()
+        raise
+    started = 0
+
+    def ready(pos: int) -> int:
+        nonlocal started
+        if pos > started:  # the disk busy with what is hashed while the rest is written
+            durable.start_writeback(fd, started, pos - started)
+            started = pos
+        return growth.ready(pos)
+    try:
+        try:
+            record = {hashing.HASH: hashing.hash_file(fd, ready=ready)}
+        finally:
+            growth.finish()
+        record = {"size": os.fstat(fd).st_size, **record}
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return record
+
+
+class Resharder:
+    """Target shards straight from the source shards: `reshard_pieces` of the layout table, gathered."""
+
+    def __init__(self, shards: Reader, target: Target, masters: set[str] | None = None):
+        """`masters`: a fresh optimizer's, written alone for these keys (None: every optimizer field of every key)."""
+        self.shards, self.target, self.masters = shards, target, masters
+        self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
+        self._scratch = Scratch()
+
+    def shard(self, key: str, field: str | None, rank: int) -> torch.Tensor:
+        """Target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field), gathered."""
+        source, t = self.shards.source_key(key), self.target
+        shards = self.shards.shards(source, field)
+        if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
+            return shard_ops.join(source, shards, t.spec, self.shards.meta.pp_size)
+        pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
+        return shard_ops.gather(pieces, shards, self._scratch.empty)
+
+    def put(self, writer: TorchFileWriter, key: str, field: str | None, rank: int):
+        """Write target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field). Pieces
+        that are byte ranges of the source files, concatenated on dim 0, are copied file to file."""
+        source, t = self.shards.source_key(key), self.target
+        if layout.find_rule(key, t.spec, t.pp).dim is None:
+            return writer.tensor(self.shard(key, field, rank))
+        shards = self.shards.shards(source, field)
+        pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
+        parts = shard_ops.gather_parts(pieces, shards)
+        where = [self.shards.locate(p) for p in parts]
+        if all(where) and (len(parts) == 1 or pieces[0].dim == 0):
+            shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+            return writer.tensor_from_files(parts[0].dtype, shape,
+                                            [(fd, offset, p.nbytes) for (fd, offset), p in zip(where, parts)])
+        return writer.tensor(shard_ops.gather(pieces, shards, self._scratch.empty))
+
+    def write_file(self, kind: str, rank: Rank, extras: dict) -> None:
+        """One target file (a model or optimizer shard), tensor by tensor, then hashed in the background."""
+        t, tp_rank = self.target, rank.tp
+        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
+        writer, state = t.open_file(name), {}
+        for local, key in layout.stage_keys(t.spec, t.counts, rank.pp, rank.ep, t.ep):
+            extra = not layout.holds_weights(key, t.spec, t.pp)
+            if kind == MODEL:
+                state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
+                    self.put(writer, key, None, tp_rank)
+            elif self.masters is not None:  # a fresh optimizer's masters that carry more than the weights
+                if self.shards.source_key(key) in self.masters:
+                    state[local] = {"master": self.put(writer, key, "master", tp_rank)}
+            elif layout.has_optimizer_state(key, t.spec, t.pp):
+                fields = {f: self.put(writer, key, f, tp_rank) for f in OPTIMIZER_FIELDS}
+                self.shards.release()
+                fields["step"] = writer.tensor(self.shards.shards(self.shards.source_key(key), "step")[0])
+                state[local] = fields
+            self.shards.release()
+        t.close_file(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
+
+
+def finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,
+            hf_dir: bool = False, team: Team = SOLO) -> int:
+    """Tokenizer, chat templates, generation and HF config carried along; meta.json (the records of every process's
+    files); `latest`. The bytes of the shard files, every process's."""
+    ckpt = target.dir
+    for f in hf.copy_carried(carried_from, ckpt, hf_dir) if team.lead and carried_from is not None else []:
+        target.add_file(f)
+    shared = team.share(lambda: (target.records(), target.nbytes), to_lead=True)
+    if team.lead:
+        meta["files"] = dict(sorted((name, r) for records, _ in shared for name, r in records.items()))
+        fmt.write_meta(ckpt / fmt.META, meta)
+        durable.fsync_dir(ckpt)
+        io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
+        return sum(nbytes for _, nbytes in shared)
+    return 0  # process 0 says the total

@@ -1,0 +1,227 @@
+"""`ckpt reshard / import ... --format torch_dist` at the speed of copying the bytes: no torch, no tensor in memory.
+
+torch_dist stores each global tensor as chunks that need not follow the loading run's layout: megatron-core reads
+any chunking at any TP x PP x DP (that is what the form is for). So the source's own shards become the chunks: each
+TP shard, at its place in the global tensor (the layout table's pieces of it, `shard_ops.reshard_pieces` from TP 1),
+is one chunk (a SwiGLU fc1 shard two: its gate and up rows) whose bytes are copied from the shard file into the
+`.distcp` of the source rank that holds it, in the kernel. Only the target's args, padded vocab and layer split
+depend on the target TP x PP. When the padded vocab changes, the vocab tensors' chunks stop at the true vocab and a
+zero chunk covers the new padding, as the torch path re-pads them.
+
+It takes what `byte_ranges.ByteSource` reads (our checkpoints, with their optimizer state; Megatron-LM's legacy
+and torch_dist files with --no-optimizer). `reshard` returns None, having written nothing, where the torch path
+(reshard._reshard_to_megatron) must do it: other sources, a Megatron-LM optimizer to decode, input the byte
+source declines (the torch path then words what is wrong). Output files, their chunks' values, args and common.pt
+hold what the torch path writes for the same target; tests/test_megatron_write.py loads both with megatron-core.
+
+verbs/hf_copy.py does the same for an HF model (`ckpt import`).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ckpt_tools import io, output
+from ckpt_tools.errors import CkptError
+from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
+from ckpt_tools.forms.byte_ranges import ByteSource, Declined, Shard, field_shards
+from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
+from ckpt_tools.forms.megatron_write import DistWriter
+from ckpt_tools.forms.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
+from ckpt_tools.model import hf, layout, shard_ops
+from ckpt_tools.model.ranks import Rank
+from ckpt_tools.team import SOLO, Team
+from ckpt_tools.verbs import to_megatron
+from ckpt_tools.verbs.request import Layout, Request
+
+STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
+
+
+def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
+            quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
+            team: Team = SOLO) -> str | None:
+    """paths.reshard(..., `want` of form torch_dist or torch) by copying bytes; None (nothing written) where it does
+    not apply. The legacy torch form is written by forms/legacy_copy.py, weights only.
+    `team`: the processes writing the output's files between them (ckpt_tools.team)."""
+    start = time.perf_counter()
+    if not forms.get(want.form).byte_copy:
+        return None  # fsdp_dtensor: written by the torch path
+    try:
+        source = ByteSource.open(src, vocab_size, False)
+    except Declined:
+        source = None
+    try:
+        # a Megatron-LM optimizer is decoded with torch
+        go = None if source is None or (want.optimizer and source.megatron_optimizer) else \
+            _reshard(source, out, want, force, quiet, check_hashes, no_preflight, start, team)
+        if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
+            return None
+        return go()
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
+             no_preflight: bool, start: float, team: Team = SOLO) -> Callable[[], str] | None:
+    """None where the copy does not apply, else what writes the output and returns the summary."""
+    meta = source.meta
+    with_opt = want.optimizer and _has_optimizer(meta)
+    if with_opt and not forms.get(want.form).optimizer:
+        return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
+    fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
+    try:
+        fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS} if with_opt and not fresh else {}
+        for shards in fields.values():
+            source.check_replicas(shards)
+        step = _step(meta) if fields else None
+    except (Declined, Unreadable, CkptError, OSError):
+        return None
+    return lambda: _reshard_copy(source, out, want, force, quiet, check_hashes, no_preflight, start, team, fields,
+                                 step, fresh)
+
+
+def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
+                  no_preflight: bool, start: float, team: Team, fields: dict, step: float | None, fresh: bool) -> str:
+    # what is refused here is refused as the torch path refuses it, in its words
+    meta, spec = source.meta, source.meta.spec
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
+    if check_hashes:
+        source.check_hashes(team)
+    target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
+    output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
+    resume = None
+    if fields:
+        consumed = int(meta.raw.get("consumed_samples") or 0)
+        resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
+                           meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
+    args = to_megatron.check(spec, target, meta.params_dtype, resume, meta.dir)
+    nbytes = _write(source, fields, out, target, args, resume, force, quiet, team)
+    summary = to_megatron.resharded(meta, out, target, resume, fresh, None, nbytes, time.perf_counter() - start)
+    return summary + (f"\n{leftover}" if leftover else "")
+
+
+def _write(source: ByteSource, fields: dict, out: Path, target: Layout, args, resume: ResumeState | None, force: bool,
+           quiet: bool, team: Team) -> int:
+    tp, counts, padded = target.tp, target.counts, target.padded
+    iteration = resume.iteration if resume is not None else 0
+    name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
+    with output.staged(out, force, team=team) as tmp:
+        iter_dir = tmp / name
+        iter_dir.mkdir(exist_ok=True)
+        if forms.get(target.form).chunks:
+            nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet, team)
+        else:
+            nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet, team=team)
+        if team.lead:
+            hf.copy_carried(source.meta.dir, iter_dir)
+            io.write_text_atomic(tmp / megatron_lm.TRACKER,
+                                 str(iteration) if resume is not None else megatron_lm.RELEASE)
+    return nbytes
+
+
+def shared_dist(team: Team, make: Callable[[], DistWriter], run: Callable[[DistWriter, object], None], units: int,
+                label: str, quiet: bool, unit: str = "file") -> DistWriter:
+    """`run(writer, bar)` puts every chunk of the output into `make()`'s writer. In a team it runs twice: first
+    counting alone (every .distcp's size), then writing this process's run of the files (team.split by those
+    sizes) and counting the rest, so that every process's index is the whole one; process 0 writes it."""
+    if team.size > 1:
+        with make().only(None, dry=True) as dry:
+            run(dry, output.progress(0, label, True))
+        names = sorted(dry.ends, key=lambda n: int(n[2:].split("_")[0]))  # the saving ranks' order
+        owners = team.split([dry.ends[n] for n in names])
+        mine = {n for n, owner in zip(names, owners) if owner == team.rank}
+        make_all = make
+        make = lambda: make_all().only(mine, team)  # noqa: E731
+    bar = output.progress(units, label, quiet, unit=unit)
+    with make() as writer:
+        run(writer, bar)
+    bar.close()
+    return writer
+
+
+def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, counts: list[int], padded: int, args,
+                resume: ResumeState | None, iteration: int, quiet: bool, team: Team = SOLO) -> int:
+    meta, spec = source.meta, source.meta.spec
+    ranks = meta.grid.ranks()
+
+    def run(writer: DistWriter, bar) -> None:
+        for i, rank in enumerate(ranks):
+            for _, key in meta.rank_keys(rank, owned=True):
+                if not layout.holds_weights(key, spec, meta.pp_size):
+                    if rank.tp == 0:
+                        writer.put_extra(rank.pp, key)
+                elif writer.saves(key, rank):
+                    trained = fields.items() if layout.has_optimizer_state(key, spec, meta.pp_size) else ()
+                    for field, shards in ((None, source.shards), *trained):
+                        if rank.tp < len(shards[key]):  # a tensor held whole (ByteSource.tp_of): TP rank 0's
+                            _put(writer, source, rank, key, field, shards[key][rank.tp], padded, len(shards[key]))
+            bar.update(1)
+            if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
+                writer.end_stage(rank.pp, iteration)
+        writer.close(iteration, resume.common() if resume is not None else None)
+    return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
+                                                saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
+
+
+def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard,
+         padded: int, src_tp: int) -> None:
+    """One source shard (of `src_tp`) as the chunks of the global tensor it is part of, its bytes copied from its
+    file."""
+    meta, spec = source.meta, source.meta.spec
+    fqn, layer = writer.stored(key)
+    if field is not None:
+        fqn = state_key(field, fqn)
+    src_padded = meta.padded_vocab
+    full = layout.full_shape(key, spec, padded, meta.pp_size)  # at the target's padded vocab
+    repad = layout.has_padded_rows(key, spec, meta.pp_size) and padded != src_padded
+    at = 0  # rows of the shard taken so far (dim-0 pieces follow one another in the shard)
+    for p in shard_ops.reshard_pieces(key, spec, 1, src_padded, src_tp, src_padded, rank.tp, meta.pp_size):
+        stop = min(p.stop, spec.vocab_size) if repad else p.stop
+        if stop > p.start:
+            ranges = shard.byte_ranges(at, at + stop - p.start) if p.dim == 0 else shard.whole
+            stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
+                                                          shard_ops.Piece(p.rank, p.dim, p.start, stop))
+            writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes,
+                             [(source.files.fd(path), offset, n) for path, offset, n in ranges])
+        at += p.stop - p.start
+    if repad and rank.tp == 0:  # the new padding rows: zeros, as pad_vocab makes them
+        stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
+                                                      shard_ops.Piece(None, 0, spec.vocab_size, padded))
+        row = full[1] * ELEMENT_SIZES[shard.dtype]
+        writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes, bytes((padded - spec.vocab_size) * row))
+
+
+def _has_optimizer(meta: checkpoint.Meta) -> bool:
+    """Optimizer shards exist or meta.json records them, or the fresh optimizer it records (as the torch reader's
+    has_optimizer)."""
+    if meta.fresh_optimizer:
+        return True
+    recorded = meta.raw.get("files", {})
+    return any((meta.dir / checkpoint.optimizer_file(r)).is_file() or checkpoint.optimizer_file(r) in recorded
+               for r in meta.grid.ranks())
+
+
+def _step(meta: checkpoint.Meta) -> float:
+    """Adam's step, from rank (0, 0)'s optimizer shard (the same for every parameter), read without torch."""
+    path = meta.dir / checkpoint.optimizer_file(meta.grid.first)
+    state = read(path).get("optimizer") if path.is_file() else None
+    key = next((local for local, k in layout.stage_keys(meta.spec, meta.layer_counts, 0)
+                if layout.holds_weights(k, meta.spec, meta.pp_size)), None)
+    entry = state.get(key) if isinstance(state, dict) else None
+    info = entry.get("step") if isinstance(entry, dict) else None
+    if not (isinstance(info, TensorInfo) and info.shape == () and info.dtype in STEP_FORMATS):
+        raise Declined(f"{path}: no scalar step for {key}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, info.nbytes, info.offset)
+    finally:
+        os.close(fd)
+    return float(struct.unpack(STEP_FORMATS[info.dtype], data)[0])
+
+
+# ---------------------------------------------------------------- import: an HF model's tensors as chunks

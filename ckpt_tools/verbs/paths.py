@@ -1,0 +1,70 @@
+"""The one entry of each rewriting verb, `ckpt reshard` and `ckpt import`, for the command line and the Python API
+alike (reshard.reshard, importer.import_hf): which path writes the output.
+
+First the torch-free byte copy, where it takes the job: verbs/dist_copy.py for a reshard into Megatron-LM's forms
+(the source's shards copied as the target's chunks), verbs/hf_copy.py for an import into them (the HF tensors' rows
+as the chunks), verbs/ours_copy.py for an import into our format.
+It declines (None, nothing written) what it does not copy, and the torch path writes it: reshard.run, importer.run.
+torch is imported only then. `tuned`: the command line's process settings for the torch path (copying_process).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpt_tools.team import SOLO, Team
+from ckpt_tools.verbs.request import Request
+
+
+def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
+            quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False, team: Team = SOLO,
+            copy_bytes: bool = True, tuned: bool = False) -> str:
+    """Rewrite `src` as `want` says into OUT (`copy_bytes` False: the torch path only)."""
+    want.check()
+    if want.megatron and copy_bytes:
+        from ckpt_tools.verbs import dist_copy
+        summary = dist_copy.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
+        if summary is not None:
+            return summary
+    if tuned:
+        copying_process()
+    from ckpt_tools.verbs import reshard as torch_path
+    return torch_path.run(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
+              quiet: bool = False, team: Team = SOLO, copy_bytes: bool = True, tuned: bool = False) -> str:
+    """Import the HF model in `hf_dir` as `want` says into OUT; `dtype` the weights' dtype name ("bfloat16"; None: the
+    HF weights' own); `copy_bytes` False: the torch path only."""
+    want.check()
+    if copy_bytes:
+        from ckpt_tools.verbs import hf_copy, ours_copy
+        copier = hf_copy.import_hf if want.megatron else ours_copy.import_hf
+        summary = copier(hf_dir, out, want, dtype, force, quiet, team)
+        if summary is not None:
+            return summary
+    if tuned:
+        copying_process()
+    import torch
+
+    from ckpt_tools.verbs import importer
+    return importer.run(hf_dir, out, want, getattr(torch, dtype) if dtype else None, force, quiet, team)
+
+
+def copying_process() -> None:
+    """The torch path's process settings. Reshard and import through torch copy bytes (memory-bound): a second OpenMP
+    thread in each copy only adds waits on a busy core, while the background hash and fsync threads already use it
+    (merge sets the same through its `torch_threads`, where it uses torch); the full tensors made one after another
+    reuse freed memory; and the soft limit of open files is raised to the hard one (a stage's files are open
+    together, each also read by its hash)."""
+    import resource
+
+    import torch
+
+    from ckpt_tools import memory
+    torch.set_num_threads(1)
+    memory.reuse_freed_memory()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an unlimited hard limit the kernel does not take as a soft one: left as it is
+        pass
