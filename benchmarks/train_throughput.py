@@ -28,7 +28,8 @@ and ddp rows: the DP reduction's bucket size in elements; 0, the default, is Meg
 (ours, distributed optimizer: 0 waits for the new weights' all-gathers in the step, not in the next forward), model
 (1b, the default, or 7b: MODEL_7B, the Llama-2-7B shape), layers (the model's depth), graphs (ours: 0 runs the layers
 without CUDA graphs, trainer/graphs.py) and fusion (ours: 0 adds the weight gradients into the fp32 buffer after their
-GEMM instead of in it, trainer/wgrad.py).
+GEMM instead of in it, trainer/wgrad.py), split (ours: the pipeline stages' layer counts, e.g. 12/10 at pp=2; default
+even).
 "vs 1 GPU" is a row's MFU over the first 1-GPU row's of the same code and model (1b, 7b or MoE), so a TP2 row of
 twice the layers compares with a TP1 row of half as many: per-GPU scaling. For the trainer that is its first compiled
 1-GPU row; for megatron-core, its first `mcore:ddp=1` row: key ddp (mcore; implied by dp > 1) wraps GPTModel in
@@ -71,12 +72,12 @@ def parse_row(text: str) -> dict:
     name, _, rest = text.partition(":")
     row = {"name": name, "tp": 1, "pp": 1, "dp": 1, "mb": 1, "sp": 0, "recompute": "", "distopt": 0, "compile": 1,
            "moe": 0, "ep": 1, "acc32": 1, "mcoremoe": 0, "overlap": 1, "model": "1b", "layers": 0, "ddp": 0,
-           "bucket": 0, "pgather": 1, "graphs": 1, "fusion": 1}
+           "bucket": 0, "pgather": 1, "graphs": 1, "fusion": 1, "split": ""}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
         if k not in row or k == "name":
             raise SystemExit(f"row {text!r}: unknown key {k!r}; known: {', '.join(list(row)[1:])}")
-        row[k] = v if k in ("recompute", "model") else int(v)
+        row[k] = v if k in ("recompute", "model", "split") else int(v)
     if row["model"] not in ("1b", "7b") or (row["model"] == "7b" and row["moe"]):
         raise SystemExit(f"row {text!r}: model is 1b or 7b (dense)")
     if name not in ("hf", "mcore", "ours") or (name != "ours" and row["tp"] * row["pp"] * row["dp"] > 1
@@ -92,6 +93,8 @@ def parse_row(text: str) -> dict:
         raise SystemExit(f"row {text!r}: mcoremoe is a key of ours' MoE rows")
     if row["ep"] > 1 and (not row["moe"] or row["dp"] % row["ep"]):
         raise SystemExit(f"row {text!r}: ep needs moe and divides dp")
+    if row["split"] and (name != "ours" or len(row["split"].split("/")) != row["pp"]):
+        raise SystemExit(f"row {text!r}: split is a key of ours' rows, one layer count per stage (12/10 at pp=2)")
     if row["moe"]:
         row["compile"] = 0
     row["gpus"] = row["tp"] * row["pp"] * row["dp"]
@@ -139,6 +142,7 @@ def ours(row: dict, m: dict):
         accumulate_allreduce_grads_in_fp32=bool(row["acc32"]), overlap_grad_reduce=bool(row["overlap"]),
         overlap_param_gather=bool(row["pgather"]), cuda_graphs=bool(row["graphs"]),
         gradient_accumulation_fusion=bool(row["fusion"]), **({"ddp_bucket_size": row["bucket"]} if row["bucket"] else {}),
+        **({"layers_per_stage": [int(n) for n in row["split"].split("/")]} if row["split"] else {}),
         lr=1e-4, min_lr=1e-5, lr_warmup_iters=0, **{k: v for k, v in m.items() if k != "vocab_size"}))
     device, _ = setup_distributed(cfg)
     stage = build_stage(cfg, m["vocab_size"], device)
@@ -353,6 +357,7 @@ def describe(row: dict) -> str:
     parts += [f"{row['recompute']} recompute"] if row["recompute"] else []
     parts += ["dist. optimizer"] if row["distopt"] else []
     parts += ["weights gathered in the step"] if row["distopt"] and not row["pgather"] else []
+    parts += [f"layers {row['split']}"] if row["split"] else []
     parts += [f"{row['mb']} micro-batches"] if row["mb"] > 1 else []
     parts += ["grads accumulated in bf16"] if not row["acc32"] else []
     parts += ["DP reduction after backward"] if not row["overlap"] and row["dp"] > 1 else []
