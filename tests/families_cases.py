@@ -25,6 +25,8 @@ CASES = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}, "qwen2"),
     "qwen2_tied": ("Qwen2Config", {"tie_word_embeddings": True}, "qwen2"),
     "qwen3": ("Qwen3Config", {"head_dim": 24}, "qwen3"),
+    # QKV biases as Qwen2's, head_dim explicit (4 x 24 heads != 64), transformers' training dropouts (0.1)
+    "seed_oss": ("SeedOssConfig", {"head_dim": 24}, "seed_oss"),
     "phi3": ("Phi3Config", {"pad_token_id": None}, "phi3"),
     "gemma": ("GemmaConfig", {"head_dim": 24, "pad_token_id": None}, "gemma"),  # zero-centred norms, scaled embeddings
     # mixtures of experts: top-2 of 4 experts, renormalised (Mixtral) or not (Qwen3-MoE's norm_topk_prob false)
