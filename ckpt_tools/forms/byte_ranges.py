@@ -13,7 +13,9 @@ source shards (shard_ops.reshard_pieces to TP 1, vocab trimmed). `data` hands me
 either byte ranges of the shard files (dim-0 pieces in the output dtype: copied file to file in the kernel)
 or its bytes in memory: a row-parallel tensor's shards read (preadv) straight into their place in the full
 rows, GPT-2's transposed weights transposed with numpy, and a dtype conversion as the last step (torch is
-imported for that step only). Nothing else here imports torch (nor numpy, for a Llama model).
+imported for that step only). A tensor whose HF values are arithmetic on megatron-core's (a zero-centred norm's
+offset) is joined from its bytes and made by torch as the torch path makes it, the other tensors of the model still
+copied. Nothing else here imports torch (nor numpy, for a Llama model).
 """
 from __future__ import annotations
 
@@ -367,6 +369,9 @@ class ByteSource:
         full_rows = layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[0]
         if len(pieces) == 1 and pieces[0].dim == 1:  # a tensor held whole: its rows, as a dim-0 piece
             pieces = [shard_ops.Piece(pieces[0].rank, 0, 0, full_rows)]
+        if e.kind in conversions.ARITHMETIC:
+            yield from self._made(e, dtype, pieces, full_rows, itemsize)
+            return
         for name, rows, shape in zip(e.names, conversions.hf_rows(e.kind, meta.spec, full_rows), e.shapes):
             transpose = e.kind in conversions.TRANSPOSED and len(shape) == 2
             if pieces[0].dim == 0 and not transpose and src_dtype == dtype:
@@ -376,6 +381,23 @@ class ByteSource:
             if transpose:
                 data = _transposed(data, shape, itemsize)
             yield name, shape, data if src_dtype == dtype else _converted(data, src_dtype, dtype, self.torch_threads)
+
+    def _made(self, e: Entry, dtype: str, pieces: list[shard_ops.Piece], full_rows: int,
+              itemsize: int) -> Iterator[tuple[str, tuple[int, ...], memoryview]]:
+        """An entry whose HF values are arithmetic on the full tensor (a zero-centred norm's offset): the full tensor's
+        bytes joined, then made by torch as the torch path makes them (conversions.to_hf on the full tensor in its own
+        dtype, then the cast). torch is imported here, for these tensors only."""
+        import torch
+        meta, src = self.meta, self.shards[e.key][0].dtype
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        shape = (full_rows,) + tuple(layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[1:])
+        data = self.gather(self.shards[e.key], pieces, [(0, full_rows)], itemsize)
+        full = torch.frombuffer(data, dtype=getattr(torch, src)).view(shape)
+        for name, shape, t in zip(e.names, e.shapes, conversions.to_hf(e.kind, full, meta.spec)):
+            if tuple(t.shape) != tuple(shape):
+                raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
+            yield name, shape, memoryview(t.to(getattr(torch, dtype)).contiguous().view(torch.uint8).numpy())
 
     def release(self) -> None:
         """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""

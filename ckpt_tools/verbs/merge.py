@@ -106,10 +106,6 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
     if via != TENSORS:
         try:
             source = ByteSource.open(src, vocab_size, from_master)
-            if any(n.kind in conversions.ARITHMETIC for n in families.get(source.meta.spec.architecture).names):
-                source.close()  # HF values that are not the shards' bytes (a zero-centred norm's offset): torch's
-                source = None
-                raise Declined("HF values that are not megatron-core's bytes (a zero-centred norm's offset)")
         except Declined:
             if via == BYTES:
                 raise
