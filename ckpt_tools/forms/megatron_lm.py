@@ -53,7 +53,6 @@ def _is_iter_dir(path: Path) -> bool:
 
 
 TORCH, TORCH_DIST, TORCH_DCP, FSDP_DTENSOR = "torch", "torch_dist", "torch_dcp", "fsdp_dtensor"
-DCP_FORMS = (TORCH_DIST, TORCH_DCP, FSDP_DTENSOR)  # the forms torch.distributed.checkpoint wrote (a .metadata)
 FSDP_MODEL = "model.module."  # Megatron-FSDP's model keys (fsdp_dtensor); torch_dcp's are model.<name>
 DIST_MARKERS = ("metadata.json", ".metadata")  # metadata.json: dist_checkpointing; .metadata: DCP
 
