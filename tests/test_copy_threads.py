@@ -11,6 +11,7 @@ import pytest
 from ckpt_tools import durable
 from ckpt_tools.forms import torchfile
 from ckpt_tools.forms import torchsave as ts
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 
 
 def _file(path, data: bytes) -> int:
@@ -59,7 +60,7 @@ def test_save_tensor_writes_what_the_archive_writer_writes(tmp_path, monkeypatch
     try:
         for dtype, shape, start in [("bfloat16", (4, 8), 0), ("bfloat16", (4, 8), 777), ("float32", (3, 5, 7), 64),
                                     ("float16", (), 5), ("float32", (0, 3), 9)]:
-            n = ts.math.prod(shape) * ts.ELEMENT_SIZES[dtype]
+            n = ts.math.prod(shape) * ELEMENT_SIZES[dtype]
             for data in ([(src, 123, n)], os.urandom(n), [os.urandom(n // 2), (src, 0, n - n // 2)]):
                 fds = [os.open(tmp_path / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) for name in "ab"]
                 try:

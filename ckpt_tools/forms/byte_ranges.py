@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.forms import checkpoint, megatron_lm
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
+from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import conversions, layout, shard_ops
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.team import SOLO, Team

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import FormatError
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES, Record, TensorInfo, Unreadable
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
+from ckpt_tools.forms.torchfile import Record, TensorInfo, Unreadable
 from ckpt_tools.forms.torchfile import read as read_torch_file
 
 METADATA = ".metadata"

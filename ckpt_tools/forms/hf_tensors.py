@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt_tools.errors import FormatError
-from ckpt_tools.forms.writers import SAFETENSORS_DTYPES
+from ckpt_tools.forms.dtypes import SAFETENSORS_DTYPES
 from ckpt_tools.model import mxfp4
 from ckpt_tools.model.fp8 import SCALE, dequantize_blocks, fp8_blocks
 from ckpt_tools.model.hf import part_of

@@ -25,12 +25,12 @@ from ckpt_tools import durable, output
 from ckpt_tools.forms import megatron_lm, torchsave
 from ckpt_tools.forms.byte_ranges import ByteSource, Shard
 from ckpt_tools.forms.checkpoint import Meta, file_record
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_write import CHECKPOINT_VERSION
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES, TensorInfo
+from ckpt_tools.forms.torchfile import TensorInfo
 from ckpt_tools.model import conversions, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.team import SOLO, Team
-
 
 
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,

@@ -28,8 +28,8 @@ from pathlib import Path
 from ckpt_tools import durable
 from ckpt_tools.errors import LayoutError
 from ckpt_tools.forms import megatron_resume, torchsave
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.torch_dist_names import Placed, part_of, stored_candidates, te_alias, te_norm_extra
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES
 from ckpt_tools.model import hybrid, layout, shard_ops
 from ckpt_tools.model.ranks import TP, Rank
 from ckpt_tools.model.spec import ModelSpec

@@ -24,12 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# dtype name -> bytes per element; torch's storage classes -> dtype name
-ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
-                 "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1}
-STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
-                  "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
-                  "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES, STORAGE_DTYPES
+
 STORAGE_ALIGNMENT = 64  # torch.save (PyTorchStreamWriter) starts every tensor record's data on this boundary
 _LOCAL_HEADER = 30
 _DATA_DESCRIPTOR = 24  # at most, after a record's data (zip64)  # bytes of a zip local file header before its name and extra field

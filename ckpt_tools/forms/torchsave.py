@@ -29,11 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.durable import copy_range
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES, STORAGE_CLASSES
 
-STORAGE_CLASSES = {"float32": "FloatStorage", "bfloat16": "BFloat16Storage", "float16": "HalfStorage",
-                   "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
-                   "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
 ALIGNMENT = 64  # torch.save's storage alignment (its .storage_alignment record)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at least this needs zip64 fields (a module value: tests lower it)
 ZIP64_MARK = 0xFFFFFFFF  # what a 32-bit field holds when its value is in the zip64 fields

@@ -22,15 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.durable import copy_range, fsync_file
 from ckpt_tools.errors import LayoutError
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES, record_offset
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES, SAFETENSORS_NAMES
+from ckpt_tools.forms.torchfile import record_offset
 
 if TYPE_CHECKING:
     import torch
 
-SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-                     "float8_e4m3fn": "F8_E4M3"}
-SAFETENSORS_DTYPES = {code: name for name, code in SAFETENSORS_NAMES.items()}  # "BF16" -> "bfloat16"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

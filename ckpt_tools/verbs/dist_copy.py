@@ -28,9 +28,10 @@ from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
 from ckpt_tools.forms.byte_ranges import ByteSource, Declined, Shard, field_shards
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.forms.megatron_write import DistWriter
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES, TensorInfo, Unreadable, read
+from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.team import SOLO, Team

@@ -24,14 +24,13 @@ from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import forms, hf_tensors, legacy_copy, megatron_lm
 from ckpt_tools.forms.byte_ranges import Declined
-from ckpt_tools.verbs.dist_copy import shared_dist
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES, SAFETENSORS_DTYPES
 from ckpt_tools.forms.megatron_write import DistWriter
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES
-from ckpt_tools.forms.writers import SAFETENSORS_DTYPES
 from ckpt_tools.model import conversions, families, hf, layout, shard_ops
 from ckpt_tools.model.ranks import TP, Rank
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.verbs import to_megatron
+from ckpt_tools.verbs.dist_copy import shared_dist
 from ckpt_tools.verbs.request import Layout, Request
 
 COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes this path copies

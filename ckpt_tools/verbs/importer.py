@@ -11,7 +11,6 @@ import torch
 from ckpt_tools import output
 from ckpt_tools.errors import FormatError
 from ckpt_tools.forms import checkpoint as fmt
-from ckpt_tools.verbs import ours_copy
 from ckpt_tools.forms.hf_tensors import HFTensors
 from ckpt_tools.forms.shards import MODEL
 from ckpt_tools.forms.target import Target, finish
@@ -19,7 +18,7 @@ from ckpt_tools.forms.writers import dtype_name
 from ckpt_tools.model import conversions, hf, layout, shard_ops
 from ckpt_tools.model.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
-from ckpt_tools.verbs import to_megatron
+from ckpt_tools.verbs import ours_copy, to_megatron
 from ckpt_tools.verbs.request import Layout, Request
 
 

@@ -44,7 +44,7 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
     conversion) copies file to file and holds only the rows of a tensor it must assemble in memory: a
     row-parallel join, or a GPT-2 Conv1D weight with its transposed copy.
     """
-    from ckpt_tools.forms.torchfile import ELEMENT_SIZES
+    from ckpt_tools.forms.dtypes import ELEMENT_SIZES
     from ckpt_tools.model import conversions
     from ckpt_tools.verbs.plan import plan
     size = ELEMENT_SIZES.get(meta.params_dtype, 4)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ckpt_tools import durable, output
 from ckpt_tools.errors import CkptError, LayoutError
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.model import conversions, families, hf, layout, shard_ops
 from ckpt_tools.model.fp8 import FP8, SCALE, fp8_quantized, quantize_blocks
 from ckpt_tools.team import SOLO, Team

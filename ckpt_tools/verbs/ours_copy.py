@@ -22,11 +22,11 @@ from pathlib import Path
 from ckpt_tools import durable, io, output
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.forms import legacy_copy, torchsave
-from ckpt_tools.verbs import hf_copy
 from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.model.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
+from ckpt_tools.verbs import hf_copy
 from ckpt_tools.verbs.request import Request
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import io, output
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.forms.checkpoint import Meta
-from ckpt_tools.forms.torchfile import ELEMENT_SIZES
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.model import conversions, families, hf, layout, mxfp4
 from ckpt_tools.model.fp8 import FP8, SCALE, fp8_config, fp8_quantized, scale_grid
 from ckpt_tools.model.spec import ModelSpec
