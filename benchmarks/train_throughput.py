@@ -93,7 +93,8 @@ def parse_row(text: str) -> dict:
         raise SystemExit(f"row {text!r}: mcoremoe is a key of ours' MoE rows")
     if row["ep"] > 1 and (not row["moe"] or row["dp"] % row["ep"]):
         raise SystemExit(f"row {text!r}: ep needs moe and divides dp")
-    if row["split"] and (name != "ours" or len(row["split"].split("/")) != row["pp"]):
+    if row["split"] and (name != "ours" or len(row["split"].split("/")) != row["pp"]
+                         or not all(n.isdigit() for n in row["split"].split("/"))):
         raise SystemExit(f"row {text!r}: split is a key of ours' rows, one layer count per stage (12/10 at pp=2)")
     if row["moe"]:
         row["compile"] = 0

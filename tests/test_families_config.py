@@ -44,6 +44,9 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096 is not supported (sliding-window"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true is not supported"),
+    ({"model_type": "seed_oss", "attention_bias": False}, "attention_bias=false is not supported (Q, K and V without"),
+    ({"model_type": "seed_oss", "attention_out_bias": True}, "attention_out_bias=true is not supported"),
+    ({"model_type": "seed_oss", "mlp_bias": True}, "mlp_bias=true is not supported"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope scaling longrope"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5"),
@@ -143,3 +146,17 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
     features.check_expressible(ok)
     line = to_megatron.loads_with(Path("out"), Layout("torch_dist", 1, [spec.num_layers], 128), spec=ok)
     assert "--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1" in line, line
+
+
+def test_seed_oss_reads_the_defaults_transformers_assumes(tmp_path):
+    """SeedOssConfig: without head_dim 128, with null hidden / heads; without num_key_value_heads 8, with null one per
+    head. A config that leaves them out is read as transformers builds the model."""
+    from transformers import SeedOssConfig
+    base = {"model_type": "seed_oss", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 16}
+    for extra in ({}, {"head_dim": None, "num_key_value_heads": None}):
+        theirs = SeedOssConfig(**{k: v for k, v in {**base, **extra}.items() if k != "model_type"})
+        (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
+        spec = hf.spec_from_hf(tmp_path / "config.json")
+        assert (spec.kv_channels, spec.num_query_groups) == (theirs.head_dim, theirs.num_key_value_heads), extra
+

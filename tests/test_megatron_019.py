@@ -426,3 +426,13 @@ def test_the_moe_norm_alias_follows_the_model_class():
     for j in range(6):  # the HybridModel's indices 0-5
         assert te_alias(fused.format(j), glm, by_pattern=True) is None
     assert hybrid.Pattern.for_layers([2, 2], "*-*-", single=True).single  # a hybrid family's layers without Mamba
+
+
+@pytest.mark.parametrize("name", ["gpt_qwen3_next_tp2", "hybrid_qwen3_next_tp2"])
+def test_qwen3_next_saves_merge_on_the_byte_path_with_the_torch_paths_files(name, tmp_path):
+    """megatron-core 0.19.2's own Qwen3-Next saves (GPTModel and HybridModel, TP2, torch_dist): the byte path takes
+    them (its norm offsets made by torch, tensor by tensor) and writes the torch path's files, byte for byte."""
+    from test_merge_sources import assert_same_as_torch
+    for options in ({}, {"dtype": "bf16", "fmt": "safetensors"}):
+        out = tmp_path / (options.get("dtype") or "same")
+        assert assert_same_as_torch(SAVES / name / "torch_dist", out, vocab_size=VOCAB, **options)

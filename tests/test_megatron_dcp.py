@@ -47,7 +47,7 @@ def test_megatron_lm_torch_dcp_checkpoint_merges_and_reshards(case, version, tmp
     torchrun(2, ["tests/mcore_dcp.py", str(tmp_path / "config.json"), str(tmp_path)], timeout=600)
     assert (tmp_path / "megatron_core_version.txt").read_text().startswith(version)
     src = tmp_path / "torch_dcp"
-    assert megatron_lm.form(megatron_lm.resolve_iter_dir(src)) == megatron_lm.TORCH_DCP
+    assert open_checkpoint(src, vocab_size=VOCAB).meta.source == megatron_lm.TORCH_DCP
     tokens, expected = torch.load(tmp_path / "tokens.pt"), torch.load(tmp_path / "logits.pt")[..., :VOCAB]
     merge(src, tmp_path / "merged", vocab_size=VOCAB, quiet=True)  # the byte path
     _, ours = logits(tmp_path / "merged", tokens)

@@ -15,8 +15,8 @@ import torch
 from bad_inputs import SystemCall, assert_no_out, error_line, invoke
 from conftest import torchrun
 
+from ckpt_tools.forms import dcp, readers
 from ckpt_tools.forms import megatron_lm as mlm
-from ckpt_tools.forms import dcp
 from ckpt_tools.model.ranks import Rank
 
 FORMS = ("torch_dist", "torch", "torch_te")
@@ -102,7 +102,7 @@ def test_forms_are_what_megatron_lm_writes(mcore):
     assert keys["decoder.layers.mlp.linear_fc1.weight"].shape[0] == 4
     te = torch.load(mlm.model_path(mcore / "torch_te" / "iter_0000005", Rank(0, 0), 2), weights_only=False)["model"]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
-    assert mlm.form(dist) == mlm.TORCH_DIST and mlm.form(mcore / "torch" / "iter_0000005") == mlm.TORCH
+    assert readers.detect(dist) is readers.DCP and readers.detect(mcore / "torch" / "iter_0000005") is readers.LEGACY
 
 
 def test_inspect_torch_dist(mcore):

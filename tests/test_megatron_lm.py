@@ -271,13 +271,15 @@ def test_dcp_forms_megatron_lm_wrote_are_told_apart(tmp_path):
     """A DCP dir without dist_checkpointing's metadata.json: Megatron-LM's torch_dcp (the model's keys under `model.`)
     and Megatron-FSDP's fsdp_dtensor (`model.module.`) told apart; anything else named as not Megatron-LM's."""
     import torch.distributed.checkpoint as dcp
+
+    from ckpt_tools.forms import dcp as dcp_index
     for prefix, form in (("model.module.", mlm.FSDP_DTENSOR), ("model.", mlm.TORCH_DCP), ("weights.", None)):
         save = tmp_path / prefix.strip(".") / "iter_0000010"
         dcp.save({f"{prefix}embedding.word_embeddings.weight": torch.zeros(4, 2), "args": "a bytes entry"},
                  storage_writer=dcp.FileSystemWriter(str(save)), no_dist=True)
         (save.parent / mlm.TRACKER).write_text("10")
         if form is not None:
-            assert mlm.form(save) == form
+            assert mlm.dcp_form(save, dcp_index.read_metadata(save)) == form
             continue
         with pytest.raises(FormatError, match=re.escape("no model.* tensors and args: not a Megatron-LM torch_dcp or "
                                                         "fsdp_dtensor checkpoint")):

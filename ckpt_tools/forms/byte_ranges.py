@@ -389,16 +389,20 @@ class ByteSource:
         bytes joined, then made by torch as the torch path makes them (conversions.to_hf on the full tensor in its own
         dtype, then the cast). torch is imported here, for these tensors only."""
         import torch
+
+        from ckpt_tools.forms.writers import contiguous_bytes
         meta, src = self.meta, self.shards[e.key][0].dtype
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        shape = (full_rows,) + tuple(layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[1:])
-        data = self.gather(self.shards[e.key], pieces, [(0, full_rows)], itemsize)
+        # the rows the pieces hold (a vocab tensor's true rows), all of them where the pieces are columns
+        rows = sum(p.stop - p.start for p in pieces) if pieces[0].dim == 0 else full_rows
+        shape = (rows,) + tuple(layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[1:])
+        data = self.gather(self.shards[e.key], pieces, [(0, rows)], itemsize)
         full = torch.frombuffer(data, dtype=getattr(torch, src)).view(shape)
         for name, shape, t in zip(e.names, e.shapes, conversions.to_hf(e.kind, full, meta.spec)):
             if tuple(t.shape) != tuple(shape):
                 raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
-            yield name, shape, memoryview(t.to(getattr(torch, dtype)).contiguous().view(torch.uint8).numpy())
+            yield name, shape, contiguous_bytes(t.to(getattr(torch, dtype)))
 
     def release(self) -> None:
         """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""

@@ -66,17 +66,6 @@ def is_megatron_lm(path) -> bool:
                                    or any((path / n).is_file() for n in DIST_MARKERS))
 
 
-def form(iter_dir: Path) -> str:
-    """Which `--ckpt-format` wrote an iter dir (Megatron-LM tells them apart the same way; torch_dcp from
-    fsdp_dtensor by their keys: Megatron-FSDP's are `model.module.<name>`)."""
-    if (iter_dir / "metadata.json").is_file():
-        return TORCH_DIST
-    if by_dcp(iter_dir):
-        from ckpt_tools.forms import dcp
-        return dcp_form(iter_dir, dcp.read_metadata(iter_dir))
-    return TORCH
-
-
 def by_dcp(iter_dir: Path) -> bool:
     """Written through torch.distributed.checkpoint (torch_dist, torch_dcp or fsdp_dtensor), told from the files'
     names alone; else the legacy per-rank files."""

@@ -117,7 +117,7 @@ MEGATRON_INERT = frozenset(
                                                           "RerunValidationStatus")]
     + [("megatron.core.optimizer.optimizer_config", "OptimizerConfig"), ("megatron.core.optimizer", "OptimizerConfig"),
        ("signal", "Signals"), ("pathlib", "PosixPath"), ("pathlib", "Path"), ("types", "SimpleNamespace")])
-TORCH_DTYPES = {"float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+TORCH_DTYPES = set(STORAGE_DTYPES.values())  # the dtypes a pickle names as torch.<name> (those with a storage class)
 
 
 def _latin1(text: Any, encoding: Any = "latin1") -> bytes:

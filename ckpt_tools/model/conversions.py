@@ -2,8 +2,8 @@
 
 Each kind is a small class (`KINDS` maps the families' names to them): the row ranges of the full tensor each HF
 tensor is made of (`hf_rows`, plain Python: the torch-free merge copies them as byte ranges), transposed for a
-TRANSPOSED kind; an ARITHMETIC kind's values differ too (the byte-copy merge and the legacy-form and ours imports
-decline a model holding one; the torch_dist import has torch make those tensors alone: verbs/hf_copy.made_by_torch).
+TRANSPOSED kind; an ARITHMETIC kind's values differ too: the byte paths have torch make those tensors alone, one by
+one, and copy the rest (the imports: verbs/hf_copy.made_by_torch; the merge: forms/byte_ranges.ByteSource._made).
 """
 from __future__ import annotations
 

@@ -42,13 +42,15 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
     number of layers: merge's torch path a join and its converted copy (output dtype), reshard a join and
     its re-padded copy (fp32 optimizer fields). Merge's torch-free path (our own checkpoints, no dtype
     conversion) copies file to file and holds only the rows of a tensor it must assemble in memory: a
-    row-parallel join, or a GPT-2 Conv1D weight with its transposed copy.
+    row-parallel join, or a GPT-2 Conv1D weight with its transposed copy; a tensor whose HF values are arithmetic
+    (Qwen3-Next's norm offsets) it joins and has torch make, and then the process holds torch as well.
     """
     from ckpt_tools.forms.dtypes import ELEMENT_SIZES
     from ckpt_tools.model import conversions
     from ckpt_tools.verbs.plan import plan
     size = ELEMENT_SIZES.get(meta.params_dtype, 4)
     merged = largest = buffered = 0
+    made = False  # a tensor the byte path has torch make
     for e in plan(meta.spec, meta.padded_vocab, "hf"):
         merged += e.nbytes(meta.params_dtype)
         shape = layout.full_shape(e.key, meta.spec, meta.padded_vocab, 1)
@@ -56,16 +58,19 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
         largest = max(largest, n)
         if layout.find_rule(e.key, meta.spec, 1).dim == 1:
             buffered = max(buffered, n)
-        if e.kind in conversions.TRANSPOSED and len(shape) == 2:
+        if e.kind in conversions.TRANSPOSED and len(shape) == 2 or e.kind in conversions.ARITHMETIC:
             buffered = max(buffered, 2 * n)
-    return {"merge_bytes": merged, "merge_ram": PROCESS_RAM + buffered * size,
+        made = made or e.kind in conversions.ARITHMETIC
+    return {"merge_bytes": merged, "merge_ram": (TORCH_PROCESS_RAM if made else PROCESS_RAM) + buffered * size,
+            "merge_torch_free": not made,
             "merge_ram_torch": TORCH_PROCESS_RAM + 2 * largest * max(size, 2),
             "reshard_ram": TORCH_PROCESS_RAM + 2 * largest * 4}
 
 
 def needs_line(meta: fmt.Meta) -> str:
     n = needs(meta)
-    merge = (f"merge ~{human_bytes(n['merge_ram'])} (torch-free path) / ~{human_bytes(n['merge_ram_torch'])} "
+    path = "torch-free path" if n["merge_torch_free"] else "byte path, its arithmetic tensors made by torch"
+    merge = (f"merge ~{human_bytes(n['merge_ram'])} ({path}) / ~{human_bytes(n['merge_ram_torch'])} "
              "(with --dtype, --check-hashes)" if meta.source == "ckpt-tools" else
              f"merge ~{human_bytes(n['merge_ram_torch'])}")
     return (f"merge writes {human_bytes(n['merge_bytes'])} ({meta.params_dtype}); peak RAM {merge}, "

@@ -22,16 +22,17 @@ NAMES = (
 
 def config(rms_eps: float = 1e-6, head_dim=heads_dim, positions: int = 2048, *consts,
            act: Const = Const("hidden_act", "silu", "only SwiGLU (silu) MLPs"), tied: bool = False,
-           theta: float = 10000.0, rope: Rope | None = None) -> tuple:
+           theta: float = 10000.0, rope: Rope | None = None, kv=kv_heads) -> tuple:
     """The config.json keys of a Llama-like model; `consts` are the family's own fixed keys (and fields). `head_dim`
-    None: the family's config.json derives it (not read, not written); `rope`: its own rotary entry."""
+    None: the family's config.json derives it (not read, not written); `rope`: its own rotary entry; `kv`: the key
+    value heads transformers assumes where the config gives none."""
     return (
         Field("vocab_size", "vocab_size"),
         Field("hidden_size", "hidden_size"),
         Field("intermediate_size", "ffn_hidden_size"),
         Field("num_hidden_layers", "num_layers"),
         Field("num_attention_heads", "num_attention_heads"),
-        Field("num_key_value_heads", "num_query_groups", kv_heads),
+        Field("num_key_value_heads", "num_query_groups", kv),
         *((Field("head_dim", "kv_channels", head_dim),) if head_dim is not None else ()),
         Field("max_position_embeddings", "max_position_embeddings", positions),
         Field("rms_norm_eps", "norm_epsilon", rms_eps),
