@@ -29,7 +29,8 @@ from ckpt_tools.cli import main
 from ckpt_tools.errors import FormatError
 from ckpt_tools.forms import byte_ranges, torchfile
 from ckpt_tools.forms import checkpoint as fmt
-from ckpt_tools.forms.byte_ranges import ByteSource, Declined
+from ckpt_tools.forms.byte_index import Declined
+from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.model import conversions, families, hf, layout, shard_ops
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.model.spec import ModelSpec

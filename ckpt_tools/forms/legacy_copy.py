@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ckpt_tools import durable, output
 from ckpt_tools.forms import megatron_lm, torchsave
-from ckpt_tools.forms.byte_ranges import ByteSource, Shard
+from ckpt_tools.forms.byte_index import Shard
+from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.checkpoint import Meta, file_record
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_write import CHECKPOINT_VERSION

@@ -25,7 +25,7 @@ class ReadForm:
     sharded     a sharded checkpoint (the verbs' SRC); else a whole model (an HF dir or safetensors file: `ckpt
                 verify`'s OTHER, `ckpt import`'s input)
     reader      (path, vocab_size) -> the shards.Reader through torch
-    byte_index  (path, vocab_size, from_master) -> byte_ranges.Index, or raises byte_ranges.Declined; None: the form
+    byte_index  (path, vocab_size, from_master) -> byte_index.Index, or raises byte_index.Declined; None: the form
                 is read through torch only"""
     name: str
     detect: Callable[[Path], bool]
@@ -58,18 +58,18 @@ def _ours_reader(path: Path, vocab_size: int | None):
 
 
 def _dcp_index(path: Path, vocab_size: int | None, from_master: bool):
-    from ckpt_tools.forms import byte_ranges
-    return byte_ranges.dist_index(path, vocab_size, from_master)
+    from ckpt_tools.forms import byte_index
+    return byte_index.dist_index(path, vocab_size, from_master)
 
 
 def _legacy_index(path: Path, vocab_size: int | None, from_master: bool):
-    from ckpt_tools.forms import byte_ranges
-    return byte_ranges.legacy_index(path, vocab_size, from_master)
+    from ckpt_tools.forms import byte_index
+    return byte_index.legacy_index(path, vocab_size, from_master)
 
 
 def _ours_index(path: Path, vocab_size: int | None, from_master: bool):
-    from ckpt_tools.forms import byte_ranges
-    return byte_ranges.ours_index(path, vocab_size, from_master)
+    from ckpt_tools.forms import byte_index
+    return byte_index.ours_index(path, vocab_size, from_master)
 
 
 # torch_dist, torch_dcp and fsdp_dtensor: torch.distributed.checkpoint's files, one reader tells them apart

@@ -27,7 +27,8 @@ from pathlib import Path
 from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
-from ckpt_tools.forms.byte_ranges import ByteSource, Declined, Shard, field_shards
+from ckpt_tools.forms.byte_index import Declined, Shard, field_shards
+from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
 from ckpt_tools.forms.megatron_write import DistWriter

@@ -23,7 +23,7 @@ from pathlib import Path
 from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import forms, hf_tensors, legacy_copy, megatron_lm
-from ckpt_tools.forms.byte_ranges import Declined
+from ckpt_tools.forms.byte_index import Declined
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES, SAFETENSORS_DTYPES
 from ckpt_tools.forms.megatron_write import DistWriter
 from ckpt_tools.model import conversions, families, hf, layout, shard_ops

@@ -99,7 +99,8 @@ def _tied_copy_note(shards: Reader) -> str | None:
 def open_source(src: str | Path, vocab_size: int | None, from_master: bool, check_hashes: bool, via: str = AUTO,
                 torch_threads: int | None = None, team: Team = SOLO) -> ByteSource | TensorSource:
     """The source a merge reads SRC through (see the module docstring), its files' hashes checked if asked."""
-    from ckpt_tools.forms.byte_ranges import ByteSource, Declined
+    from ckpt_tools.forms.byte_index import Declined
+    from ckpt_tools.forms.byte_ranges import ByteSource
     if via == AUTO and os.environ.get(TORCH_PATH, "0") not in ("", "0"):
         via = TENSORS
     source: ByteSource | TensorSource | None = None

@@ -1,0 +1,189 @@
+"""A checkpoint's tensors as byte ranges of its files, found without torch: each form's index (`Index`: the model's
+shards and those to copy, every shard a run of parts of a file), read by `torchfile` from the files' pickles and
+indexes. Every shard file must pass the checks the torch reader makes (the size meta.json records,
+checkpoint.extra_shards, checkpoint.shard_problems); where any of that differs, or the files hold what only the torch
+reader decodes (a Megatron-LM optimizer, legacy QKV rows to reorder, grouped experts, an interleaved pipeline's
+chunks), the index raises Declined and the verb reads through torch. formats/readers.py names each form's index;
+byte_ranges.ByteSource (merge's source) and the byte copies of reshard and import read the shards it gives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_tools.forms import checkpoint, megatron_lm
+from ckpt_tools.forms.torchfile import TensorInfo, read
+from ckpt_tools.model import layout
+from ckpt_tools.model.ranks import Rank
+
+Range = tuple[Path, int, int]  # bytes of a file: (file, offset, nbytes)
+
+
+class Declined(Exception):
+    """These files are read through the torch reader instead (the reason in words)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One TP shard of a tensor: its bytes in files, as parts along dim 0 (one part in a per-rank shard file;
+    a torch_dist SwiGLU shard is two chunks, [gate_r; up_r])."""
+    parts: tuple[tuple[Path, TensorInfo], ...]
+
+    @property
+    def dtype(self) -> str:
+        return self.parts[0][1].dtype
+
+    @property
+    def rows(self) -> int:
+        return sum(info.shape[0] for _, info in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for _, info in self.parts)
+
+    @property
+    def whole(self) -> list[Range]:
+        return [(path, info.offset, info.nbytes) for path, info in self.parts]
+
+    def byte_ranges(self, start: int, stop: int) -> list[Range]:
+        """(file, offset, nbytes) of rows [start, stop) along dim 0, one per part they fall in."""
+        out, first = [], 0
+        for path, info in self.parts:
+            row = info.nbytes // info.shape[0]
+            lo, hi = max(start, first), min(stop, first + info.shape[0])
+            if lo < hi:
+                out.append((path, info.offset + (lo - first) * row, (hi - lo) * row))
+            first += info.shape[0]
+        return out
+
+
+Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
+
+
+def _state(meta: checkpoint.Meta, name: str, entry: str) -> tuple[Path, dict]:
+    """One shard file's `entry` dict, read without torch, when the file has the size meta.json records."""
+    path = meta.dir / name
+    if not path.is_file() or checkpoint.size_problem(meta, path):
+        raise Declined(f"{path}: missing, or not of the size meta.json records")
+    obj = read(path)
+    if not (isinstance(obj, dict) and isinstance(obj.get(entry), dict)):
+        raise Declined(f"{path}: holds no {entry!r} state dict")
+    return path, obj[entry]
+
+
+def _shard(path: Path, info: TensorInfo) -> Shard:
+    if info.offset + info.nbytes > path.stat().st_size:
+        raise Declined(f"{path}: a tensor beyond the end of the file")
+    return Shard(((path, info),))
+
+
+@dataclass
+class Index:
+    """A checkpoint's tensors as byte ranges: the model's shards and those to copy (the model's, or its fp32 master
+    weights), the form's meta; `ours`: our format; `megatron_optimizer`: a Megatron-LM source that holds optimizer
+    state (which the torch path decodes)."""
+    meta: checkpoint.Meta
+    model: Shards
+    sources: Shards
+    ours: bool = False
+    megatron_optimizer: bool = False
+
+
+def _no_master(from_master: bool) -> None:
+    if from_master:
+        raise Declined("no optimizer state is read from a Megatron-LM checkpoint")
+
+
+def dist_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
+    """A torch_dist (torch_dcp, fsdp_dtensor) checkpoint's model shards as byte ranges of its chunks, read torch-free;
+    every check the torch path's reader makes must pass."""
+    _no_master(from_master)
+    from ckpt_tools.forms.torch_dist import DistCheckpoint
+    ckpt = DistCheckpoint.read(megatron_lm.resolve_iter_dir(src), vocab_size, load=read, load_embedded=read)
+    if ckpt.validate():
+        raise Declined("the checkpoint does not match the layout table")
+    parts = ckpt.byte_parts()
+    if parts is None:
+        raise Declined("a TP shard that is not whole chunks")
+    held = ckpt.optimizer_form is not None or bool(ckpt.common.get("optimizer"))
+    model = {key: [Shard(tuple(p)) for p in ranks] for key, ranks in parts.items()}
+    return Index(ckpt.meta, model, model, megatron_optimizer=held)
+
+
+def legacy_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
+    """A legacy (`--ckpt-format torch`) checkpoint's model shards as byte ranges of its rank files, read torch-free;
+    every check the torch path's reader makes must pass."""
+    _no_master(from_master)
+    iter_dir = megatron_lm.resolve_iter_dir(src)
+    meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
+    if meta.raw.get(megatron_lm.VIRTUAL, 1) > 1:
+        raise Declined("an interleaved pipeline's model chunks")
+    if meta.raw.get(megatron_lm.WHOLE_EXPERTS):
+        raise Declined("experts held whole in every TP rank's file (ETP 1), to cut")
+    shards: Shards = {}
+    held = False
+    for rank in meta.grid.ranks():
+        path = megatron_lm.model_path(iter_dir, rank, meta.pp_size)
+        obj = read(path)
+        held = held or bool(obj.get("optimizer")) or (path.parent / megatron_lm.DISTRIB_OPTIM).is_file()
+        if megatron_lm.qkv_order(path, obj) is not None:
+            raise Declined(f"{path}: legacy QKV rows to reorder")
+        if megatron_lm.grouped_experts(obj.get("model") or {}):
+            raise Declined(f"{path}: grouped experts to transpose")
+        state = megatron_lm.model_state(obj, path)
+        if state is None or checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
+            raise Declined(f"{path}: does not match the layout table")
+        _add_shards(shards, meta, rank, path, state)
+    return Index(meta, shards, shards, megatron_optimizer=held)
+
+
+def ours_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
+    """Our checkpoint's model shards, and with `from_master` its fp32 master weights, as byte ranges of its shard
+    files; every check the torch path's reader makes must pass."""
+    meta = checkpoint.Meta.read(checkpoint.resolve(src))
+    if vocab_size not in (None, meta.spec.vocab_size) or checkpoint.extra_shards(meta):
+        raise Declined("--vocab-size differs from meta.json, or extra shard files")
+    if from_master and meta.fresh_optimizer:
+        raise Declined("a fresh optimizer's masters are made from the weights (contract 2)")
+    model = _model_shards(meta)
+    return Index(meta, model, {**model, **field_shards(meta)} if from_master else model, ours=True)
+
+
+def _model_shards(meta: checkpoint.Meta) -> Shards:
+    """The tensors of every model shard, which must pass the checks the torch path makes."""
+    shards: Shards = {}
+    for rank in meta.grid.ranks():
+        path, state = _state(meta, checkpoint.model_file(rank), "model")
+        if checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
+            raise Declined(f"{path}: does not match the layout table")
+        _add_shards(shards, meta, rank, path, state)
+    return shards
+
+
+def _is_tensor(t: object) -> bool:
+    return isinstance(t, TensorInfo)
+
+
+def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, state: dict) -> None:
+    """One rank's tensors appended to their keys' shard lists (files are visited in rank order)."""
+    for local, key in meta.rank_keys(rank, owned=True):
+        if isinstance(state.get(local), TensorInfo):
+            shards.setdefault(key, []).append(_shard(path, state[local]))
+
+
+def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
+    """One optimizer field (the fp32 master weights, exp_avg or exp_avg_sq) of every optimizer shard, each of its
+    parameter's shard shape."""
+    shards: Shards = {}
+    for rank in meta.grid.ranks():
+        path, state = _state(meta, checkpoint.optimizer_file(rank), "optimizer")
+        for local, key in meta.rank_keys(rank, owned=True):
+            shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
+            if shape is None or not layout.has_optimizer_state(key, meta.spec, meta.pp_size):
+                continue
+            entry = state.get(local)
+            master = entry.get(field) if isinstance(entry, dict) else None
+            if not (isinstance(master, TensorInfo) and master.shape == shape):
+                raise Declined(f"{path}: no {field} of shape {shape} for {local}")
+            shards.setdefault(key, []).append(_shard(path, master))
+    return shards
