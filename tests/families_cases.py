@@ -27,6 +27,10 @@ CASES = {
     "qwen3": ("Qwen3Config", {"head_dim": 24}, "qwen3"),
     # QKV biases as Qwen2's, head_dim explicit (4 x 24 heads != 64), transformers' training dropouts (0.1)
     "seed_oss": ("SeedOssConfig", {"head_dim": 24}, "seed_oss"),
+    # RoPE on adjacent pairs of dims, tied embeddings (its default); and with a bias on every linear layer, untied
+    "ernie4_5": ("Ernie4_5Config", {"head_dim": 24, "pad_token_id": None}, "ernie4_5"),
+    "ernie4_5_bias": ("Ernie4_5Config", {"head_dim": 24, "pad_token_id": None, "use_bias": True,
+                                         "tie_word_embeddings": False}, "ernie4_5"),
     "phi3": ("Phi3Config", {"pad_token_id": None}, "phi3"),
     "gemma": ("GemmaConfig", {"head_dim": 24, "pad_token_id": None}, "gemma"),  # zero-centred norms, scaled embeddings
     # mixtures of experts: top-2 of 4 experts, renormalised (Mixtral) or not (Qwen3-MoE's norm_topk_prob false)

@@ -53,6 +53,7 @@ _DEEPSEEK_V3 = {**_LLAMA, "architecture": "deepseek_v3", "num_layers": 2, "num_q
                 "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
                 "moe_shared_expert_intermediate_size": 32, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
                 "moe_router_topk_scaling_factor": 2.5, "layer_pattern": "+-+E"}
+_ERNIE4_5 = {**_LLAMA, "architecture": "ernie4_5", "kv_channels": 24, "add_bias_linear": True}
 # megatron-core 0.16.1's MambaModel (Megatron-LM's pretrain_mamba.py before the HybridModel, --hybrid-override-pattern)
 # of the same Nemotron-H: run with the installed 0.16.1 ("mcore": "0.16"), saved into fixtures/megatron_mamba_016
 OLDER = {"mamba_nemotron_h_tp2": {"kind": "hybrid", "mcore": "0.16", "pattern": "M*M-", "tp": 2, "pp": 1,
@@ -79,6 +80,11 @@ CASES = {
     # DeepSeek-V3: multi-latent attention (q and kv latents, a rotary part per head), a dense first layer, then MoE
     # layers of sigmoid routing with an expert bias over groups, a shared expert
     "gpt_deepseek_v3_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _DEEPSEEK_V3},
+    # ERNIE 4.5: RoPE on adjacent pairs of dims (rotary_interleaved), a bias on every linear layer, tied embeddings.
+    # HybridModel's save is kept as torch_dist only, without its reference: megatron-core's HybridModel builds its
+    # rotary tables without the flag, and that save is refused (test_megatron_019)
+    "gpt_ernie4_5_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _ERNIE4_5},
+    "hybrid_ernie4_5_tp2": {"kind": "hybrid", "pattern": "*-*-", "tp": 2, "pp": 1, "model": _ERNIE4_5},
     "gpt_gpt_oss_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
                         "model": {**_LLAMA, "architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16,
                                   "num_moe_experts": 4, "moe_router_topk": 2, "sliding_window": 8,

@@ -73,7 +73,7 @@ def _build_model(model: dict, tp: int, pp: int, grouped: bool = False):
         pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         hidden_dropout=0.0, attention_dropout=0.0, normalization=s.normalization,
         gated_linear_unit=s.gated_linear_unit, activation_func=activation, add_bias_linear=s.add_bias_linear,
-        add_qkv_bias=s.add_qkv_bias, qk_layernorm=s.qk_layernorm,
+        add_qkv_bias=s.add_qkv_bias, qk_layernorm=s.qk_layernorm, rotary_interleaved=bool(s.rotary_interleaved),
         bias_activation_fusion=False,
         **({"num_moe_experts": s.num_moe_experts, "moe_router_topk": s.moe_router_topk,
             "moe_ffn_hidden_size": s.moe_ffn_hidden_size, "moe_router_pre_softmax": s.moe_router_pre_softmax,

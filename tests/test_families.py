@@ -57,10 +57,10 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-# every case but mistral (its head_dim path is qwen3's), qwen2_tied (its path is qwen2's) and seed_oss (qwen2's
-# biases with qwen3's head_dim)
-FORWARD = ("deepseek_v3", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "nemotron_h", "olmoe", "phi3",
-           "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
+# every case but mistral (its head_dim path is qwen3's), qwen2_tied (its path is qwen2's), seed_oss (qwen2's
+# biases with qwen3's head_dim) and ernie4_5 (ernie4_5_bias's rotation, tied as llama3_tied)
+FORWARD = ("deepseek_v3", "ernie4_5_bias", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "nemotron_h",
+           "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
 
 
 @pytest.mark.slow
@@ -101,6 +101,8 @@ MCORE = {  # ModelSpec fields of megatron-core GPTModels whose features the Llam
     "qwen3": {"architecture": "qwen3", "kv_channels": 24},
     # Seed-OSS: QKV biases and an explicit head_dim (4 x 24 != 64)
     "seed_oss": {"architecture": "seed_oss", "kv_channels": 24, "add_qkv_bias": True},
+    # ERNIE 4.5: RoPE on adjacent pairs (megatron-core's rotary_interleaved), a bias on every linear layer, tied
+    "ernie4_5": {"architecture": "ernie4_5", "kv_channels": 24, "add_bias_linear": True},
     "llama3": {"architecture": "llama", "rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rotary_base": 500000.0},
     # GPT-OSS: sinks, windows on alternate layers, GPTModel's YaRN unrounded, biased experts (ETP 1) with the clamped
     # GLU of +1
@@ -226,13 +228,14 @@ def test_transformer_engine_only_models_are_written_in_torch_dist_only(hf_dirs, 
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["mistral", "phi3", "seed_oss"])
+@pytest.mark.parametrize("case", ["mistral", "phi3", "seed_oss", "ernie4_5_bias"])
 def test_families_sharing_megatron_arguments_come_back_as_themselves(case, hf_dirs, tmp_path):
     """Mistral's and Phi-3's Megatron-LM arguments are Llama's, Seed-OSS's Qwen2's: the written args name the
-    family, so a merge of the Megatron-LM checkpoint is a Mistral / Phi-3 / Seed-OSS model again."""
+    family, so a merge of the Megatron-LM checkpoint is a Mistral / Phi-3 / Seed-OSS model again. ERNIE 4.5's
+    rotary_interleaved is its own: read back from the arguments, it is an ERNIE 4.5 model again too."""
     import_hf(hf_dirs[case], tmp_path / "megatron", tp=1, pp=2, form="torch", quiet=True)
     merge(tmp_path / "megatron", tmp_path / "merged", quiet=True)
-    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == case
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == CASES[case][2]
     original = load_safetensors(hf_dirs[case] / "model.safetensors")
     merged = load_safetensors(tmp_path / "merged" / "model.safetensors")
     assert sorted(merged) == sorted(original) and all(torch.equal(merged[k], original[k]) for k in original)

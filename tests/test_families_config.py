@@ -108,6 +108,8 @@ def test_fields_a_family_cannot_honour_are_refused(changes, expected, tmp_path):
       "num_moe_experts": 4, "moe_shared_expert_intermediate_size": 48},
      "only YaRN in the families whose config says so"),
     ({"architecture": "llama", "sliding_window": 8}, "sliding_window 8 given, but llama attends to every earlier"),
+    ({"architecture": "llama", "rotary_interleaved": True}, "rotary_interleaved True is not available for llama"),
+    ({"architecture": "ernie4_5", "rotary_interleaved": False}, "rotary_interleaved False is not available for ernie4_5"),
     ({"architecture": "llama", "activation_clamp": 7.0},
      "glu_linear_offset / activation_clamp with activation 'swiglu'"),
     ({"architecture": "llama", "mamba_num_heads": 8}, "mamba_num_heads given, but llama has no Mamba layers"),
@@ -148,15 +150,19 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
     assert "--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1" in line, line
 
 
-def test_seed_oss_reads_the_defaults_transformers_assumes(tmp_path):
-    """SeedOssConfig: without head_dim 128, with null hidden / heads; without num_key_value_heads 8, with null one per
-    head. A config that leaves them out is read as transformers builds the model."""
-    from transformers import SeedOssConfig
-    base = {"model_type": "seed_oss", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+@pytest.mark.parametrize("model_type,config_class", [("seed_oss", "SeedOssConfig"), ("ernie4_5", "Ernie4_5Config")])
+def test_families_read_the_defaults_transformers_assumes(model_type, config_class, tmp_path):
+    """SeedOssConfig and Ernie4_5Config: without head_dim 128, with null hidden / heads; without num_key_value_heads
+    their own count (8, 2), with null one per head; ERNIE 4.5 tied and at rope theta 500000 unless told. A config
+    that leaves them out is read as transformers builds the model."""
+    import transformers
+    base = {"model_type": model_type, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 16}
     for extra in ({}, {"head_dim": None, "num_key_value_heads": None}):
-        theirs = SeedOssConfig(**{k: v for k, v in {**base, **extra}.items() if k != "model_type"})
+        theirs = getattr(transformers, config_class)(**{k: v for k, v in {**base, **extra}.items()
+                                                          if k != "model_type"})
         (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
         spec = hf.spec_from_hf(tmp_path / "config.json")
-        assert (spec.kv_channels, spec.num_query_groups) == (theirs.head_dim, theirs.num_key_value_heads), extra
-
+        assert (spec.kv_channels, spec.num_query_groups, spec.tie_word_embeddings, spec.rotary_base) == (
+            theirs.head_dim, theirs.num_key_value_heads, theirs.tie_word_embeddings,
+            theirs.rope_parameters["rope_theta"]), extra

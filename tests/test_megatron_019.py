@@ -141,6 +141,26 @@ def test_model_hybrid_refused_where_it_cannot_be_written(tmp_path):
                     "GPTModel's keys: drop --model or pass --format torch_dist")
 
 
+def test_interleaved_rotary_in_a_hybrid_model_is_refused_both_ways(tmp_path):
+    """megatron-core 0.19.2's HybridModel applies rotary_interleaved in its attention but builds its rotary tables
+    without it (GPTModel passes it): its own save of ERNIE 4.5 (fixtures/megatron_019/hybrid_ernie4_5_tp2, no
+    reference kept) computes a rotation no HF model does. Read, it is refused in one line; the same weights saved
+    by GPTModel merge to its logits (test_megatron_lm_saves). Written, --model hybrid is refused, --model gpt not."""
+    for verb in (["merge", SAVES / "hybrid_ernie4_5_tp2" / "torch_dist", tmp_path / "out"],
+                 ["reshard", SAVES / "hybrid_ernie4_5_tp2" / "torch_dist", tmp_path / "out", "--tp", "1", "--pp", "1"]):
+        line = one_line_error(run(*verb, "--vocab-size", VOCAB))
+        assert "hybrid_layer_pattern '*-*-' with interleaved RoPE (rotary_interleaved) in a HybridModel" in line, line
+        assert_nothing_written(tmp_path / "out")
+    src = SAVES / "gpt_ernie4_5_tp2" / "torch_dist"
+    line = one_line_error(run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--format", "torch_dist",
+                              "--model", "hybrid", "--vocab-size", VOCAB))
+    assert "interleaved RoPE (rotary_interleaved) in a HybridModel" in line and "pass --model gpt" in line, line
+    assert_nothing_written(tmp_path / "out")
+    result = run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--format", "torch_dist", "--model",
+                 "gpt", "--vocab-size", VOCAB, "--quiet")
+    assert result.exit_code == 0, result.output
+
+
 # ---------------------------------------------------------------- bad input
 def _rewrite_common_state(src: Path, dst: Path, payload: bytes) -> Path:
     """A copy whose common_state entry is `payload`, appended to its .distcp file and pointed to by .metadata."""

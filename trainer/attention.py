@@ -29,6 +29,14 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
 
 
+def apply_rope_interleaved(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs (megatron-core's rotary_interleaved, ERNIE 4.5): dims 2j and 2j + 1 turned by frequency
+    j, the same operations as megatron-core's `t * cos + rotate_half(t, interleaved) * sin` with its doubled tables."""
+    t1, t2 = t.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos.to(t.dtype), sin.to(t.dtype)
+    return torch.stack([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1).flatten(-2)
+
+
 class CoreAttention(nn.Module):
     """GPT-OSS's learned softmax offset (megatron-core's DotProductAttention with softmax_type learnable): a sink
     logit per head, this rank's heads', in each softmax's denominator."""
@@ -85,11 +93,12 @@ class SelfAttention(nn.Module):
 
     def rotate(self, t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on each head's first dims (all of them, or rotary_percent's share: megatron-core's and transformers'
-        partial rotary), the rest as they are."""
+        partial rotary), the rest as they are; in pairs of adjacent dims where the model's rotary is interleaved."""
         d = 2 * rope[0].shape[-1]
+        turn = apply_rope_interleaved if self.spec.rotary_interleaved else apply_rope
         if d == t.shape[-1]:
-            return apply_rope(t, *rope)
-        return torch.cat([apply_rope(t[..., :d], *rope), t[..., d:]], dim=-1)
+            return turn(t, *rope)
+        return torch.cat([turn(t[..., :d], *rope), t[..., d:]], dim=-1)
 
     def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """[s, b, this rank's (q, k, v) per group] -> attention output [s, b, this rank's heads x d]."""

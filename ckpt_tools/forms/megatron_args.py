@@ -112,7 +112,7 @@ def _gpt_args(spec: ModelSpec, tp: int, counts: list[int], padded: int, dtype: s
         num_query_groups=spec.num_query_groups if gqa else 1, kv_channels=spec.kv_channels,
         max_position_embeddings=spec.max_position_embeddings,
         rotary_base=int(spec.rotary_base) if float(spec.rotary_base).is_integer() else spec.rotary_base,
-        rotary_percent=spec.rotary_percent, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
+        rotary_percent=spec.rotary_percent, rotary_seq_len_interpolation_factor=None,
         norm_epsilon=spec.norm_epsilon, **linear_args(spec), apply_residual_connection_post_layernorm=False,
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
         window_attn_skip_freq=spec.window_attn_skip_freq,

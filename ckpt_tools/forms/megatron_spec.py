@@ -9,7 +9,7 @@ from pathlib import Path
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.model import families, features, hybrid, layout
 from ckpt_tools.model.features.base import arg
-from ckpt_tools.model.features.positions import GPT_YARN, YARN_ARGS, gpt_yarn
+from ckpt_tools.model.features.positions import GPT_YARN, HYBRID_INTERLEAVED, YARN_ARGS, gpt_yarn
 from ckpt_tools.model.spec import ModelSpec
 
 MAMBA_ARGS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")  # both sides' names
@@ -20,7 +20,6 @@ MAMBA_DEFAULTS = {"mamba_state_dim": 128, "mamba_head_dim": 64, "mamba_num_group
 _REFUSED = {
     "pipeline_model_parallel_layout": "a custom pipeline layout",
     "apply_residual_connection_post_layernorm": "post-layernorm residuals",
-    "rotary_interleaved": "interleaved rotary embeddings",
     "rotary_seq_len_interpolation_factor": "RoPE position interpolation",
 }
 
@@ -113,6 +112,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
         raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} has MoE layers ('E') but the args set no num_experts: "
                           f"the args are damaged; restore them from the source")
     found = features.from_megatron(args)
+    if pattern is not None and found["rotary_interleaved"]:
+        raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} with {HYBRID_INTERLEAVED}: not read by this version")
     single = pattern is not None and pattern.single  # Mamba-2 layers: a hybrid family's
     linear = (pattern is not None and hybrid.GDN in pattern.text) or (pattern is None and linear_attention(args))
     family, misfits = families.for_features(found, moe=bool(moe), hybrid=single, linear=bool(linear))

@@ -46,6 +46,7 @@ class ModelSpec:
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # the share of each head's dims the rotary embedding turns, the first ones (GLM-4.5)
+    rotary_interleaved: bool | None = None  # RoPE turns adjacent pairs of dims, not the two halves (a feature)
     tie_word_embeddings: bool | None = None  # None: the family's default (gpt2 tied, the others not)
     make_vocab_size_divisible_by: int = 128
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses

@@ -20,6 +20,7 @@ from ckpt_tools.forms.checkpoint import OPTIMIZER_FIELDS
 from ckpt_tools.forms.megatron_args import build_args
 from ckpt_tools.forms.megatron_resume import ResumeState
 from ckpt_tools.model import features, hf, hybrid, layout
+from ckpt_tools.model.features.positions import HYBRID_INTERLEAVED
 from ckpt_tools.model.ranks import Grid
 from ckpt_tools.model.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
@@ -57,6 +58,8 @@ def check(spec: ModelSpec, target: Layout, dtype: str, resume: ResumeState | Non
                               f"form only by this version, not in {form}: pass --format {forms.only('hybrid')}" + (
                                   "" if spec.hybrid else ", or --model gpt to write a GPTModel checkpoint of the same "
                                                          "weights"))
+        if spec.rotary_interleaved:
+            raise ConfigError(f"{where}: {HYBRID_INTERLEAVED}: pass --model gpt (GPTModel builds it as HF does)")
         if spec.mtp_num_layers:
             raise ConfigError(f"{where}: multi-token prediction layers in a HybridModel (its own MTP pattern) are not "
                               f"written by this version: pass --model gpt")

@@ -18,7 +18,7 @@ ALL: tuple[Feature, ...] = (
     mlp.ACTIVATION, norms.NORMALIZATION, positions.POSITIONS, mlp.BIAS, attention.QKV_BIAS, norms.QK_NORM,
     positions.ROPE_SCALING, embeddings.TIED, moe.SHARED_EXPERT_GATE, attention.MLA, moe.SCORE_FUNCTION,
     moe.EXPERT_BIAS, attention.SOFTMAX, mlp.GLU_OFFSET, norms.ZERO_CENTERED, attention.OUTPUT_GATE,
-    norms.QK_NORM_ACROSS_HEADS, embeddings.SCALED,
+    norms.QK_NORM_ACROSS_HEADS, embeddings.SCALED, positions.ROTARY_INTERLEAVED,
 )
 BY_NAME: dict[str, Feature] = {f.name: f for f in ALL}
 NAMES: tuple[str, ...] = tuple(BY_NAME)

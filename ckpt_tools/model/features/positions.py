@@ -1,5 +1,6 @@
-"""The positions' features: the position embedding (RoPE, learned, none) and RoPE's scaling (Llama 3.1's llama3,
-YaRN: GPTModel's own for GPT-OSS, multi-latent attention's for DeepSeek-V3)."""
+"""The positions' features: the position embedding (RoPE, learned, none), RoPE's scaling (Llama 3.1's llama3,
+YaRN: GPTModel's own for GPT-OSS, multi-latent attention's for DeepSeek-V3) and its pairs (ERNIE 4.5's interleaved
+RoPE)."""
 from __future__ import annotations
 
 from ckpt_tools.model.features.base import Feature, arg
@@ -79,3 +80,18 @@ ROPE_SCALING = Feature(
     read=lambda args: "llama3" if arg(args, "use_rope_scaling", False) else "yarn" if gpt_yarn(args) else None,
     shown=lambda v: {"llama3": "rope + use_rope_scaling"}.get(v, v or "rope"),
     write=_scaling_args, flags=_scaling_flags, refuse=_scaling_refused)
+
+
+# megatron-core's rotary_interleaved: dims 2j and 2j + 1 of each head turn together by frequency j (ERNIE 4.5; the
+# default turns dim j with dim j + d/2). The weights are the same either way; only the rotation differs. Megatron-LM's
+# --use-checkpoint-args restores it (its checkpointing's _set_arg, force=True): no load flag.
+ROTARY_INTERLEAVED = Feature(
+    "rotary_interleaved", (False,), "rotary_interleaved",
+    read=lambda args: bool(arg(args, "rotary_interleaved", False)),
+    write=lambda spec: {"rotary_interleaved": bool(spec.rotary_interleaved)})
+# megatron-core's HybridModel builds its RotaryEmbedding without rotary_interleaved while its attention applies the
+# flag (0.19.2, and Megatron-LM's main of 2026-08-22): adjacent pairs turned by the halves' frequencies, a rotation
+# neither GPTModel nor transformers computes. Refused both ways (forms.megatron_spec, verbs.to_megatron).
+HYBRID_INTERLEAVED = ("interleaved RoPE (rotary_interleaved) in a HybridModel: megatron-core's HybridModel builds its "
+                      "rotary tables without the flag its attention applies, so the model turns adjacent pairs of "
+                      "dims by the frequencies of the two halves, which no HF model computes")
