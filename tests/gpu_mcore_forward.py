@@ -35,7 +35,8 @@ def mcore_model(spec: ModelSpec, tp: int, dtype: torch.dtype, padded_vocab: int)
         normalization=spec.normalization, gated_linear_unit=spec.gated_linear_unit,
         activation_func=F.silu if spec.gated_linear_unit else partial(F.gelu, approximate=
                                                                       "tanh" if spec.activation == "gelu_tanh" else "none"), add_bias_linear=spec.add_bias_linear,
-        layernorm_epsilon=spec.norm_epsilon, hidden_dropout=0.0, attention_dropout=0.0)
+        layernorm_epsilon=spec.norm_epsilon, hidden_dropout=0.0, attention_dropout=0.0,
+        rotary_interleaved=bool(spec.rotary_interleaved))
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization=spec.normalization),
                     vocab_size=padded_vocab, max_sequence_length=spec.max_position_embeddings,
                     position_embedding_type=spec.position_embedding_type, rotary_base=int(spec.rotary_base),
@@ -56,8 +57,9 @@ def main(out: str, arch: str, dtype_name: str, ckpt: str | None = None, tokens_p
     model_parallel_cuda_manual_seed(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     spec = ModelSpec(arch, num_layers=4, hidden_size=256, num_attention_heads=8,
-                     num_query_groups=2 if arch == "llama" else None, ffn_hidden_size=512, vocab_size=1000,
-                     max_position_embeddings=256, tie_word_embeddings=arch == "gpt2")
+                     num_query_groups=None if arch == "gpt2" else 2, ffn_hidden_size=512, vocab_size=1000,
+                     max_position_embeddings=256, tie_word_embeddings=arch != "llama",
+                     **({"add_bias_linear": True} if arch == "ernie4_5" else {}))  # ERNIE 4.5: interleaved RoPE
     if ckpt is None:
         ours = GPTStage(spec, megatron_config(spec, tp, 1, dtype, on_cpu=False), tp_size=tp, pp_rank=0,
                         layer_counts=[spec.num_layers], padded_vocab=spec.padded_vocab_size(tp)).cuda()

@@ -16,7 +16,7 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "ernie4_5"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_megatron_core_forward_equals_trainer(tp, arch, dtype, tmp_path):
     if torch.cuda.device_count() < tp:
