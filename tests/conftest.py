@@ -36,11 +36,14 @@ else:
 SLOW_S, FAST_S = 15.0, 0.3
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what does not run
 def pytest_collection_modifyitems(config, items) -> None:
     weight: dict[Path, float] = {}
-    for item in items:
+    first: dict[Path, int] = {}
+    for i, item in enumerate(items):
         weight[item.path] = weight.get(item.path, 0.0) + (SLOW_S if item.get_closest_marker("slow") else FAST_S)
-    items.sort(key=lambda item: -weight[item.path])  # stable: each module's own order kept, its tests together
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (-weight[item.path], first[item.path]))  # stable: each module's order, together
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

@@ -233,7 +233,9 @@ def test_families_sharing_megatron_arguments_come_back_as_themselves(case, hf_di
     """Mistral's and Phi-3's Megatron-LM arguments are Llama's, Seed-OSS's Qwen2's: the written args name the
     family, so a merge of the Megatron-LM checkpoint is a Mistral / Phi-3 / Seed-OSS model again. ERNIE 4.5's
     rotary_interleaved is its own: read back from the arguments, it is an ERNIE 4.5 model again too."""
+    from ckpt_tools.verbs.inspect import describe
     import_hf(hf_dirs[case], tmp_path / "megatron", tp=1, pp=2, form="torch", quiet=True)
+    assert ("RoPE (base 500000, interleaved)" in describe(tmp_path / "megatron")) == (case == "ernie4_5_bias")
     merge(tmp_path / "megatron", tmp_path / "merged", quiet=True)
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == CASES[case][2]
     original = load_safetensors(hf_dirs[case] / "model.safetensors")

@@ -149,6 +149,7 @@ COVERAGE = {
     "gpt_oss_pp2": (gpt_oss(), 2),  # sinks, biased router and experts
     "nemotron_h_pp2": (nemotron_h(), 2),  # a block per layer: Mamba-2, attention, MLP
     "qwen3_next_pp2": (qwen3_next(), 2),  # gated DeltaNet or gated attention, then MoE with a shared expert
+    "ernie4_5_biased_pp2": (llama(architecture="ernie4_5", add_bias_linear=True, tie=True), 2),  # a gated fc1 bias
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -229,10 +230,8 @@ def test_table_coverage() -> None:
     assert unused == UNREACHABLE, f"rules never used by any spec: {unused} (known unreachable: {UNREACHABLE})"
 
 
-# The gated fc1 bias row needs add_bias_linear and gated_linear_unit together, which no family has
-# (the Llama-like: gated, no linear biases; gpt2: biases, not gated). It is dead today; it is the
-# only such row, and its split/join is still tested below through a spec that claims both.
-UNREACHABLE = [("decoder.layers.{i}.mlp.linear_fc1.bias", "gated")]
+# Every row is used by some family (the gated fc1 bias, add_bias_linear with a gated MLP: ERNIE 4.5's use_bias).
+UNREACHABLE: list[tuple[str, str]] = []
 
 
 def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
@@ -246,7 +245,8 @@ def test_unreachable_rows_are_unreachable_for_every_spec() -> None:
                 32, None)] if family.name == "deepseek_v3" else [gpt_oss()] if family.name == "gpt_oss" else \
                 [nemotron_h(tie_word_embeddings=tie)] if family.name == "nemotron_h" else \
                 [qwen3_next(tie_word_embeddings=tie)] if family.name == "qwen3_next" else \
-                [llama(architecture=family.name, tie=tie, **moe)]
+                [llama(architecture=family.name, tie=tie, add_bias_linear=bias, **moe)
+                 for bias in family.allowed("add_bias_linear")]
             for spec in specs:
                 for pp in (1, 2):
                     reachable |= {(r.name, r.split) for r in layout.rules_for(spec, pp)}
@@ -294,20 +294,13 @@ def test_mtp_layers_are_the_last_decoder_layers(spec: ModelSpec, pp: int, ep: in
         layout.find_rule("mtp.layers.0.enorm.weight", plain)
 
 
-def _gated_with_bias(**kw) -> ModelSpec:
-    """A llama spec that claims linear biases (no family allows it), only to exercise the gated-bias row."""
-    spec = ModelSpec(**kw)
-    object.__setattr__(spec, "add_bias_linear", True)
-    return spec
-
-
 @pytest.mark.parametrize("tp", TPS)
 def test_gated_bias_row_roundtrip_and_rows(tp: int) -> None:
-    spec = _gated_with_bias(architecture="llama", num_layers=1, hidden_size=64, num_attention_heads=8,
-                          ffn_hidden_size=32, vocab_size=1000)
+    spec = ModelSpec(architecture="ernie4_5", num_layers=1, hidden_size=64, num_attention_heads=8,
+                     ffn_hidden_size=32, vocab_size=1000, add_bias_linear=True)  # ERNIE 4.5's use_bias
     key = "decoder.layers.0.mlp.linear_fc1.bias"
     rule = layout.find_rule(key, spec)
-    assert (rule.name, rule.split) == UNREACHABLE[0]
+    assert (rule.name, rule.split) == ("decoder.layers.{i}.mlp.linear_fc1.bias", "gated")
     full = random_full(layout.full_shape(key, spec, 1024), torch.bfloat16, seed=tp)
     assert full.shape == (64,)
     shards = shard_ops.split(key, full, spec, tp)

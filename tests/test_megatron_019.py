@@ -149,12 +149,13 @@ def test_interleaved_rotary_in_a_hybrid_model_is_refused_both_ways(tmp_path):
     for verb in (["merge", SAVES / "hybrid_ernie4_5_tp2" / "torch_dist", tmp_path / "out"],
                  ["reshard", SAVES / "hybrid_ernie4_5_tp2" / "torch_dist", tmp_path / "out", "--tp", "1", "--pp", "1"]):
         line = one_line_error(run(*verb, "--vocab-size", VOCAB))
-        assert "hybrid_layer_pattern '*-*-' with interleaved RoPE (rotary_interleaved) in a HybridModel" in line, line
+        assert "layer pattern '*-*-' with interleaved RoPE (rotary_interleaved) in megatron-core's HybridModel" in line
+        assert "as a GPTModel (pretrain_gpt.py)" in line, line
         assert_nothing_written(tmp_path / "out")
     src = SAVES / "gpt_ernie4_5_tp2" / "torch_dist"
     line = one_line_error(run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--format", "torch_dist",
                               "--model", "hybrid", "--vocab-size", VOCAB))
-    assert "interleaved RoPE (rotary_interleaved) in a HybridModel" in line and "pass --model gpt" in line, line
+    assert "interleaved RoPE (rotary_interleaved) in megatron-core's HybridModel" in line and "pass --model gpt" in line
     assert_nothing_written(tmp_path / "out")
     result = run("reshard", src, tmp_path / "out", "--tp", "1", "--pp", "1", "--format", "torch_dist", "--model",
                  "gpt", "--vocab-size", VOCAB, "--quiet")

@@ -132,9 +132,9 @@ class Embedding(nn.Module):
 
 
 def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [s, 1, 1, 1, d/2] for rotate-half RoPE, computed in fp32 as megatron-core does (its
-    tables repeat these values for the second half of each head); d the head's rotary part (all of it, or
-    multi-latent attention's qk_pos_emb_head_dim)."""
+    """cos/sin [s, 1, 1, 1, d/2], frequency j's at j, computed in fp32 as megatron-core does (its tables repeat these
+    values for the second half of each head, or for each pair's second dim where the rotary is interleaved); d the
+    head's rotary part (all of it, or multi-latent attention's qk_pos_emb_head_dim)."""
     d = spec.qk_pos_emb_head_dim if spec.multi_latent_attention else int(spec.kv_channels * spec.rotary_percent)
     inv_freq = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     if spec.rope_scaling == "llama3":

@@ -113,7 +113,8 @@ def spec_from_args(args, vocab_size: int | None, pattern: hybrid.Pattern | None 
                           f"the args are damaged; restore them from the source")
     found = features.from_megatron(args)
     if pattern is not None and found["rotary_interleaved"]:
-        raise ConfigError(f"hybrid_layer_pattern {pattern.text!r} with {HYBRID_INTERLEAVED}: not read by this version")
+        raise ConfigError(f"layer pattern {pattern.text!r} with {HYBRID_INTERLEAVED}: no conversion keeps this model; "
+                          f"a model for HF trains --rotary-interleaved as a GPTModel (pretrain_gpt.py)")
     single = pattern is not None and pattern.single  # Mamba-2 layers: a hybrid family's
     linear = (pattern is not None and hybrid.GDN in pattern.text) or (pattern is None and linear_attention(args))
     family, misfits = families.for_features(found, moe=bool(moe), hybrid=single, linear=bool(linear))

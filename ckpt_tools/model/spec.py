@@ -46,8 +46,7 @@ class ModelSpec:
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # the share of each head's dims the rotary embedding turns, the first ones (GLM-4.5)
-    rotary_interleaved: bool | None = None  # RoPE turns adjacent pairs of dims, not the two halves (a feature)
-    tie_word_embeddings: bool | None = None  # None: the family's default (gpt2 tied, the others not)
+    tie_word_embeddings: bool | None = None  # None: the family's default (gpt2, gemma, ernie4_5 tied; most not)
     make_vocab_size_divisible_by: int = 128
     # Features (megatron-core TransformerConfig terms); None: the family's default, and a family refuses
     # values it cannot express (ckpt_tools.model.features lists them).
@@ -60,6 +59,7 @@ class ModelSpec:
     qk_layernorm: bool | None = None  # a norm on queries and keys (Qwen3, OLMoE)
     qk_norm_across_heads: bool | None = None  # that norm spans all heads at once, not each head (OLMoE)
     position_embedding_type: str | None = None  # rope | learned_absolute | none (Nemotron-H: no positions at all)
+    rotary_interleaved: bool | None = None  # RoPE turns adjacent pairs of dims (2j, 2j + 1), not the halves (ERNIE 4.5)
     rope_scaling: str | None = None  # None, llama3 (Llama 3.1 frequency scaling) or yarn (DeepSeek-V3, Kimi K2)
     rope_scaling_factor: float = 8.0  # llama3 scaling parameters (megatron-core's defaults)
     rope_low_freq_factor: float = 1.0

@@ -94,7 +94,8 @@ def describe(src: str | Path, show_tensors: bool = False, vocab_size: int | None
                f"{s.mamba_head_dim}, {s.mamba_num_groups} groups, state {s.mamba_state_dim})" if s.hybrid else "")
             + f", hidden {s.hidden_size}, heads {s.num_attention_heads} ({heads}), ffn {s.ffn_hidden_size}, "
             f"{s.normalization} (eps {s.norm_epsilon:g}), {act.get(s.activation, 'GELU')}, "
-            + (f"RoPE (base {s.rotary_base:g})" if s.position_embedding_type == "rope"
+            + (f"RoPE (base {s.rotary_base:g}{', interleaved' if s.rotary_interleaved else ''})"
+               if s.position_embedding_type == "rope"
                else "no positions" if s.position_embedding_type == "none"
                else f"learned positions ({s.max_position_embeddings})")
             + f", {'tied' if s.tie_word_embeddings else 'untied'} embeddings"

@@ -52,14 +52,14 @@ def check(spec: ModelSpec, target: Layout, dtype: str, resume: ResumeState | Non
     written, pattern = forms.get(form), None
     if spec.hybrid:  # Mamba-2 layers: only a HybridModel holds them
         model = HYBRID
+    if model == HYBRID and spec.rotary_interleaved:
+        raise ConfigError(f"{where}: {HYBRID_INTERLEAVED}: pass --model gpt (GPTModel builds it as HF does)")
     if model == HYBRID:
         if not written.hybrid:
             raise ConfigError(f"{where}: a HybridModel checkpoint is written in Megatron-LM's {forms.only('hybrid')} "
                               f"form only by this version, not in {form}: pass --format {forms.only('hybrid')}" + (
                                   "" if spec.hybrid else ", or --model gpt to write a GPTModel checkpoint of the same "
                                                          "weights"))
-        if spec.rotary_interleaved:
-            raise ConfigError(f"{where}: {HYBRID_INTERLEAVED}: pass --model gpt (GPTModel builds it as HF does)")
         if spec.mtp_num_layers:
             raise ConfigError(f"{where}: multi-token prediction layers in a HybridModel (its own MTP pattern) are not "
                               f"written by this version: pass --model gpt")

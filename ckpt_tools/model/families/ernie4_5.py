@@ -1,6 +1,7 @@
 """ERNIE 4.5 (Baidu's dense ERNIE-4.5-0.3B): Llama's layers with RoPE on adjacent pairs of each head's dims
 (transformers' Ernie4_5 rotation; megatron-core's rotary_interleaved), embeddings tied by default, and `use_bias`
-putting a bias on every linear layer (megatron-core's add_bias_linear). Every tensor copies as Llama's."""
+putting a bias on every linear layer (megatron-core's add_bias_linear). Every tensor copies row for row, as Llama's
+do; the rotation alone differs."""
 from ckpt_tools.model.families import GATED, SAME, Family, Field, Name, heads_dim, llama
 
 _L, _H = "decoder.layers.{i}.", "model.layers.{i}."

@@ -89,9 +89,10 @@ ROTARY_INTERLEAVED = Feature(
     "rotary_interleaved", (False,), "rotary_interleaved",
     read=lambda args: bool(arg(args, "rotary_interleaved", False)),
     write=lambda spec: {"rotary_interleaved": bool(spec.rotary_interleaved)})
-# megatron-core's HybridModel builds its RotaryEmbedding without rotary_interleaved while its attention applies the
-# flag (0.19.2, and Megatron-LM's main of 2026-08-22): adjacent pairs turned by the halves' frequencies, a rotation
-# neither GPTModel nor transformers computes. Refused both ways (forms.megatron_spec, verbs.to_megatron).
-HYBRID_INTERLEAVED = ("interleaved RoPE (rotary_interleaved) in a HybridModel: megatron-core's HybridModel builds its "
-                      "rotary tables without the flag its attention applies, so the model turns adjacent pairs of "
-                      "dims by the frequencies of the two halves, which no HF model computes")
+# megatron-core's HybridModel (and MambaModel before it: 0.16.1 to 0.19.2, and Megatron-LM's main of 2026-08-22)
+# builds its RotaryEmbedding without rotary_interleaved while its attention applies the flag. Refused both ways
+# (forms.megatron_spec, verbs.to_megatron).
+HYBRID_INTERLEAVED = ("interleaved RoPE (rotary_interleaved) in megatron-core's HybridModel (MambaModel before 0.19), "
+                      "which lays its rotary tables out for the two halves of each head while its attention pairs "
+                      "dims 2j and 2j + 1: the two dims of a pair turn by different frequencies, not a rotation, "
+                      "and no HF model computes it")
