@@ -31,6 +31,8 @@ CASES = {
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 24, "pad_token_id": None}, "ernie4_5"),
     "ernie4_5_bias": ("Ernie4_5Config", {"head_dim": 24, "pad_token_id": None, "use_bias": True,
                                          "tie_word_embeddings": False}, "ernie4_5"),
+    # GLM-4: QKV biases, a fused gate_up_proj, RoPE on half of each head in adjacent pairs (ERNIE 4.5's rotation)
+    "glm": ("GlmConfig", {"head_dim": 24, "pad_token_id": None}, "glm"),
     "phi3": ("Phi3Config", {"pad_token_id": None}, "phi3"),
     "gemma": ("GemmaConfig", {"head_dim": 24, "pad_token_id": None}, "gemma"),  # zero-centred norms, scaled embeddings
     # mixtures of experts: top-2 of 4 experts, renormalised (Mixtral) or not (Qwen3-MoE's norm_topk_prob false)

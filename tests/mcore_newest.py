@@ -86,6 +86,9 @@ CASES = {
     "gpt_ernie4_5_tp2": {"kind": "gpt", "tp": 2, "pp": 1, "model": _ERNIE4_5},
     "hybrid_ernie4_5_tp2": {"kind": "hybrid", "pattern": "*-*-", "tp": 2, "pp": 1, "model": _ERNIE4_5,
                             "refused": True},
+    # GLM-4: QKV biases, RoPE on the first half of each head in adjacent pairs
+    "gpt_glm_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
+                    "model": {**_LLAMA, "architecture": "glm", "kv_channels": 24, "rotary_percent": 0.5}},
     "gpt_gpt_oss_tp2": {"kind": "gpt", "tp": 2, "pp": 1,
                         "model": {**_LLAMA, "architecture": "gpt_oss", "ffn_hidden_size": 32, "kv_channels": 16,
                                   "num_moe_experts": 4, "moe_router_topk": 2, "sliding_window": 8,

@@ -57,10 +57,10 @@ def test_import_reshard_merge_is_the_same_model(case, hf_dirs, tmp_path):
     assert rel(ours, want) < 1e-6
 
 
-# every case but mistral (its head_dim path is qwen3's), qwen2_tied (its path is qwen2's), seed_oss (qwen2's
-# biases with qwen3's head_dim) and ernie4_5 (ernie4_5_bias's rotation, tied as llama3_tied)
-FORWARD = ("deepseek_v3", "ernie4_5_bias", "gemma", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral", "nemotron_h",
-           "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
+# every case but mistral (its head_dim path is qwen3's), qwen2 and qwen2_tied (QKV biases: glm's), seed_oss (glm's
+# biases and head_dim) and ernie4_5 (ernie4_5_bias's rotation, tied as llama3_tied)
+FORWARD = ("deepseek_v3", "ernie4_5_bias", "gemma", "glm", "glm4_moe", "gpt_oss", "llama3_tied", "mixtral",
+           "nemotron_h", "olmoe", "phi3", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
 
 
 @pytest.mark.slow
@@ -91,18 +91,18 @@ def test_gated_deltanet_moe_model_at_ep2(hf_dirs, tmp_path):
 
 
 # ---------------------------------------------------------------- megatron-core's own model of each family
-MCORE = {  # ModelSpec fields of megatron-core GPTModels whose features the Llama-like families add
+MCORE = {  # ModelSpec fields of megatron-core GPTModels whose features the Llama-like families add (Qwen2's and
+    # Seed-OSS's QKV biases and explicit head_dim are GLM-4's too, tied embeddings ERNIE 4.5's)
     # GLM-4.5: QKV biases, q/k norms, half-rotary heads, a dense layer, then sigmoid / grouped / scaled routing
     "glm4_moe": {"architecture": "glm4_moe", "kv_channels": 24, "add_qkv_bias": True, "qk_layernorm": True,
                  "rotary_percent": 0.5, "num_moe_experts": 8, "moe_router_topk": 4, "moe_ffn_hidden_size": 32,
                  "moe_shared_expert_intermediate_size": 32, "moe_router_num_groups": 4, "moe_router_group_topk": 2,
                  "moe_router_topk_scaling_factor": 1.5, "layer_pattern": "*-*E*E*E"},
-    "qwen2_tied": {"architecture": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"architecture": "qwen3", "kv_channels": 24},
-    # Seed-OSS: QKV biases and an explicit head_dim (4 x 24 != 64)
-    "seed_oss": {"architecture": "seed_oss", "kv_channels": 24, "add_qkv_bias": True},
     # ERNIE 4.5: RoPE on adjacent pairs (megatron-core's rotary_interleaved), a bias on every linear layer, tied
     "ernie4_5": {"architecture": "ernie4_5", "kv_channels": 24, "add_bias_linear": True},
+    # GLM-4: QKV biases, RoPE on the first half of each head in adjacent pairs
+    "glm": {"architecture": "glm", "kv_channels": 24, "add_qkv_bias": True, "rotary_percent": 0.5},
     "llama3": {"architecture": "llama", "rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rotary_base": 500000.0},
     # GPT-OSS: sinks, windows on alternate layers, GPTModel's YaRN unrounded, biased experts (ETP 1) with the clamped
     # GLU of +1

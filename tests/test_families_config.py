@@ -47,6 +47,7 @@ def test_family_records_map_their_config_both_ways():
     ({"model_type": "seed_oss", "attention_bias": False}, "attention_bias=false is not supported (Q, K and V without"),
     ({"model_type": "seed_oss", "attention_out_bias": True}, "attention_out_bias=true is not supported"),
     ({"model_type": "seed_oss", "mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"model_type": "glm", "attention_bias": False}, "attention_bias=false is not supported (Q, K and V without"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope scaling longrope"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5"),
@@ -151,19 +152,25 @@ def test_yarn_megatron_lm_cannot_say_is_not_written_in_its_forms():
     assert "--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1" in line, line
 
 
-@pytest.mark.parametrize("model_type,config_class", [("seed_oss", "SeedOssConfig"), ("ernie4_5", "Ernie4_5Config")])
-def test_families_read_the_defaults_transformers_assumes(model_type, config_class, tmp_path):
-    """SeedOssConfig and Ernie4_5Config: without head_dim 128, with null hidden / heads; without num_key_value_heads
-    their own count (8, 2), with null one per head; ERNIE 4.5 tied and at rope theta 500000 unless told. A config
-    that leaves them out is read as transformers builds the model."""
+# GlmConfig keeps a null head_dim and num_key_value_heads as null (its model cannot be built from them): no null case
+@pytest.mark.parametrize("model_type,config_class,nulls", [("seed_oss", "SeedOssConfig", True),
+                                                           ("ernie4_5", "Ernie4_5Config", True),
+                                                           ("glm", "GlmConfig", False)])
+def test_families_read_the_defaults_transformers_assumes(model_type, config_class, nulls, tmp_path):
+    """SeedOssConfig, Ernie4_5Config and GlmConfig: without head_dim 128, with null hidden / heads; without
+    num_key_value_heads their own count (8, 2, 2), with null one per head; ERNIE 4.5 tied and at rope theta 500000,
+    GLM-4 rotating half of each head, unless told. A config that leaves them out is read as transformers builds the
+    model."""
     import transformers
     base = {"model_type": model_type, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 16}
-    for extra in ({}, {"head_dim": None, "num_key_value_heads": None}):
+    for extra in ({}, {"head_dim": None, "num_key_value_heads": None}) if nulls else ({},):
         theirs = getattr(transformers, config_class)(**{k: v for k, v in {**base, **extra}.items()
                                                           if k != "model_type"})
         (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
         spec = hf.spec_from_hf(tmp_path / "config.json")
-        assert (spec.kv_channels, spec.num_query_groups, spec.tie_word_embeddings, spec.rotary_base) == (
+        assert (spec.kv_channels, spec.num_query_groups, spec.tie_word_embeddings, spec.rotary_base,
+                spec.rotary_percent, spec.norm_epsilon) == (
             theirs.head_dim, theirs.num_key_value_heads, theirs.tie_word_embeddings,
-            theirs.rope_parameters["rope_theta"]), extra
+            theirs.rope_parameters["rope_theta"], theirs.rope_parameters.get("partial_rotary_factor", 1.0),
+            theirs.rms_norm_eps), extra

@@ -259,9 +259,8 @@ def test_a_team_verifies_tier_1_as_one_process_and_finds_a_changed_tensor(alone,
     proc = ckpt("verify", str(sources["ours"]), str(bad), "--nproc-per-node", "3", check=False)
     assert proc.returncode == 1
     assert f"-> {name}: 1 element(s) differ" in proc.stdout
-    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
-        line for line in ckpt("verify", str(sources["ours"]), str(bad), check=False).stderr.splitlines()
-        if line.startswith("error")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # one line, once (process 0's)
+    assert len(errors) == 1 and "tier 1" in errors[0], proc.stderr[-2000:]
 
 
 def test_free_ports_come_from_the_jobs_own_range(monkeypatch):

@@ -293,12 +293,13 @@ def kv_heads(c: dict) -> int:
 
 
 def _families() -> tuple[Family, ...]:
-    from ckpt_tools.model.families import (deepseek_v3, ernie4_5, gemma, glm4_moe, gpt2, gpt_oss, llama, mistral,
-                                           mixtral, nemotron_h, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
-                                           qwen3_next, seed_oss)
+    from ckpt_tools.model.families import (deepseek_v3, ernie4_5, gemma, glm, glm4_moe, gpt2, gpt_oss, llama,
+                                           mistral, mixtral, nemotron_h, olmoe, phi3, qwen2, qwen2_moe, qwen3,
+                                           qwen3_moe, qwen3_next, seed_oss)
     return (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY,
             mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, glm4_moe.FAMILY,
-            deepseek_v3.FAMILY, gpt_oss.FAMILY, nemotron_h.FAMILY, qwen3_next.FAMILY, seed_oss.FAMILY, ernie4_5.FAMILY)
+            deepseek_v3.FAMILY, gpt_oss.FAMILY, nemotron_h.FAMILY, qwen3_next.FAMILY, seed_oss.FAMILY, ernie4_5.FAMILY,
+            glm.FAMILY)
 
 
 _REGISTRY: dict[str, Family] = {}
