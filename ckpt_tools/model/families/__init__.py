@@ -292,6 +292,18 @@ def kv_heads(c: dict) -> int:
     return c["num_attention_heads"]
 
 
+def head_dim_unless_null(absent: int) -> Callable[[dict], int]:
+    """head_dim's default in configs that assume `absent` where the key is missing and hidden / heads where it is null
+    (transformers' SeedOssConfig, Ernie4_5Config, GlmConfig)."""
+    return lambda c: heads_dim(c) if "head_dim" in c else absent
+
+
+def kv_heads_unless_null(absent: int) -> Callable[[dict], int]:
+    """num_key_value_heads' default in configs that assume `absent` where the key is missing and every head its own
+    where it is null."""
+    return lambda c: kv_heads(c) if "num_key_value_heads" in c else absent
+
+
 def _families() -> tuple[Family, ...]:
     from ckpt_tools.model.families import (deepseek_v3, ernie4_5, gemma, glm, glm4_moe, gpt2, gpt_oss, llama,
                                            mistral, mixtral, nemotron_h, olmoe, phi3, qwen2, qwen2_moe, qwen3,

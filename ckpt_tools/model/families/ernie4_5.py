@@ -2,7 +2,8 @@
 (transformers' Ernie4_5 rotation; megatron-core's rotary_interleaved), embeddings tied by default, and `use_bias`
 putting a bias on every linear layer (megatron-core's add_bias_linear). Every tensor copies row for row, as Llama's
 do; the rotation alone differs."""
-from ckpt_tools.model.families import GATED, SAME, Family, Field, Name, heads_dim, llama
+from ckpt_tools.model.families import (GATED, SAME, Family, Field, Name, head_dim_unless_null, kv_heads_unless_null,
+                                       llama)
 
 _L, _H = "decoder.layers.{i}.", "model.layers.{i}."
 # `use_bias`: the output projection's and the MLP's biases beside Llama's QKV bias rows
@@ -13,20 +14,10 @@ NAMES = llama.NAMES + (
 )
 
 
-def _head_dim(c: dict) -> int:
-    """transformers' Ernie4_5Config: 128 where the key is absent, hidden / heads where it is null."""
-    return heads_dim(c) if "head_dim" in c else 128
-
-
-def _kv_heads(c: dict) -> int:
-    """Ernie4_5Config: 2 where the key is absent, every head its own where it is null."""
-    return c["num_attention_heads"] if "num_key_value_heads" in c else 2
-
-
 FAMILY = Family(
     name="ernie4_5", model_type="ernie4_5", hf_class="Ernie4_5ForCausalLM",
     features={"rotary_interleaved": (True,), "add_bias_linear": (False, True), "tie_word_embeddings": (True, False)},
     names=NAMES,
-    config=llama.config(1e-5, _head_dim, 131072, Field("use_bias", "add_bias_linear", False), tied=True,
-                        theta=500000.0, kv=_kv_heads),
+    config=llama.config(1e-5, head_dim_unless_null(128), 131072, Field("use_bias", "add_bias_linear", False),
+                        tied=True, theta=500000.0, kv=kv_heads_unless_null(2)),
 )
