@@ -47,13 +47,48 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc-per-node N <args>` (args start with -m module); output captured."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    """Run `torchrun --nproc-per-node N <args>` (args: a script and its arguments, or -m module ...); output captured.
+
+    The N processes are started as torchrun starts them on one node: the same environment (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...; rank 0 hosts the rendezvous store, which torchrun's agent would), and
+    when one fails the others are ended (SIGTERM) after a moment to say why, as torchrun ends them. Without torchrun's
+    own process, which imports torch and its elastic agent (~1.5 s of CPU a run on this VM, hundreds of runs a suite).
+    `ckpt train`, `ckpt verify` and the GPU scripts launch the real torchrun; the tests of `ckpt train` run it."""
+    import signal
+    import tempfile
+    import time
+    port = free_port()
+    base = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc)}
+    cmd = [sys.executable, *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
+                                  stdout=out, stderr=err, cwd=ROOT, text=True) for r in range(nproc)]
+        deadline, failed = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in procs):
+                if failed is None:
+                    failed = next((p.returncode for p in procs if p.returncode not in (None, 0)), None)
+                    ends = time.monotonic() + 2.0  # the others' own messages first
+                elif time.monotonic() > ends:
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                time.sleep(0.01)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        code = failed if failed is not None else next((p.returncode for p in procs if p.returncode), 0)
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, 1 if code else 0, out.read(), err.read())
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"torchrun failed ({code}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
