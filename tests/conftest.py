@@ -49,34 +49,42 @@ def pytest_collection_modifyitems(config, items) -> None:
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node N <args>` (args: a script and its arguments, or -m module ...); output captured.
 
-    The N processes are started as torchrun starts them on one node: the same environment (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...; rank 0 hosts the rendezvous store, which torchrun's agent would), and
-    when one fails the others are ended (SIGTERM) after a moment to say why, as torchrun ends them. Without torchrun's
-    own process, which imports torch and its elastic agent (~1.5 s of CPU a run on this VM, hundreds of runs a suite).
-    `ckpt train`, `ckpt verify` and the GPU scripts launch the real torchrun; the tests of `ckpt train` run it."""
+    The N processes are started as torchrun starts them on one node: `python -u`, the same environment (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...; rank 0 hosts the rendezvous store, which torchrun's agent
+    would), and when one fails the others are ended (SIGTERM, SIGKILL 30 s later) after a moment to say why, as
+    torchrun ends them. Without torchrun's own process, which imports torch and its elastic agent (~1.5 s of CPU a
+    run on this VM, hundreds of runs a suite). `ckpt train`, `ckpt verify` and the GPU scripts launch the real
+    torchrun; the tests of `ckpt train` run it."""
     import signal
     import tempfile
     import time
     port = free_port()
-    base = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc)}
-    cmd = [sys.executable, *args]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}  # an outer torchrun's agent
+    base.update({"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                 "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc)})
+    cmd = [sys.executable, "-u", *args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
-                                  stdout=out, stderr=err, cwd=ROOT, text=True) for r in range(nproc)]
-        deadline, failed = time.monotonic() + timeout, None
+        procs: list[subprocess.Popen] = []
+        deadline, failed, ending, timed_out, ended = time.monotonic() + timeout, None, None, False, 0
         try:
-            while any(p.poll() is None for p in procs):
-                if failed is None:
-                    failed = next((p.returncode for p in procs if p.returncode not in (None, 0)), None)
-                    ends = time.monotonic() + 2.0  # the others' own messages first
-                elif time.monotonic() > ends:
+            for r in range(nproc):
+                procs.append(subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+                                                        "ROLE_RANK": str(r)},
+                                              stdout=out, stderr=err, cwd=ROOT, text=True, preexec_fn=_die_with_parent))
+            while None in (codes := [p.poll() for p in procs]):
+                now = time.monotonic()
+                if failed is None and any(c not in (None, 0) for c in codes):
+                    failed = next(c for c in codes if c not in (None, 0))
+                    ending = now + 2.0  # the others' own messages first
+                if ending is not None and now > ending:  # SIGTERM, then SIGKILL to what is still running
                     for p in procs:
                         if p.poll() is None:
-                            p.send_signal(signal.SIGTERM)
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
+                            p.send_signal(signal.SIGKILL if ended else signal.SIGTERM)
+                    ended, ending = ended + 1, now + 30
+                if now > deadline:
+                    timed_out = True
+                    break
                 time.sleep(0.01)
         finally:
             for p in procs:
@@ -86,10 +94,22 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
         code = failed if failed is not None else next((p.returncode for p in procs if p.returncode), 0)
         out.seek(0)
         err.seek(0)
-        proc = subprocess.CompletedProcess(cmd, 1 if code else 0, out.read(), err.read())
+        proc = subprocess.CompletedProcess(cmd, 1 if code or timed_out else 0, out.read(), err.read())
+    if timed_out:
+        raise AssertionError(f"torchrun ran past {timeout} s:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({code}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _die_with_parent() -> None:
+    """In a rank before it runs: the kernel ends it (SIGKILL) if the test process dies (Linux), as torchrun's ranks
+    end with their agent."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
 
 
 def train(config: str, save_dir: Path, nproc: int, launcher: str | None = None, **overrides) -> list[dict]:

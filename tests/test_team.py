@@ -260,7 +260,8 @@ def test_a_team_verifies_tier_1_as_one_process_and_finds_a_changed_tensor(alone,
     assert proc.returncode == 1
     assert f"-> {name}: 1 element(s) differ" in proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # one line, once (process 0's)
-    assert len(errors) == 1 and "tier 1" in errors[0], proc.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: verify failed: tier 1 weights: tensor "), proc.stderr
+    assert f"-> {name}: 1 element(s) differ" in errors[0], errors[0]
 
 
 def test_free_ports_come_from_the_jobs_own_range(monkeypatch):

@@ -294,13 +294,14 @@ def kv_heads(c: dict) -> int:
 
 def head_dim_unless_null(absent: int) -> Callable[[dict], int]:
     """head_dim's default in configs that assume `absent` where the key is missing and hidden / heads where it is null
-    (transformers' SeedOssConfig, Ernie4_5Config, GlmConfig)."""
+    (transformers' SeedOssConfig, Ernie4_5Config; GlmConfig keeps a null as null, which its model cannot be built
+    from: read as hidden / heads here too)."""
     return lambda c: heads_dim(c) if "head_dim" in c else absent
 
 
 def kv_heads_unless_null(absent: int) -> Callable[[dict], int]:
     """num_key_value_heads' default in configs that assume `absent` where the key is missing and every head its own
-    where it is null."""
+    where it is null (GlmConfig keeps a null as null: read as every head its own here too)."""
     return lambda c: kv_heads(c) if "num_key_value_heads" in c else absent
 
 
