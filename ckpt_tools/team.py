@@ -357,7 +357,7 @@ def spawn(argv: Sequence[str], nproc: int, port: int) -> int:
                 p.send_signal(signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     try:
-        procs += [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, preexec_fn=_die_with_parent)
+        procs += [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, preexec_fn=die_with_parent)
                   for r in range(nproc)]
         failed: list[tuple[int, int]] = []  # (rank, exit code) of those that ended with an error on their own
         ended: set[int] = set()  # the ranks this launcher ended
@@ -389,7 +389,7 @@ def spawn(argv: Sequence[str], nproc: int, port: int) -> int:
     return 1 if failed else 0
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In a process of the team, before it runs: the kernel ends it (SIGKILL) if its launcher dies (Linux)."""
     try:
         import ctypes

@@ -14,6 +14,7 @@ from ckpt_tools import io, ports
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.ports import free_port
+from ckpt_tools.team import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
@@ -71,7 +72,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
             for r in range(nproc):
                 procs.append(subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
                                                         "ROLE_RANK": str(r)},
-                                              stdout=out, stderr=err, cwd=ROOT, text=True, preexec_fn=_die_with_parent))
+                                              stdout=out, stderr=err, cwd=ROOT, text=True, preexec_fn=die_with_parent))
             while None in (codes := [p.poll() for p in procs]):
                 now = time.monotonic()
                 if failed is None and any(c not in (None, 0) for c in codes):
@@ -100,16 +101,6 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({code}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
-
-
-def _die_with_parent() -> None:
-    """In a rank before it runs: the kernel ends it (SIGKILL) if the test process dies (Linux), as torchrun's ranks
-    end with their agent."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
 
 
 def train(config: str, save_dir: Path, nproc: int, launcher: str | None = None, **overrides) -> list[dict]:
