@@ -32,7 +32,7 @@ NEWEST = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_019"
 # an interleaved pipeline's (megatron-core 0.16.1's model chunks, `model0`/`model1` per legacy file)
 VPP = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_vpp"  # tests/mcore_vpp.py: PP2 x VPP2
 # (a save without megatron-core's logits, the Mamba hybrid's, whose forward needs GPU kernels, is proven against
-# megatron-core's own shards instead: tests/test_megatron_019.py)
+# megatron-core's own shards instead: tests/test_megatron_019_hybrid.py)
 # megatron-core 0.19.2's saves of its Transformer Engine models on a GPU (tests/mcore_te.py, tests/gpu_te.sh): fused
 # norms, every linear's and norm's `_extra_state` (FP8 scales and amax histories in the fp8 case), the legacy files'
 # tensors on the GPU
