@@ -64,6 +64,31 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     first = merged["torch_dist"]
     for form, tensors in merged.items():
         assert sorted(tensors) == sorted(first) and all(torch.equal(tensors[k], first[k]) for k in first), form
+    assert_copied_with_experts_made(tmp_path / "grouped_torch", tmp_path, first)
+
+
+def assert_copied_with_experts_made(src, tmp_path, expected: dict) -> None:
+    """A legacy save whose experts' bytes are not the layout table's (grouped-GEMM blocks, or whole on every TP rank)
+    goes the byte path with only its experts made by the torch reader, tensor by tensor: its merge and its byte copies
+    into torch_dist and the legacy form (reshard) hold `expected`'s tensors, bit for bit."""
+    from ckpt_tools.forms.byte_ranges import ByteSource
+    from ckpt_tools.model import layout
+    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs.request import Request
+    source = ByteSource.open(src, VOCAB, False)
+    made, copied = set(source.made), set(source.shards)
+    source.close()
+    assert made and copied and all(layout.expert_index(k) is not None for k in made), (made, copied)
+    outs = [tmp_path / f"{src.name}_merged"]
+    merge(src, outs[0], vocab_size=VOCAB, quiet=True)
+    for form in ("torch_dist", "torch"):
+        copy = tmp_path / f"{src.name}_{form}"
+        assert dist_copy.reshard(src, copy, Request(1, 1, form=form), vocab_size=VOCAB, quiet=True) is not None
+        outs.append(tmp_path / f"{copy.name}_merged")
+        merge(copy, outs[-1], vocab_size=VOCAB, quiet=True)
+    for out in outs:
+        tensors = load_safetensors(out / "model.safetensors")
+        assert sorted(tensors) == sorted(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected), out
 
 
 def test_olmoe_norm_over_all_heads_split_over_tp_equals_transformers(tmp_path):
@@ -278,6 +303,4 @@ def test_megatron_core_moe_checkpoint_with_another_expert_tensor_parallel_size_m
     first = load_safetensors(tmp_path / "merged" / "model.safetensors")
     again = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
     assert sorted(again) == sorted(first) and all(torch.equal(again[k], first[k]) for k in first)
-    merge(tmp_path / "torch", tmp_path / "legacy", vocab_size=VOCAB, quiet=True)
-    legacy = load_safetensors(tmp_path / "legacy" / "model.safetensors")
-    assert sorted(legacy) == sorted(first) and all(torch.equal(legacy[k], first[k]) for k in first)
+    assert_copied_with_experts_made(tmp_path / "torch", tmp_path, first)

@@ -2,8 +2,9 @@
 shards and those to copy, every shard a run of parts of a file), read by `torchfile` from the files' pickles and
 indexes. Every shard file must pass the checks the torch reader makes (the size meta.json records,
 checkpoint.extra_shards, checkpoint.shard_problems); where any of that differs, or the files hold what only the torch
-reader decodes (a Megatron-LM optimizer, legacy QKV rows to reorder, grouped experts, an interleaved pipeline's
-chunks), the index raises Declined and the verb reads through torch. formats/readers.py names each form's index;
+reader decodes (a Megatron-LM optimizer), the index raises Declined and the verb reads through torch. Single
+tensors whose bytes are not the table's (legacy QKV rows to reorder, grouped or whole experts) are the index's
+`made`: the torch reader makes those, and the byte path copies the rest. formats/readers.py names each form's index;
 byte_ranges.ByteSource (merge's source) and the byte copies of reshard and import read the shards it gives.
 """
 from __future__ import annotations
@@ -57,6 +58,23 @@ class Shard:
         return out
 
 
+class MadeShard:
+    """A TP shard torch made (byte_ranges.ByteSource.made_shard), read as a Shard is: its rows' bytes, in memory."""
+
+    def __init__(self, t):
+        import torch
+        self.dtype, self.rows = str(t.dtype).removeprefix("torch."), t.shape[0]
+        self.data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+    @property
+    def whole(self) -> list[memoryview]:
+        return [self.data]
+
+    def byte_ranges(self, start: int, stop: int) -> list[memoryview]:
+        row = len(self.data) // self.rows
+        return [self.data[start * row:stop * row]]
+
+
 Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
 
 
@@ -81,12 +99,14 @@ def _shard(path: Path, info: TensorInfo) -> Shard:
 class Index:
     """A checkpoint's tensors as byte ranges: the model's shards and those to copy (the model's, or its fp32 master
     weights), the form's meta; `ours`: our format; `megatron_optimizer`: a Megatron-LM source that holds optimizer
-    state (which the torch path decodes)."""
+    state (which the torch path decodes); `made`: the global keys whose bytes are not the table's, which the torch
+    reader makes, tensor by tensor (the byte path takes the others)."""
     meta: checkpoint.Meta
     model: Shards
     sources: Shards
     ours: bool = False
     megatron_optimizer: bool = False
+    made: frozenset[str] = frozenset()
 
 
 def _no_master(from_master: bool) -> None:
@@ -112,29 +132,53 @@ def dist_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
 
 def legacy_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
     """A legacy (`--ckpt-format torch`) checkpoint's model shards as byte ranges of its rank files, read torch-free;
-    every check the torch path's reader makes must pass."""
+    every check the torch path's reader makes must pass. An interleaved pipeline's virtual stages are the model chunks
+    of their files (megatron_lm.virtual_file). The tensors whose bytes are not the table's are left to the torch
+    reader, one by one (`Index.made`): the fused QKV of a legacy row order (megatron_lm.qkv_order), grouped-GEMM
+    experts (their blocks transposed) and experts held whole on every TP rank (ETP 1, cut)."""
     _no_master(from_master)
     iter_dir = megatron_lm.resolve_iter_dir(src)
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
-    if meta.raw.get(megatron_lm.VIRTUAL, 1) > 1:
-        raise Declined("an interleaved pipeline's model chunks")
-    if meta.raw.get(megatron_lm.WHOLE_EXPERTS):
-        raise Declined("experts held whole in every TP rank's file (ETP 1), to cut")
+    vpp, whole = meta.raw.get(megatron_lm.VIRTUAL, 1), bool(meta.raw.get(megatron_lm.WHOLE_EXPERTS))
     shards: Shards = {}
-    held = False
+    made: set[str] = set()
+    held, files = False, {}
     for rank in meta.grid.ranks():
-        path = megatron_lm.model_path(iter_dir, rank, meta.pp_size)
-        obj = read(path)
-        held = held or bool(obj.get("optimizer")) or (path.parent / megatron_lm.DISTRIB_OPTIM).is_file()
-        if megatron_lm.qkv_order(path, obj) is not None:
-            raise Declined(f"{path}: legacy QKV rows to reorder")
-        if megatron_lm.grouped_experts(obj.get("model") or {}):
-            raise Declined(f"{path}: grouped experts to transpose")
-        state = megatron_lm.model_state(obj, path)
-        if state is None or checkpoint.shard_problems(meta, path, state, rank, _is_tensor):
+        physical, v, pp = megatron_lm.virtual_file(meta, rank)
+        path = megatron_lm.model_path(iter_dir, physical, pp)
+        if path not in files:
+            files[path] = read(path)
+            held = held or bool(files[path].get("optimizer")) or (path.parent / megatron_lm.DISTRIB_OPTIM).is_file()
+        obj = megatron_lm.chunk(files[path], v, vpp, path)
+        state = megatron_lm.model_state(obj, path, split=False)
+        if state is None:
+            raise Declined(f"{path}: holds no model state dict")
+        state = {k: t for k, t in state.items() if not k.endswith(megatron_lm.GROUPED)}
+        torch_made = _made_by_torch(meta, rank, state, megatron_lm.qkv_order(path, obj) is not None, whole,
+                                    megatron_lm.grouped_experts(obj.get("model") or {}))
+        state = {k: t for k, t in state.items() if k not in torch_made}
+        if checkpoint.shard_problems(meta, path, state, rank, _is_tensor, frozenset(torch_made)):
             raise Declined(f"{path}: does not match the layout table")
         _add_shards(shards, meta, rank, path, state)
-    return Index(meta, shards, shards, megatron_optimizer=held)
+        made |= set(torch_made.values())
+    if made & shards.keys():
+        raise Declined("a tensor the torch reader makes in some files and not in others")
+    return Index(meta, shards, shards, megatron_optimizer=held, made=frozenset(made))
+
+
+def _made_by_torch(meta: checkpoint.Meta, rank: Rank, state: dict, qkv: bool, whole: bool,
+                   grouped: bool) -> dict[str, str]:
+    """The tensors of one legacy file (file-local key -> global key) that only the torch reader decodes: the fused QKV
+    of a legacy row order (`qkv`), experts held whole (`whole`) or grouped (`grouped`, their tensors not in `state`)."""
+    out = {}
+    for local, key in meta.rank_keys(rank, owned=True):
+        expert = layout.expert_index(key) is not None and layout.holds_weights(key, meta.spec, meta.pp_size)
+        if (qkv and key.endswith(_QKV)) or (expert and (whole or (grouped and local not in state))):
+            out[local] = key
+    return out
+
+
+_QKV = ("linear_qkv.weight", "linear_qkv.bias")
 
 
 def ours_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:

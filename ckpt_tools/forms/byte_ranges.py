@@ -18,7 +18,7 @@ copied. Nothing else here imports torch (nor numpy, for a Llama model).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,6 +124,8 @@ class ByteSource:
     def __init__(self, meta: checkpoint.Meta, model: Shards, sources: Shards, ours: bool):
         self.meta, self.model, self.shards, self.ours = meta, model, sources, ours
         self.megatron_optimizer = False  # a Megatron-LM source holding optimizer state (decoded by the torch path)
+        self.made: Collection[str] = ()  # the keys torch makes, one by one (byte_index.Index.made)
+        self.maker = None  # what makes them: the form's torch reader (shards.Reader)
         self.files = _Files()
         self._buf, self._sink = bytearray(), bytearray()
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
@@ -143,6 +145,8 @@ class ByteSource:
         source = cls(index.meta, index.model, index.sources, index.ours)
         source.megatron_optimizer = index.megatron_optimizer
         try:
+            if index.made:
+                source.made, source.maker = index.made, _checked_reader(form, Path(src), vocab_size)
             source.check_replicas(index.sources)
             if not source.consistent():
                 raise Declined("replicas that differ, or a tied copy that differs")
@@ -190,6 +194,9 @@ class ByteSource:
     def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], list[Range] | memoryview]]:
         """(name, shape, bytes) of each output tensor of one entry, in `dtype`: byte ranges of the shard files where
         the tensor is dim-0 pieces already in `dtype`, else its bytes in memory (joined, transposed, converted)."""
+        if e.key in self.made:
+            yield from hf_tensors(e, self.made_full(e.key), self.meta.spec, dtype)
+            return
         meta, src_dtype = self.meta, self.shards[e.key][0].dtype
         itemsize = ELEMENT_SIZES[src_dtype]
         pieces = _full_pieces(e.key, meta, self.tp_of(e.key))
@@ -215,8 +222,6 @@ class ByteSource:
         bytes joined, then made by torch as the torch path makes them (conversions.to_hf on the full tensor in its own
         dtype, then the cast). torch is imported here, for these tensors only."""
         import torch
-
-        from ckpt_tools.forms.writers import contiguous_bytes
         meta, src = self.meta, self.shards[e.key][0].dtype
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -224,14 +229,24 @@ class ByteSource:
         rows = sum(p.stop - p.start for p in pieces) if pieces[0].dim == 0 else full_rows
         shape = (rows,) + tuple(layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[1:])
         data = self.gather(self.shards[e.key], pieces, [(0, rows)], itemsize)
-        full = torch.frombuffer(data, dtype=getattr(torch, src)).view(shape)
-        for name, shape, t in zip(e.names, e.shapes, conversions.to_hf(e.kind, full, meta.spec)):
-            if tuple(t.shape) != tuple(shape):
-                raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
-            yield name, shape, contiguous_bytes(t.to(getattr(torch, dtype)))
+        yield from hf_tensors(e, torch.frombuffer(data, dtype=getattr(torch, src)).view(shape), meta.spec, dtype)
+
+    def made_full(self, key: str):
+        """The full tensor of a key torch makes (`made`), at the source's padded vocab."""
+        if self.torch_threads:
+            import torch
+            torch.set_num_threads(self.torch_threads)
+        return self.maker.full(key)
+
+    def made_shard(self, key: str, tp_rank: int):
+        """TP rank `tp_rank`'s shard (at the source's TP) of a key torch makes, contiguous."""
+        return self.maker.shards(key)[tp_rank].contiguous()
 
     def release(self) -> None:
-        """Nothing to release: no pages are mapped (the buffer is reused from one tensor to the next)."""
+        """The torch reader's pages, where it made a tensor; the byte copies map none (the buffer is reused from one
+        tensor to the next)."""
+        if self.maker is not None:
+            self.maker.release()
 
     def gather(self, shards: list[Shard], pieces: list[shard_ops.Piece], rows: shard_ops.Rows, itemsize: int) -> memoryview:
         """Rows of a tensor made of `pieces` of the shards, in memory: dim-0 pieces one after another; on dim 1
@@ -280,3 +295,34 @@ class ByteSource:
 
     def close(self) -> None:
         self.files.close()
+        if self.maker is not None:
+            self.maker.close()
+
+
+def _checked_reader(form, src: Path, vocab_size: int | None):
+    """The form's torch reader, for the tensors it makes; Declined where it finds the checkpoint unreadable (the torch
+    path then words it)."""
+    reader = form.reader(src, vocab_size)
+    try:
+        if reader.validate():
+            raise Declined(f"{src}: the torch reader finds problems")
+    except CkptError as e:
+        reader.close()
+        raise Declined(str(e)) from e
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
+def hf_tensors(e: Entry, full, spec, dtype: str) -> Iterator[tuple[str, tuple[int, ...], memoryview]]:
+    """(name, shape, bytes) of each output tensor of one entry, from its full tensor through torch (conversions.to_hf,
+    then the cast to `dtype`): how the torch path makes every tensor, and the byte path the tensors it leaves to
+    torch."""
+    import torch
+
+    from ckpt_tools.forms.writers import contiguous_bytes
+    for name, shape, t in zip(e.names, e.shapes, conversions.to_hf(e.kind, full, spec)):
+        if tuple(t.shape) != tuple(shape):
+            raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
+        yield name, shape, contiguous_bytes(t.to(getattr(torch, dtype)))

@@ -265,11 +265,13 @@ def extra_shards(meta: Meta) -> list[str]:
             if f.name not in names and not f.name.startswith("rng_")]
 
 
-def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: Callable[[Any], bool]) -> list[str]:
+def shard_problems(meta: Meta, path: Path, state: dict, rank: Rank, is_tensor: Callable[[Any], bool],
+                   made: frozenset[str] = frozenset()) -> list[str]:
     """What is wrong with one model shard's state dict, as one-line problems: keys other than the layout
     table's for its stage, a tensor of another shape than the table's shard shape or of another dtype than
-    meta.json's. `is_tensor` says what a tensor is: torch's, or a torch-free record with .shape and .dtype."""
-    expected = meta.rank_keys(rank)
+    meta.json's. `is_tensor` says what a tensor is: torch's, or a torch-free record with .shape and .dtype. `made`:
+    file-local keys left to the torch reader, which checks them as it decodes them (byte_index)."""
+    expected = [(local, key) for local, key in meta.rank_keys(rank) if local not in made]
     want = {local for local, _ in expected}
     fix = "restore the shard from the source checkpoint"
     problems = [f"{path}: missing tensor {k}, which the layout table puts on {rank}: "

@@ -102,6 +102,7 @@ def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list
                 model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
                 continue
             dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
+            source.release()  # the pages of a tensor the torch reader made (its bytes are held by `data`)
             ref = str(base + len(model))
             archive.add(f"data/{ref}", data)
             model[local] = torchsave.TensorRef(ref, dtype, shape)
@@ -120,16 +121,15 @@ def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
            pp: int) -> tuple[str, tuple, torchsave.Data]:
     """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
     meta, spec = source.meta, source.meta.spec
-    if isinstance(source, HFSource):
-        held = key if key in source.shards or key in source.made else layout.source_key(key, ())
-        if held in source.made:
-            return _made_shard(source, key, held, rank, tp, pp)
-    shards = source.shards[layout.source_key(key, source.shards)]
+    held = key if key in source.shards or key in source.made else layout.source_key(key, source.shards)
+    if held in source.made:
+        return _made_shard(source, key, held, rank, tp, pp)
+    shards = source.shards[held]
     dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
     shape = layout.shard_shape(key, spec, padded, tp, pp)
     if layout.is_replicated(key, spec, pp):
         return dtype, shape, [(source.files.fd(p), o, n) for p, o, n in shards[0].whole]
-    pieces = shard_ops.reshard_pieces(key, spec, source.tp_of(layout.source_key(key, source.shards)), meta.padded_vocab,
+    pieces = shard_ops.reshard_pieces(key, spec, source.tp_of(held), meta.padded_vocab,
                                    tp, padded, rank, pp)
     if pieces[0].dim == 0:
         row = math.prod(shape[1:]) * itemsize
@@ -151,14 +151,24 @@ class HFSource(ByteSource):
         super().__init__(meta, shards, shards, False)
         self.made, self.maker = made, maker
 
+    def made_full(self, key: str):
+        kind, names, dtype = self.made[key]
+        return self.maker.tensor(kind, names, dtype)
 
-def _made_shard(source: HFSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
+    def release(self) -> None:
+        """Nothing mapped: the HF tensors torch makes are read anew each time."""
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
     """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`), as the torch path
     splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew (only
     that shard laid out contiguously)."""
-    kind, names, dtype = source.made[held]
-    shard = shard_ops.split(key, source.maker.tensor(kind, names, dtype), source.meta.spec, tp, pp)[rank].contiguous()
-    return dtype, tuple(shard.shape), [as_bytes(shard)]
+    from ckpt_tools.forms.writers import dtype_name
+    shard = shard_ops.split(key, source.made_full(held), source.meta.spec, tp, pp)[rank].contiguous()
+    return dtype_name(shard.dtype), tuple(shard.shape), [as_bytes(shard)]
 
 
 def as_bytes(t) -> memoryview:

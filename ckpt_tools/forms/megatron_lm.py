@@ -248,10 +248,10 @@ def model_state(obj, where: object = None, split: bool = True) -> dict | None:
 
 def grouped_experts(model: dict) -> bool:
     """The legacy GroupedMLP's experts (--moe-use-legacy-grouped-gemm): a layer's local experts in two tensors."""
-    return any(str(k).endswith(_GROUPED) for k in model)
+    return any(str(k).endswith(GROUPED) for k in model)
 
 
-_GROUPED = (".mlp.experts.weight1", ".mlp.experts.weight2")
+GROUPED = (".mlp.experts.weight1", ".mlp.experts.weight2")  # a layer's legacy GroupedMLP tensors
 
 
 def _split_grouped(where: object, state: dict, local: int) -> None:
@@ -259,7 +259,7 @@ def _split_grouped(where: object, state: dict, local: int) -> None:
     its SequentialMLP weight transposed, as megatron-core's GroupedMLP views them: [E_local, hidden, fc1 rows] and
     [E_local, ffn, hidden]) -> each expert's tensors under the table's names (copies: a transpose is not a byte
     range)."""
-    for key in [k for k in state if k.endswith(_GROUPED)]:
+    for key in [k for k in state if k.endswith(GROUPED)]:
         w, base = state.pop(key), key[:-len("weight1")]
         fc1 = key.endswith("1")
         if local < 1 or w.dim() != 2 or w.shape[1 if fc1 else 0] % local:

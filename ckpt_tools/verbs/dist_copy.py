@@ -27,7 +27,7 @@ from pathlib import Path
 from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
-from ckpt_tools.forms.byte_index import Declined, Shard, field_shards
+from ckpt_tools.forms.byte_index import Declined, MadeShard, Shard, field_shards
 from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
@@ -157,6 +157,11 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
                 if not layout.holds_weights(key, spec, meta.pp_size):
                     if rank.tp == 0:
                         writer.put_extra(rank.pp, key)
+                elif key in source.made:  # a tensor the torch reader makes: its shard at the source's TP, in memory
+                    if writer.saves(key, rank):
+                        _put(writer, source, rank, key, None, MadeShard(source.made_shard(key, rank.tp)), padded,
+                             meta.tp_size)
+                        source.release()
                 elif writer.saves(key, rank):
                     trained = fields.items() if layout.has_optimizer_state(key, spec, meta.pp_size) else ()
                     for field, shards in ((None, source.shards), *trained):
@@ -170,10 +175,10 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
                                                 saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
 
 
-def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard,
+def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard | MadeShard,
          padded: int, src_tp: int) -> None:
     """One source shard (of `src_tp`) as the chunks of the global tensor it is part of, its bytes copied from its
-    file."""
+    file (or from memory, a shard torch made)."""
     meta, spec = source.meta, source.meta.spec
     fqn, layer = writer.stored(key)
     if field is not None:
@@ -189,7 +194,7 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
             stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
                                                           shard_ops.Piece(p.rank, p.dim, p.start, stop))
             writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes,
-                             [(source.files.fd(path), offset, n) for path, offset, n in ranges])
+                             [r if isinstance(r, memoryview) else (source.files.fd(r[0]), r[1], r[2]) for r in ranges])
         at += p.stop - p.start
     if repad and rank.tp == 0:  # the new padding rows: zeros, as pad_vocab makes them
         stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import durable, output
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
-from ckpt_tools.model import conversions, families, hf, layout, shard_ops
+from ckpt_tools.model import families, hf, layout, shard_ops
 from ckpt_tools.model.fp8 import FP8, SCALE, fp8_quantized, quantize_blocks
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.verbs.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
@@ -61,17 +61,11 @@ class TensorSource:
         self.reader.check_hashes(team)
 
     def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], Data]]:
-        import torch
+        from ckpt_tools.forms.byte_ranges import hf_tensors
 
-        from ckpt_tools.forms.writers import contiguous_bytes
-        target = getattr(torch, dtype)
         # a buffer (no optimizer state) is its own master
         field = self.field if layout.has_optimizer_state(e.key, self.meta.spec) else None
-        for name, shape, t in zip(e.names, e.shapes, conversions.to_hf(e.kind, self.reader.full(e.key, field),
-                                                               self.meta.spec)):
-            if tuple(t.shape) != tuple(shape):
-                raise LayoutError(f"{name}: {tuple(t.shape)}, planned {tuple(shape)}")
-            yield name, shape, contiguous_bytes(t.to(target))
+        yield from hf_tensors(e, self.reader.full(e.key, field), self.meta.spec, dtype)
 
     def release(self) -> None:
         self.reader.release()
