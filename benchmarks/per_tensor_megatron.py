@@ -2,7 +2,8 @@
 it is now (each tensor copied as bytes, or made by the torch reader where its bytes are not the layout table's,
 byte_index.Index.made) against the torch path, and against `cp -r` of the output.
 
-Sources (a Qwen2 of multi-head attention, its QKV biases too, bf16, imported from transformers' model by `ckpt import --format torch`):
+Sources (a Qwen2 of multi-head attention with its QKV biases, bf16, imported from transformers' model by
+`ckpt import --format torch`):
   vpp        Megatron-LM's interleaved pipeline, PP2 x VPP2 (TP2): every tensor is copied now;
   version0   TP2 x PP2 saved as a 2020 Megatron-LM did (checkpoint_version 0: fused QKV rows [3, np, hn] per rank, the
              inverse of Megatron-LM's fix_query_key_value_ordering): the QKV weights and biases are made by torch,
@@ -30,8 +31,8 @@ HEADS, HIDDEN, FFN, VOCAB = 16, 1024, 2816, 32000
 
 
 def make_hf(path: Path, size_gb: float, quick: bool) -> None:
-    """A Qwen2 (QKV biases) of multi-head attention (checkpoint_version 0 had no grouped-query attention) in bf16, layers a
-    multiple of 4 (PP2 x VPP2), saved by transformers."""
+    """A Qwen2 (QKV biases) of multi-head attention (checkpoint_version 0 had no grouped-query attention) in bf16,
+    layers a multiple of 4 (PP2 x VPP2), saved by transformers."""
     import torch
     import transformers
     per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN
