@@ -99,11 +99,22 @@ def _as_version(src: Path, dst: Path, version: float, heads: int, head_dim: int)
 @pytest.mark.parametrize("version", [0, 1.0])
 def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
     """A 2020 checkpoint (QKV rows [3, np, hn] or [np, hn, 3] per rank) merges to the same model as version 3.0;
-    the grouped-query attention no such version had is refused with one line."""
+    the grouped-query attention no such version had is refused with one line. The byte path takes it, its QKV
+    tensors alone made by the torch reader, and copies it into torch_dist as well."""
+    from ckpt_tools.forms.byte_ranges import ByteSource
+    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs.request import Request
     old = _as_version(FIXTURES / "gpt_pp2", tmp_path / "old", version, heads=4, head_dim=16)
+    source = ByteSource.open(old, VOCAB, False)
+    assert source.made and all(k.endswith(("linear_qkv.weight", "linear_qkv.bias")) for k in source.made)
+    source.close()
     merge(old, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     merge(FIXTURES / "gpt_pp2", tmp_path / "v3", vocab_size=VOCAB, quiet=True)
     same_files(tmp_path / "hf", tmp_path / "v3")
+    assert dist_copy.reshard(old, tmp_path / "dist", Request(1, 1, form="torch_dist"), vocab_size=VOCAB,
+                             quiet=True) is not None
+    merge(tmp_path / "dist", tmp_path / "dist_hf", vocab_size=VOCAB, quiet=True)
+    same_files(tmp_path / "dist_hf", tmp_path / "v3")
     src = tmp_path / "gqa"
     shutil.copytree(FIXTURES / "llama_tp2", src)
     for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
@@ -162,7 +173,11 @@ def test_interleaved_pipeline_written_loads_into_megatron_cores_model_chunks(tmp
     model) and the torch path; a layout Megatron-LM cannot express is refused in one line, nothing written."""
     from conftest import torchrun
 
+    from ckpt_tools.forms.byte_ranges import ByteSource
     from ckpt_tools.verbs.importer import import_hf
+    source = ByteSource.open(VPP / "torch", VOCAB, False)  # each virtual stage's chunk as byte ranges: no torch
+    assert source.shards and not source.made
+    source.close()
     merge(VPP / "torch", tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     outs = {"dist-torch": (VPP / "torch_dist", "torch"), "legacy-torch": (VPP / "torch", "torch"),
             "legacy-dist": (VPP / "torch", "torch_dist")}
