@@ -47,6 +47,94 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: (-weight[item.path], first[item.path]))  # stable: each module's order, together
 
 
+class _Zygote:
+    """tests/rank_zygote.py, started once per test process: each rank forked from a process that has imported torch
+    (and what else every rank imports), instead of a `python -u` that imports it anew. CKPT_TEST_FORK=0 turns it off."""
+
+    def __init__(self):
+        import threading
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_zygote.py")], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, preexec_fn=die_with_parent)
+        self.codes: dict[int, int] = {}
+        self._started: list[int] = []
+        self._event = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        with self._event:
+            if not self._event.wait_for(lambda: self.ready is not None, timeout=120) or not self.ready:
+                raise RuntimeError("the rank zygote did not start")
+
+    ready: bool | None = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            word, *rest = line.split()
+            with self._event:
+                if word == "ready":
+                    self.ready = True
+                elif word == "started":
+                    self._started.append(int(rest[0]))
+                elif word == "exited":
+                    self.codes[int(rest[0])] = int(rest[1])
+                self._event.notify_all()
+        with self._event:
+            self.ready = False
+            self._event.notify_all()
+
+    def start(self, argv: list[str], env: dict, out: str, err: str) -> int:
+        with self._event:
+            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT), "out": out,
+                                              "err": err}) + "\n")
+            self.proc.stdin.flush()
+            if not self._event.wait_for(lambda: self._started or not self.ready, timeout=60) or not self._started:
+                raise RuntimeError("the rank zygote did not fork")
+            return self._started.pop(0)
+
+
+class _Forked:
+    """A rank forked by the zygote, as much of subprocess.Popen as torchrun() uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.codes.pop(self.pid, None)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        import signal
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        import time
+        while self.poll() is None:
+            time.sleep(0.01)
+        return self.returncode
+
+
+_zygote: list = []  # this test process's, once started (or None: it could not start, ranks are started anew)
+
+
+def _rank_starter():
+    if os.environ.get("CKPT_TEST_FORK", "1") == "0":
+        return None
+    if not _zygote or (_zygote[0] is not None and not _zygote[0].ready):
+        try:
+            _zygote[:] = [_Zygote()]
+        except (OSError, RuntimeError):
+            _zygote[:] = [None]
+    return _zygote[0]
+
+
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc-per-node N <args>` (args: a script and its arguments, or -m module ...); output captured.
 
@@ -54,8 +142,9 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...; rank 0 hosts the rendezvous store, which torchrun's agent
     would), and when one fails the others are ended (SIGTERM, SIGKILL 30 s later) after a moment to say why, as
     torchrun ends them. Without torchrun's own process, which imports torch and its elastic agent (~1.5 s of CPU a
-    run on this VM, hundreds of runs a suite). `ckpt train`, `ckpt verify` and the GPU scripts launch the real
-    torchrun; the tests of `ckpt train` run it."""
+    run on this VM, hundreds of runs a suite); and each rank forked from tests/rank_zygote.py, which has imported torch
+    already (~3 s of CPU a rank), or started anew where it cannot start (CKPT_TEST_FORK=0: always). `ckpt train`,
+    `ckpt verify` and the GPU scripts launch the real torchrun; the tests of `ckpt train` run it."""
     import signal
     import tempfile
     import time
@@ -65,14 +154,18 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
                  "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                  "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc)})
     cmd = [sys.executable, "-u", *args]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs: list[subprocess.Popen] = []
+    zygote = _rank_starter()
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        procs: list = []
         deadline, failed, ending, timed_out, ended = time.monotonic() + timeout, None, None, False, 0
         try:
             for r in range(nproc):
-                procs.append(subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
-                                                        "ROLE_RANK": str(r)},
-                                              stdout=out, stderr=err, cwd=ROOT, text=True, preexec_fn=die_with_parent))
+                env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+                if zygote is not None:
+                    procs.append(_Forked(zygote, zygote.start(list(args), env, out.name, err.name)))
+                else:
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=ROOT, text=True,
+                                                  preexec_fn=die_with_parent))
             while None in (codes := [p.poll() for p in procs]):
                 now = time.monotonic()
                 if failed is None and any(c not in (None, 0) for c in codes):

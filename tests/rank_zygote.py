@@ -1,0 +1,144 @@
+"""The tests' rank starter (conftest.torchrun): a process that has imported what every rank imports, and forks each
+rank from itself, so a rank starts in milliseconds instead of importing torch anew (~3 s of CPU on the test VM, for
+hundreds of ranks a suite).
+
+What it imports is what does not depend on the version of megatron-core a rank picks (tests/mcore_newest.py puts
+0.19.2 first on sys.path): torch and the parts of it megatron-core's import pulls in (DTensor, dynamo, inductor's
+lowerings, export), torch.distributed.checkpoint, and transformers. megatron-core itself is imported by each rank.
+
+Protocol, one line each way: conftest writes a JSON request per rank, {"argv", "env", "cwd", "out", "err"} (argv as
+after `python -u`: a script and its arguments, or `-m module ...`); this process answers `started <pid>` when it has
+forked the rank, and `exited <pid> <code>` when the rank has ended (its exit code as subprocess gives it: negative for
+a signal). The rank runs as `python -u` would run it: its environment, working directory, sys.argv and sys.path[0] as
+given, stdout and stderr appended to the files named, unbuffered, warnings filtered by PYTHONWARNINGS, torch's threads
+by OMP_NUM_THREADS, the RNGs of random and numpy seeded anew, atexit handlers run at the end. It dies with this
+process, and this process with the test process that started it.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import io
+import json
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+import warnings
+
+import torch
+import torch._dynamo  # noqa: F401
+import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
+import torch._inductor.decomposition  # noqa: F401
+import torch._inductor.lowering  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+import torch.export  # noqa: F401
+
+try:
+    importlib.import_module("transformers")
+except ImportError:
+    pass
+
+REPLY = os.dup(1)  # the answers; fd 1 itself is a rank's stdout after the fork
+_lock = threading.Lock()
+
+
+def _say(line: str) -> None:
+    with _lock:
+        os.write(REPLY, (line + "\n").encode())
+
+
+def _reap() -> None:
+    """Every rank's exit, as it happens."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:  # none running
+            time.sleep(0.02)
+            continue
+        _say(f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+def _run(request: dict) -> None:
+    """In the forked child: become the rank, run it, exit with its code (never returns)."""
+    code = 1
+    try:
+        _die_with_parent()
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, path in ((1, request["out"]), (2, request["err"])):
+            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+        os.close(REPLY)
+        sys.stdin = open(os.devnull)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True)
+        warnings.resetwarnings()
+        for action in filter(None, request["env"].get("PYTHONWARNINGS", "").split(",")):
+            warnings.simplefilter(action.split(":")[0])
+        if request["env"].get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        argv = request["argv"]
+        try:
+            if argv[0] == "-m":
+                sys.argv = argv[1:]
+                sys.path[0] = os.getcwd()
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(argv)
+                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def main() -> None:
+    _die_with_parent()
+    threading.Thread(target=_reap, daemon=True).start()
+    _say("ready")
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _run(request)
+        _say(f"started {pid}")
+
+
+if __name__ == "__main__":
+    main()
