@@ -13,7 +13,10 @@ or its bytes in memory: a row-parallel tensor's shards read (preadv) straight in
 rows, GPT-2's transposed weights transposed with numpy, and a dtype conversion as the last step (torch is
 imported for that step only). A tensor whose HF values are arithmetic on megatron-core's (a zero-centred norm's
 offset) is joined from its bytes and made by torch as the torch path makes it, the other tensors of the model still
-copied. Nothing else here imports torch (nor numpy, for a Llama model).
+copied. A tensor whose bytes are not the layout table's (the index's `made`: legacy QKV rows of an old order, grouped
+or whole experts) is made by the form's torch reader (`maker`, opened and checked by `open`), tensor by tensor: merge
+takes its full tensor, and the byte copies of reshard its shards, from memory. Nothing else here imports torch (nor
+numpy, for a Llama model).
 """
 from __future__ import annotations
 
@@ -195,7 +198,7 @@ class ByteSource:
         """(name, shape, bytes) of each output tensor of one entry, in `dtype`: byte ranges of the shard files where
         the tensor is dim-0 pieces already in `dtype`, else its bytes in memory (joined, transposed, converted)."""
         if e.key in self.made:
-            yield from hf_tensors(e, self.made_full(e.key), self.meta.spec, dtype)
+            yield from hf_bytes(e, self.made_full(e.key), self.meta.spec, dtype)
             return
         meta, src_dtype = self.meta, self.shards[e.key][0].dtype
         itemsize = ELEMENT_SIZES[src_dtype]
@@ -229,7 +232,7 @@ class ByteSource:
         rows = sum(p.stop - p.start for p in pieces) if pieces[0].dim == 0 else full_rows
         shape = (rows,) + tuple(layout.full_shape(e.key, meta.spec, meta.padded_vocab, meta.pp_size)[1:])
         data = self.gather(self.shards[e.key], pieces, [(0, rows)], itemsize)
-        yield from hf_tensors(e, torch.frombuffer(data, dtype=getattr(torch, src)).view(shape), meta.spec, dtype)
+        yield from hf_bytes(e, torch.frombuffer(data, dtype=getattr(torch, src)).view(shape), meta.spec, dtype)
 
     def made_full(self, key: str):
         """The full tensor of a key torch makes (`made`), at the source's padded vocab."""
@@ -315,7 +318,7 @@ def _checked_reader(form, src: Path, vocab_size: int | None):
     return reader
 
 
-def hf_tensors(e: Entry, full, spec, dtype: str) -> Iterator[tuple[str, tuple[int, ...], memoryview]]:
+def hf_bytes(e: Entry, full, spec, dtype: str) -> Iterator[tuple[str, tuple[int, ...], memoryview]]:
     """(name, shape, bytes) of each output tensor of one entry, from its full tensor through torch (conversions.to_hf,
     then the cast to `dtype`): how the torch path makes every tensor, and the byte path the tensors it leaves to
     torch."""

@@ -61,11 +61,11 @@ class TensorSource:
         self.reader.check_hashes(team)
 
     def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], Data]]:
-        from ckpt_tools.forms.byte_ranges import hf_tensors
+        from ckpt_tools.forms.byte_ranges import hf_bytes
 
         # a buffer (no optimizer state) is its own master
         field = self.field if layout.has_optimizer_state(e.key, self.meta.spec) else None
-        yield from hf_tensors(e, self.reader.full(e.key, field), self.meta.spec, dtype)
+        yield from hf_bytes(e, self.reader.full(e.key, field), self.meta.spec, dtype)
 
     def release(self) -> None:
         self.reader.release()
