@@ -125,7 +125,9 @@ _zygote: list = []  # this test process's, once started (or None: it could not s
 
 
 def _rank_starter():
-    if os.environ.get("CKPT_TEST_FORK", "1") == "0":
+    """The zygote, or None: ranks started anew. On a machine with a GPU always anew: a process forked after the CUDA
+    driver was initialised (as torch's imports may do, asking for the devices) cannot use it."""
+    if os.environ.get("CKPT_TEST_FORK", "1") == "0" or torch.cuda.is_available():
         return None
     if not _zygote or (_zygote[0] is not None and not _zygote[0].ready):
         try:
