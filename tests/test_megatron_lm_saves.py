@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools.verbs.merge import merge
+from ckpt_tools.verbs.merge import TENSORS, merge
 from ckpt_tools.verbs.reshard import reshard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "megatron_legacy"
@@ -99,14 +99,16 @@ def _as_version(src: Path, dst: Path, version: float, heads: int, head_dim: int)
 @pytest.mark.parametrize("version", [0, 1.0])
 def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
     """A 2020 checkpoint (QKV rows [3, np, hn] or [np, hn, 3] per rank) merges to the same model as version 3.0;
-    the grouped-query attention no such version had is refused with one line. The byte path takes it, its QKV
-    tensors alone made by the torch reader, and copies it into torch_dist as well."""
+    the grouped-query attention no such version had is refused with one line. The byte path takes it without torch
+    (each rank's QKV rows as runs of its file in megatron-core's order), and copies it into torch_dist as well."""
     from ckpt_tools.forms.byte_ranges import ByteSource
     from ckpt_tools.verbs import dist_copy
     from ckpt_tools.verbs.request import Request
     old = _as_version(FIXTURES / "gpt_pp2", tmp_path / "old", version, heads=4, head_dim=16)
     source = ByteSource.open(old, VOCAB, False)
-    assert source.made and all(k.endswith(("linear_qkv.weight", "linear_qkv.bias")) for k in source.made)
+    qkv = [k for k in source.shards if k.endswith(("linear_qkv.weight", "linear_qkv.bias"))]
+    assert not source.made and qkv and all(len(s.parts) == 12 * (1 if version == 0 else 16)
+                                           for k in qkv for s in source.shards[k])
     source.close()
     merge(old, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     merge(FIXTURES / "gpt_pp2", tmp_path / "v3", vocab_size=VOCAB, quiet=True)
@@ -115,6 +117,8 @@ def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
                              quiet=True) is not None
     merge(tmp_path / "dist", tmp_path / "dist_hf", vocab_size=VOCAB, quiet=True)
     same_files(tmp_path / "dist_hf", tmp_path / "v3")
+    merge(old, tmp_path / "torch_hf", vocab_size=VOCAB, quiet=True, via=TENSORS)  # the torch reader's reordering
+    same_files(tmp_path / "torch_hf", tmp_path / "v3")
     src = tmp_path / "gqa"
     shutil.copytree(FIXTURES / "llama_tp2", src)
     for path in sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt")):

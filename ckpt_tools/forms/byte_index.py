@@ -2,10 +2,10 @@
 shards and those to copy, every shard a run of parts of a file), read by `torchfile` from the files' pickles and
 indexes. Every shard file must pass the checks the torch reader makes (the size meta.json records,
 checkpoint.extra_shards, checkpoint.shard_problems); where any of that differs, or the files hold what only the torch
-reader decodes (a Megatron-LM optimizer), the index raises Declined and the verb reads through torch. Single
-tensors whose bytes are not the table's (legacy QKV rows to reorder, grouped or whole experts) are the index's
-`made`: the torch reader makes those, and the byte path copies the rest. formats/readers.py names each form's index;
-byte_ranges.ByteSource (merge's source) and the byte copies of reshard and import read the shards it gives.
+reader decodes (a Megatron-LM optimizer), the index raises Declined and the verb reads through torch. Single tensors
+whose bytes are not the table's (grouped or whole experts) are the index's `made`: the torch reader makes those, and
+the byte path copies the rest. forms/readers.py names each form's index; byte_ranges.ByteSource (the source of merge
+and of reshard's byte copies) reads the shards it gives.
 """
 from __future__ import annotations
 
@@ -134,8 +134,9 @@ def legacy_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
     """A legacy (`--ckpt-format torch`) checkpoint's model shards as byte ranges of its rank files, read torch-free;
     every check the torch path's reader makes must pass. An interleaved pipeline's virtual stages are the model chunks
     of their files (megatron_lm.virtual_file). The tensors whose bytes are not the table's are left to the torch
-    reader, one by one (`Index.made`): the fused QKV of a legacy row order (megatron_lm.qkv_order), grouped-GEMM
-    experts (their blocks transposed) and experts held whole on every TP rank (ETP 1, cut)."""
+    reader, one by one (`Index.made`): grouped-GEMM experts (their blocks transposed) and experts held whole on every TP
+    rank (ETP 1, cut). The fused QKV rows of a legacy row order (megatron_lm.qkv_order) are byte ranges too, their runs
+    in megatron-core's order (megatron_lm.qkv_runs)."""
     _no_master(from_master)
     iter_dir = megatron_lm.resolve_iter_dir(src)
     meta = megatron_lm.read_meta(iter_dir, vocab_size, load=read)
@@ -154,31 +155,33 @@ def legacy_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
         if state is None:
             raise Declined(f"{path}: holds no model state dict")
         state = {k: t for k, t in state.items() if not k.endswith(megatron_lm.GROUPED)}
-        torch_made = _made_by_torch(meta, rank, state, megatron_lm.qkv_order(path, obj) is not None, whole,
-                                    megatron_lm.grouped_experts(obj.get("model") or {}))
+        torch_made = _made_by_torch(meta, rank, state, whole, megatron_lm.grouped_experts(obj.get("model") or {}))
         state = {k: t for k, t in state.items() if k not in torch_made}
         if checkpoint.shard_problems(meta, path, state, rank, _is_tensor, frozenset(torch_made)):
             raise Declined(f"{path}: does not match the layout table")
-        _add_shards(shards, meta, rank, path, state)
+        _add_shards(shards, meta, rank, path, state, _qkv_runs(meta, megatron_lm.qkv_order(path, obj)))
         made |= set(torch_made.values())
     if made & shards.keys():
         raise Declined("a tensor the torch reader makes in some files and not in others")
     return Index(meta, shards, shards, megatron_optimizer=held, made=frozenset(made))
 
 
-def _made_by_torch(meta: checkpoint.Meta, rank: Rank, state: dict, qkv: bool, whole: bool,
-                   grouped: bool) -> dict[str, str]:
-    """The tensors of one legacy file (file-local key -> global key) that only the torch reader decodes: the fused QKV
-    of a legacy row order (`qkv`), experts held whole (`whole`) or grouped (`grouped`, their tensors not in `state`)."""
+def _made_by_torch(meta: checkpoint.Meta, rank: Rank, state: dict, whole: bool, grouped: bool) -> dict[str, str]:
+    """The tensors of one legacy file (file-local key -> global key) that only the torch reader decodes: experts held
+    whole (`whole`: cut) or grouped (`grouped`: transposed; their tensors not in `state`)."""
     out = {}
     for local, key in meta.rank_keys(rank, owned=True):
         expert = layout.expert_index(key) is not None and layout.holds_weights(key, meta.spec, meta.pp_size)
-        if (qkv and key.endswith(_QKV)) or (expert and (whole or (grouped and local not in state))):
+        if expert and (whole or (grouped and local not in state)):
             out[local] = key
     return out
 
 
-_QKV = ("linear_qkv.weight", "linear_qkv.bias")
+def _qkv_runs(meta: checkpoint.Meta, order: int | None) -> list[tuple[int, int]] | None:
+    """A legacy row order's fused QKV rows as runs of megatron-core's (megatron_lm.qkv_runs), None where they are."""
+    if order is None:
+        return None
+    return megatron_lm.qkv_runs(order, meta.spec.num_attention_heads // meta.tp_size, meta.spec.kv_channels)
 
 
 def ours_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
@@ -208,11 +211,20 @@ def _is_tensor(t: object) -> bool:
     return isinstance(t, TensorInfo)
 
 
-def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, state: dict) -> None:
-    """One rank's tensors appended to their keys' shard lists (files are visited in rank order)."""
+def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, state: dict,
+                qkv: list[tuple[int, int]] | None = None) -> None:
+    """One rank's tensors appended to their keys' shard lists (files are visited in rank order); `qkv`: the fused QKV
+    rows of a legacy row order as runs in megatron-core's order (megatron_lm.qkv_runs), one part each."""
     for local, key in meta.rank_keys(rank, owned=True):
-        if isinstance(state.get(local), TensorInfo):
-            shards.setdefault(key, []).append(_shard(path, state[local]))
+        info = state.get(local)
+        if not isinstance(info, TensorInfo):
+            continue
+        shard = _shard(path, info)
+        if qkv is not None and key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            row = info.nbytes // info.shape[0]
+            shard = Shard(tuple((path, TensorInfo(info.dtype, (n,) + tuple(info.shape[1:]), info.offset + a * row))
+                                for a, n in qkv))
+        shards.setdefault(key, []).append(shard)
 
 
 def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:

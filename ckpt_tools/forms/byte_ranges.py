@@ -13,10 +13,9 @@ or its bytes in memory: a row-parallel tensor's shards read (preadv) straight in
 rows, GPT-2's transposed weights transposed with numpy, and a dtype conversion as the last step (torch is
 imported for that step only). A tensor whose HF values are arithmetic on megatron-core's (a zero-centred norm's
 offset) is joined from its bytes and made by torch as the torch path makes it, the other tensors of the model still
-copied. A tensor whose bytes are not the layout table's (the index's `made`: legacy QKV rows of an old order, grouped
-or whole experts) is made by the form's torch reader (`maker`, opened and checked by `open`), tensor by tensor: merge
-takes its full tensor, and the byte copies of reshard its shards, from memory. Nothing else here imports torch (nor
-numpy, for a Llama model).
+copied. A tensor whose bytes are not the layout table's (the index's `made`: grouped or whole experts) is made by the
+form's torch reader (`maker`, opened and checked by `open`), tensor by tensor: merge takes its full tensor, and the
+byte copies of reshard its shards, from memory. Nothing else here imports torch (nor numpy, for a Llama model).
 """
 from __future__ import annotations
 

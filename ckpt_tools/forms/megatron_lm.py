@@ -168,12 +168,19 @@ def qkv_order(path: Path, state: dict) -> int | None:
     return int(version)
 
 
+def qkv_runs(order: int, heads_per_rank: int, head_dim: int) -> list[tuple[int, int]]:
+    """The rows of one TP rank's fused QKV weight or bias in a legacy row order (qkv_order), as runs (first stored row,
+    rows) in megatron-core's order [np, 3, hn]: order 0 stores [3, np, hn] (a run of hn rows per head and q, k or v),
+    order 1 [np, hn, 3] (one row per run)."""
+    if order == 0:
+        return [((t * heads_per_rank + n) * head_dim, head_dim) for n in range(heads_per_rank) for t in range(3)]
+    return [((n * head_dim + h) * 3 + t, 1) for n in range(heads_per_rank) for t in range(3) for h in range(head_dim)]
+
+
 def reorder_qkv(t, order: int, heads_per_rank: int, head_dim: int):
     """One TP rank's fused QKV weight or bias from a legacy row order (qkv_order) to [np, 3, hn]."""
-    rest = tuple(t.shape[1:])
-    if order == 0:
-        return t.reshape((3, heads_per_rank, head_dim) + rest).transpose(0, 1).reshape(t.shape)
-    return t.reshape((heads_per_rank, head_dim, 3) + rest).transpose(1, 2).reshape(t.shape)
+    import torch
+    return torch.cat([t[a:a + n] for a, n in qkv_runs(order, heads_per_rank, head_dim)])
 
 
 def args_of(path: Path, state) -> object:
