@@ -47,38 +47,52 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: (-weight[item.path], first[item.path]))  # stable: each module's order, together
 
 
-class _Zygote:
-    """tests/rank_zygote.py, started once per test process: each rank forked from a process that has imported torch
-    (and what else every rank imports), instead of a `python -u` that imports it anew. CKPT_TEST_FORK=0 turns it off."""
+_START_ENV = dict(os.environ)  # the session's environment (after the port range above): the zygotes' own
+_PER_RUN = ("RANK", "LOCAL_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "OMP_NUM_THREADS", "PYTHONWARNINGS")
 
-    def __init__(self):
+
+def _lasting(env: dict) -> dict:
+    """An environment less the launch's own variables, pytest's current test and an outer torchrun's agent."""
+    return {k: v for k, v in env.items()
+            if k not in _PER_RUN and k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHELASTIC_")}
+
+
+class _Zygote:
+    """tests/rank_zygote.py for one rank index, started once per test process: a rank forked from a process that has
+    imported torch (and what else every rank imports) instead of a `python -u` that imports it anew."""
+
+    def __init__(self, rank: int):
+        import tempfile
         import threading
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"rank-zygote-{rank}-", suffix=".log", delete=False)
+        env = {**_START_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env.pop("PYTHONHASHSEED", None)  # each zygote its own, as each rank started anew has
         self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_zygote.py")], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, preexec_fn=die_with_parent)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     preexec_fn=die_with_parent)
         self.codes: dict[int, int] = {}
+        self.ready: bool | None = None
         self._started: list[int] = []
         self._event = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
         with self._event:
             if not self._event.wait_for(lambda: self.ready is not None, timeout=120) or not self.ready:
+                self.close()
                 raise RuntimeError("the rank zygote did not start")
-
-    ready: bool | None = None
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            word, *rest = line.split()
+            word, *rest = line.split() or [""]
             with self._event:
                 if word == "ready":
                     self.ready = True
-                elif word == "started":
+                elif word == "started" and len(rest) == 1:
                     self._started.append(int(rest[0]))
-                elif word == "exited":
+                elif word == "exited" and len(rest) == 2:
                     self.codes[int(rest[0])] = int(rest[1])
                 self._event.notify_all()
-        with self._event:
+        with self._event:  # it ended: its ranks died with it (PR_SET_PDEATHSIG)
             self.ready = False
             self._event.notify_all()
 
@@ -88,26 +102,46 @@ class _Zygote:
                                               "err": err}) + "\n")
             self.proc.stdin.flush()
             if not self._event.wait_for(lambda: self._started or not self.ready, timeout=60) or not self._started:
-                raise RuntimeError("the rank zygote did not fork")
+                self.close()
+                raise RuntimeError(f"the rank zygote did not fork (its log: {self.log.name})")
             return self._started.pop(0)
+
+    def close(self) -> None:
+        self.ready = False
+        if self.proc.poll() is None:
+            self.proc.kill()
 
 
 class _Forked:
-    """A rank forked by the zygote, as much of subprocess.Popen as torchrun() uses."""
+    """A rank forked by a zygote, as much of subprocess.Popen as torchrun() uses. Signals go through a pidfd (the pid
+    cannot be another process's by then); a rank whose zygote is gone is gone too (it died with it)."""
 
     def __init__(self, zygote: _Zygote, pid: int):
         self.zygote, self.pid, self.returncode = zygote, pid, None
+        try:
+            self.fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.fd = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.zygote.codes.pop(self.pid, None)
+            if self.returncode is None and not self.zygote.ready:
+                self.returncode = -9
+            if self.returncode is not None and self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        import signal
         if self.poll() is None:
             try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
+                if self.fd is not None:
+                    signal.pidfd_send_signal(self.fd, sig)
+                else:
+                    os.kill(self.pid, sig)
+            except (ProcessLookupError, OSError):
                 pass
 
     def kill(self) -> None:
@@ -116,25 +150,33 @@ class _Forked:
 
     def wait(self) -> int:
         import time
+        deadline = time.monotonic() + 60
         while self.poll() is None:
+            if time.monotonic() > deadline:  # its zygote has stopped answering: end it, and its ranks with it
+                self.zygote.close()
             time.sleep(0.01)
         return self.returncode
 
 
-_zygote: list = []  # this test process's, once started (or None: it could not start, ranks are started anew)
+_zygotes: dict[int, _Zygote | None] = {}  # this test process's, by rank index (None: could not start)
 
 
-def _rank_starter():
-    """The zygote, or None: ranks started anew. On a machine with a GPU always anew: a process forked after the CUDA
-    driver was initialised (as torch's imports may do, asking for the devices) cannot use it."""
+def _rank_starter(rank: int, env: dict) -> _Zygote | None:
+    """The zygote of rank index `rank`, or None: the rank is started anew. Anew where the run's environment differs
+    from the session's beyond the launch's own variables (what torch and transformers read at import was read in the
+    zygote), with CKPT_TEST_FORK=0, and on a machine with a GPU: a process forked after the CUDA driver was initialised
+    (as torch's imports may do, asking for the devices) cannot use it."""
     if os.environ.get("CKPT_TEST_FORK", "1") == "0" or torch.cuda.is_available():
         return None
-    if not _zygote or (_zygote[0] is not None and not _zygote[0].ready):
+    if _lasting(env) != _lasting(_START_ENV):
+        return None
+    zygote = _zygotes.get(rank)
+    if rank not in _zygotes or (zygote is not None and not zygote.ready):
         try:
-            _zygote[:] = [_Zygote()]
+            _zygotes[rank] = _Zygote(rank)
         except (OSError, RuntimeError):
-            _zygote[:] = [None]
-    return _zygote[0]
+            _zygotes[rank] = None
+    return _zygotes[rank]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
@@ -145,7 +187,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     would), and when one fails the others are ended (SIGTERM, SIGKILL 30 s later) after a moment to say why, as
     torchrun ends them. Without torchrun's own process, which imports torch and its elastic agent (~1.5 s of CPU a
     run on this VM, hundreds of runs a suite); and each rank forked from tests/rank_zygote.py, which has imported torch
-    already (~3 s of CPU a rank), or started anew where it cannot start (CKPT_TEST_FORK=0: always). `ckpt train`,
+    already (~3 s of CPU a rank), or started anew (_rank_starter says when). `ckpt train`,
     `ckpt verify` and the GPU scripts launch the real torchrun; the tests of `ckpt train` run it."""
     import signal
     import tempfile
@@ -156,13 +198,13 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
                  "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                  "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc)})
     cmd = [sys.executable, "-u", *args]
-    zygote = _rank_starter()
     with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
         procs: list = []
         deadline, failed, ending, timed_out, ended = time.monotonic() + timeout, None, None, False, 0
         try:
             for r in range(nproc):
                 env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+                zygote = _rank_starter(r, env)
                 if zygote is not None:
                     procs.append(_Forked(zygote, zygote.start(list(args), env, out.name, err.name)))
                 else:

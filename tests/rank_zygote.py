@@ -1,22 +1,23 @@
-"""The tests' rank starter (conftest.torchrun): a process that has imported what every rank imports, and forks each
-rank from itself, so a rank starts in milliseconds instead of importing torch anew (~3 s of CPU on the test VM, for
-hundreds of ranks a suite).
+"""The tests' rank starter (conftest.torchrun): a process that has imported what every rank imports, and forks ranks
+from itself, so a rank starts in milliseconds instead of importing torch anew (~3 s of CPU on the test VM, for
+hundreds of ranks a suite). conftest starts one per rank index (each Python process its own hash seed, as ranks
+started anew have), with the environment the test session started with; a run whose environment differs from that
+has its ranks started anew instead.
 
 What it imports is what does not depend on the version of megatron-core a rank picks (tests/mcore_newest.py puts
 0.19.2 first on sys.path): torch and the parts of it megatron-core's import pulls in (DTensor, dynamo, inductor's
 lowerings, export), torch.distributed.checkpoint, and transformers. megatron-core itself is imported by each rank.
 
-Protocol, one line each way: conftest writes a JSON request per rank, {"argv", "env", "cwd", "out", "err"} (argv as
-after `python -u`: a script and its arguments, or `-m module ...`); this process answers `started <pid>` when it has
-forked the rank, and `exited <pid> <code>` when the rank has ended (its exit code as subprocess gives it: negative for
-a signal). The rank runs as `python -u` would run it: its environment, working directory, sys.argv and sys.path[0] as
-given, stdout and stderr appended to the files named, unbuffered, warnings filtered by PYTHONWARNINGS, torch's threads
-by OMP_NUM_THREADS, the RNGs of random and numpy seeded anew, atexit handlers run at the end. It dies with this
-process, and this process with the test process that started it.
+Protocol, one line each way on stdin and on the descriptor that was stdout (fd 1 is then the zygote's stderr): a JSON
+request per rank, {"argv", "env", "cwd", "out", "err"} (argv as after `python -u`: a script and its arguments, or
+`-m module ...`), answered `started <pid>` once the rank is forked and `exited <pid> <code>` when it has ended (its
+exit code as subprocess gives it: negative for a signal). The rank runs as `python -u` runs it: its environment,
+working directory, sys.argv, sys.path[0] and absolute __file__, stdout and stderr appended unbuffered to the files
+named, torch's RNG seeded anew (the RNGs of `random` and numpy too), and the interpreter's own exit at the end (atexit
+handlers, threads joined, files flushed). It dies with this process, and this process with the test process.
 """
 from __future__ import annotations
 
-import atexit
 import importlib
 import io
 import json
@@ -26,7 +27,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 
 import torch
 import torch._dynamo  # noqa: F401
@@ -42,7 +42,8 @@ try:
 except ImportError:
     pass
 
-REPLY = os.dup(1)  # the answers; fd 1 itself is a rank's stdout after the fork
+REPLY = os.dup(1)  # the answers; fd 1 becomes stderr, so that nothing printed here reaches the protocol
+os.dup2(2, 1)
 _lock = threading.Lock()
 
 
@@ -70,62 +71,49 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run(request: dict) -> None:
-    """In the forked child: become the rank, run it, exit with its code (never returns)."""
-    code = 1
+def _become(request: dict) -> None:
+    """In the forked child: the rank's process state, as `python -u` would start it."""
+    _die_with_parent()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, request["out"]), (2, request["err"])):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    os.close(REPLY)
+    sys.stdin = open(os.devnull)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True)
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _run(request: dict) -> int:
+    """Run the rank's script or module as __main__; its exit code."""
+    argv = request["argv"]
     try:
-        _die_with_parent()
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            os.dup2(f, fd)
-            os.close(f)
-        os.close(REPLY)
-        sys.stdin = open(os.devnull)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True)
-        warnings.resetwarnings()
-        for action in filter(None, request["env"].get("PYTHONWARNINGS", "").split(",")):
-            warnings.simplefilter(action.split(":")[0])
-        if request["env"].get("OMP_NUM_THREADS"):
-            torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-        argv = request["argv"]
-        try:
-            if argv[0] == "-m":
-                sys.argv = argv[1:]
-                sys.path[0] = os.getcwd()
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = list(argv)
-                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-                runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     except BaseException:
         traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        return 1
 
 
 def main() -> None:
@@ -136,7 +124,13 @@ def main() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _run(request)
+            try:
+                _become(request)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            # the interpreter's own exit, as the rank's `python -u` would end; never back into this loop
+            raise SystemExit(_run(request))
         _say(f"started {pid}")
 
 

@@ -58,23 +58,6 @@ class Shard:
         return out
 
 
-class MadeShard:
-    """A TP shard torch made (byte_ranges.ByteSource.made_shard), read as a Shard is: its rows' bytes, in memory."""
-
-    def __init__(self, t):
-        import torch
-        self.dtype, self.rows = str(t.dtype).removeprefix("torch."), t.shape[0]
-        self.data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-    @property
-    def whole(self) -> list[memoryview]:
-        return [self.data]
-
-    def byte_ranges(self, start: int, stop: int) -> list[memoryview]:
-        row = len(self.data) // self.rows
-        return [self.data[start * row:stop * row]]
-
-
 Shards = dict[str, list[Shard]]  # global key -> its TP shards, rank order
 
 
@@ -161,8 +144,8 @@ def legacy_index(src: Path, vocab_size: int | None, from_master: bool) -> Index:
             raise Declined(f"{path}: does not match the layout table")
         _add_shards(shards, meta, rank, path, state, _qkv_runs(meta, megatron_lm.qkv_order(path, obj)))
         made |= set(torch_made.values())
-    if made & shards.keys():
-        raise Declined("a tensor the torch reader makes in some files and not in others")
+    if made & shards.keys() or any(layout.has_padded_rows(k, meta.spec, meta.pp_size) for k in made):
+        raise Declined("a tensor the torch reader makes in some files and not in others, or a vocab tensor")
     return Index(meta, shards, shards, megatron_optimizer=held, made=frozenset(made))
 
 
@@ -171,8 +154,7 @@ def _made_by_torch(meta: checkpoint.Meta, rank: Rank, state: dict, whole: bool, 
     whole (`whole`: cut) or grouped (`grouped`: transposed; their tensors not in `state`)."""
     out = {}
     for local, key in meta.rank_keys(rank, owned=True):
-        expert = layout.expert_index(key) is not None and layout.holds_weights(key, meta.spec, meta.pp_size)
-        if expert and (whole or (grouped and local not in state)):
+        if megatron_lm.expert_weight(key, meta.spec) and (whole or (grouped and local not in state)):
             out[local] = key
     return out
 
@@ -220,7 +202,7 @@ def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, s
         if not isinstance(info, TensorInfo):
             continue
         shard = _shard(path, info)
-        if qkv is not None and key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        if qkv is not None and key.endswith(megatron_lm.QKV):
             row = info.nbytes // info.shape[0]
             shard = Shard(tuple((path, TensorInfo(info.dtype, (n,) + tuple(info.shape[1:]), info.offset + a * row))
                                 for a, n in qkv))

@@ -134,8 +134,10 @@ class ByteSource:
         self.torch_threads: int | None = None  # torch's intra-op threads for a conversion step
 
     @classmethod
-    def open(cls, src: str | Path, vocab_size: int | None, from_master: bool) -> ByteSource:
-        """The model shards and the shards to copy (model or master weights), or Declined."""
+    def open(cls, src: str | Path, vocab_size: int | None, from_master: bool,
+             carry_optimizer: bool = False) -> ByteSource:
+        """The model shards and the shards to copy (model or master weights), or Declined; `carry_optimizer`: a
+        Megatron-LM optimizer is to be carried (decoded by the torch path), so declined before anything else is read."""
         from ckpt_tools.forms import readers
         try:
             form = readers.detect(src, sharded=True)
@@ -144,14 +146,16 @@ class ByteSource:
             index = form.byte_index(Path(src), vocab_size, from_master)
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
+        if carry_optimizer and index.megatron_optimizer:
+            raise Declined("a Megatron-LM optimizer to carry: decoded by the torch path")
         source = cls(index.meta, index.model, index.sources, index.ours)
         source.megatron_optimizer = index.megatron_optimizer
         try:
-            if index.made:
-                source.made, source.maker = index.made, _checked_reader(form, Path(src), vocab_size)
             source.check_replicas(index.sources)
             if not source.consistent():
                 raise Declined("replicas that differ, or a tied copy that differs")
+            if index.made:  # the torch reader last: it reads every file
+                source.made, source.maker = index.made, _checked_reader(form, Path(src), vocab_size)
         except BaseException:
             source.close()
             raise

@@ -27,7 +27,7 @@ from ckpt_tools import io
 from ckpt_tools.errors import ConfigError, FormatError
 from ckpt_tools.forms.checkpoint import Meta
 from ckpt_tools.forms.megatron_spec import expert_parallel, expert_tensor_parallel, layout_of, virtual_stages
-from ckpt_tools.model import hybrid, names
+from ckpt_tools.model import hybrid, layout, names
 from ckpt_tools.model.features.base import arg
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.model.spec import ModelSpec
@@ -177,10 +177,23 @@ def qkv_runs(order: int, heads_per_rank: int, head_dim: int) -> list[tuple[int, 
     return [((n * head_dim + h) * 3 + t, 1) for n in range(heads_per_rank) for t in range(3) for h in range(head_dim)]
 
 
-def reorder_qkv(t, order: int, heads_per_rank: int, head_dim: int):
+QKV = ("linear_qkv.weight", "linear_qkv.bias")  # the fused QKV tensors a legacy row order applies to
+
+
+def reorder_qkv(t, order: int, heads_per_rank: int, head_dim: int, where: object = None):
     """One TP rank's fused QKV weight or bias from a legacy row order (qkv_order) to [np, 3, hn]."""
     import torch
+    if t.dim() == 0 or t.shape[0] != 3 * heads_per_rank * head_dim:
+        raise FormatError(f"{where}: fused QKV of shape {tuple(t.shape)}, expected {3 * heads_per_rank * head_dim} rows "
+                          f"(3 x {heads_per_rank} heads a rank x {head_dim}): the file is damaged; restore it from the "
+                          f"source")
     return torch.cat([t[a:a + n] for a, n in qkv_runs(order, heads_per_rank, head_dim)])
+
+
+def expert_weight(key: str, spec: ModelSpec) -> bool:
+    """A tensor of an expert (weights or biases): what a legacy file of experts held whole (ETP 1) or grouped holds
+    otherwise than the layout table's shards."""
+    return layout.expert_index(key) is not None and layout.holds_weights(key, spec, None)
 
 
 def args_of(path: Path, state) -> object:

@@ -39,9 +39,9 @@ class LegacyShards(ShardSet):
                               f"(its QKV rows are in the old order too): pass --no-optimizer, or merge the weights")
         if order is not None:  # a 2020 legacy model: its QKV rows into megatron-core's order, as Megatron-LM does
             spec = self.meta.spec
-            for key in [k for k in model if k.endswith(("linear_qkv.weight", "linear_qkv.bias"))]:
+            for key in [k for k in model if k.endswith(megatron_lm.QKV)]:
                 model[key] = megatron_lm.reorder_qkv(model[key], order, spec.num_attention_heads // self.meta.tp_size,
-                                                     spec.kv_channels)
+                                                     spec.kv_channels, f"{path}: {key}")
         if self.meta.raw.get(megatron_lm.WHOLE_EXPERTS):
             if kind != MODEL:
                 raise FormatError(f"{path}: the optimizer state of experts held whole at TP {self.meta.tp_size} "
@@ -62,7 +62,7 @@ class LegacyShards(ShardSet):
         spec, tp, pp = self.meta.spec, self.meta.tp_size, self.meta.pp_size
         out = dict(model)
         for key, t in model.items():
-            if layout.expert_index(key) is None or not layout.holds_weights(key, spec, None):
+            if not megatron_lm.expert_weight(key, spec):
                 continue
             want = layout.full_shape(key, spec, self.meta.padded_vocab, None)
             if tuple(t.shape) != tuple(want):

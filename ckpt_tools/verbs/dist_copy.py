@@ -27,7 +27,7 @@ from pathlib import Path
 from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
-from ckpt_tools.forms.byte_index import Declined, MadeShard, Shard, field_shards
+from ckpt_tools.forms.byte_index import Declined, Shard, field_shards
 from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
@@ -52,7 +52,7 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
     if not forms.get(want.form).byte_copy:
         return None  # fsdp_dtensor: written by the torch path
     try:
-        source = ByteSource.open(src, vocab_size, False)
+        source = ByteSource.open(src, vocab_size, False, carry_optimizer=want.optimizer)
     except Declined:
         source = None
     try:
@@ -173,6 +173,24 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
         writer.close(iteration, resume.common() if resume is not None else None)
     return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
                                                 saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
+
+
+class MadeShard:
+    """A TP shard the source's torch reader made (ByteSource.made_shard), read as a byte_index.Shard is: its rows'
+    bytes, in memory."""
+
+    def __init__(self, t):
+        from ckpt_tools.forms.legacy_copy import as_bytes
+        from ckpt_tools.forms.writers import dtype_name
+        self.dtype, self.rows, self.data = dtype_name(t.dtype), t.shape[0], as_bytes(t.contiguous())
+
+    @property
+    def whole(self) -> list[memoryview]:
+        return [self.data]
+
+    def byte_ranges(self, start: int, stop: int) -> list[memoryview]:
+        row = len(self.data) // self.rows
+        return [self.data[start * row:stop * row]]
 
 
 def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard | MadeShard,

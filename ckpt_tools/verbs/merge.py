@@ -8,9 +8,10 @@ checkpoint is never held in RAM.
 
 The source is `byte_ranges.ByteSource` wherever the files can be read as byte ranges without torch (our own
 checkpoints, Megatron-LM's legacy and torch_dist files): bytes are copied file to file, joined in memory for
-row-parallel tensors, converted as a last step when the output dtype differs. Where it declines (before
-anything is written: damaged input, a Megatron-LM optimizer, legacy QKV order, strided tensors), `TensorSource`
-gives the same bytes through the torch reader, which also words what is wrong. --check-hashes is a step before
+row-parallel tensors, converted as a last step when the output dtype differs; a tensor whose bytes are not the
+layout table's (grouped or whole experts of a legacy file) made by the form's torch reader, the others still copied.
+Where it declines (before anything is written: damaged input, master weights of a Megatron-LM optimizer, strided
+tensors), `TensorSource` gives the same bytes through the torch reader, which also words what is wrong. --check-hashes is a step before
 either. `CKPT_MERGE_TORCH=1` (or `via=TENSORS`) reads through the torch reader always, for comparisons.
 """
 from __future__ import annotations
