@@ -47,7 +47,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: (-weight[item.path], first[item.path]))  # stable: each module's order, together
 
 
-_START_ENV = dict(os.environ)  # the session's environment (after the port range above): the zygotes' own
 _PER_RUN = ("RANK", "LOCAL_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "OMP_NUM_THREADS", "PYTHONWARNINGS")
 
@@ -62,11 +61,11 @@ class _Zygote:
     """tests/rank_zygote.py for one rank index, started once per test process: a rank forked from a process that has
     imported torch (and what else every rank imports) instead of a `python -u` that imports it anew."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, lasting: dict):
         import tempfile
         import threading
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"rank-zygote-{rank}-", suffix=".log", delete=False)
-        env = {**_START_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**lasting, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         env.pop("PYTHONHASHSEED", None)  # each zygote its own, as each rank started anew has
         self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "rank_zygote.py")], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -158,25 +157,32 @@ class _Forked:
         return self.returncode
 
 
-_zygotes: dict[int, _Zygote | None] = {}  # this test process's, by rank index (None: could not start)
+_zygotes: dict[frozenset, dict[int, _Zygote | None]] = {}  # this test process's: by environment, then rank index
+_ENVIRONMENTS = 3  # the environments zygotes are kept for (the least recently used one's are ended)
 
 
 def _rank_starter(rank: int, env: dict) -> _Zygote | None:
-    """The zygote of rank index `rank`, or None: the rank is started anew. Anew where the run's environment differs
-    from the session's beyond the launch's own variables (what torch and transformers read at import was read in the
-    zygote), with CKPT_TEST_FORK=0, and on a machine with a GPU: a process forked after the CUDA driver was initialised
-    (as torch's imports may do, asking for the devices) cannot use it."""
+    """The zygote of rank index `rank` for the run's environment (less the launch's own variables: what torch and
+    transformers read at import is read in the zygote), or None: the rank is started anew. Anew with
+    CKPT_TEST_FORK=0, and on a machine with a GPU: a process forked after the CUDA driver was initialised (as torch's
+    imports may do, asking for the devices) cannot use it."""
     if os.environ.get("CKPT_TEST_FORK", "1") == "0" or torch.cuda.is_available():
         return None
-    if _lasting(env) != _lasting(_START_ENV):
-        return None
-    zygote = _zygotes.get(rank)
-    if rank not in _zygotes or (zygote is not None and not zygote.ready):
+    lasting = _lasting(env)
+    key = frozenset(lasting.items())
+    zygotes = _zygotes.pop(key, {})
+    _zygotes[key] = zygotes  # the most recently used last
+    while len(_zygotes) > _ENVIRONMENTS:
+        for old in _zygotes.pop(next(iter(_zygotes))).values():
+            if old is not None:
+                old.close()
+    zygote = zygotes.get(rank)
+    if rank not in zygotes or (zygote is not None and not zygote.ready):
         try:
-            _zygotes[rank] = _Zygote(rank)
+            zygotes[rank] = _Zygote(rank, lasting)
         except (OSError, RuntimeError):
-            _zygotes[rank] = None
-    return _zygotes[rank]
+            zygotes[rank] = None
+    return zygotes[rank]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,8 +1,8 @@
 """The tests' rank starter (conftest.torchrun): a process that has imported what every rank imports, and forks ranks
 from itself, so a rank starts in milliseconds instead of importing torch anew (~3 s of CPU on the test VM, for
 hundreds of ranks a suite). conftest starts one per rank index (each Python process its own hash seed, as ranks
-started anew have), with the environment the test session started with; a run whose environment differs from that
-has its ranks started anew instead.
+started anew have) and environment (the run's, less the launch's own variables: what torch reads at import is read
+here), keeping those of the last few environments.
 
 What it imports is what does not depend on the version of megatron-core a rank picks (tests/mcore_newest.py puts
 0.19.2 first on sys.path): torch and the parts of it megatron-core's import pulls in (DTensor, dynamo, inductor's
