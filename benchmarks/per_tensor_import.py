@@ -73,6 +73,40 @@ def command(src: Path, out: Path, form: str, tp: int, pp: int, copy_bytes: bool)
     return [sys.executable, "-c", code, str(src), str(out)]
 
 
+PATHS_HEADER = ["output GB", "byte path s", "torch path s", "cp -r s", "byte / cp", "torch / cp", "torch / byte",
+                "peak RSS MiB (byte / torch)"]
+
+
+def timed_paths(commands: dict[str, list[str]], out: Path, work: Path, env: dict, repeats: int) -> list[str]:
+    """The byte path's and the torch path's commands (`commands`, by those names), each followed by `cp -r` of its
+    output OUT, rounds alternating: the cells of PATHS_HEADER (medians, their ratios, the peak RSS of each path)."""
+    log = work / "log"
+    times: dict[str, list] = {"byte path": [], "torch path": [], "cp -r": []}
+    rss, nbytes = {}, 0
+    for _ in range(repeats):
+        for name, argv in commands.items():
+            wall, peak, nbytes = run(argv, out, log, env, keep=True)
+            times[name].append(wall)
+            rss[name] = max(rss.get(name, 0), peak)
+            wall, _, _ = run(["cp", "-r", str(out), str(work / "copy")], work / "copy", log)
+            times["cp -r"].append(wall)
+            shutil.rmtree(out)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return [f"{nbytes / 1e9:.2f}", f"{med['byte path']:.2f}", f"{med['torch path']:.2f}", f"{med['cp -r']:.2f}",
+            f"{med['byte path'] / med['cp -r']:.2f}x", f"{med['torch path'] / med['cp -r']:.2f}x",
+            f"{med['torch path'] / med['byte path']:.2f}x",
+            f"{rss['byte path'] / MIB:.0f} / {rss['torch path'] / MIB:.0f}"]
+
+
+def print_table(header: list[str], rows: list[list[str]], markdown: Path | None) -> None:
+    """The markdown table, printed, and written to MARKDOWN where given."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if markdown:
+        markdown.write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -90,31 +124,11 @@ def main() -> None:
             make_hf(work / arch, arch, a.quick)
         rows = []
         for arch, form, tp, pp in (t for t in TARGETS if t[0] in archs):
-            src, out, log = work / arch, work / "out", work / "log"
-            times: dict[str, list] = {"byte path": [], "torch path": [], "cp -r": []}
-            rss, nbytes = {}, 0
-            for _ in range(repeats):
-                for name, copy in (("byte path", True), ("torch path", False)):
-                    wall, peak, nbytes = run(command(src, out, form, tp, pp, copy), out, log, env, keep=True)
-                    times[name].append(wall)
-                    rss[name] = max(rss.get(name, 0), peak)
-                    wall, _, _ = run(["cp", "-r", str(out), str(work / "copy")], work / "copy", log)
-                    times["cp -r"].append(wall)
-                    shutil.rmtree(out)
-            med = {k: statistics.median(v) for k, v in times.items()}
+            commands = {"byte path": command(work / arch, work / "out", form, tp, pp, True),
+                        "torch path": command(work / arch, work / "out", form, tp, pp, False)}
             rows.append([f"{arch} -> {'ours' if form == 'ours' else 'legacy torch'} TP{tp}xPP{pp}",
-                         f"{nbytes / 1e9:.2f}", f"{med['byte path']:.2f}", f"{med['torch path']:.2f}",
-                         f"{med['cp -r']:.2f}", f"{med['byte path'] / med['cp -r']:.2f}x",
-                         f"{med['torch path'] / med['cp -r']:.2f}x", f"{med['torch path'] / med['byte path']:.2f}x",
-                         f"{rss['byte path'] / MIB:.0f} / {rss['torch path'] / MIB:.0f}"])
-        header = ["import", "output GB", "byte path s", "torch path s", "cp -r s", "byte / cp", "torch / cp",
-                  "torch / byte", "peak RSS MiB (byte / torch)"]
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
-            ["| " + " | ".join(r) + " |" for r in rows]
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if a.markdown:
-            a.markdown.write_text(text)
+                         *timed_paths(commands, work / "out", work, env, repeats)])
+        print_table(["import"] + PATHS_HEADER, rows, a.markdown)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from merge_reshard import CKPT, MIB, child_env, run
+from merge_reshard import CKPT, child_env
+from per_tensor_import import PATHS_HEADER, print_table, timed_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS, HIDDEN, FFN, VOCAB = 16, 1024, 2816, 32000
@@ -124,34 +124,9 @@ def main() -> None:
                                    *layout], check=True, env=env)
         heads, hidden = (4, 64) if a.quick else (HEADS, HIDDEN)
         as_version0(work / "version0", heads // 2, hidden // heads)
-        rows = []
-        for name in sources:
-            src, out, log = work / name, work / "out", work / "log"
-            for job, commands in jobs(src, out).items():
-                times: dict[str, list] = {"byte path": [], "torch path": [], "cp -r": []}
-                rss, nbytes = {}, 0
-                for _ in range(repeats):
-                    for path, argv in commands.items():
-                        wall, peak, nbytes = run(argv, out, log, env, keep=True)
-                        times[path].append(wall)
-                        rss[path] = max(rss.get(path, 0), peak)
-                        wall, _, _ = run(["cp", "-r", str(out), str(work / "copy")], work / "copy", log)
-                        times["cp -r"].append(wall)
-                        shutil.rmtree(out)
-                med = {k: statistics.median(v) for k, v in times.items()}
-                rows.append([name, job, f"{nbytes / 1e9:.2f}", f"{med['byte path']:.2f}", f"{med['torch path']:.2f}",
-                             f"{med['cp -r']:.2f}", f"{med['byte path'] / med['cp -r']:.2f}x",
-                             f"{med['torch path'] / med['cp -r']:.2f}x",
-                             f"{med['torch path'] / med['byte path']:.2f}x",
-                             f"{rss['byte path'] / MIB:.0f} / {rss['torch path'] / MIB:.0f}"])
-        header = ["source", "job", "output GB", "byte path s", "torch path s", "cp -r s", "byte / cp", "torch / cp",
-                  "torch / byte", "peak RSS MiB (byte / torch)"]
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
-            ["| " + " | ".join(r) + " |" for r in rows]
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if a.markdown:
-            a.markdown.write_text(text)
+        rows = [[name, job, *timed_paths(commands, work / "out", work, env, repeats)]
+                for name in sources for job, commands in jobs(work / name, work / "out").items()]
+        print_table(["source", "job"] + PATHS_HEADER, rows, a.markdown)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
