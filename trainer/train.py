@@ -35,6 +35,19 @@ from trainer.mtp import mtp_loss
 from trainer.optim import MasterAdamW, lr_at, make_optimizer
 
 
+def seed_globals(seed: int) -> None:
+    """The process's global RNGs (torch's, Python's, numpy's) seeded from the config's seed and the pipeline rank, as
+    Megatron-LM's _set_random_seed seeds them: a run is reproducible, the RNG states its checkpoints save included (a
+    resume then restores them). The weights' initialisation and the data order have generators of their own."""
+    import random
+
+    import numpy as np
+    seed += 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def setup_distributed(cfg: TrainConfig) -> tuple[torch.device, int]:
     """Process group + megatron-core parallel state; returns (device, DP size)."""
     if "RANK" not in os.environ:  # plain `python -m trainer`: a world of one
@@ -245,6 +258,7 @@ def train_step(cfg: TrainConfig, stage: GPTStage, stepper: Stepper, opt: MasterA
 def train(cfg: TrainConfig) -> None:
     cfg.check_data_paths()
     device, dp = setup_distributed(cfg)
+    seed_globals(cfg.seed)
     tokenizer = data.load_tokenizer(cfg.tokenizer)
     if dist.get_rank() == 0:
         prefix = data.prepare_dataset(cfg.corpus, cfg.tokenizer, cfg.data_cache_dir)
