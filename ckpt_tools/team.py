@@ -374,10 +374,7 @@ def spawn(argv: Sequence[str], nproc: int, port: int) -> int:
                         p.send_signal(signal.SIGTERM)
             time.sleep(0.005)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_running(procs)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if received:
@@ -387,6 +384,15 @@ def spawn(argv: Sequence[str], nproc: int, port: int) -> int:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             print(f"error: process {rank} {how}: the output was not written", file=sys.stderr, flush=True)
     return 1 if failed else 0
+
+
+def kill_running(procs: list) -> None:
+    """SIGKILL every process of `procs` (subprocess.Popen, or what has its poll, kill and wait) still running, and
+    wait for it: what a launcher leaves of its ranks when it ends."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def die_with_parent() -> None:

@@ -14,7 +14,7 @@ from ckpt_tools import io, ports
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.ports import free_port
-from ckpt_tools.team import die_with_parent
+from ckpt_tools.team import die_with_parent, kill_running
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "fixtures" / "configs"
@@ -231,10 +231,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
                     break
                 time.sleep(0.01)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_running(procs)
         code = failed if failed is not None else next((p.returncode for p in procs if p.returncode), 0)
         out.seek(0)
         err.seek(0)
