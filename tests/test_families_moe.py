@@ -18,8 +18,8 @@ from families_cases import CASES, TOKENS, VOCAB, hf_dirs, logits, rel  # noqa: F
 from safetensors.torch import load_file as load_safetensors
 
 from ckpt_tools.model import hf
-from ckpt_tools.verbs.merge import merge
 from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.merge import merge
 from ckpt_tools.verbs.reshard import reshard
 
 
@@ -55,6 +55,7 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     # Megatron-LM's legacy form written from its torch_dist save by copying bytes (every expert at EP 1)
     from ckpt_tools.verbs import dist_copy
     from ckpt_tools.verbs.request import Request
+
     # holding no optimizer state: not left to the torch path
     assert dist_copy.reshard(tmp_path / "torch_dist", tmp_path / "legacy", Request(1, 2, form="torch"),
                              vocab_size=VOCAB, quiet=True) is not None
@@ -70,10 +71,10 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
 def assert_copied_with_experts_made(src, tmp_path, expected: dict) -> None:
     """A legacy save whose experts' bytes are not the layout table's (grouped-GEMM blocks, or whole on every TP rank)
     goes the byte path with only its experts made by the torch reader, tensor by tensor: its merge and its byte copies
-    into torch_dist and the legacy form (reshard) hold `expected`'s tensors, bit for bit."""
+    into torch_dist, the legacy form and our format (reshard) hold `expected`'s tensors, bit for bit."""
     from ckpt_tools.forms.byte_ranges import ByteSource
     from ckpt_tools.model import layout
-    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs import dist_copy, ours_copy
     from ckpt_tools.verbs.request import Request
     source = ByteSource.open(src, VOCAB, False)
     made, copied = set(source.made), set(source.shards)
@@ -81,9 +82,10 @@ def assert_copied_with_experts_made(src, tmp_path, expected: dict) -> None:
     assert made and copied and all(layout.expert_index(k) is not None for k in made), (made, copied)
     outs = [tmp_path / f"{src.name}_merged"]
     merge(src, outs[0], vocab_size=VOCAB, quiet=True)
-    for form in ("torch_dist", "torch"):
+    for form in ("torch_dist", "torch", "ours"):
         copy = tmp_path / f"{src.name}_{form}"
-        assert dist_copy.reshard(src, copy, Request(1, 1, form=form), vocab_size=VOCAB, quiet=True) is not None
+        copier = ours_copy.reshard if form == "ours" else dist_copy.reshard
+        assert copier(src, copy, Request(1, 1, form=form), vocab_size=VOCAB, quiet=True) is not None
         outs.append(tmp_path / f"{copy.name}_merged")
         merge(copy, outs[-1], vocab_size=VOCAB, quiet=True)
     for out in outs:

@@ -6,6 +6,7 @@ That the torch path's output is what megatron-core loads is tests/test_megatron_
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,8 +101,7 @@ def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp,
     expert bias, which the layout table keeps in fp32 and is then copied) is made
     by torch and written from memory, the rest still copied; the job never falls back whole to the torch path, and
     every value is the torch path's."""
-    from ckpt_tools.verbs import hf_copy
-    from ckpt_tools.verbs import importer
+    from ckpt_tools.verbs import hf_copy, importer
     slow = import_hf(hf_dirs[arch], tmp_path / "torch", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True,
                      copy_bytes=False)
 
@@ -126,8 +126,8 @@ def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tm
 
     from bad_inputs import O, resave
 
-    from ckpt_tools.verbs import dist_copy
     from ckpt_tools.forms.shards import open_checkpoint
+    from ckpt_tools.verbs import dist_copy
     ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
     key = "decoder.layers.0.input_layernorm.weight"
     resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
@@ -304,8 +304,7 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, maste
     split as the torch path splits it and written from memory into its rank files; the rest are still copied; the
     job never falls back whole to the torch path, and every rank file's tensors are the torch path's, bit for bit,
     the fresh optimizer's fp32 masters too where they are written (our meta.json too, but for the files' hashes)."""
-    from ckpt_tools.verbs import hf_copy
-    from ckpt_tools.verbs import importer
+    from ckpt_tools.verbs import hf_copy, importer
     src = _in_bf16(hf_dirs[arch], tmp_path / "hf", fp32) if fp32 is not None else hf_dirs[arch]
     asked = {"form": "torch"} if form == "torch" else {}
     import_hf(src, tmp_path / "slow", tp=tp, pp=pp, quiet=True, copy_bytes=False, **asked)
@@ -331,3 +330,101 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, maste
     ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
     assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
         {k: v for k, v in mb.items() if k not in ("files", "checksum")}
+
+
+# ------------------------------------------------------------ our format by copying the source's shards
+def same_ours(fast, slow) -> None:
+    """Two checkpoints of ours: the same files, every shard file's objects equal (tensors bit-exact in dtype and
+    shape, the same keys in the same order), the RNG files' too, meta.json equal but for the files' hashes; every file
+    of `fast` of the size and content hash its meta.json records."""
+    a, b = (next(d.glob("checkpoint-*")) for d in (fast, slow))
+    assert a.name == b.name and sorted(f.name for f in a.iterdir()) == sorted(f.name for f in b.iterdir())
+    files = sorted(f.name for f in b.glob("*.bin")) + sorted(f.name for f in b.glob("rng_*"))
+    assert files
+    for name in files:
+        _same_objects(*(torch.load(d / name, weights_only=False) for d in (a, b)), name)
+    ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
+    assert sorted(ma["files"]) == sorted(mb["files"])
+    assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
+        {k: v for k, v in mb.items() if k not in ("files", "checksum")}
+    from ckpt_tools.forms.shards import open_checked
+    open_checked(fast, None, True).close()
+
+
+def _mixtral_ep(tmp_path):
+    from bad_inputs import make_ckpt
+
+    from ckpt_tools.model.spec import ModelSpec
+    spec = ModelSpec("mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=96, vocab_size=250, max_position_embeddings=128, num_moe_experts=4,
+                     make_vocab_size_divisible_by=2)
+    return make_ckpt(tmp_path / "src", spec, tp=2, pp=1)
+
+
+def _tied(tmp_path):
+    from bad_inputs import make_ckpt
+
+    from ckpt_tools.model.spec import ModelSpec
+    spec = ModelSpec("llama", num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                     ffn_hidden_size=128, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=True)
+    return make_ckpt(tmp_path / "src", spec, tp=1, pp=1)
+
+
+def _fresh_masters(tmp_path, hf_dirs):
+    src = _in_bf16(hf_dirs["llama"], tmp_path / "hf", HEAD)
+    import_hf(src, tmp_path / "src", tp=2, pp=2, quiet=True)
+    return tmp_path / "src"
+
+
+def _megatron_weights(tmp_path, hf_dirs):
+    import_hf(hf_dirs["qwen3"], tmp_path / "src", tp=2, pp=2, form="torch_dist", quiet=True, optimizer=False)
+    return tmp_path / "src"
+
+
+OURS_COPIES = {  # source -> the targets it is resharded to (TP, PP, EP)
+    "trained": [(1, 1, 1), (1, 3, 1)],
+    "mixtral-ep": [(1, 2, 2), (1, 1, 1)],
+    "tied": [(4, 2, 1)],
+    "fresh-masters": [(1, 1, 1), (2, 1, 1)],
+    "torch_dist-weights": [(1, 1, 1)],
+}
+
+
+@pytest.mark.parametrize("source,target", [(s, t) for s, ts in OURS_COPIES.items() for t in ts],
+                         ids=[f"{s}-to-tp{t[0]}pp{t[1]}ep{t[2]}" for s, ts in OURS_COPIES.items() for t in ts])
+def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, target, llama_run, hf_dirs, tmp_path,
+                                                                        monkeypatch):
+    """`ckpt reshard` into our format without the torch path (verbs/ours_copy.reshard: the source's shards and
+    optimizer fields cut to the target's files by the layout table's pieces, copied file to file or gathered in
+    memory): our trainer's checkpoint with its optimizer and RNG files (to TP1, to an uneven PP3), an MoE one to
+    expert parallelism and to TP1 (which trims its vocab padding, 252 -> 250 rows), a tied embedding to PP2 (the
+    output layer's copy and its optimizer fields made from the embedding's), a fresh optimizer whose fp32 masters are written, and a
+    Megatron-LM torch_dist of weights alone. Every file holds what the torch path writes, and the summary is its."""
+    from ckpt_tools.verbs import reshard as torch_path
+    src = {"trained": lambda: llama_run[0], "mixtral-ep": lambda: _mixtral_ep(tmp_path),
+           "tied": lambda: _tied(tmp_path),
+           "fresh-masters": lambda: _fresh_masters(tmp_path, hf_dirs),
+           "torch_dist-weights": lambda: _megatron_weights(tmp_path, hf_dirs)}[source]()
+    tp, pp, ep = target
+    layers = [1, 1, 2] if pp == 3 else None
+    slow = reshard(src, tmp_path / "slow", tp=tp, pp=pp, ep=ep, layers=layers, quiet=True, copy_bytes=False)
+
+    def declined(*args, **kwargs):
+        raise AssertionError("the byte path declined the job: the torch path ran")
+    monkeypatch.setattr(torch_path, "run", declined)
+    fast = reshard(src, tmp_path / "fast", tp=tp, pp=pp, ep=ep, layers=layers, quiet=True)
+    assert fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
+    same_ours(tmp_path / "fast", tmp_path / "slow")
+    if source == "trained":
+        assert "model + optimizer" in fast and list((tmp_path / "fast").glob("*/rng_*"))
+    if source == "fresh-masters":
+        assert "its masters that carry more written" in fast
+
+
+def test_reshard_into_ours_leaves_a_megatron_optimizer_to_the_torch_path(tmp_path, monkeypatch):
+    """A Megatron-LM source that holds optimizer state is not the byte copy's: the torch path carries it (or says
+    what it leaves behind), so the copy declines before writing anything."""
+    from ckpt_tools.verbs import ours_copy
+    src = Path(__file__).parent.parent / "fixtures" / "megatron_optimizer" / "plain" / "torch_dist"
+    assert ours_copy.reshard(src, tmp_path / "out", Request(1, 1)) is None
+    assert not (tmp_path / "out").exists()

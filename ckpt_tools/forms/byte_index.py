@@ -209,19 +209,37 @@ def _add_shards(shards: Shards, meta: checkpoint.Meta, rank: Rank, path: Path, s
         shards.setdefault(key, []).append(shard)
 
 
-def field_shards(meta: checkpoint.Meta, field: str = "master") -> Shards:
-    """One optimizer field (the fp32 master weights, exp_avg or exp_avg_sq) of every optimizer shard, each of its
-    parameter's shard shape."""
+def field_shards(meta: checkpoint.Meta, field: str = "master", written: bool = False) -> Shards:
+    """One optimizer field (the fp32 master weights, exp_avg, exp_avg_sq, or the scalar step) of every optimizer
+    shard, each of its parameter's shard shape (the step: a scalar). `written`: a fresh optimizer's files, which hold
+    the masters of some parameters alone (contract 2): those, each on every TP rank that holds the parameter."""
     shards: Shards = {}
     for rank in meta.grid.ranks():
-        path, state = _state(meta, checkpoint.optimizer_file(rank), "optimizer")
+        name = checkpoint.optimizer_file(rank)
+        if written and not (meta.dir / name).is_file() and name not in meta.raw.get("files", {}):
+            continue
+        path, state = _state(meta, name, "optimizer")
         for local, key in meta.rank_keys(rank, owned=True):
             shape = layout.shard_shape(key, meta.spec, meta.padded_vocab, meta.tp_size, meta.pp_size)
             if shape is None or not layout.has_optimizer_state(key, meta.spec, meta.pp_size):
                 continue
             entry = state.get(local)
-            master = entry.get(field) if isinstance(entry, dict) else None
-            if not (isinstance(master, TensorInfo) and master.shape == shape):
+            info = entry.get(field) if isinstance(entry, dict) else None
+            if written and info is None:
+                continue
+            if not (isinstance(info, TensorInfo) and info.shape == (() if field == "step" else shape)):
                 raise Declined(f"{path}: no {field} of shape {shape} for {local}")
-            shards.setdefault(key, []).append(_shard(path, master))
+            shards.setdefault(key, []).append(_shard(path, info))
+    if written and any(len(ts) != meta.tp_size for ts in shards.values()):
+        raise Declined(f"{meta.dir}: a fresh optimizer's masters written for some TP ranks of a parameter only")
     return shards
+
+
+def has_optimizer(meta: checkpoint.Meta) -> bool:
+    """Optimizer shards exist or meta.json records them, or the fresh optimizer it records (as the torch reader's
+    has_optimizer)."""
+    if meta.fresh_optimizer:
+        return True
+    recorded = meta.raw.get("files", {})
+    return any((meta.dir / checkpoint.optimizer_file(r)).is_file() or checkpoint.optimizer_file(r) in recorded
+               for r in meta.grid.ranks())

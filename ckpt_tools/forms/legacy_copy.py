@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ckpt_tools import durable, output
 from ckpt_tools.forms import megatron_lm, torchsave
-from ckpt_tools.forms.byte_index import Shard
+from ckpt_tools.forms.byte_index import Shard, Shards
 from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.checkpoint import Meta, file_record
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
@@ -60,11 +60,22 @@ def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], coun
     dicts (`model`, or `model<v>` with several), its tensors' bytes copied from the source; the bytes of tensors
     written. Legacy Megatron-LM files, and our format's model files (`header` empty; `records`: each file's meta.json
     record by its path, made on its own thread once its copies are done, beside the next file's writing)."""
+    return write_archives([(path, lambda put, chunks=chunks: model_dicts(source, chunks, counts, padded, tp, ep,
+                                                                         header, put))
+                           for path, chunks in targets], quiet, label, records)
+
+
+def write_archives(targets: list[tuple[Path, object]], quiet: bool, label: str, records: dict | None = None) -> int:
+    """Each (path, fill) of `targets`: a torch.save archive of the object `fill(put)` returns, where `put(ref, dtype,
+    shape, data)` adds a tensor record (data: byte ranges of other files, or memory) as it is made and returns its
+    reference; the bytes of tensors written. Each file's byte ranges are copied, its record for meta.json made
+    (`records`, by path) and its fsync run on a thread of its own (durable.FileWorker), beside the next file's
+    writing."""
     nbytes, bar = 0, output.progress(len(targets), label, quiet, unit="file")
     files: list[tuple[durable.FileWorker, int, Path]] = []  # written, their copies and fsync still running
     try:
-        for path, chunks in targets:
-            nbytes += _write_rank(source, path, chunks, counts, padded, tp, ep, header, files, records)
+        for path, fill in targets:
+            nbytes += _write_archive(path, fill, files, records)
             bar.update(1)
         while files:
             worker, fd, path = files[0]
@@ -82,17 +93,35 @@ def write_files(source: ByteSource, targets: list[tuple[Path, list[Rank]]], coun
     return nbytes
 
 
-def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list[int], padded: int, tp: int, ep: int,
-                header: dict, files: list, records: dict | None = None) -> int:
-    """One target rank's file (its model chunks: the ranks of `chunks`, one without an interleaved pipeline): its
-    headers, pickles and gathered rows written here, its byte ranges copied and its fsync run on a thread of its own
-    (durable.FileWorker), added to `files` with its descriptor (closed by the caller)."""
-    spec = source.meta.spec
+def _write_archive(path: Path, fill, files: list, records: dict | None) -> int:
+    """One file: its headers, pickles and in-memory tensors written here, its byte ranges copied and its fsync run on
+    a thread of its own (durable.FileWorker), added to `files` with its descriptor (closed by the caller)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     worker = durable.FileWorker()
     files.append((worker, fd, path))
-    archive, models, nbytes, flushed = torchsave.Archive(fd, 0, path.stem, copy=worker.copy), {}, 0, 0
+    archive, nbytes, flushed = torchsave.Archive(fd, 0, path.stem, copy=worker.copy), 0, 0
+
+    def put(ref: str, dtype: str, shape: tuple, data: torchsave.Data) -> torchsave.TensorRef:
+        nonlocal nbytes, flushed
+        archive.add(f"data/{ref}", data)
+        nbytes += torchsave.data_size(data)
+        archive.flush()
+        worker.writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
+        flushed = archive.pos
+        return torchsave.TensorRef(ref, dtype, shape)
+    torchsave.finish(archive, torchsave.dumps(fill(put)))
+    if records is not None:  # its hash from the page cache, then its fsync
+        worker.submit(lambda: records.__setitem__(path, file_record(path)))
+    worker.submit(os.fsync, fd)
+    return nbytes
+
+
+def model_dicts(source: ByteSource, chunks: list[Rank], counts: list[int], padded: int, tp: int, ep: int,
+                 header: dict, put) -> dict:
+    """One target rank's archive object: `header` and its model chunks' dicts (the ranks of `chunks`, one without an
+    interleaved pipeline), each tensor put as it is made."""
+    spec, models = source.meta.spec, {}
     base = 0  # the records of a file's earlier chunks: names stay unique
     for v, rank in enumerate(chunks):
         base += len(models[megatron_lm.chunk_name(v - 1, len(chunks))]) if v else 0
@@ -101,30 +130,21 @@ def _write_rank(source: ByteSource, path: Path, chunks: list[Rank], counts: list
             if not layout.holds_weights(key, spec, len(counts)):
                 model[local] = None  # an extra-state entry, as megatron-core's local spec saves it
                 continue
-            dtype, shape, data = _shard(source, key, rank.tp, tp, padded, len(counts))
+            dtype, shape, data = shard(source, key, rank.tp, tp, padded, len(counts))
             source.release()  # the pages of a tensor the torch reader made (its bytes are held by `data`)
-            ref = str(base + len(model))
-            archive.add(f"data/{ref}", data)
-            model[local] = torchsave.TensorRef(ref, dtype, shape)
-            nbytes += torchsave.data_size(data)
-            archive.flush()
-            worker.writeback(fd, flushed, archive.pos - flushed)  # the final fsync finds little left to wait for
-            flushed = archive.pos
-    torchsave.finish(archive, torchsave.dumps({**header, **models}))
-    if records is not None:  # its hash from the page cache, then its fsync
-        worker.submit(lambda: records.__setitem__(path, file_record(path)))
-    worker.submit(os.fsync, fd)
-    return nbytes
+            model[local] = put(str(base + len(model)), dtype, shape, data)
+    return {**header, **models}
 
 
-def _shard(source: ByteSource, key: str, rank: int, tp: int, padded: int,
-           pp: int) -> tuple[str, tuple, torchsave.Data]:
-    """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory)."""
+def shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: int,
+          fields: Shards | None = None) -> tuple[str, tuple, torchsave.Data]:
+    """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory);
+    `fields`: an optimizer field's shards (byte_index.field_shards) instead of the model's."""
     meta, spec = source.meta, source.meta.spec
     held = key if key in source.shards or key in source.made else layout.source_key(key, source.shards)
-    if held in source.made:
+    if held in source.made and fields is None:
         return _made_shard(source, key, held, rank, tp, pp)
-    shards = source.shards[held]
+    shards = (source.shards if fields is None else fields)[held]
     dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
     shape = layout.shard_shape(key, spec, padded, tp, pp)
     if layout.is_replicated(key, spec, pp):

@@ -27,7 +27,7 @@ from pathlib import Path
 from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
-from ckpt_tools.forms.byte_index import Declined, Shard, field_shards
+from ckpt_tools.forms.byte_index import Declined, Shard, field_shards, has_optimizer
 from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
@@ -71,7 +71,7 @@ def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, qu
              no_preflight: bool, start: float, team: Team = SOLO) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta = source.meta
-    with_opt = want.optimizer and _has_optimizer(meta)
+    with_opt = want.optimizer and has_optimizer(meta)
     if with_opt and not forms.get(want.form).optimizer:
         return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
@@ -219,16 +219,6 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
                                                       shard_ops.Piece(None, 0, spec.vocab_size, padded))
         row = full[1] * ELEMENT_SIZES[shard.dtype]
         writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes, bytes((padded - spec.vocab_size) * row))
-
-
-def _has_optimizer(meta: checkpoint.Meta) -> bool:
-    """Optimizer shards exist or meta.json records them, or the fresh optimizer it records (as the torch reader's
-    has_optimizer)."""
-    if meta.fresh_optimizer:
-        return True
-    recorded = meta.raw.get("files", {})
-    return any((meta.dir / checkpoint.optimizer_file(r)).is_file() or checkpoint.optimizer_file(r) in recorded
-               for r in meta.grid.ranks())
 
 
 def _step(meta: checkpoint.Meta) -> float:

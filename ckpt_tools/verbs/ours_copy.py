@@ -12,16 +12,32 @@ torch path writes them.
 
 None, having written nothing, where the torch path must do it: what verbs/hf_copy.py declines (weights asked for in
 another dtype than the HF weights', names or shapes that disagree with config.json), expert parallelism.
+
+`ckpt reshard SRC OUT` into our format the same way (`reshard`): the source's shards, and its optimizer fields (fp32
+master, exp_avg, exp_avg_sq, step), cut to the target's TP x PP x EP by the layout table's pieces
+(shard_ops.reshard_pieces) and copied file to file, a row-parallel shard gathered in memory (forms/legacy_copy.py);
+its RNG file given to every target rank; a fresh optimizer stays recorded, its written masters carried. Sources:
+what byte_ranges.ByteSource reads (ours; Megatron-LM's legacy and torch_dist files holding no optimizer state). None
+where the torch path must do it (reshard.run): a Megatron-LM optimizer (carried, or left with its words), input the
+byte index declines (the torch path words what is wrong), optimizer extras that hold tensors.
 """
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_tools import durable, io, output
+from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.forms import legacy_copy, torchsave
+from ckpt_tools.forms.byte_index import Declined, Shards, field_shards, has_optimizer
+from ckpt_tools.forms.byte_ranges import ByteSource
+from ckpt_tools.forms.dtypes import ELEMENT_SIZES
+from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.model.spec import ModelSpec
@@ -59,19 +75,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
                 written[path] = fmt.file_record(path)
         finally:
             source.close()
-        shared = team.share(lambda: ({path.name: record for path, record in written.items()}, nbytes), to_lead=True)
-        if team.lead:
-            records = {name: record for part, _ in shared for name, record in part.items()}
-            nbytes = sum(n for _, n in shared)
-            for path in hf.copy_carried(hf_dir, ckpt, True):
-                records[path.relative_to(ckpt).as_posix()] = fmt.file_record(path)
-                durable.fsync_file(path)
-            origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
-            meta = fmt.build_meta(spec, tp, counts, padded, 0, 0, params, None, {}, dict(sorted(records.items())),
-                                  origin, fresh_optimizer=optimizer)
-            fmt.write_meta(ckpt / fmt.META, meta)
-            durable.fsync_dir(ckpt)
-            io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(0) + "\n")
+        origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
+        nbytes = _finish(tmp, 0, written, nbytes, hf_dir, True, team, lambda files: fmt.build_meta(
+            spec, tp, counts, padded, 0, 0, params, None, {}, files, origin, fresh_optimizer=optimizer))
     return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, bool(carried), padded, nbytes,
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
 
@@ -110,3 +116,215 @@ def imported(hf_dir: Path, spec: ModelSpec, out: Path, tp: int, counts: list[int
             + ("fresh optimizer state (recorded in meta.json" + (", its fp32 masters written" if masters else
                                                                   ", not written") + ")" if optimizer
                else "no optimizer state") + f", padded vocab {padded}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s")
+
+
+def _finish(tmp: Path, iteration: int, written: dict, nbytes: int, carried_from: Path, hf_dir: bool, team: Team,
+            build) -> int:
+    """The checkpoint's end, once every process's files are written (`written`: record by path): the files carried
+    from `carried_from` (tokenizer, chat templates, HF config; `hf_dir`: from an HF model), meta.json (`build(files)`,
+    every file's record), `latest`. The bytes of the shard files, every process's (process 0 says the total)."""
+    ckpt = tmp / fmt.checkpoint_name(iteration)
+    shared = team.share(lambda: ({path.relative_to(ckpt).as_posix(): record for path, record in written.items()},
+                                 nbytes), to_lead=True)
+    if not team.lead:
+        return nbytes
+    records = {name: record for part, _ in shared for name, record in part.items()}
+    for path in hf.copy_carried(carried_from, ckpt, hf_dir):
+        records[path.relative_to(ckpt).as_posix()] = fmt.file_record(path)
+        durable.fsync_file(path)
+    fmt.write_meta(ckpt / fmt.META, build(dict(sorted(records.items()))))
+    durable.fsync_dir(ckpt)
+    io.write_text_atomic(tmp / fmt.LATEST, fmt.checkpoint_name(iteration) + "\n")
+    return sum(n for _, n in shared)
+
+
+# ---------------------------------------------------------------- reshard: our format's files from the source's bytes
+@dataclass
+class _Copied:
+    """What a reshard into our format copies beside the model: the optimizer fields' shards (`fields`, the step
+    among them), or a fresh optimizer's written masters alone (`masters`); the optimizer files' other entries
+    (`extras`); the RNG file every target rank gets (`rng`)."""
+    fields: dict[str, Shards]
+    masters: Shards | None
+    extras: dict
+    rng: Path | None
+    with_opt: bool
+    fresh: bool
+
+
+def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
+            quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
+            team: Team = SOLO) -> str | None:
+    """paths.reshard(..., `want` of our format) by copying bytes; None (nothing written) where the torch path must do
+    it. In a team each process writes a run of the files (balanced by their bytes), process 0 the rest."""
+    start = time.perf_counter()
+    try:
+        source = ByteSource.open(src, vocab_size, False)
+    except Declined:
+        source = None
+    try:
+        copied = None if source is None else _copied(source, want)
+        if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
+            return None
+        return _reshard_copy(source, copied, out, want, force, quiet, check_hashes, no_preflight, start, team)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _copied(source: ByteSource, want: Request) -> _Copied | None:
+    """What the copy takes beside the model, or None where the torch path must write the output."""
+    meta = source.meta
+    if source.megatron_optimizer:
+        return None  # carried by the torch path, or left behind in its words
+    with_opt = want.optimizer and has_optimizer(meta)
+    fresh = with_opt and meta.fresh_optimizer
+    try:
+        fields, masters, extras = {}, None, {}
+        if fresh:
+            masters = field_shards(meta, "master", written=True)
+            extras = dict(fmt.FRESH_EXTRAS) if masters else {}
+        elif with_opt:
+            fields = {f: field_shards(meta, f) for f in (*fmt.OPTIMIZER_FIELDS, "step")}
+            extras = _extras(meta)
+        for shards in (*fields.values(), masters or {}):
+            source.check_replicas(shards)
+        rng = _rng(meta) if source.ours else None
+    except (Declined, Unreadable, CkptError, OSError):
+        return None
+    return _Copied(fields, masters, extras, rng, with_opt, fresh)
+
+
+def _extras(meta: fmt.Meta) -> dict:
+    """What rank (0, 0)'s optimizer file holds beside the per-parameter state (param groups, scheduler, scaler), read
+    without torch; Declined where it holds tensors (the torch path carries those)."""
+    obj = read(meta.dir / fmt.optimizer_file(meta.grid.first))
+    extras = {k: v for k, v in obj.items() if k != "optimizer"} if isinstance(obj, dict) else None
+    if extras is None or _holds_tensors(extras):
+        raise Declined("optimizer extras that hold tensors")
+    torchsave.dumps(extras)  # what cannot be pickled without torch raises here, before anything is written
+    return extras
+
+
+def _holds_tensors(obj: object) -> bool:
+    if isinstance(obj, TensorInfo):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensors(v) for v in obj.values())
+    return isinstance(obj, (list, tuple)) and any(_holds_tensors(v) for v in obj)
+
+
+def _rng(meta: fmt.Meta) -> Path | None:
+    """Rank (0, 0)'s RNG file, which every target rank gets as it is; None where there is none. It must read as a
+    torch.save archive of a dict, torch-free (the torch path loads it, and words what is wrong)."""
+    path = meta.dir / fmt.rng_file(meta.grid.first)
+    if not path.is_file():
+        if path.name in meta.raw.get("files", {}):
+            raise Declined(f"{path}: missing, but meta.json records it")
+        return None
+    if fmt.size_problem(meta, path) or not isinstance(read(path), dict):  # a damaged file raises Unreadable
+        raise Declined(f"{path}: not of the size meta.json records, or not an RNG state")
+    return path
+
+
+def _reshard_copy(source: ByteSource, copied: _Copied, out: str | Path, want: Request, force: bool, quiet: bool,
+                  check_hashes: bool, no_preflight: bool, start: float, team: Team) -> str:
+    meta, spec = source.meta, source.meta.spec
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
+    if check_hashes:
+        source.check_hashes(team)
+    target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
+    tp, pp, counts, padded, ep = target.tp, target.pp, target.counts, target.padded, target.ep
+    output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
+    optimizer = bool(copied.fields or copied.masters)
+    grid = Grid(tp, pp, ep)
+    # the small model files last: the wait for the last one's hash is short
+    files = [(kind, rank) for kind in (("optimizer", "model") if optimizer else ("model",)) for rank in grid.ranks()]
+    itemsize = {"model": ELEMENT_SIZES.get(str(meta.params_dtype).removeprefix("torch."), 2),
+                "optimizer": 4 * len(fmt.OPTIMIZER_FIELDS)}
+    owners = team.split([layout.rank_numel(spec, counts, padded, tp, r.pp, r.ep, ep) * itemsize[kind]
+                         for kind, r in files])
+    mine = [f for f, owner in zip(files, owners) if owner == team.rank]
+    with output.staged(out, force, team=team) as tmp:
+        ckpt = tmp / fmt.checkpoint_name(meta.iteration)
+        ckpt.mkdir(exist_ok=True)
+        written: dict[Path, dict] = {}
+        nbytes = legacy_copy.write_archives([(ckpt / fmt.model_file(r), _model_fill(source, r, counts, padded, tp, ep))
+                                             if kind == "model" else
+                                             (ckpt / fmt.optimizer_file(r),
+                                              _optimizer_fill(source, copied, r, counts, padded, tp, ep))
+                                             for kind, r in mine], quiet, "reshard", written)
+        if team.lead and copied.rng is not None:
+            for rank in grid.ranks():
+                path = ckpt / fmt.rng_file(rank)
+                shutil.copyfile(copied.rng, path)
+                written[path] = fmt.file_record(path)
+                durable.fsync_file(path)
+        origin = {"op": "reshard", "from": {"dir": str(meta.dir), "source": meta.source, "tp_size": meta.tp_size,
+                                            "pp_size": meta.pp_size, "layers_per_stage": meta.layer_counts,
+                                            "padded_vocab": meta.padded_vocab}}
+        if meta.ep_size > 1:
+            origin["from"]["ep_size"] = meta.ep_size
+        consumed = int(meta.raw.get("consumed_samples") or 0)
+        nbytes = _finish(tmp, meta.iteration, written, nbytes, meta.dir, False, team, lambda records: fmt.build_meta(
+            spec, tp, counts, padded, meta.iteration, consumed, meta.params_dtype,
+            meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), records, origin, ep,
+            fresh_optimizer=copied.fresh))
+    return resharded(meta, out, grid, counts, padded, copied.with_opt and not copied.fresh, copied.fresh,
+                     bool(copied.masters), None, nbytes, time.perf_counter() - start) + (
+        f"\n{leftover}" if leftover else "")
+
+
+def _model_fill(source: ByteSource, rank: Rank, counts: list[int], padded: int, tp: int, ep: int):
+    return lambda put: legacy_copy.model_dicts(source, [rank], counts, padded, tp, ep, {}, put)
+
+
+def _optimizer_fill(source: ByteSource, copied: _Copied, rank: Rank, counts: list[int], padded: int, tp: int,
+                    ep: int):
+    """One target rank's optimizer file: each trained parameter's fields (or a fresh optimizer's written masters
+    alone), in the torch path's order."""
+    spec, pp = source.meta.spec, len(counts)
+
+    def fill(put) -> dict:
+        state, refs = {}, itertools.count()
+        for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
+            held = key if key in source.shards else layout.source_key(key, source.shards)
+            if copied.masters is not None:
+                wanted = {"master": copied.masters} if held in copied.masters else {}
+            elif layout.has_optimizer_state(key, spec, pp):
+                wanted = {f: copied.fields[f] for f in fmt.OPTIMIZER_FIELDS}
+            else:
+                continue
+            entry = {}
+            for f, shards in wanted.items():
+                entry[f] = put(str(next(refs)), *legacy_copy.shard(source, key, rank.tp, tp, padded, pp, shards))
+                source.release()
+            if copied.fields and wanted:
+                step = copied.fields["step"][held][0]
+                entry["step"] = put(str(next(refs)), step.dtype, (),
+                                    [(source.files.fd(p), o, n) for p, o, n in step.whole])
+            if entry:
+                state[local] = entry
+        return {"optimizer": state, **copied.extras}
+    return fill
+
+
+def resharded(meta: fmt.Meta, out: Path, grid: Grid, counts: list[int], padded: int, with_opt: bool, fresh: bool,
+              masters: bool, unread: str | None, nbytes: int, seconds: float) -> str:
+    """The one-line summary of a reshard into our format (either path)."""
+    notes = ""
+    if padded != meta.padded_vocab:
+        notes = (f"; padded vocab {meta.padded_vocab} -> {padded} (TP{grid.tp} does not divide {meta.padded_vocab}; "
+                 f"rows beyond the true vocab {meta.spec.vocab_size} are zeros)")
+    if fresh:
+        carried = "model + the fresh optimizer (recorded" + (
+            ", its masters that carry more written)" if masters else ", not written)")
+    elif with_opt:
+        carried = "model + optimizer"
+    elif unread:
+        carried = f"model only (NOT carried: its {unread}, not read by this version)"
+    else:
+        carried = "model only (the source has no optimizer state)"
+    return (f"resharded {meta.dir} {meta.grid} (layers {meta.layer_counts}) -> {out} {grid} (layers {counts}), "
+            f"iteration {meta.iteration}, {carried}, {nbytes / 2**20:,.1f} MiB, {seconds:.1f}s{notes}")

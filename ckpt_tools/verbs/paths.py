@@ -2,8 +2,9 @@
 alike (reshard.reshard, importer.import_hf): which path writes the output.
 
 First the torch-free byte copy, where it takes the job: verbs/dist_copy.py for a reshard into Megatron-LM's forms
-(the source's shards copied as the target's chunks), verbs/hf_copy.py for an import into them (the HF tensors' rows
-as the chunks), verbs/ours_copy.py for an import into our format.
+(the source's shards copied as the target's chunks), verbs/ours_copy.py for a reshard into our format (the source's
+shards and optimizer fields cut to the target's rank files), verbs/hf_copy.py for an import into Megatron-LM's forms
+(the HF tensors' rows as the chunks), verbs/ours_copy.py for an import into our format.
 It declines (None, nothing written) what it does not copy, and the torch path writes it: reshard.run, importer.run.
 torch is imported only then. `tuned`: the command line's process settings for the torch path (copying_process).
 """
@@ -20,9 +21,10 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
             copy_bytes: bool = True, tuned: bool = False) -> str:
     """Rewrite `src` as `want` says into OUT (`copy_bytes` False: the torch path only)."""
     want.check()
-    if want.megatron and copy_bytes:
-        from ckpt_tools.verbs import dist_copy
-        summary = dist_copy.reshard(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
+    if copy_bytes:
+        from ckpt_tools.verbs import dist_copy, ours_copy
+        copier = dist_copy.reshard if want.megatron else ours_copy.reshard
+        summary = copier(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
         if summary is not None:
             return summary
     if tuned:

@@ -81,15 +81,9 @@ def run(src: str | Path, out: str | Path, want: Request, vocab_size: int | None 
                                   origin, ep, fresh_optimizer=fresh)
         nbytes = finish(tmp, meta.iteration, target, new_meta, meta.dir, team=team)
     shards.close()
-    notes = ""
-    if padded != meta.padded_vocab:
-        notes = (f"; padded vocab {meta.padded_vocab} -> {padded} (TP{tp} does not divide {meta.padded_vocab}; "
-                 f"rows beyond the true vocab {spec.vocab_size} are zeros)")
-    return (f"resharded {meta.dir} {meta.grid} (layers {meta.layer_counts}) -> {out} "
-            f"{Grid(tp, pp, ep)} (layers {counts}), iteration {meta.iteration}, "
-            f"{'model + optimizer' if with_opt else 'model + the fresh optimizer (recorded' + (', its masters that carry more written)' if masters else ', not written)') if fresh else f'model only (NOT carried: its {unread}, not read by this version)' if unread else 'model only (the source has no optimizer state)'}, "
-            f"{nbytes / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f}s{notes}"
-            + (f"\n{leftover}" if leftover else ""))
+    from ckpt_tools.verbs.ours_copy import resharded
+    return resharded(meta, out, Grid(tp, pp, ep), counts, padded, with_opt, fresh, bool(masters), unread, nbytes,
+                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
 
 
 def _reshard_to_megatron(shards: Reader, out: Path, target: Layout, with_opt: bool, force: bool, quiet: bool,

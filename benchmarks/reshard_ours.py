@@ -1,0 +1,73 @@
+"""Reshard of our format into our format: the byte copy (verbs/ours_copy.reshard: the source's shards and optimizer
+fields cut to the target's rank files by the layout table's pieces, copied file to file in the kernel, a row-parallel
+shard gathered in memory) against the torch path it replaces (reshard.run: torch's mmap'd shards), and against `cp -r`
+of the output.
+
+Source: the copy-speed matrix's "ours bf16" (benchmarks/matrix.py: a Llama of 24 heads in 12 query groups, bf16
+weights with fp32 master, exp_avg and exp_avg_sq, TP2 x PP2; 1 GB of weights is 7.2 GB on disk). Jobs: TP2 -> TP1
+(join), TP2 -> TP3 (a split that is not a power of two), PP2 -> PP3 with uneven stages; the optimizer carried. Each
+command a subprocess (`paths.reshard`, as `ckpt reshard` calls it, `copy_bytes` on or off), warm page cache, rounds
+alternating, median wall time, `sync` after each; peak RSS by GNU time. A byte-path run that the byte path declines
+fails the benchmark.
+
+Usage: python benchmarks/reshard_ours.py [--size-gb 1.0] [--repeats 3] [--quick] [--markdown FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the byte path's runs: a torch path that would run instead fails the benchmark
+NO_TORCH_RESHARD = ("import sys, types; m = types.ModuleType('ckpt_tools.verbs.reshard'); "
+                    "m.run = lambda *a, **k: sys.exit('the byte path declined the job'); "
+                    "sys.modules['ckpt_tools.verbs.reshard'] = m; ")
+
+
+def command(src: Path, out: Path, tp: int, pp: int, layers: list[int] | None, copy_bytes: bool) -> list[str]:
+    code = ((NO_TORCH_RESHARD if copy_bytes else "import sys; ") + "from ckpt_tools.verbs import paths; "
+            "from ckpt_tools.verbs.request import Request; "
+            f"paths.reshard(sys.argv[1], sys.argv[2], Request({tp}, {pp}, {layers!r}), quiet=True, "
+            f"copy_bytes={copy_bytes}, tuned=True)")
+    return [sys.executable, "-c", code, str(src), str(out)]
+
+
+def main() -> None:
+    import torch
+    from matrix import make_spec, uneven
+    from merge_reshard import child_env, generate
+    from per_tensor_import import PATHS_HEADER, print_table, timed_paths
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
+    a = ap.parse_args()
+    repeats = 1 if a.quick else a.repeats
+    work = Path(tempfile.mkdtemp(prefix="ckpt-reshard-ours-", dir=a.workdir))
+    env = child_env(work)
+    try:
+        spec = make_spec(a.size_gb, a.quick)
+        generate(work / "ours", spec, torch.bfloat16)
+        jobs = {"TP2 -> TP1": (1, 2, None), "TP2 -> TP3": (3, 2, None),
+                "PP2 -> PP3 (uneven)": (2, 3, [int(n) for n in uneven(spec.num_layers).split(",")])}
+        rows = [[job, *timed_paths({"byte path": command(work / "ours", work / "out", *target, True),
+                                    "torch path": command(work / "ours", work / "out", *target, False)},
+                                   work / "out", work, env, repeats)]
+                for job, target in jobs.items()]
+        print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, ffn {spec.ffn_hidden_size}, vocab "
+              f"{spec.vocab_size}; ours bf16 + fp32 master, exp_avg, exp_avg_sq, TP2 x PP2")
+        print_table(["reshard ours -> ours"] + PATHS_HEADER, rows, a.markdown)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    main()
