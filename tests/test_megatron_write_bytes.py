@@ -398,8 +398,8 @@ def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, t
     optimizer fields cut to the target's files by the layout table's pieces, copied file to file or gathered in
     memory): our trainer's checkpoint with its optimizer and RNG files (to TP1, to an uneven PP3), an MoE one to
     expert parallelism and to TP1 (which trims its vocab padding, 252 -> 250 rows), a tied embedding to PP2 (the
-    output layer's copy and its optimizer fields made from the embedding's), a fresh optimizer whose fp32 masters are written, and a
-    Megatron-LM torch_dist of weights alone. Every file holds what the torch path writes, and the summary is its."""
+    output layer's copy and its optimizer fields made from the embedding's), a fresh optimizer whose fp32 masters are
+    written, and a Megatron-LM torch_dist of weights alone. Every file holds what the torch path writes, and the summary is its."""
     from ckpt_tools.verbs import reshard as torch_path
     src = {"trained": lambda: llama_run[0], "mixtral-ep": lambda: _mixtral_ep(tmp_path),
            "tied": lambda: _tied(tmp_path),
