@@ -399,7 +399,8 @@ def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, t
     memory): our trainer's checkpoint with its optimizer and RNG files (to TP1, to an uneven PP3), an MoE one to
     expert parallelism and to TP1 (which trims its vocab padding, 252 -> 250 rows), a tied embedding to PP2 (the
     output layer's copy and its optimizer fields made from the embedding's), a fresh optimizer whose fp32 masters are
-    written, and a Megatron-LM torch_dist of weights alone. Every file holds what the torch path writes, and the summary is its."""
+    written, and a Megatron-LM torch_dist of weights alone. Every file holds what the torch path writes, and the
+    summary is its."""
     from ckpt_tools.verbs import reshard as torch_path
     src = {"trained": lambda: llama_run[0], "mixtral-ep": lambda: _mixtral_ep(tmp_path),
            "tied": lambda: _tied(tmp_path),
@@ -428,3 +429,38 @@ def test_reshard_into_ours_leaves_a_megatron_optimizer_to_the_torch_path(tmp_pat
     src = Path(__file__).parent.parent / "fixtures" / "megatron_optimizer" / "plain" / "torch_dist"
     assert ours_copy.reshard(src, tmp_path / "out", Request(1, 1)) is None
     assert not (tmp_path / "out").exists()
+
+
+MEGATRON_OPTIMIZERS = [  # (source, target form): the forms' fixtures hold a short schedule that only ours takes
+    *((f"megatron_optimizer/{s}", "ours") for s in ("plain/torch", "plain/torch_dist", "dist/torch", "dist/torch_dist",
+                                                   "dist/torch_dist_full", "dist_buckets/torch",
+                                                   "dist_buckets/torch_dist")),
+    *((f"megatron_optimizer_dp/{run}/{s}", form) for run in ("tp2_dp2", "pp2_vpp2_dp2") for s in ("src", "src_legacy")
+      for form in ("torch_dist", "ours")),
+    ("megatron_torch_dcp/torch_dcp", "torch_dist"), ("megatron_torch_dcp/torch_dcp", "ours")]
+
+
+@pytest.mark.parametrize("src,form", MEGATRON_OPTIMIZERS,
+                         ids=[f"{s.split('/', 1)[1]}-to-{f}" for s, f in MEGATRON_OPTIMIZERS])
+def test_a_megatron_optimizer_is_carried_with_its_fields_made_by_torch(src, form, tmp_path, monkeypatch):
+    """megatron-core's own saves with their optimizer state (plain and distributed, every form it writes, GPU runs at
+    TP2 x DP2 and PP2 x VPP2 x DP2 among them), resharded into torch_dist and our format: the weights copied as bytes,
+    each optimizer field made by the form's torch reader, parameter by parameter (ByteSource.made_fields); the job
+    never falls back whole to the torch path, and the output holds what the torch path writes (every chunk, every rank
+    file's tensors, the step, param groups and schedule)."""
+    from ckpt_tools.verbs import reshard as torch_path
+    src = Path(__file__).resolve().parent.parent / "fixtures" / src
+    tp, pp = (1, 1) if form == "torch_dist" else (2, 2)
+    asked = {"form": form} if form != "ours" else {}
+    slow = reshard(src, tmp_path / "slow", tp=tp, pp=pp, vocab_size=120, quiet=True, copy_bytes=False, **asked)
+
+    def declined(*args, **kwargs):
+        raise AssertionError("the byte path declined the job: the torch path ran")
+    monkeypatch.setattr(torch_path, "run", declined)
+    fast = reshard(src, tmp_path / "fast", tp=tp, pp=pp, vocab_size=120, quiet=True, **asked)
+    assert "model + optimizer" in fast and fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
+    if form == "ours":
+        same_ours(tmp_path / "fast", tmp_path / "slow")
+        return
+    iteration = next(tmp_path.glob("fast/iter_*")).name
+    same_dist_checkpoints(tmp_path / "fast" / iteration, tmp_path / "slow" / iteration, tmp_path)

@@ -137,7 +137,8 @@ class ByteSource:
     def open(cls, src: str | Path, vocab_size: int | None, from_master: bool,
              carry_optimizer: bool = False) -> ByteSource:
         """The model shards and the shards to copy (model or master weights), or Declined; `carry_optimizer`: a
-        Megatron-LM optimizer is to be carried (decoded by the torch path), so declined before anything else is read."""
+        Megatron-LM optimizer is to be carried: the form's torch reader decodes its fields, tensor by tensor
+        (`made_fields`), where it reads them all (else Declined: the torch path carries it or words what it leaves)."""
         from ckpt_tools.forms import readers
         try:
             form = readers.detect(src, sharded=True)
@@ -146,16 +147,17 @@ class ByteSource:
             index = form.byte_index(Path(src), vocab_size, from_master)
         except (Unreadable, CkptError) as e:
             raise Declined(str(e)) from e
-        if carry_optimizer and index.megatron_optimizer:
-            raise Declined("a Megatron-LM optimizer to carry: decoded by the torch path")
         source = cls(index.meta, index.model, index.sources, index.ours)
         source.megatron_optimizer = index.megatron_optimizer
+        carried = carry_optimizer and index.megatron_optimizer
         try:
             source.check_replicas(index.sources)
             if not source.consistent():
                 raise Declined("replicas that differ, or a tied copy that differs")
-            if index.made:  # the torch reader last: it reads every file
+            if index.made or carried:  # the torch reader last: it reads every file
                 source.made, source.maker = index.made, _checked_reader(form, Path(src), vocab_size)
+            if carried and (source.maker.unread_optimizer() or not source.maker.has_optimizer()):
+                raise Declined("a Megatron-LM optimizer in a form not read: the torch path says so")
         except BaseException:
             source.close()
             raise
@@ -248,6 +250,11 @@ class ByteSource:
         """TP rank `tp_rank`'s shard (at the source's TP) of a key torch makes, contiguous."""
         return self.maker.shards(key)[tp_rank].contiguous()
 
+    def made_fields(self, field: str) -> MadeFields:
+        """A Megatron-LM optimizer's field (master, exp_avg, exp_avg_sq, step) of every parameter, made by the torch
+        reader (`open(..., carry_optimizer=True)`)."""
+        return MadeFields(self, field)
+
     def release(self) -> None:
         """The torch reader's pages, where it made a tensor; the byte copies map none (the buffer is reused from one
         tensor to the next)."""
@@ -303,6 +310,65 @@ class ByteSource:
         self.files.close()
         if self.maker is not None:
             self.maker.close()
+
+
+class MadeShard:
+    """A TP shard made in memory (by the source's torch reader), read as a byte_index.Shard is: its rows' bytes."""
+
+    def __init__(self, t):
+        from ckpt_tools.forms.writers import contiguous_bytes, dtype_name
+        self.dtype, self.rows, self.data = dtype_name(t.dtype), t.shape[0] if t.dim() else 1, contiguous_bytes(t)
+
+    @property
+    def whole(self) -> list[memoryview]:
+        return [self.data]
+
+    def byte_ranges(self, start: int, stop: int) -> list[memoryview]:
+        row = len(self.data) // self.rows
+        return [self.data[start * row:stop * row]]
+
+
+class MadeFields:
+    """One optimizer field of a Megatron-LM source, decoded by its torch reader: each parameter's TP shards (at the
+    source's TP), made when asked, the last parameter's kept. Replicated parameters' shards must agree (the torch
+    path's check, shard_ops.join). `tensors` gives them as torch made them, `[key]` as MadeShards (the byte copies
+    into torch_dist take them as they take a source's shards)."""
+
+    def __init__(self, source: ByteSource, field: str):
+        self.source, self.field = source, field
+        self._key, self._tensors, self._shards = None, [], []
+
+    def tensors(self, key: str) -> list:
+        if key != self._key:
+            meta = self.source.meta
+            tensors = self.source.maker.shards(key, self.field)
+            if self.field != "step" and layout.is_replicated(key, meta.spec, meta.pp_size):
+                shard_ops.join(key, tensors, meta.spec, meta.pp_size)  # raises where the replicas differ
+            self._key, self._tensors, self._shards = key, tensors, []
+        return self._tensors
+
+    def __getitem__(self, key: str) -> list[MadeShard]:
+        tensors = self.tensors(key)
+        if not self._shards:
+            self._shards = [MadeShard(t) for t in tensors]
+        return self._shards
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.source.shards
+
+    def shard(self, key: str, held: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, list]:
+        """Target TP rank `rank`'s shard of `key` (`held`: the parameter that holds it) at TP `tp`, as the torch path
+        makes it (target.Resharder.shard: the layout table's pieces gathered, a replicated tensor joined): dtype, shape
+        and its bytes."""
+        from ckpt_tools.forms.writers import contiguous_bytes, dtype_name
+        meta = self.source.meta
+        tensors = self.tensors(held)
+        if layout.find_rule(key, meta.spec, pp).dim is None:
+            t = shard_ops.join(held, tensors, meta.spec, meta.pp_size)
+        else:
+            pieces = shard_ops.reshard_pieces(key, meta.spec, meta.tp_size, meta.padded_vocab, tp, padded, rank, pp)
+            t = shard_ops.gather(pieces, tensors)
+        return dtype_name(t.dtype), tuple(t.shape), [contiguous_bytes(t)]
 
 
 def _checked_reader(form, src: Path, vocab_size: int | None):

@@ -24,7 +24,7 @@ from pathlib import Path
 from ckpt_tools import durable, output
 from ckpt_tools.forms import megatron_lm, torchsave
 from ckpt_tools.forms.byte_index import Shard, Shards
-from ckpt_tools.forms.byte_ranges import ByteSource
+from ckpt_tools.forms.byte_ranges import ByteSource, MadeFields
 from ckpt_tools.forms.checkpoint import Meta, file_record
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.megatron_write import CHECKPOINT_VERSION
@@ -137,13 +137,16 @@ def model_dicts(source: ByteSource, chunks: list[Rank], counts: list[int], padde
 
 
 def shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: int,
-          fields: Shards | None = None) -> tuple[str, tuple, torchsave.Data]:
+          fields: Shards | MadeFields | None = None) -> tuple[str, tuple, torchsave.Data]:
     """Target TP rank `rank`'s shard of `key`: dtype, shape and its bytes (ranges of the source files, or memory);
-    `fields`: an optimizer field's shards (byte_index.field_shards) instead of the model's."""
+    `fields`: an optimizer field's shards (byte_index.field_shards, or made by a Megatron-LM source's torch reader)
+    instead of the model's."""
     meta, spec = source.meta, source.meta.spec
     held = key if key in source.shards or key in source.made else layout.source_key(key, source.shards)
     if held in source.made and fields is None:
         return _made_shard(source, key, held, rank, tp, pp)
+    if isinstance(fields, MadeFields):  # a Megatron-LM optimizer's field, decoded by the torch reader
+        return fields.shard(key, held, rank, tp, padded, pp)
     shards = (source.shards if fields is None else fields)[held]
     dtype, itemsize = shards[0].dtype, ELEMENT_SIZES[shards[0].dtype]
     shape = layout.shard_shape(key, spec, padded, tp, pp)

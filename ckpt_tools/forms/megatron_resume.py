@@ -118,3 +118,16 @@ def from_ours(where: Path, config: dict, dp_size: int | None, iteration: int, st
                  "wd_incr_steps": train_iters * gbs}
     return ResumeState(iteration, step, consumed or iteration * gbs, groups, scheduler,
                        "param groups and schedule from the trainer's config")
+
+
+def resume_state(shards) -> ResumeState:
+    """What Megatron-LM needs to resume beside the tensors, from a source's reader (shards.Reader): the source's own
+    param groups and schedule when it is a Megatron-LM checkpoint, else Megatron-LM's for the trainer's config."""
+    meta = shards.meta
+    consumed = int(meta.raw.get("consumed_samples") or 0)
+    saved = shards.megatron_optimizer()
+    if saved is not None:
+        where, groups, scheduler_where, scheduler = saved
+        return from_megatron(where, groups, scheduler_where, scheduler, meta.iteration, shards.step(), consumed)
+    return from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
+                     meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, shards.step(), consumed)

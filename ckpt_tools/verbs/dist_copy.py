@@ -28,9 +28,9 @@ from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
 from ckpt_tools.forms.byte_index import Declined, Shard, field_shards, has_optimizer
-from ckpt_tools.forms.byte_ranges import ByteSource
+from ckpt_tools.forms.byte_ranges import ByteSource, MadeShard
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
-from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, state_key
+from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, resume_state, state_key
 from ckpt_tools.forms.megatron_write import DistWriter
 from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import hf, layout, shard_ops
@@ -56,9 +56,8 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
     except Declined:
         source = None
     try:
-        # a Megatron-LM optimizer is decoded with torch
-        go = None if source is None or (want.optimizer and source.megatron_optimizer) else \
-            _reshard(source, out, want, force, quiet, check_hashes, no_preflight, start, team)
+        go = None if source is None else _reshard(source, out, want, force, quiet, check_hashes, no_preflight, start,
+                                                  team)
         if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
             return None
         return go()
@@ -71,19 +70,25 @@ def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, qu
              no_preflight: bool, start: float, team: Team = SOLO) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
     meta = source.meta
-    with_opt = want.optimizer and has_optimizer(meta)
+    # a Megatron-LM optimizer: its fields made by the form's torch reader (ByteSource.open(..., carry_optimizer))
+    with_opt = want.optimizer and (has_optimizer(meta) if source.ours else source.megatron_optimizer)
     if with_opt and not forms.get(want.form).optimizer:
         return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
     try:
-        fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS} if with_opt and not fresh else {}
-        for shards in fields.values():
-            source.check_replicas(shards)
-        step = _step(meta) if fields else None
+        fields, step = {}, None
+        if with_opt and not fresh and not source.ours:
+            fields = {f: source.made_fields(f) for f in checkpoint.OPTIMIZER_FIELDS}
+        elif with_opt and not fresh:
+            fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS}
+            for shards in fields.values():
+                source.check_replicas(shards)
+            step = _step(meta)
+        dropped = fresh and meta.fresh_optimizer and bool(field_shards(meta, "master", written=True))
     except (Declined, Unreadable, CkptError, OSError):
         return None
     return lambda: _reshard_copy(source, out, want, force, quiet, check_hashes, no_preflight, start, team, fields,
-                                 step, fresh)
+                                 step, fresh) + (to_megatron.MASTERS_NOT_WRITTEN if dropped else "")
 
 
 def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
@@ -97,7 +102,10 @@ def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: boo
     target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     resume = None
-    if fields:
+    if fields and not source.ours:
+        to_megatron.check_optimizer_form(target.form, meta.dir)
+        resume = resume_state(source.maker)
+    elif fields:
         consumed = int(meta.raw.get("consumed_samples") or 0)
         resume = from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
@@ -157,40 +165,24 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
                 if not layout.holds_weights(key, spec, meta.pp_size):
                     if rank.tp == 0:
                         writer.put_extra(rank.pp, key)
-                elif key in source.made:  # a tensor the torch reader makes: its shard at the source's TP, in memory
-                    if writer.saves(key, rank):
+                elif writer.saves(key, rank):
+                    trained = fields.items() if layout.has_optimizer_state(key, spec, meta.pp_size) else ()
+                    if key in source.made:  # a tensor the torch reader makes: its shard at the source's TP, in memory
                         _put(writer, source, rank, key, None, MadeShard(source.made_shard(key, rank.tp)), padded,
                              meta.tp_size)
                         source.release()
-                elif writer.saves(key, rank):
-                    trained = fields.items() if layout.has_optimizer_state(key, spec, meta.pp_size) else ()
-                    for field, shards in ((None, source.shards), *trained):
+                    else:
+                        trained = ((None, source.shards), *trained)
+                    for field, shards in trained:  # optimizer fields: byte ranges, or made by the torch reader
                         if rank.tp < len(shards[key]):  # a tensor held whole (ByteSource.tp_of): TP rank 0's
                             _put(writer, source, rank, key, field, shards[key][rank.tp], padded, len(shards[key]))
+                    source.release()
             bar.update(1)
             if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
                 writer.end_stage(rank.pp, iteration)
         writer.close(iteration, resume.common() if resume is not None else None)
     return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
                                                 saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
-
-
-class MadeShard:
-    """A TP shard the source's torch reader made (ByteSource.made_shard), read as a byte_index.Shard is: its rows'
-    bytes, in memory."""
-
-    def __init__(self, t):
-        from ckpt_tools.forms.legacy_copy import as_bytes
-        from ckpt_tools.forms.writers import dtype_name
-        self.dtype, self.rows, self.data = dtype_name(t.dtype), t.shape[0], as_bytes(t.contiguous())
-
-    @property
-    def whole(self) -> list[memoryview]:
-        return [self.data]
-
-    def byte_ranges(self, start: int, stop: int) -> list[memoryview]:
-        row = len(self.data) // self.rows
-        return [self.data[start * row:stop * row]]
 
 
 def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard | MadeShard,

@@ -17,9 +17,10 @@ another dtype than the HF weights', names or shapes that disagree with config.js
 master, exp_avg, exp_avg_sq, step), cut to the target's TP x PP x EP by the layout table's pieces
 (shard_ops.reshard_pieces) and copied file to file, a row-parallel shard gathered in memory (forms/legacy_copy.py);
 its RNG file given to every target rank; a fresh optimizer stays recorded, its written masters carried. Sources:
-what byte_ranges.ByteSource reads (ours; Megatron-LM's legacy and torch_dist files holding no optimizer state). None
-where the torch path must do it (reshard.run): a Megatron-LM optimizer (carried, or left with its words), input the
-byte index declines (the torch path words what is wrong), optimizer extras that hold tensors.
+what byte_ranges.ByteSource reads (ours; Megatron-LM's legacy and torch_dist files, their optimizer's fields made by
+the form's torch reader, tensor by tensor). None where the torch path must do it (reshard.run): a Megatron-LM optimizer
+left behind (--no-optimizer, or a form not read: the torch path says so), input the byte index declines (the torch path
+words what is wrong), optimizer extras that hold tensors.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.forms import legacy_copy, torchsave
 from ckpt_tools.forms.byte_index import Declined, Shards, field_shards, has_optimizer
-from ckpt_tools.forms.byte_ranges import ByteSource
+from ckpt_tools.forms.byte_ranges import ByteSource, MadeShard
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import hf, layout, shard_ops
@@ -159,7 +160,7 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
     it. In a team each process writes a run of the files (balanced by their bytes), process 0 the rest."""
     start = time.perf_counter()
     try:
-        source = ByteSource.open(src, vocab_size, False)
+        source = ByteSource.open(src, vocab_size, False, carry_optimizer=want.optimizer)
     except Declined:
         source = None
     try:
@@ -175,19 +176,22 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
 def _copied(source: ByteSource, want: Request) -> _Copied | None:
     """What the copy takes beside the model, or None where the torch path must write the output."""
     meta = source.meta
-    if source.megatron_optimizer:
-        return None  # carried by the torch path, or left behind in its words
-    with_opt = want.optimizer and has_optimizer(meta)
+    if source.megatron_optimizer and not want.optimizer:
+        return None  # the torch path says what it leaves behind
+    with_opt = want.optimizer and (has_optimizer(meta) if source.ours else source.megatron_optimizer)
     fresh = with_opt and meta.fresh_optimizer
     try:
         fields, masters, extras = {}, None, {}
         if fresh:
             masters = field_shards(meta, "master", written=True)
             extras = dict(fmt.FRESH_EXTRAS) if masters else {}
+        elif with_opt and not source.ours:  # a Megatron-LM optimizer: its fields made by the form's torch reader
+            fields = {f: source.made_fields(f) for f in (*fmt.OPTIMIZER_FIELDS, "step")}
+            extras = source.maker.optimizer_extras()
         elif with_opt:
             fields = {f: field_shards(meta, f) for f in (*fmt.OPTIMIZER_FIELDS, "step")}
             extras = _extras(meta)
-        for shards in (*fields.values(), masters or {}):
+        for shards in (*fields.values(), masters or {}) if source.ours else ():
             source.check_replicas(shards)
         rng = _rng(meta) if source.ours else None
     except (Declined, Unreadable, CkptError, OSError):
@@ -302,7 +306,7 @@ def _optimizer_fill(source: ByteSource, copied: _Copied, rank: Rank, counts: lis
                 source.release()
             if copied.fields and wanted:
                 step = copied.fields["step"][held][0]
-                entry["step"] = put(str(next(refs)), step.dtype, (),
+                entry["step"] = put(str(next(refs)), step.dtype, (), step.whole if isinstance(step, MadeShard) else
                                     [(source.files.fd(p), o, n) for p, o, n in step.whole])
             if entry:
                 state[local] = entry

@@ -92,7 +92,7 @@ def _reshard_to_megatron(shards: Reader, out: Path, target: Layout, with_opt: bo
     fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000; a fresh state holds nothing
     if with_opt and not fresh:
         to_megatron.check_optimizer_form(target.form, meta.dir)
-    resume = _resume_state(shards) if with_opt and not fresh else None
+    resume = megatron_resume.resume_state(shards) if with_opt and not fresh else None
     to_megatron.check(spec, target, meta.params_dtype, resume, meta.dir)
     resharder = Resharder(shards, SimpleNamespace(spec=spec, tp=target.tp, pp=target.pp, padded=target.padded))
 
@@ -106,27 +106,11 @@ def _reshard_to_megatron(shards: Reader, out: Path, target: Layout, with_opt: bo
     dropped = fresh and shards.fresh_optimizer() and bool(shards.written_masters())
     shards.close()
     return to_megatron.resharded(meta, out, target, resume, fresh, unread, nbytes, time.perf_counter() - start) + (
-        "\nnote: the fresh optimizer's fp32 masters that carried more than the weights are not written: Megatron-LM "
-        "starts its optimizer from the weights" if dropped else "")
+        to_megatron.MASTERS_NOT_WRITTEN if dropped else "")
 
 
 def _itemsize(dtype: str | torch.dtype) -> int:
     return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
-
-
-def _resume_state(shards: Reader) -> megatron_resume.ResumeState:
-    """What Megatron-LM needs to resume beside the tensors: the source's own param groups and schedule when it is
-    a Megatron-LM checkpoint, else Megatron-LM's for the trainer's config."""
-    meta = shards.meta
-    consumed = int(meta.raw.get("consumed_samples") or 0)
-    saved = shards.megatron_optimizer()
-    if saved is not None:
-        where, groups, scheduler_where, scheduler = saved
-        return megatron_resume.from_megatron(where, groups, scheduler_where, scheduler, meta.iteration, shards.step(),
-                                             consumed)
-    return megatron_resume.from_ours(meta.dir / "meta.json", dict(meta.raw.get("config") or {}),
-                                     meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, shards.step(),
-                                     consumed)
 
 
 def _copy_rng(shards: Reader, target: Target, grid: Grid) -> None:

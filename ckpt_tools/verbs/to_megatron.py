@@ -176,6 +176,10 @@ def _not_restored(spec: ModelSpec) -> str:
     return flags
 
 
+MASTERS_NOT_WRITTEN = ("\nnote: the fresh optimizer's fp32 masters that carried more than the weights are not written: "
+                       "Megatron-LM starts its optimizer from the weights")
+
+
 def resharded(meta, out: Path, target: Layout, resume: ResumeState | None, fresh: bool, unread: str | None,
               nbytes: int, seconds: float) -> str:
     """The one-line summary of a reshard into Megatron-LM's forms (`meta`: the source's)."""
