@@ -464,3 +464,49 @@ def test_a_megatron_optimizer_is_carried_with_its_fields_made_by_torch(src, form
         return
     iteration = next(tmp_path.glob("fast/iter_*")).name
     same_dist_checkpoints(tmp_path / "fast" / iteration, tmp_path / "slow" / iteration, tmp_path)
+
+
+def same_dcp_files(a, b, scratch) -> None:
+    """Two torch.distributed.checkpoint dirs holding the same entries (torch's own reader, whole): tensors bit-exact
+    in dtype and shape, the other entries (args compared as dicts) equal."""
+    x, y = whole_tensors(a, scratch / "a.pt"), whole_tensors(b, scratch / "b.pt")
+    assert sorted(x) == sorted(y)
+    for name, t in x.items():
+        if torch.is_tensor(t):
+            assert y[name].dtype == t.dtype and y[name].shape == t.shape and torch.equal(y[name], t), name
+        elif hasattr(t, "__dict__"):
+            assert vars(t) == vars(y[name]), name
+        else:
+            assert t == y[name], name
+
+
+FSDP_SOURCES = ["trained", "megatron_optimizer_dp/tp2_dp2/src", "megatron_optimizer_dp/dp2/src_legacy", "hf"]
+
+
+@pytest.mark.parametrize("source", FSDP_SOURCES)
+def test_fsdp_dtensor_written_by_copying_holds_what_the_torch_path_writes(source, llama_run, hf_dirs, tmp_path,
+                                                                           monkeypatch):
+    """Megatron-FSDP's fsdp_dtensor is written by the byte copies too (the torch_dist writer's chunks under the
+    model's own keys, a SwiGLU fc1 as its halves, the fp32 masters as the model entries when the optimizer is carried):
+    our trainer's checkpoint and megatron-core's GPU-saved distributed optimizers with their optimizer state, an HF
+    model imported. Every entry (tensors, Adam's steps, param group settings, the schedule, the args) is what the torch
+    path writes."""
+    from ckpt_tools.verbs import importer
+    from ckpt_tools.verbs import reshard as torch_path
+
+    def declined(*args, **kwargs):
+        raise AssertionError("the byte path declined the job: the torch path ran")
+    if source == "hf":
+        import_hf(hf_dirs["llama"], tmp_path / "slow", tp=1, pp=1, form="fsdp_dtensor", quiet=True, copy_bytes=False)
+        monkeypatch.setattr(importer, "run", declined)
+        import_hf(hf_dirs["llama"], tmp_path / "fast", tp=1, pp=1, form="fsdp_dtensor", quiet=True)
+    else:
+        src = llama_run[0] if source == "trained" else Path(__file__).resolve().parent.parent / "fixtures" / source
+        vocab = None if source == "trained" else 120
+        slow = reshard(src, tmp_path / "slow", tp=1, pp=1, vocab_size=vocab, form="fsdp_dtensor", quiet=True,
+                       copy_bytes=False)
+        monkeypatch.setattr(torch_path, "run", declined)
+        fast = reshard(src, tmp_path / "fast", tp=1, pp=1, vocab_size=vocab, form="fsdp_dtensor", quiet=True)
+        assert "model + optimizer" in fast and fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
+    iteration = next(tmp_path.glob("fast/iter_*")).name if source != "hf" else "release"
+    same_dcp_files(tmp_path / "fast" / iteration, tmp_path / "slow" / iteration, tmp_path)

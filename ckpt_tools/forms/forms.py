@@ -17,9 +17,9 @@ def _no_flags(target, resume: bool) -> str:
     return ""
 
 
-def _dist_writer(iter_dir, spec, tp, counts, padded, args, resume):
+def _dist_writer(iter_dir, spec, tp, counts, padded, args, resume, **saving):
     from ckpt_tools.forms.megatron_write import DistWriter
-    return DistWriter(iter_dir, spec, tp, counts, padded, args)
+    return DistWriter(iter_dir, spec, tp, counts, padded, args, **saving)
 
 
 def _legacy_writer(iter_dir, spec, tp, counts, padded, args, resume):
@@ -27,9 +27,9 @@ def _legacy_writer(iter_dir, spec, tp, counts, padded, args, resume):
     return LegacyWriter(iter_dir, spec, tp, counts, padded, args)
 
 
-def _fsdp_writer(iter_dir, spec, tp, counts, padded, args, resume):
+def _fsdp_writer(iter_dir, spec, tp, counts, padded, args, resume, **saving):
     from ckpt_tools.forms.fsdp_write import FsdpWriter
-    return FsdpWriter(iter_dir, spec, tp, counts, padded, args, resume=resume)
+    return FsdpWriter(iter_dir, spec, tp, counts, padded, args, resume=resume, **saving)
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,12 @@ class Form:
     mtp_pipeline    multi-token prediction layers at PP > 1 written (at PP 1: `mtp`)
     split_biased_experts  biased experts at TP > 1 (megatron-core keeps them whole, ETP 1)
     te_modules      Transformer Engine's modules with no local twin (gated DeltaNet, zero-centred norms)
-    byte_copy       written by the torch-free byte paths too (else by the torch path alone)
     args            Megatron-LM arguments of its runs, beside the model's (megatron_args.build_args)
     load_flags      the flags its load command adds, of the target Layout and whether it resumes
     writer          (iter_dir, spec, tp, layer counts, padded vocab, args, resume) -> the writer of its files, where
                     `resume` is what a checkpoint with optimizer state holds beside the tensors (torch_dist's goes into
-                    common.pt at close)"""
+                    common.pt at close); a chunks form's also takes the TP and EP sizes of the ranks saving the chunks
+                    (`saving_tp`, `saving_ep`: the source's, for the byte copies)"""
     name: str
     writer: Callable
     chunks: bool = False
@@ -64,7 +64,6 @@ class Form:
     mtp_pipeline: bool = False
     split_biased_experts: bool = False
     te_modules: bool = False
-    byte_copy: bool = False
     args: dict = field(default_factory=dict)
     load_flags: Callable = _no_flags
 
@@ -82,8 +81,8 @@ def _fsdp_flags(target, resume: bool) -> str:
 
 
 TORCH_DIST = Form(megatron_lm.TORCH_DIST, _dist_writer, chunks=True, optimizer=True, whole_experts=True, hybrid=True,
-                  mtp_pipeline=True, split_biased_experts=True, te_modules=True, byte_copy=True)
-TORCH = Form(megatron_lm.TORCH, _legacy_writer, byte_copy=True, load_flags=_legacy_flags)
+                  mtp_pipeline=True, split_biased_experts=True, te_modules=True)
+TORCH = Form(megatron_lm.TORCH, _legacy_writer, load_flags=_legacy_flags)
 FSDP_DTENSOR = Form(megatron_lm.FSDP_DTENSOR, _fsdp_writer, chunks=True, optimizer=True, whole_experts=True, pipeline=False,
                     interleaved=False, mtp=False,
                     args={"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},

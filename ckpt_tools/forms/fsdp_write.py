@@ -28,6 +28,7 @@ from ckpt_tools.model import layout
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.model.rules import GATED
 
+
 def _setting(group: dict, name: str, default: float):
     """A group's setting under its name or NeMo's (`pre_<name>`), as megatron-core reads it."""
     return group.get(name, group.get(f"pre_{name}", default))
@@ -49,7 +50,6 @@ class FsdpWriter(DistWriter):
     def __init__(self, *args, resume: ResumeState | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.resume = resume
-        self._field: str | None = None  # the optimizer field being put (None, master: the model entry)
         self._aliases: dict[str, str] = {}  # every stored name -> the other spec's (the same in every process)
         for p in range(self.pp):
             for _, key in layout.stage_keys(self.spec, self.counts, p):
@@ -96,17 +96,17 @@ class FsdpWriter(DistWriter):
     def put(self, rank: Rank, key: str, shard, field: str | None = None) -> None:
         if field is None and self.weights_from_masters(key):
             return  # its master is the model entry
-        self._field = field
-        try:
-            super().put(rank, key, shard)
-        finally:
-            self._field = None
+        super().put(rank, key, shard, field)
 
-    def _named(self, fqn: str) -> str:
-        """The stored name of what is being put: the model entry, or the optimizer field's entry of that parameter."""
-        if self._field in (None, "master"):
+    def entry(self, fqn: str, field: str | None) -> str:
+        return fqn  # named in `placed`, after a SwiGLU half's suffix
+
+    @staticmethod
+    def _named(fqn: str, field: str | None) -> str:
+        """The stored name of what is put: the model entry, or the optimizer field's entry of that parameter."""
+        if field in (None, "master"):
             return fqn
-        return f"{STATE}{fqn.removeprefix('model.')}.{self._field}"
+        return f"{STATE}{fqn.removeprefix('model.')}.{field}"
 
     def stored(self, key: str) -> tuple[str, Placed]:
         return dcp_candidates(key, self.spec, megatron_lm.FSDP_MODEL)[0]
@@ -121,16 +121,16 @@ class FsdpWriter(DistWriter):
                 return self._aliases[fqn[:-len(half)]] + half
         return self._aliases.get(fqn)
 
-    def placed(self, key, fqn, layer, full, p):
+    def placed(self, key, fqn, layer, full, p, field=None):
         if layout.find_rule(key, self.spec, self.pp).split != GATED or self.spec.activation != "swiglu":
             stored, offsets, sizes, shape = super().placed(key, fqn, layer, full, p)
-            return self._named(stored), offsets, sizes, shape
+            return self._named(stored, field), offsets, sizes, shape
         half = full[0] // 2
         second = p.start >= half
         if p.stop > half and not second:
             raise LayoutError(f"{key}: rows {p.start}-{p.stop} cross its SwiGLU halves: not a piece Megatron-FSDP saves")
         offsets = (p.start - half * second,) + (0,) * (len(full) - 1)
-        return (self._named(fqn + FSDP_HALVES[second]), offsets, (p.stop - p.start,) + tuple(full[1:]),
+        return (self._named(fqn + FSDP_HALVES[second], field), offsets, (p.stop - p.start,) + tuple(full[1:]),
                 (half,) + tuple(full[1:]))
 
     def put_extra(self, pp_rank: int, key: str) -> None:

@@ -143,8 +143,7 @@ class DistWriter:
         if not self.saves(key, rank):
             return
         fqn, layer = self.stored(key)
-        if field is not None:
-            fqn = megatron_resume.state_key(field, fqn)
+        fqn = self.entry(fqn, field)
         full = layout.full_shape(key, spec, self.padded, self.pp)
         pieces = shard_ops.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, rank.tp, self.pp)
         at = 0
@@ -152,8 +151,12 @@ class DistWriter:
             length = p.stop - p.start
             part = shard.narrow(p.dim, at, length) if len(pieces) > 1 else shard
             at += length
-            stored, offsets, sizes, shape = self.placed(key, fqn, layer, full, p)
+            stored, offsets, sizes, shape = self.placed(key, fqn, layer, full, p, field)
             self.put_chunk(rank, stored, dtype_name(shard.dtype), shape, offsets, sizes, contiguous_bytes(part))
+
+    def entry(self, fqn: str, field: str | None) -> str:
+        """The stored name of a tensor's entry (`fqn`, as `stored` gives it), or of its optimizer `field`'s."""
+        return fqn if field is None else megatron_resume.state_key(field, fqn)
 
     def weights_from_masters(self, key: str) -> bool:
         """Whether the fp32 master of `key` stands for its weights (not given them: Megatron-FSDP's main weights)."""
@@ -171,11 +174,12 @@ class DistWriter:
         axes (GPTModel: layer, expert; HybridModel: an MoE layer's expert)."""
         return stored_candidates(key, self.spec, self.by_pattern)[0]
 
-    def placed(self, key: str, fqn: str, layer: Placed, full: tuple[int, ...], p: shard_ops.Piece
-               ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    def placed(self, key: str, fqn: str, layer: Placed, full: tuple[int, ...], p: shard_ops.Piece,
+               field: str | None = None) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(stored tensor, offsets, sizes, global shape) of the chunk holding piece `p` of the full tensor of `key`,
-        stored as `fqn` (layer: its (index, size) on the stacked leading axes, as `stored` gives it). A tensor
-        megatron-core saves in parts (Mamba's in_proj, conv1d): the piece's part, `<fqn>.<part>`."""
+        stored as `fqn` (its `entry`; layer: its (index, size) on the stacked leading axes, as `stored` gives it;
+        `field`: the optimizer field it holds, None for the weights). A tensor megatron-core saves in parts (Mamba's
+        in_proj, conv1d): the piece's part, `<fqn>.<part>`."""
         name, start, size = part_of(key, self.spec, full, p.dim, p.start, p.stop)
         full = tuple(size if d == p.dim else n for d, n in enumerate(full))
         lead = tuple(i for i, _ in layer)

@@ -30,7 +30,7 @@ from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
 from ckpt_tools.forms.byte_index import Declined, Shard, field_shards, has_optimizer
 from ckpt_tools.forms.byte_ranges import ByteSource, MadeShard
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
-from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, resume_state, state_key
+from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, resume_state
 from ckpt_tools.forms.megatron_write import DistWriter
 from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import hf, layout, shard_ops
@@ -49,8 +49,6 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
     not apply. The legacy torch form is written by forms/legacy_copy.py, weights only.
     `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
-    if not forms.get(want.form).byte_copy:
-        return None  # fsdp_dtensor: written by the torch path
     try:
         source = ByteSource.open(src, vocab_size, False, carry_optimizer=want.optimizer)
     except Declined:
@@ -124,7 +122,8 @@ def _write(source: ByteSource, fields: dict, out: Path, target: Layout, args, re
         iter_dir = tmp / name
         iter_dir.mkdir(exist_ok=True)
         if forms.get(target.form).chunks:
-            nbytes = _write_dist(source, fields, iter_dir, tp, counts, padded, args, resume, iteration, quiet, team)
+            nbytes = _write_dist(source, fields, iter_dir, target.form, tp, counts, padded, args, resume,
+                                 iteration, quiet, team)
         else:
             nbytes = legacy_copy.write(source, iter_dir, tp, counts, padded, args, iteration, quiet, team=team)
         if team.lead:
@@ -154,7 +153,8 @@ def shared_dist(team: Team, make: Callable[[], DistWriter], run: Callable[[DistW
     return writer
 
 
-def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, counts: list[int], padded: int, args,
+def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, form: str, tp: int, counts: list[int], padded: int,
+                args,
                 resume: ResumeState | None, iteration: int, quiet: bool, team: Team = SOLO) -> int:
     meta, spec = source.meta, source.meta.spec
     ranks = meta.grid.ranks()
@@ -167,7 +167,9 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
                         writer.put_extra(rank.pp, key)
                 elif writer.saves(key, rank):
                     trained = fields.items() if layout.has_optimizer_state(key, spec, meta.pp_size) else ()
-                    if key in source.made:  # a tensor the torch reader makes: its shard at the source's TP, in memory
+                    if writer.weights_from_masters(key):
+                        pass  # its fp32 master is its model entry (Megatron-FSDP's main weights)
+                    elif key in source.made:  # a tensor the torch reader makes: its shard at the source's TP, in memory
                         _put(writer, source, rank, key, None, MadeShard(source.made_shard(key, rank.tp)), padded,
                              meta.tp_size)
                         source.release()
@@ -181,8 +183,9 @@ def _write_dist(source: ByteSource, fields: dict, iter_dir: Path, tp: int, count
             if i + 1 == len(ranks) or ranks[i + 1].pp != rank.pp:
                 writer.end_stage(rank.pp, iteration)
         writer.close(iteration, resume.common() if resume is not None else None)
-    return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args, saving_tp=meta.tp_size,
-                                                saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
+    writer = forms.get(form).writer
+    return shared_dist(team, lambda: writer(iter_dir, spec, tp, counts, padded, args, resume, saving_tp=meta.tp_size,
+                                            saving_ep=meta.ep_size), run, len(ranks), "reshard", quiet).nbytes
 
 
 def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: str | None, shard: Shard | MadeShard,
@@ -191,8 +194,7 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
     file (or from memory, a shard torch made)."""
     meta, spec = source.meta, source.meta.spec
     fqn, layer = writer.stored(key)
-    if field is not None:
-        fqn = state_key(field, fqn)
+    fqn = writer.entry(fqn, field)
     src_padded = meta.padded_vocab
     full = layout.full_shape(key, spec, padded, meta.pp_size)  # at the target's padded vocab
     repad = layout.has_padded_rows(key, spec, meta.pp_size) and padded != src_padded
@@ -202,13 +204,13 @@ def _put(writer: DistWriter, source: ByteSource, rank: Rank, key: str, field: st
         if stop > p.start:
             ranges = shard.byte_ranges(at, at + stop - p.start) if p.dim == 0 else shard.whole
             stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
-                                                          shard_ops.Piece(p.rank, p.dim, p.start, stop))
+                                                          shard_ops.Piece(p.rank, p.dim, p.start, stop), field)
             writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes,
                              [r if isinstance(r, memoryview) else (source.files.fd(r[0]), r[1], r[2]) for r in ranges])
         at += p.stop - p.start
     if repad and rank.tp == 0:  # the new padding rows: zeros, as pad_vocab makes them
         stored, offsets, sizes, shape = writer.placed(key, fqn, layer, full,
-                                                      shard_ops.Piece(None, 0, spec.vocab_size, padded))
+                                                      shard_ops.Piece(None, 0, spec.vocab_size, padded), field)
         row = full[1] * ELEMENT_SIZES[shard.dtype]
         writer.put_chunk(rank, stored, shard.dtype, shape, offsets, sizes, bytes((padded - spec.vocab_size) * row))
 

@@ -47,8 +47,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     ranks); for both forms, names or shapes that disagree with config.json (the torch path words that; GPT-OSS's
     stacked experts too), FP8 weights with their scales, anything unreadable."""
     start = time.perf_counter()
-    if not forms.get(want.form).byte_copy:
-        return None  # fsdp_dtensor: written by the torch path
     hf_dir = Path(hf_dir)
     started = start_hf_copy(copied_hf(hf_dir, dtype, cast=forms.get(want.form).chunks), out, want, force, team)
     if started is None:
@@ -153,7 +151,8 @@ def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layo
         iter_dir.mkdir(exist_ok=True)
         if forms.get(target.form).chunks:
             made = TorchMade(hf_dir, spec, padded)
-            nbytes = _import_dist(iter_dir, index, rows, spec, tp, counts, padded, args, quiet, team, made, params)
+            nbytes = _import_dist(iter_dir, target.form, index, rows, spec, tp, counts, padded, args, quiet, team,
+                                  made, params)
         else:
             source = rank_file_source(hf_dir, spec, index, rows, params, padded)
             try:
@@ -166,8 +165,8 @@ def _import(hf_dir: Path, index: dict, rows: dict, out: Path, spec, target: Layo
     return nbytes
 
 
-def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts: list[int], padded: int, args,
-                 quiet: bool, team: Team, made: TorchMade, params: str) -> int:
+def _import_dist(iter_dir: Path, form: str, index: dict, rows: dict, spec, tp: int, counts: list[int], padded: int,
+                 args, quiet: bool, team: Team, made: TorchMade, params: str) -> int:
     pp = len(counts)
     fds: dict[Path, int] = {}
 
@@ -184,7 +183,8 @@ def _import_dist(iter_dir: Path, index: dict, rows: dict, spec, tp: int, counts:
             writer.end_stage(p, 0)
         writer.close(0, None)
     try:
-        return shared_dist(team, lambda: DistWriter(iter_dir, spec, tp, counts, padded, args), run, pp, "import",
+        writer = forms.get(form).writer
+        return shared_dist(team, lambda: writer(iter_dir, spec, tp, counts, padded, args, None), run, pp, "import",
                            quiet, unit="stage").nbytes
     finally:
         for fd in fds.values():

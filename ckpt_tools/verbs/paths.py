@@ -5,7 +5,11 @@ First the torch-free byte copy, where it takes the job: verbs/dist_copy.py for a
 (the source's shards copied as the target's chunks), verbs/ours_copy.py for a reshard into our format (the source's
 shards and optimizer fields cut to the target's rank files), verbs/hf_copy.py for an import into Megatron-LM's forms
 (the HF tensors' rows as the chunks), verbs/ours_copy.py for an import into our format.
-It declines (None, nothing written) what it does not copy, and the torch path writes it: reshard.run, importer.run.
+The byte copies write every form (Megatron-FSDP's fsdp_dtensor as torch_dist), each tensor's bytes copied, or made by
+torch one by one where its value is not its source's bytes (`made`: grouped experts, a Megatron-LM optimizer's fields,
+HF tensors that convert). A copy declines (None, nothing written) what it does not take, and the torch path writes it:
+reshard.run, importer.run (a source the byte index declines, damaged or not whole chunks, whose problems the torch
+path words; a Megatron-LM optimizer left behind into our format; an import cast into rank files).
 torch is imported only then. `tuned`: the command line's process settings for the torch path (copying_process).
 """
 from __future__ import annotations
