@@ -510,3 +510,25 @@ def test_fsdp_dtensor_written_by_copying_holds_what_the_torch_path_writes(source
         assert "model + optimizer" in fast and fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
     iteration = next(tmp_path.glob("fast/iter_*")).name if source != "hf" else "release"
     same_dcp_files(tmp_path / "fast" / iteration, tmp_path / "slow" / iteration, tmp_path)
+
+
+@pytest.mark.parametrize("arch,form", [("llama", "torch"), ("llama", "ours"), ("gpt2", "ours"), ("qwen3_next", "ours")])
+def test_an_import_cast_into_rank_files_is_a_byte_copy_of_each_ranks_shard_cast(arch, form, hf_dirs, tmp_path,
+                                                                                  monkeypatch):
+    """`ckpt import --dtype bfloat16` of an fp32 HF model into the legacy form and our format: every tensor made by
+    torch, each rank's shard cast alone (the cast is element by element), written by the byte path; the rank files
+    hold what the torch path writes, the fresh optimizer's fp32 masters (which carry more than bf16 weights) too."""
+    from ckpt_tools.verbs import importer
+    asked = {"form": "torch"} if form == "torch" else {}
+    import_hf(hf_dirs[arch], tmp_path / "slow", tp=2, pp=2, quiet=True, copy_bytes=False, dtype=torch.bfloat16,
+              **asked)
+
+    def declined(*args, **kwargs):
+        raise AssertionError("the byte path declined the job: the torch path ran")
+    monkeypatch.setattr(importer, "run", declined)
+    import_hf(hf_dirs[arch], tmp_path / "fast", tp=2, pp=2, quiet=True, dtype=torch.bfloat16, **asked)
+    if form == "torch":
+        same_legacy_files(tmp_path / "fast", tmp_path / "slow", 4)
+    else:
+        assert list((tmp_path / "slow" / "checkpoint-0").glob("optimizer_*"))  # the fp32 masters written
+        same_ours(tmp_path / "fast", tmp_path / "slow")

@@ -246,6 +246,10 @@ class ByteSource:
             torch.set_num_threads(self.torch_threads)
         return self.maker.full(key)
 
+    def made_shard_cast(self, key: str, shard):
+        """A shard of a made tensor in the dtype it is written in (a source's torch reader makes it so)."""
+        return shard
+
     def made_shard(self, key: str, tp_rank: int):
         """TP rank `tp_rank`'s shard (at the source's TP) of a key torch makes, contiguous."""
         return self.maker.shards(key)[tp_rank].contiguous()

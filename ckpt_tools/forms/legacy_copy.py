@@ -175,8 +175,13 @@ class HFSource(ByteSource):
         self.made, self.maker = made, maker
 
     def made_full(self, key: str):
-        kind, names, dtype = self.made[key]
-        return self.maker.tensor(kind, names, dtype)
+        """In its HF tensors' dtype: `made_shard_cast` casts each rank's shard alone."""
+        kind, names, _ = self.made[key]
+        return self.maker.tensor(kind, names, None)
+
+    def made_shard_cast(self, key: str, shard):
+        import torch
+        return shard.to(getattr(torch, self.made[key][2]))
 
     def release(self) -> None:
         """Nothing mapped: the HF tensors torch makes are read anew each time."""
@@ -190,7 +195,8 @@ def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, pp:
     splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew (only
     that shard laid out contiguously)."""
     from ckpt_tools.forms.writers import dtype_name
-    shard = shard_ops.split(key, source.made_full(held), source.meta.spec, tp, pp)[rank].contiguous()
+    shard = shard_ops.split(key, source.made_full(held), source.meta.spec, tp, pp)[rank]
+    shard = source.made_shard_cast(held, shard).contiguous()
     return dtype_name(shard.dtype), tuple(shard.shape), [as_bytes(shard)]
 
 

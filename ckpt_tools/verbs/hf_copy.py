@@ -42,13 +42,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
     forms/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
     holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a
     chunk, copied from the safetensors file; in both forms a tensor whose value is not its HF bytes (made_by_torch) is
-    made by torch alone. None, having written nothing, where the torch path must do it: into the legacy form, weights
-    asked for in another dtype than the HF weights' (every tensor cast: the torch path makes each once for all the
-    ranks); for both forms, names or shapes that disagree with config.json (the torch path words that; GPT-OSS's
-    stacked experts too), FP8 weights with their scales, anything unreadable."""
+    made by torch alone (weights asked for in another dtype than the HF weights': every tensor, each rank's shard cast
+    alone in rank files). None, having written nothing, where the torch path must do it: names or shapes that disagree
+    with config.json (the torch path words that; GPT-OSS's stacked experts too), FP8 weights with their scales,
+    anything unreadable."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
-    started = start_hf_copy(copied_hf(hf_dir, dtype, cast=forms.get(want.form).chunks), out, want, force, team)
+    started = start_hf_copy(copied_hf(hf_dir, dtype), out, want, force, team)
     if started is None:
         return None
     spec, index, rows, params, out, leftover, target = started
@@ -70,11 +70,10 @@ def start_hf_copy(copied: tuple | None, out: str | Path, want: Request, force: b
     return spec, index, rows, params, out, leftover, want.resolve(spec)
 
 
-def copied_hf(hf_dir: Path, dtype: str | None, cast: bool = False) -> tuple | None:
+def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
     """(spec, index, rows, params dtype) of an HF model whose tensors this path copies (those whose values are not
-    their HF bytes made by torch, `made_by_torch`); None where it does not. `cast` (torch_dist): weights asked for in
-    another dtype than the HF weights' are taken too (each tensor is made once, for its chunks); the legacy form and
-    our format leave them to the torch path, which makes each tensor once for all the ranks' files."""
+    their HF bytes made by torch, `made_by_torch`: every tensor, where `dtype` is not the HF weights'); None where it
+    does not."""
     try:
         index = _safetensors_index(hf_dir)
         spec = hf.spec_of_model(hf_dir, index)
@@ -94,8 +93,6 @@ def copied_hf(hf_dir: Path, dtype: str | None, cast: bool = False) -> tuple | No
         shapes = conversions.hf_shapes(row.kind, spec, layout.full_shape(key, spec, planning_pad))
         if any(index[n][2] != s for n, s in zip(names, shapes)):
             return None
-    if not cast and params != index[rows["embedding.word_embeddings.weight"][1][0]][1]:
-        return None
     return spec, index, rows, params
 
 
@@ -129,14 +126,15 @@ class TorchMade:
     def __init__(self, hf_dir: Path, spec, padded: int):
         self.hf_dir, self.spec, self.padded, self._source = hf_dir, spec, padded, None
 
-    def tensor(self, kind: str, names: list[str], dtype: str):
+    def tensor(self, kind: str, names: list[str], dtype: str | None):
         """The full megatron-core tensor (vocab padding included) as the torch path makes it, in any layout: a
-        transposed kind stays a view, so that a rank's shard of it is made contiguous alone."""
+        transposed kind stays a view, so that a rank's shard of it is made contiguous alone; in `dtype` (None: its HF
+        tensors', for a rank's shard to be cast alone: the cast is element by element)."""
         import torch
         if self._source is None:
             self._source = hf_tensors.HFTensors(self.hf_dir)
         full = conversions.from_hf(kind, [self._source.get(n) for n in names], self.spec, self.padded)
-        return full.to(getattr(torch, dtype))
+        return full if dtype is None else full.to(getattr(torch, dtype))
 
     def rows(self, kind: str, names: list[str], dtype: str) -> memoryview:
         """The bytes of the full megatron-core tensor."""

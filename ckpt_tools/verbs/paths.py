@@ -9,7 +9,8 @@ The byte copies write every form (Megatron-FSDP's fsdp_dtensor as torch_dist), e
 torch one by one where its value is not its source's bytes (`made`: grouped experts, a Megatron-LM optimizer's fields,
 HF tensors that convert). A copy declines (None, nothing written) what it does not take, and the torch path writes it:
 reshard.run, importer.run (a source the byte index declines, damaged or not whole chunks, whose problems the torch
-path words; a Megatron-LM optimizer left behind into our format; an import cast into rank files).
+path words; a Megatron-LM optimizer left behind into our format; an HF model the copy does not read: FP8 or MXFP4
+weights, HF names or shapes that disagree with its config.json; an import at EP > 1 into our format).
 torch is imported only then. `tuned`: the command line's process settings for the torch path (copying_process).
 """
 from __future__ import annotations
