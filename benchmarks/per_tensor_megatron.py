@@ -85,16 +85,16 @@ NO_TORCH_MERGE = ("import sys; from ckpt_tools.verbs.merge import merge, BYTES; 
                   "merge(sys.argv[1], sys.argv[2], quiet=True, via=BYTES)")
 TORCH_MERGE = ("import sys; from ckpt_tools.verbs.merge import merge, TENSORS; "
                "merge(sys.argv[1], sys.argv[2], quiet=True, via=TENSORS)")
-NO_TORCH_RESHARD = ("import sys, types; m = types.ModuleType('ckpt_tools.verbs.reshard'); "
-                    "m.run = lambda *a, **k: sys.exit('the byte path declined the job'); "
-                    "sys.modules['ckpt_tools.verbs.reshard'] = m; ")
 
 
 def reshard_command(src: Path, out: Path, copy_bytes: bool) -> list[str]:
-    code = ((NO_TORCH_RESHARD if copy_bytes else "import sys; ") + "from ckpt_tools.verbs import paths; "
-            "from ckpt_tools.verbs.request import Request; "
-            "paths.reshard(sys.argv[1], sys.argv[2], Request(1, 1, form='torch_dist'), quiet=True, "
-            f"copy_bytes={copy_bytes}, tuned=True)")
+    # the byte path alone (a source it declines fails the benchmark), or the source read through its torch reader
+    head = "import sys; from ckpt_tools.verbs import paths; from ckpt_tools.verbs.request import Request; "
+    byte = ("sys.exit('the byte path declined the job') if paths.by_bytes(sys.argv[1], sys.argv[2], "
+            "Request(1, 1, form='torch_dist'), quiet=True) is None else None")
+    torch_reader = ("paths.reshard(sys.argv[1], sys.argv[2], Request(1, 1, form='torch_dist'), quiet=True, "
+                    "copy_bytes=False, tuned=True)")
+    code = head + (byte if copy_bytes else torch_reader)
     return [sys.executable, "-c", code, str(src), str(out)]
 
 

@@ -22,17 +22,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# the byte path's runs: a torch path that would run instead fails the benchmark
-NO_TORCH_RESHARD = ("import sys, types; m = types.ModuleType('ckpt_tools.verbs.reshard'); "
-                    "m.run = lambda *a, **k: sys.exit('the byte path declined the job'); "
-                    "sys.modules['ckpt_tools.verbs.reshard'] = m; ")
-
 
 def command(src: Path, out: Path, tp: int, pp: int, layers: list[int] | None, copy_bytes: bool) -> list[str]:
-    code = ((NO_TORCH_RESHARD if copy_bytes else "import sys; ") + "from ckpt_tools.verbs import paths; "
-            "from ckpt_tools.verbs.request import Request; "
-            f"paths.reshard(sys.argv[1], sys.argv[2], Request({tp}, {pp}, {layers!r}), quiet=True, "
-            f"copy_bytes={copy_bytes}, tuned=True)")
+    # the byte path alone (a source it declines fails the benchmark), or the source read through its torch reader
+    head = "import sys; from ckpt_tools.verbs import paths; from ckpt_tools.verbs.request import Request; "
+    byte = (f"sys.exit('the byte path declined the job') if paths.by_bytes(sys.argv[1], sys.argv[2], "
+            f"Request({tp}, {pp}, {layers!r}), quiet=True) is None else None")
+    torch_reader = (f"paths.reshard(sys.argv[1], sys.argv[2], Request({tp}, {pp}, {layers!r}), quiet=True, "
+                    "copy_bytes=False, tuned=True)")
+    code = head + (byte if copy_bytes else torch_reader)
     return [sys.executable, "-c", code, str(src), str(out)]
 
 

@@ -53,12 +53,12 @@ def test_megatron_core_moe_checkpoints_merge_to_the_same_transformers_model(case
     merge(tmp_path / "ours", tmp_path / "merged_ours", quiet=True)
     merged["ours"] = load_safetensors(tmp_path / "merged_ours" / "model.safetensors")
     # Megatron-LM's legacy form written from its torch_dist save by copying bytes (every expert at EP 1)
-    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs import paths
     from ckpt_tools.verbs.request import Request
 
-    # holding no optimizer state: not left to the torch path
-    assert dist_copy.reshard(tmp_path / "torch_dist", tmp_path / "legacy", Request(1, 2, form="torch"),
-                             vocab_size=VOCAB, quiet=True) is not None
+    # holding no optimizer state: not left to the torch reader
+    assert paths.by_bytes(tmp_path / "torch_dist", tmp_path / "legacy", Request(1, 2, form="torch"),
+                          vocab_size=VOCAB, quiet=True) is not None
     for form in ("grouped_torch_dist", "grouped_torch", "grouped_torch_te", "legacy"):
         merge(tmp_path / form, tmp_path / f"merged_{form}", vocab_size=VOCAB, quiet=True)
         merged[form] = load_safetensors(tmp_path / f"merged_{form}" / "model.safetensors")
@@ -74,7 +74,7 @@ def assert_copied_with_experts_made(src, tmp_path, expected: dict) -> None:
     into torch_dist, the legacy form and our format (reshard) hold `expected`'s tensors, bit for bit."""
     from ckpt_tools.forms.byte_ranges import ByteSource
     from ckpt_tools.model import layout
-    from ckpt_tools.verbs import dist_copy, ours_copy
+    from ckpt_tools.verbs import paths
     from ckpt_tools.verbs.request import Request
     source = ByteSource.open(src, VOCAB, False)
     made, copied = set(source.made), set(source.shards)
@@ -84,8 +84,7 @@ def assert_copied_with_experts_made(src, tmp_path, expected: dict) -> None:
     merge(src, outs[0], vocab_size=VOCAB, quiet=True)
     for form in ("torch_dist", "torch", "ours"):
         copy = tmp_path / f"{src.name}_{form}"
-        copier = ours_copy.reshard if form == "ours" else dist_copy.reshard
-        assert copier(src, copy, Request(1, 1, form=form), vocab_size=VOCAB, quiet=True) is not None
+        assert paths.by_bytes(src, copy, Request(1, 1, form=form), vocab_size=VOCAB, quiet=True) is not None
         outs.append(tmp_path / f"{copy.name}_merged")
         merge(copy, outs[-1], vocab_size=VOCAB, quiet=True)
     for out in outs:

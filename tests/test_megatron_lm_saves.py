@@ -102,7 +102,7 @@ def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
     the grouped-query attention no such version had is refused with one line. The byte path takes it without torch
     (each rank's QKV rows as runs of its file in megatron-core's order), and copies it into torch_dist as well."""
     from ckpt_tools.forms.byte_ranges import ByteSource
-    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs import paths
     from ckpt_tools.verbs.request import Request
     old = _as_version(FIXTURES / "gpt_pp2", tmp_path / "old", version, heads=4, head_dim=16)
     source = ByteSource.open(old, VOCAB, False)
@@ -113,8 +113,8 @@ def test_qkv_orderings_before_version_2_are_reordered(version, tmp_path):
     merge(old, tmp_path / "hf", vocab_size=VOCAB, quiet=True)
     merge(FIXTURES / "gpt_pp2", tmp_path / "v3", vocab_size=VOCAB, quiet=True)
     same_files(tmp_path / "hf", tmp_path / "v3")
-    assert dist_copy.reshard(old, tmp_path / "dist", Request(1, 1, form="torch_dist"), vocab_size=VOCAB,
-                             quiet=True) is not None
+    assert paths.by_bytes(old, tmp_path / "dist", Request(1, 1, form="torch_dist"), vocab_size=VOCAB,
+                          quiet=True) is not None
     merge(tmp_path / "dist", tmp_path / "dist_hf", vocab_size=VOCAB, quiet=True)
     same_files(tmp_path / "dist_hf", tmp_path / "v3")
     merge(old, tmp_path / "torch_hf", vocab_size=VOCAB, quiet=True, via=TENSORS)  # the torch reader's reordering

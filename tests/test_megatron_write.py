@@ -15,18 +15,18 @@ import json
 import pytest
 import torch
 from conftest import torchrun
-from safetensors.torch import load_file as load_safetensors
 from families_cases import hf_model as family_model
+from safetensors.torch import load_file as load_safetensors
 from test_families import same_optimizer
 from test_import import VOCAB, hf_model
 from test_reshard import assert_nothing_written, one_line_error, run
 
-from ckpt_tools.forms import megatron_lm
-from ckpt_tools.model import hf
 from ckpt_tools.errors import ConfigError
+from ckpt_tools.forms import megatron_lm
 from ckpt_tools.forms.megatron_args import pipeline_split
-from ckpt_tools.verbs.merge import merge
+from ckpt_tools.model import hf
 from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.merge import merge
 from ckpt_tools.verbs.reshard import reshard
 
 
@@ -70,9 +70,9 @@ def test_megatron_core_loads_what_we_write(arch, form, written, loaded, hf_dirs,
     src, out = hf_dirs[arch], tmp_path / "megatron"
     if form == "resharded":
         import_hf(src, tmp_path / "ours", tp=1, pp=1, optimizer=False, quiet=True)
-        from ckpt_tools.verbs import dist_copy
+        from ckpt_tools.verbs import paths
         from ckpt_tools.verbs.request import Request
-        form, line = "torch", dist_copy.reshard(tmp_path / "ours", out, Request(*written, form="torch"), quiet=True)
+        form, line = "torch", paths.by_bytes(tmp_path / "ours", out, Request(*written, form="torch"), quiet=True)
         assert line is not None  # written by copying bytes, not left to the torch path
     else:
         line = import_hf(src, out, tp=written[0], pp=written[1], form=form, quiet=True)
@@ -191,8 +191,9 @@ def test_megatron_optimizer_state_is_written_as_megatron_core_writes_it(form, tm
     at TP2 x PP2: read back by torch's DCP reader, every fp32 master and Adam moment is megatron-core's own
     (reference.pt, from the optimizer object) bit for bit, under the keys and with the common.pt of megatron-core's
     own fully_reshardable save. That megatron-core's DistributedOptimizer resumes from it is tests/test_gpu.py's."""
-    from test_megatron_optimizer import FIXTURES, reference
+    from test_megatron_optimizer import FIXTURES
     from test_megatron_optimizer import VOCAB as FIXTURE_VOCAB
+    from test_megatron_optimizer import reference
 
     from ckpt_tools.forms.torch_dist_names import stacked_key
     out = tmp_path / "out"
@@ -233,8 +234,8 @@ def test_our_optimizer_state_goes_to_torch_dist_and_back(llama_run, tmp_path):
     tensor is the trainer's, bit for bit."""
     from types import SimpleNamespace
 
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from mcore_resume import same_as_ours
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from ckpt_tools.forms.shards import open_checkpoint
     save = llama_run[0]

@@ -127,11 +127,11 @@ def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tm
     from bad_inputs import O, resave
 
     from ckpt_tools.forms.shards import open_checkpoint
-    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs import paths
     ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
     key = "decoder.layers.0.input_layernorm.weight"
     resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
-    assert dist_copy.reshard(ck, tmp_path / "out", Request(1, 1, form="torch_dist"), quiet=True) is None
+    assert paths.by_bytes(ck, tmp_path / "out", Request(1, 1, form="torch_dist"), quiet=True) is None
     assert not (tmp_path / "out").exists()
     with pytest.raises(Exception, match="replicated tensor differs between TP rank 0 and TP rank 1"):
         reshard(ck, tmp_path / "out", 1, 1, form="torch_dist", quiet=True)
@@ -245,9 +245,9 @@ def test_imported_row_chunks_reshard_on_the_byte_path(form, tp, hf_dirs, tmp_pat
     """An import into torch_dist saves row-parallel tensors as whole rows (ByteSource holds them as one shard, TP 1):
     resharded without torch into torch_dist and into the legacy form at TP 1 and 2 (columns cut from the rows), it
     holds what the torch path writes."""
-    from ckpt_tools.verbs import dist_copy
+    from ckpt_tools.verbs import paths
     import_hf(hf_dirs["llama"], tmp_path / "mlm", tp=2, pp=2, form="torch_dist", quiet=True)
-    assert dist_copy.reshard(tmp_path / "mlm", tmp_path / "fast", Request(tp, 1, form=form), quiet=True) is not None
+    assert paths.by_bytes(tmp_path / "mlm", tmp_path / "fast", Request(tp, 1, form=form), quiet=True) is not None
     reshard(tmp_path / "mlm", tmp_path / "slow", tp=tp, pp=1, form=form, quiet=True, copy_bytes=False)
     if form == "torch":
         same_legacy_files(tmp_path / "fast", tmp_path / "slow", tp)
@@ -401,7 +401,7 @@ def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, t
     output layer's copy and its optimizer fields made from the embedding's), a fresh optimizer whose fp32 masters are
     written, and a Megatron-LM torch_dist of weights alone. Every file holds what the torch path writes, and the
     summary is its."""
-    from ckpt_tools.verbs import reshard as torch_path
+    from ckpt_tools.forms.byte_ranges import ByteSource
     src = {"trained": lambda: llama_run[0], "mixtral-ep": lambda: _mixtral_ep(tmp_path),
            "tied": lambda: _tied(tmp_path),
            "fresh-masters": lambda: _fresh_masters(tmp_path, hf_dirs),
@@ -412,7 +412,7 @@ def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, t
 
     def declined(*args, **kwargs):
         raise AssertionError("the byte path declined the job: the torch path ran")
-    monkeypatch.setattr(torch_path, "run", declined)
+    monkeypatch.setattr(ByteSource, "through", declined)
     fast = reshard(src, tmp_path / "fast", tp=tp, pp=pp, ep=ep, layers=layers, quiet=True)
     assert fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
     same_ours(tmp_path / "fast", tmp_path / "slow")
@@ -422,13 +422,20 @@ def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, t
         assert "its masters that carry more written" in fast
 
 
-def test_reshard_into_ours_leaves_a_megatron_optimizer_to_the_torch_path(tmp_path, monkeypatch):
-    """A Megatron-LM source that holds optimizer state is not the byte copy's: the torch path carries it (or says
-    what it leaves behind), so the copy declines before writing anything."""
-    from ckpt_tools.verbs import ours_copy
+def test_a_megatron_optimizer_left_behind_is_named_by_the_torch_reader(tmp_path):
+    """A Megatron-LM source that holds optimizer state, resharded into our format with --no-optimizer: the byte copy
+    declines it before writing anything, and the source is read through its torch reader, which says what is left
+    behind; the output is the same weights the byte copy writes."""
+    from ckpt_tools.verbs import paths
     src = Path(__file__).parent.parent / "fixtures" / "megatron_optimizer" / "plain" / "torch_dist"
-    assert ours_copy.reshard(src, tmp_path / "out", Request(1, 1)) is None
+    assert paths.by_bytes(src, tmp_path / "out", Request(1, 1, optimizer=False), vocab_size=120) is None
     assert not (tmp_path / "out").exists()
+    line = reshard(src, tmp_path / "out", tp=1, pp=1, vocab_size=120, optimizer=False, quiet=True)
+    assert "model only" in line, line
+    reshard(src, tmp_path / "with", tp=1, pp=1, vocab_size=120, quiet=True)
+    for name in ("pytorch_model_tp_0_pp_0.bin",):
+        _same_objects(*(torch.load(d / "checkpoint-3" / name, weights_only=True)
+                        for d in (tmp_path / "out", tmp_path / "with")), name)
 
 
 MEGATRON_OPTIMIZERS = [  # (source, target form): the forms' fixtures hold a short schedule that only ours takes
@@ -448,7 +455,7 @@ def test_a_megatron_optimizer_is_carried_with_its_fields_made_by_torch(src, form
     each optimizer field made by the form's torch reader, parameter by parameter (ByteSource.made_fields); the job
     never falls back whole to the torch path, and the output holds what the torch path writes (every chunk, every rank
     file's tensors, the step, param groups and schedule)."""
-    from ckpt_tools.verbs import reshard as torch_path
+    from ckpt_tools.forms.byte_ranges import ByteSource
     src = Path(__file__).resolve().parent.parent / "fixtures" / src
     tp, pp = (1, 1) if form == "torch_dist" else (2, 2)
     asked = {"form": form} if form != "ours" else {}
@@ -456,7 +463,7 @@ def test_a_megatron_optimizer_is_carried_with_its_fields_made_by_torch(src, form
 
     def declined(*args, **kwargs):
         raise AssertionError("the byte path declined the job: the torch path ran")
-    monkeypatch.setattr(torch_path, "run", declined)
+    monkeypatch.setattr(ByteSource, "through", declined)
     fast = reshard(src, tmp_path / "fast", tp=tp, pp=pp, vocab_size=120, quiet=True, **asked)
     assert "model + optimizer" in fast and fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
     if form == "ours":
@@ -491,8 +498,8 @@ def test_fsdp_dtensor_written_by_copying_holds_what_the_torch_path_writes(source
     our trainer's checkpoint and megatron-core's GPU-saved distributed optimizers with their optimizer state, an HF
     model imported. Every entry (tensors, Adam's steps, param group settings, the schedule, the args) is what the torch
     path writes."""
+    from ckpt_tools.forms.byte_ranges import ByteSource
     from ckpt_tools.verbs import importer
-    from ckpt_tools.verbs import reshard as torch_path
 
     def declined(*args, **kwargs):
         raise AssertionError("the byte path declined the job: the torch path ran")
@@ -505,7 +512,7 @@ def test_fsdp_dtensor_written_by_copying_holds_what_the_torch_path_writes(source
         vocab = None if source == "trained" else 120
         slow = reshard(src, tmp_path / "slow", tp=1, pp=1, vocab_size=vocab, form="fsdp_dtensor", quiet=True,
                        copy_bytes=False)
-        monkeypatch.setattr(torch_path, "run", declined)
+        monkeypatch.setattr(ByteSource, "through", declined)
         fast = reshard(src, tmp_path / "fast", tp=1, pp=1, vocab_size=vocab, form="fsdp_dtensor", quiet=True)
         assert "model + optimizer" in fast and fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
     iteration = next(tmp_path.glob("fast/iter_*")).name if source != "hf" else "release"

@@ -128,6 +128,7 @@ class ByteSource:
         self.megatron_optimizer = False  # a Megatron-LM source holding optimizer state (decoded by the torch path)
         self.made: Collection[str] = ()  # the keys torch makes, one by one (byte_index.Index.made)
         self.maker = None  # what makes them: the form's torch reader (shards.Reader)
+        self.read_through = False  # every tensor made by the torch reader (`through`)
         self.files = _Files()
         self._buf, self._sink = bytearray(), bytearray()
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
@@ -162,6 +163,23 @@ class ByteSource:
             source.close()
             raise
         return source
+
+    @classmethod
+    def through(cls, reader) -> ByteSource:
+        """A checkpoint read through its torch reader alone (shards.open_checked: the byte index declined it, or the
+        torch path was asked for), for the same writers: every tensor made by the reader, tensor by tensor (`made`),
+        its optimizer state too (`made_fields`). `reader`: its torch reader, closed with the source."""
+        meta = reader.meta
+        source = cls(meta, {}, {}, False)
+        source.made = frozenset(k for k in reader.keys() if layout.holds_weights(k, meta.spec, meta.pp_size))
+        source.maker, source.read_through = reader, True
+        source.megatron_optimizer = reader.has_optimizer()  # decoded by the reader, whatever its form
+        return source
+
+    def held(self, key: str) -> str:
+        """The source's tensor that holds `key`: itself, or the tensor an aliased copy copies where the source lacks
+        the copy (a tied output layer at PP 1)."""
+        return key if key in self.shards or key in self.made else layout.source_key(key, self.shards)
 
     def check_replicas(self, shards: Shards) -> None:
         """Declined unless the TP shards of each tensor have one dtype and a replicated tensor's are equal (the

@@ -142,9 +142,9 @@ def shard(source: ByteSource, key: str, rank: int, tp: int, padded: int, pp: int
     `fields`: an optimizer field's shards (byte_index.field_shards, or made by a Megatron-LM source's torch reader)
     instead of the model's."""
     meta, spec = source.meta, source.meta.spec
-    held = key if key in source.shards or key in source.made else layout.source_key(key, source.shards)
+    held = source.held(key)
     if held in source.made and fields is None:
-        return _made_shard(source, key, held, rank, tp, pp)
+        return _made_shard(source, key, held, rank, tp, padded, pp)
     if isinstance(fields, MadeFields):  # a Megatron-LM optimizer's field, decoded by the torch reader
         return fields.shard(key, held, rank, tp, padded, pp)
     shards = (source.shards if fields is None else fields)[held]
@@ -190,12 +190,16 @@ class HFSource(ByteSource):
         self.files.close()
 
 
-def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, pp: int) -> tuple[str, tuple, list]:
+def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, padded: int,
+                pp: int) -> tuple[str, tuple, list]:
     """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`), as the torch path
     splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew (only
     that shard laid out contiguously)."""
     from ckpt_tools.forms.writers import dtype_name
-    shard = shard_ops.split(key, source.made_full(held), source.meta.spec, tp, pp)[rank]
+    full, spec = source.made_full(held), source.meta.spec
+    if layout.has_padded_rows(key, spec, pp) and full.shape[0] != padded:  # another TP's padding: re-padded
+        full = shard_ops.pad_vocab(key, full, spec, padded)
+    shard = shard_ops.split(key, full, spec, tp, pp)[rank]
     shard = source.made_shard_cast(held, shard).contiguous()
     return dtype_name(shard.dtype), tuple(shard.shape), [as_bytes(shard)]
 

@@ -1,9 +1,7 @@
-"""Writing a checkpoint in our format: `Target` (its files, every TP rank's of a stage open together, or one file
-at a time), `Resharder` (a target shard built from the pieces of the mmap'd source shards that
-`shard_ops.reshard_pieces` names: a contiguous piece is written straight from the mapping, no copy), and `finish`
-(carried files, meta.json, `latest`). Each shard file is hashed on a thread of its own while it is written
-(writers.Growth), and fsynced after, so its record is ready soon after its close; files written otherwise are hashed
-on a pool. Used by `ckpt reshard` (reshard.py) and `ckpt import` (importer.py).
+"""Writing a checkpoint in our format through torch: `Target` (its files, every TP rank's of a stage open together,
+or one file at a time) and `finish` (carried files, meta.json, `latest`). Each shard file is hashed on a thread of
+its own while it is written (writers.Growth), and fsynced after, so its record is ready soon after its close; files
+written otherwise are hashed on a pool. Used by `ckpt import`'s torch path (importer.py); `ckpt reshard` writes our format by verbs/ours_copy.py.
 """
 from __future__ import annotations
 
@@ -17,13 +15,12 @@ import torch
 
 from ckpt_tools import durable, hashing, io
 from ckpt_tools.forms import checkpoint as fmt
-from ckpt_tools.forms.shards import MODEL, OPTIMIZER, OPTIMIZER_FIELDS, Reader
+from ckpt_tools.forms.shards import MODEL, OPTIMIZER_FIELDS
 from ckpt_tools.forms.writers import Growth, TorchFileWriter
 from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.model.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
-
 
 IN_FLIGHT = 16  # output files being filled and hashed at once
 
@@ -214,62 +211,6 @@ def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
     finally:
         os.close(fd)
     return record
-
-
-class Resharder:
-    """Target shards straight from the source shards: `reshard_pieces` of the layout table, gathered."""
-
-    def __init__(self, shards: Reader, target: Target, masters: set[str] | None = None):
-        """`masters`: a fresh optimizer's, written alone for these keys (None: every optimizer field of every key)."""
-        self.shards, self.target, self.masters = shards, target, masters
-        self.src_tp, self.src_padded = shards.meta.tp_size, shards.meta.padded_vocab
-        self._scratch = Scratch()
-
-    def shard(self, key: str, field: str | None, rank: int) -> torch.Tensor:
-        """Target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field), gathered."""
-        source, t = self.shards.source_key(key), self.target
-        shards = self.shards.shards(source, field)
-        if layout.find_rule(key, t.spec, t.pp).dim is None:  # replicated: the replicas must agree
-            return shard_ops.join(source, shards, t.spec, self.shards.meta.pp_size)
-        pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
-        return shard_ops.gather(pieces, shards, self._scratch.empty)
-
-    def put(self, writer: TorchFileWriter, key: str, field: str | None, rank: int):
-        """Write target TP rank `rank`'s shard of `key` (its model tensor, or an optimizer field). Pieces
-        that are byte ranges of the source files, concatenated on dim 0, are copied file to file."""
-        source, t = self.shards.source_key(key), self.target
-        if layout.find_rule(key, t.spec, t.pp).dim is None:
-            return writer.tensor(self.shard(key, field, rank))
-        shards = self.shards.shards(source, field)
-        pieces = shard_ops.reshard_pieces(key, t.spec, self.src_tp, self.src_padded, t.tp, t.padded, rank, t.pp)
-        parts = shard_ops.gather_parts(pieces, shards)
-        where = [self.shards.locate(p) for p in parts]
-        if all(where) and (len(parts) == 1 or pieces[0].dim == 0):
-            shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
-            return writer.tensor_from_files(parts[0].dtype, shape,
-                                            [(fd, offset, p.nbytes) for (fd, offset), p in zip(where, parts)])
-        return writer.tensor(shard_ops.gather(pieces, shards, self._scratch.empty))
-
-    def write_file(self, kind: str, rank: Rank, extras: dict) -> None:
-        """One target file (a model or optimizer shard), tensor by tensor, then hashed in the background."""
-        t, tp_rank = self.target, rank.tp
-        name = (fmt.model_file if kind == MODEL else fmt.optimizer_file)(rank)
-        writer, state = t.open_file(name), {}
-        for local, key in layout.stage_keys(t.spec, t.counts, rank.pp, rank.ep, t.ep):
-            extra = not layout.holds_weights(key, t.spec, t.pp)
-            if kind == MODEL:
-                state[local] = self.shards.shards(self.shards.source_key(key))[0] if extra else \
-                    self.put(writer, key, None, tp_rank)
-            elif self.masters is not None:  # a fresh optimizer's masters that carry more than the weights
-                if self.shards.source_key(key) in self.masters:
-                    state[local] = {"master": self.put(writer, key, "master", tp_rank)}
-            elif layout.has_optimizer_state(key, t.spec, t.pp):
-                fields = {f: self.put(writer, key, f, tp_rank) for f in OPTIMIZER_FIELDS}
-                self.shards.release()
-                fields["step"] = writer.tensor(self.shards.shards(self.shards.source_key(key), "step")[0])
-                state[local] = fields
-            self.shards.release()
-        t.close_file(writer, {MODEL: state} if kind == MODEL else {OPTIMIZER: state, **extras})
 
 
 def finish(tmp: Path, iteration: int, target: Target, meta: dict, carried_from: Path | None,

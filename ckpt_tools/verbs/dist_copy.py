@@ -42,66 +42,62 @@ from ckpt_tools.verbs.request import Layout, Request
 STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 
-def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
-            quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
-            team: Team = SOLO) -> str | None:
-    """paths.reshard(..., `want` of form torch_dist or torch) by copying bytes; None (nothing written) where it does
-    not apply. The legacy torch form is written by forms/legacy_copy.py, weights only.
-    `team`: the processes writing the output's files between them (ckpt_tools.team)."""
+def reshard(source: ByteSource, out: str | Path, want: Request, force: bool = False, quiet: bool = False,
+            check_hashes: bool = False, no_preflight: bool = False, team: Team = SOLO) -> str | None:
+    """paths.reshard(..., `want` of a Megatron-LM form) from `source`: its byte ranges copied, its tensors that torch
+    makes (ByteSource.made, made_fields) written from memory. None (nothing written) where the bytes do not hold what
+    the copy needs (paths.reshard then reads the source through its torch reader, ByteSource.through, which this
+    always takes). `team`: the processes writing the output's files between them (ckpt_tools.team)."""
     start = time.perf_counter()
-    try:
-        source = ByteSource.open(src, vocab_size, False, carry_optimizer=want.optimizer)
-    except Declined:
-        source = None
-    try:
-        go = None if source is None else _reshard(source, out, want, force, quiet, check_hashes, no_preflight, start,
-                                                  team)
-        if not team.all(go is not None):  # one path for all: a process that declined sends every one to torch's
-            return None
-        return go()
-    finally:
-        if source is not None:
-            source.close()
+    go = _reshard(source, out, want, force, quiet, check_hashes, no_preflight, start, team)
+    if not team.all(go is not None):  # one path for all: a process that declined sends every one through torch
+        return None
+    return go()
 
 
 def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
              no_preflight: bool, start: float, team: Team = SOLO) -> Callable[[], str] | None:
     """None where the copy does not apply, else what writes the output and returns the summary."""
-    meta = source.meta
-    # a Megatron-LM optimizer: its fields made by the form's torch reader (ByteSource.open(..., carry_optimizer))
-    with_opt = want.optimizer and (has_optimizer(meta) if source.ours else source.megatron_optimizer)
-    if with_opt and not forms.get(want.form).optimizer:
-        return None  # the torch path refuses it in its words (to_megatron.check_optimizer_form)
-    fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only, as the torch path
+    meta, reader = source.meta, source.maker
+    if source.read_through:
+        with_opt, unread = want.optimizer and reader.has_optimizer(), reader.unread_optimizer()
+    else:  # a Megatron-LM optimizer: its fields made by the form's torch reader (ByteSource.open(..., carry_optimizer))
+        with_opt, unread = want.optimizer and (has_optimizer(meta) if source.ours else source.megatron_optimizer), None
+    fresh = with_opt and meta.iteration == 0  # Megatron-LM loads no iter_0000000: weights only
+    carried = with_opt and not fresh
     try:
         fields, step = {}, None
-        if with_opt and not fresh and not source.ours:
+        if carried and forms.get(want.form).optimizer and not source.ours:
             fields = {f: source.made_fields(f) for f in checkpoint.OPTIMIZER_FIELDS}
-        elif with_opt and not fresh:
+        elif carried and forms.get(want.form).optimizer:
             fields = {f: field_shards(meta, f) for f in checkpoint.OPTIMIZER_FIELDS}
             for shards in fields.values():
                 source.check_replicas(shards)
             step = _step(meta)
-        dropped = fresh and meta.fresh_optimizer and bool(field_shards(meta, "master", written=True))
+        if source.read_through:
+            dropped = fresh and reader.fresh_optimizer() and bool(reader.written_masters())
+        else:
+            dropped = fresh and meta.fresh_optimizer and bool(field_shards(meta, "master", written=True))
     except (Declined, Unreadable, CkptError, OSError):
         return None
     return lambda: _reshard_copy(source, out, want, force, quiet, check_hashes, no_preflight, start, team, fields,
-                                 step, fresh) + (to_megatron.MASTERS_NOT_WRITTEN if dropped else "")
+                                 step, fresh, carried, unread) + (to_megatron.MASTERS_NOT_WRITTEN if dropped else "")
 
 
 def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: bool, quiet: bool, check_hashes: bool,
-                  no_preflight: bool, start: float, team: Team, fields: dict, step: float | None, fresh: bool) -> str:
-    # what is refused here is refused as the torch path refuses it, in its words
+                  no_preflight: bool, start: float, team: Team, fields: dict, step: float | None, fresh: bool,
+                  carried: bool, unread: str | None) -> str:
     meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    if check_hashes:
+    if check_hashes and not source.read_through:  # shards.open_checked checked them
         source.check_hashes(team)
     target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
+    if carried:
+        to_megatron.check_optimizer_form(target.form, meta.dir)
     resume = None
     if fields and not source.ours:
-        to_megatron.check_optimizer_form(target.form, meta.dir)
         resume = resume_state(source.maker)
     elif fields:
         consumed = int(meta.raw.get("consumed_samples") or 0)
@@ -109,7 +105,7 @@ def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: boo
                            meta.raw.get("parallel", {}).get("dp_size"), meta.iteration, step, consumed)
     args = to_megatron.check(spec, target, meta.params_dtype, resume, meta.dir)
     nbytes = _write(source, fields, out, target, args, resume, force, quiet, team)
-    summary = to_megatron.resharded(meta, out, target, resume, fresh, None, nbytes, time.perf_counter() - start)
+    summary = to_megatron.resharded(meta, out, target, resume, fresh, unread, nbytes, time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
 
 

@@ -35,7 +35,7 @@ from ckpt_tools import durable, io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.forms import legacy_copy, torchsave
-from ckpt_tools.forms.byte_index import Declined, Shards, field_shards, has_optimizer
+from ckpt_tools.forms.byte_index import Declined, field_shards, has_optimizer
 from ckpt_tools.forms.byte_ranges import ByteSource, MadeShard
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
 from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
@@ -143,41 +143,49 @@ def _finish(tmp: Path, iteration: int, written: dict, nbytes: int, carried_from:
 @dataclass
 class _Copied:
     """What a reshard into our format copies beside the model: the optimizer fields' shards (`fields`, the step
-    among them), or a fresh optimizer's written masters alone (`masters`); the optimizer files' other entries
-    (`extras`); the RNG file every target rank gets (`rng`)."""
-    fields: dict[str, Shards]
-    masters: Shards | None
+    among them), or a fresh optimizer's written masters alone (`masters`, those of `master_keys`); the optimizer files'
+    other entries (`extras`); the RNG state every target rank gets (`rng`: a file copied, or a state loaded by the
+    torch reader); what the summary says (`with_opt`, `fresh`, `unread`)."""
+    fields: dict
+    masters: object | None
+    master_keys: set
     extras: dict
-    rng: Path | None
+    rng: object | None
     with_opt: bool
     fresh: bool
+    unread: str | None = None
 
 
-def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
-            quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
-            team: Team = SOLO) -> str | None:
-    """paths.reshard(..., `want` of our format) by copying bytes; None (nothing written) where the torch path must do
-    it. In a team each process writes a run of the files (balanced by their bytes), process 0 the rest."""
+def reshard(source: ByteSource, out: str | Path, want: Request, force: bool = False, quiet: bool = False,
+            check_hashes: bool = False, no_preflight: bool = False, team: Team = SOLO) -> str | None:
+    """paths.reshard(..., `want` of our format) from `source`: its byte ranges copied, the tensors torch makes
+    (ByteSource.made, made_fields) written from memory. None (nothing written) where the bytes do not hold what the
+    copy needs (paths.reshard then reads the source through its torch reader, ByteSource.through, which this always
+    takes). In a team each process writes a run of the files (balanced by their bytes), process 0 the rest."""
     start = time.perf_counter()
-    try:
-        source = ByteSource.open(src, vocab_size, False, carry_optimizer=want.optimizer)
-    except Declined:
-        source = None
-    try:
-        copied = None if source is None else _copied(source, want)
-        if not team.all(copied is not None):  # one path for all: a process that declined sends every one to torch's
-            return None
-        return _reshard_copy(source, copied, out, want, force, quiet, check_hashes, no_preflight, start, team)
-    finally:
-        if source is not None:
-            source.close()
+    copied = _through(source, want) if source.read_through else _copied(source, want)
+    if not team.all(copied is not None):  # one path for all: a process that declined sends every one through torch
+        return None
+    return _reshard_copy(source, copied, out, want, force, quiet, check_hashes, no_preflight, start, team)
+
+
+def _through(source: ByteSource, want: Request) -> _Copied:
+    """What is copied beside the model from a source read through its torch reader (ByteSource.through)."""
+    reader = source.maker
+    with_opt = want.optimizer and reader.has_optimizer()
+    fresh = with_opt and reader.fresh_optimizer()
+    keys = reader.written_masters() if fresh else set()
+    fields = {f: source.made_fields(f) for f in (*fmt.OPTIMIZER_FIELDS, "step")} if with_opt and not fresh else {}
+    extras = reader.optimizer_extras() if fields or keys else {}
+    return _Copied(fields, source.made_fields("master") if keys else None, keys, extras, reader.rng_state(), with_opt,
+                   fresh, reader.unread_optimizer())
 
 
 def _copied(source: ByteSource, want: Request) -> _Copied | None:
-    """What the copy takes beside the model, or None where the torch path must write the output."""
+    """What the copy takes beside the model, or None where the source is to be read through its torch reader."""
     meta = source.meta
     if source.megatron_optimizer and not want.optimizer:
-        return None  # the torch path says what it leaves behind
+        return None  # the torch reader says what is left behind
     with_opt = want.optimizer and (has_optimizer(meta) if source.ours else source.megatron_optimizer)
     fresh = with_opt and meta.fresh_optimizer
     try:
@@ -196,7 +204,7 @@ def _copied(source: ByteSource, want: Request) -> _Copied | None:
         rng = _rng(meta) if source.ours else None
     except (Declined, Unreadable, CkptError, OSError):
         return None
-    return _Copied(fields, masters, extras, rng, with_opt, fresh)
+    return _Copied(fields, masters or None, set(masters or ()), extras, rng, with_opt, fresh)
 
 
 def _extras(meta: fmt.Meta) -> dict:
@@ -236,12 +244,12 @@ def _reshard_copy(source: ByteSource, copied: _Copied, out: str | Path, want: Re
     meta, spec = source.meta, source.meta.spec
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    if check_hashes:
+    if check_hashes and not source.read_through:  # shards.open_checked checked them
         source.check_hashes(team)
     target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
     tp, pp, counts, padded, ep = target.tp, target.pp, target.counts, target.padded, target.ep
     output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
-    optimizer = bool(copied.fields or copied.masters)
+    optimizer = bool(copied.fields or copied.master_keys)
     grid = Grid(tp, pp, ep)
     # the small model files last: the wait for the last one's hash is short
     files = [(kind, rank) for kind in (("optimizer", "model") if optimizer else ("model",)) for rank in grid.ranks()]
@@ -259,10 +267,13 @@ def _reshard_copy(source: ByteSource, copied: _Copied, out: str | Path, want: Re
                                              (ckpt / fmt.optimizer_file(r),
                                               _optimizer_fill(source, copied, r, counts, padded, tp, ep))
                                              for kind, r in mine], quiet, "reshard", written)
-        if team.lead and copied.rng is not None:
+        if team.lead and copied.rng is not None:  # rank (0, 0)'s state for every target rank (no dropout in TP regions)
             for rank in grid.ranks():
                 path = ckpt / fmt.rng_file(rank)
-                shutil.copyfile(copied.rng, path)
+                if isinstance(copied.rng, Path):
+                    shutil.copyfile(copied.rng, path)
+                else:
+                    io.save_file(copied.rng, path)
                 written[path] = fmt.file_record(path)
                 durable.fsync_file(path)
         origin = {"op": "reshard", "from": {"dir": str(meta.dir), "source": meta.source, "tp_size": meta.tp_size,
@@ -276,7 +287,7 @@ def _reshard_copy(source: ByteSource, copied: _Copied, out: str | Path, want: Re
             meta.raw.get("parallel", {}).get("dp_size"), dict(meta.raw.get("config") or {}), records, origin, ep,
             fresh_optimizer=copied.fresh))
     return resharded(meta, out, grid, counts, padded, copied.with_opt and not copied.fresh, copied.fresh,
-                     bool(copied.masters), None, nbytes, time.perf_counter() - start) + (
+                     bool(copied.master_keys), copied.unread, nbytes, time.perf_counter() - start) + (
         f"\n{leftover}" if leftover else "")
 
 
@@ -293,9 +304,9 @@ def _optimizer_fill(source: ByteSource, copied: _Copied, rank: Rank, counts: lis
     def fill(put) -> dict:
         state, refs = {}, itertools.count()
         for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
-            held = key if key in source.shards else layout.source_key(key, source.shards)
+            held = source.held(key)
             if copied.masters is not None:
-                wanted = {"master": copied.masters} if held in copied.masters else {}
+                wanted = {"master": copied.masters} if held in copied.master_keys else {}
             elif layout.has_optimizer_state(key, spec, pp):
                 wanted = {f: copied.fields[f] for f in fmt.OPTIMIZER_FIELDS}
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckpt_tools import output
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.verbs.request import Request
 
@@ -24,18 +25,51 @@ from ckpt_tools.verbs.request import Request
 def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
             quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False, team: Team = SOLO,
             copy_bytes: bool = True, tuned: bool = False) -> str:
-    """Rewrite `src` as `want` says into OUT (`copy_bytes` False: the torch path only)."""
+    """Rewrite `src` as `want` says into OUT: one writer per target form (verbs/dist_copy.py for Megatron-LM's,
+    verbs/ours_copy.py for ours) over the source's bytes (`by_bytes`), or over its torch reader where the byte index
+    declines it or the copy does not take what it holds (`copy_bytes` False: the torch reader alone)."""
     want.check()
-    if copy_bytes:
-        from ckpt_tools.verbs import dist_copy, ours_copy
-        copier = dist_copy.reshard if want.megatron else ours_copy.reshard
-        summary = copier(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
-        if summary is not None:
-            return summary
+    summary = by_bytes(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team) if copy_bytes \
+        else None
+    if summary is not None:
+        return summary
     if tuned:
         copying_process()
-    from ckpt_tools.verbs import reshard as torch_path
-    return torch_path.run(src, out, want, vocab_size, force, quiet, check_hashes, no_preflight, team)
+    from ckpt_tools.forms.byte_ranges import ByteSource
+    from ckpt_tools.forms.shards import open_checked
+    output.check_target(out, force)  # an existing OUT is refused before the source is read
+    source = ByteSource.through(open_checked(src, vocab_size, check_hashes, team))
+    try:
+        return _copier(want)(source, out, want, force, quiet, check_hashes, no_preflight, team)
+    finally:
+        source.close()
+
+
+def by_bytes(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,
+             quiet: bool = False, check_hashes: bool = False, no_preflight: bool = False,
+             team: Team = SOLO) -> str | None:
+    """The reshard from the source's bytes (byte_ranges.ByteSource: byte ranges, and the tensors its torch reader
+    makes one by one); None, having written nothing, where the byte index declines the source or the copy does not take
+    what it holds."""
+    from ckpt_tools.forms.byte_index import Declined
+    from ckpt_tools.forms.byte_ranges import ByteSource
+    source = None
+    try:
+        source = ByteSource.open(src, vocab_size, False, carry_optimizer=want.optimizer)
+    except Declined:
+        pass
+    try:
+        if not team.all(source is not None):  # one path for all: a process that declined sends every one through torch
+            return None
+        return _copier(want)(source, out, want, force, quiet, check_hashes, no_preflight, team)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _copier(want: Request):
+    from ckpt_tools.verbs import dist_copy, ours_copy
+    return dist_copy.reshard if want.megatron else ours_copy.reshard
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,

@@ -37,6 +37,7 @@ from ckpt_tools.team import SOLO, Alone, Team
 from ckpt_tools.verbs.plan import HF, SAFETENSORS, plan
 from ckpt_tools.verbs.tiers import TOLERANCES, Tier, calibrated, tier2, tier3
 
+
 def other_kind(path: Path) -> str:
     """OTHER's kind: an HF dir, a safetensors file, or sharded (forms/readers.py tells which)."""
     form = readers.detect(path)
