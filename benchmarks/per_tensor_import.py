@@ -61,7 +61,7 @@ def make_hf(path: Path, arch: str, quick: bool) -> None:
 # the byte path's runs: a torch path that would run instead fails the benchmark (a stand-in for the importer module,
 # which is not loaded, so torch is not imported for it)
 NO_TORCH_PATH = ("import types; m = types.ModuleType('ckpt_tools.verbs.importer'); "
-                 "m.run = lambda *a, **k: sys.exit('the byte path declined the job'); "
+                 "m.checked = lambda *a, **k: sys.exit('the byte path declined the job'); "
                  "sys.modules['ckpt_tools.verbs.importer'] = m; ")
 
 

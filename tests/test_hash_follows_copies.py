@@ -137,7 +137,8 @@ def test_a_writer_dropped_unclosed_stops_its_hash(tmp_path):
 def test_a_target_file_that_fails_or_is_dropped_stops_its_hash(tmp_path):
     """Through target.Target.open_file (the hash on a thread of its own): a close that fails, and a writer dropped
     unclosed (an error mid-stage), end the file's hash with an error instead of leaving its thread waiting."""
-    from ckpt_tools.forms.target import Target
+    from torch_target import Target
+
     from ckpt_tools.model.spec import ModelSpec
     spec = ModelSpec("llama", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                      vocab_size=128)

@@ -19,11 +19,11 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 from test_reshard import BAD_TARGETS, assert_nothing_written, full_tensors, meta, one_line_error, run
 
-from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools import io
-from ckpt_tools.verbs.merge import merge
+from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.model.ranks import Rank
 from ckpt_tools.verbs.importer import import_hf
+from ckpt_tools.verbs.merge import merge
 
 # ---------------------------------------------------------------- HF import -> merge, and logits
 VOCAB = 1000
@@ -115,13 +115,13 @@ def test_import_into_ours_without_torch_writes_the_torch_paths_tensors(arch, tp,
     import subprocess
     import sys
 
-    from ckpt_tools.verbs import importer
+    from ckpt_tools.verbs import hf_copy
     hf_dir = hf_dirs[arch, "bf16"]
     if arch == "gpt2":  # torch makes the transposed weights; the job stays on the byte path
         def declined(*args, **kwargs):
             raise AssertionError("the byte path declined the job: the torch path ran")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(importer, "run", declined)
+            patch.setattr(hf_copy, "start_through", declined)
             import_hf(hf_dir, tmp_path / "bytes", tp=tp, pp=pp, quiet=True)
     else:
         code = ("import sys; from ckpt_tools.cli import main; sys.argv = ['ckpt', 'import', sys.argv[1], sys.argv[2], "
@@ -307,6 +307,7 @@ def test_an_hf_tensor_over_2_gib_is_read_whole(tmp_path):
     several, not refused as truncated. The file is sparse: zeros but for its last element."""
     import json
     import struct
+
     from ckpt_tools.forms.hf_tensors import HFTensors
     n = (1 << 30) + (1 << 19)  # bf16 elements: 2 GiB + 1 MiB
     header = json.dumps({"x": {"dtype": "BF16", "shape": [n], "data_offsets": [0, 2 * n]}}).encode()

@@ -101,13 +101,13 @@ def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp,
     expert bias, which the layout table keeps in fp32 and is then copied) is made
     by torch and written from memory, the rest still copied; the job never falls back whole to the torch path, and
     every value is the torch path's."""
-    from ckpt_tools.verbs import hf_copy, importer
+    from ckpt_tools.verbs import hf_copy
     slow = import_hf(hf_dirs[arch], tmp_path / "torch", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True,
                      copy_bytes=False)
 
     def declined(*args, **kwargs):
-        raise AssertionError("the byte path declined the job: the torch path ran")
-    monkeypatch.setattr(importer, "run", declined)
+        raise AssertionError("the byte path declined the job: the source was read through torch")
+    monkeypatch.setattr(hf_copy, "start_through", declined)
     made, choose = {}, hf_copy.made_by_torch
     monkeypatch.setattr(hf_copy, "made_by_torch", lambda key, *a: made.setdefault(key, choose(key, *a)))
     fast = import_hf(hf_dirs[arch], tmp_path / "fast", tp=2, pp=pp, dtype=dtype, form="torch_dist", quiet=True)
@@ -304,14 +304,14 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, maste
     split as the torch path splits it and written from memory into its rank files; the rest are still copied; the
     job never falls back whole to the torch path, and every rank file's tensors are the torch path's, bit for bit,
     the fresh optimizer's fp32 masters too where they are written (our meta.json too, but for the files' hashes)."""
-    from ckpt_tools.verbs import hf_copy, importer
+    from ckpt_tools.verbs import hf_copy
     src = _in_bf16(hf_dirs[arch], tmp_path / "hf", fp32) if fp32 is not None else hf_dirs[arch]
     asked = {"form": "torch"} if form == "torch" else {}
     import_hf(src, tmp_path / "slow", tp=tp, pp=pp, quiet=True, copy_bytes=False, **asked)
 
     def declined(*args, **kwargs):
-        raise AssertionError("the byte path declined the job: the torch path ran")
-    monkeypatch.setattr(importer, "run", declined)
+        raise AssertionError("the byte path declined the job: the source was read through torch")
+    monkeypatch.setattr(hf_copy, "start_through", declined)
     made, choose = {}, hf_copy.made_by_torch
     monkeypatch.setattr(hf_copy, "made_by_torch", lambda key, *a, **k: made.setdefault(key, choose(key, *a, **k)))
     import_hf(src, tmp_path / "fast", tp=tp, pp=pp, quiet=True, **asked)
@@ -411,7 +411,7 @@ def test_reshard_into_ours_by_copying_holds_what_the_torch_path_writes(source, t
     slow = reshard(src, tmp_path / "slow", tp=tp, pp=pp, ep=ep, layers=layers, quiet=True, copy_bytes=False)
 
     def declined(*args, **kwargs):
-        raise AssertionError("the byte path declined the job: the torch path ran")
+        raise AssertionError("the byte path declined the job: the source was read through torch")
     monkeypatch.setattr(ByteSource, "through", declined)
     fast = reshard(src, tmp_path / "fast", tp=tp, pp=pp, ep=ep, layers=layers, quiet=True)
     assert fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
@@ -462,7 +462,7 @@ def test_a_megatron_optimizer_is_carried_with_its_fields_made_by_torch(src, form
     slow = reshard(src, tmp_path / "slow", tp=tp, pp=pp, vocab_size=120, quiet=True, copy_bytes=False, **asked)
 
     def declined(*args, **kwargs):
-        raise AssertionError("the byte path declined the job: the torch path ran")
+        raise AssertionError("the byte path declined the job: the source was read through torch")
     monkeypatch.setattr(ByteSource, "through", declined)
     fast = reshard(src, tmp_path / "fast", tp=tp, pp=pp, vocab_size=120, quiet=True, **asked)
     assert "model + optimizer" in fast and fast.replace("fast", "slow").split(", ")[:-2] == slow.split(", ")[:-2]
@@ -499,13 +499,13 @@ def test_fsdp_dtensor_written_by_copying_holds_what_the_torch_path_writes(source
     model imported. Every entry (tensors, Adam's steps, param group settings, the schedule, the args) is what the torch
     path writes."""
     from ckpt_tools.forms.byte_ranges import ByteSource
-    from ckpt_tools.verbs import importer
+    from ckpt_tools.verbs import hf_copy
 
     def declined(*args, **kwargs):
-        raise AssertionError("the byte path declined the job: the torch path ran")
+        raise AssertionError("the byte path declined the job: the source was read through torch")
     if source == "hf":
         import_hf(hf_dirs["llama"], tmp_path / "slow", tp=1, pp=1, form="fsdp_dtensor", quiet=True, copy_bytes=False)
-        monkeypatch.setattr(importer, "run", declined)
+        monkeypatch.setattr(hf_copy, "start_through", declined)
         import_hf(hf_dirs["llama"], tmp_path / "fast", tp=1, pp=1, form="fsdp_dtensor", quiet=True)
     else:
         src = llama_run[0] if source == "trained" else Path(__file__).resolve().parent.parent / "fixtures" / source
@@ -525,14 +525,14 @@ def test_an_import_cast_into_rank_files_is_a_byte_copy_of_each_ranks_shard_cast(
     """`ckpt import --dtype bfloat16` of an fp32 HF model into the legacy form and our format: every tensor made by
     torch, each rank's shard cast alone (the cast is element by element), written by the byte path; the rank files
     hold what the torch path writes, the fresh optimizer's fp32 masters (which carry more than bf16 weights) too."""
-    from ckpt_tools.verbs import importer
+    from ckpt_tools.verbs import hf_copy
     asked = {"form": "torch"} if form == "torch" else {}
     import_hf(hf_dirs[arch], tmp_path / "slow", tp=2, pp=2, quiet=True, copy_bytes=False, dtype=torch.bfloat16,
               **asked)
 
     def declined(*args, **kwargs):
-        raise AssertionError("the byte path declined the job: the torch path ran")
-    monkeypatch.setattr(importer, "run", declined)
+        raise AssertionError("the byte path declined the job: the source was read through torch")
+    monkeypatch.setattr(hf_copy, "start_through", declined)
     import_hf(hf_dirs[arch], tmp_path / "fast", tp=2, pp=2, quiet=True, dtype=torch.bfloat16, **asked)
     if form == "torch":
         same_legacy_files(tmp_path / "fast", tmp_path / "slow", 4)

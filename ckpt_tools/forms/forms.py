@@ -1,7 +1,7 @@
 """Megatron-LM's output forms as records: what each holds and what this version writes in it, its writer, its extra
 arguments and the flags that load it. The refusals (request.Request.check, to_megatron.check), the byte paths
-(verbs/dist_copy.py, verbs/hf_copy.py), the arguments (megatron_args.build_args), the torch path's writer
-(to_megatron.write) and the load command (to_megatron.loads_with) ask a form's record instead of testing its name.
+(verbs/dist_copy.py, verbs/hf_copy.py: the form's writer), the arguments (megatron_args.build_args) and the load command
+(to_megatron.loads_with) ask a form's record instead of testing its name.
 A new output form is a record here with its writer, and its name in the command line's choices (cli.FORMS); the
 forms read are forms/readers.py's records.
 """
@@ -20,11 +20,6 @@ def _no_flags(target, resume: bool) -> str:
 def _dist_writer(iter_dir, spec, tp, counts, padded, args, resume, **saving):
     from ckpt_tools.forms.megatron_write import DistWriter
     return DistWriter(iter_dir, spec, tp, counts, padded, args, **saving)
-
-
-def _legacy_writer(iter_dir, spec, tp, counts, padded, args, resume):
-    from ckpt_tools.forms.legacy_write import LegacyWriter
-    return LegacyWriter(iter_dir, spec, tp, counts, padded, args)
 
 
 def _fsdp_writer(iter_dir, spec, tp, counts, padded, args, resume, **saving):
@@ -48,12 +43,13 @@ class Form:
     te_modules      Transformer Engine's modules with no local twin (gated DeltaNet, zero-centred norms)
     args            Megatron-LM arguments of its runs, beside the model's (megatron_args.build_args)
     load_flags      the flags its load command adds, of the target Layout and whether it resumes
-    writer          (iter_dir, spec, tp, layer counts, padded vocab, args, resume) -> the writer of its files, where
-                    `resume` is what a checkpoint with optimizer state holds beside the tensors (torch_dist's goes into
-                    common.pt at close); a chunks form's also takes the TP and EP sizes of the ranks saving the chunks
-                    (`saving_tp`, `saving_ep`: the source's, for the byte copies)"""
+    writer          a chunks form's (iter_dir, spec, tp, layer counts, padded vocab, args, resume, saving_tp=,
+                    saving_ep=) -> the writer of its .distcp files, where `resume` is what a checkpoint with optimizer
+                    state holds beside the tensors (torch_dist's goes into common.pt at close) and `saving_tp`,
+                    `saving_ep` the TP and EP sizes of the ranks that save the chunks (a reshard's: the source's); None
+                    for rank files, which forms/legacy_copy.py writes"""
     name: str
-    writer: Callable
+    writer: Callable | None
     chunks: bool = False
     optimizer: bool = False
     whole_experts: bool = False
@@ -82,7 +78,7 @@ def _fsdp_flags(target, resume: bool) -> str:
 
 TORCH_DIST = Form(megatron_lm.TORCH_DIST, _dist_writer, chunks=True, optimizer=True, whole_experts=True, hybrid=True,
                   mtp_pipeline=True, split_biased_experts=True, te_modules=True)
-TORCH = Form(megatron_lm.TORCH, _legacy_writer, load_flags=_legacy_flags)
+TORCH = Form(megatron_lm.TORCH, None, load_flags=_legacy_flags)
 FSDP_DTENSOR = Form(megatron_lm.FSDP_DTENSOR, _fsdp_writer, chunks=True, optimizer=True, whole_experts=True, pipeline=False,
                     interleaved=False, mtp=False,
                     args={"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},

@@ -93,11 +93,6 @@ class FsdpWriter(DistWriter):
         """Whether the model entry of `key` is its fp32 master (Megatron-FSDP's main weights), not the weights."""
         return self.resume is not None and layout.has_optimizer_state(key, self.spec, self.pp)
 
-    def put(self, rank: Rank, key: str, shard, field: str | None = None) -> None:
-        if field is None and self.weights_from_masters(key):
-            return  # its master is the model entry
-        super().put(rank, key, shard, field)
-
     def entry(self, fqn: str, field: str | None) -> str:
         return fqn  # named in `placed`, after a SwiGLU half's suffix
 

@@ -17,9 +17,9 @@ import sys
 
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.forms import forms, torchsave
-from ckpt_tools.model import features, hybrid
 # reading a checkpoint's args (-> ModelSpec and layout) is ckpt_tools.forms.megatron_spec
 from ckpt_tools.forms.megatron_spec import LINEAR_FIELDS, MAMBA_ARGS, MLA_FIELDS
+from ckpt_tools.model import features, hybrid
 from ckpt_tools.model.spec import ModelSpec
 
 

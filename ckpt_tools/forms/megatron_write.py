@@ -80,10 +80,6 @@ class DistWriter:
         self.writes, self.team, self.dry = (set() if dry else names), team, dry
         return self
 
-    def only_ranks(self, ranks: set[Rank], team: Team) -> DistWriter:
-        """Write the files of these saving ranks only (the others' chunks are never given: a team's share)."""
-        return self.only({self._name(r) for r in ranks}, team)
-
     def writes_rank(self, rank: Rank) -> bool:
         return self.writes is None or self._name(rank) in self.writes
 
@@ -134,25 +130,6 @@ class DistWriter:
         name, fd, start, _ = entry
         entry[2] = torchsave.save_object(fd, start, obj)
         self._objects[fqn] = (name, start, entry[2] - start)
-
-    def put(self, rank: Rank, key: str, shard, field: str | None = None) -> None:
-        """`rank`'s shard of global key `key` (a tensor; or of its optimizer `field`: master, exp_avg, exp_avg_sq), as
-        the chunks of the stored global tensor."""
-        from ckpt_tools.forms.writers import contiguous_bytes, dtype_name
-        spec = self.spec
-        if not self.saves(key, rank):
-            return
-        fqn, layer = self.stored(key)
-        fqn = self.entry(fqn, field)
-        full = layout.full_shape(key, spec, self.padded, self.pp)
-        pieces = shard_ops.reshard_pieces(key, spec, 1, self.padded, self.tp, self.padded, rank.tp, self.pp)
-        at = 0
-        for p in pieces:
-            length = p.stop - p.start
-            part = shard.narrow(p.dim, at, length) if len(pieces) > 1 else shard
-            at += length
-            stored, offsets, sizes, shape = self.placed(key, fqn, layer, full, p, field)
-            self.put_chunk(rank, stored, dtype_name(shard.dtype), shape, offsets, sizes, contiguous_bytes(part))
 
     def entry(self, fqn: str, field: str | None) -> str:
         """The stored name of a tensor's entry (`fqn`, as `stored` gives it), or of its optimizer `field`'s."""

@@ -37,21 +37,22 @@ COPIED_DTYPES = ("float32", "bfloat16", "float16")  # the HF weights' dtypes thi
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
-              quiet: bool = False, team: Team = SOLO) -> str | None:
-    """paths.import_hf(..., `want` of form torch_dist or torch) by copying bytes (the legacy form by
-    forms/legacy_copy.py): each megatron-core tensor's rows that an HF tensor
-    holds (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a
-    chunk, copied from the safetensors file; in both forms a tensor whose value is not its HF bytes (made_by_torch) is
-    made by torch alone (weights asked for in another dtype than the HF weights': every tensor, each rank's shard cast
-    alone in rank files). None, having written nothing, where the torch path must do it: names or shapes that disagree
-    with config.json (the torch path words that; GPT-OSS's stacked experts too), FP8 weights with their scales,
-    anything unreadable."""
+              quiet: bool = False, team: Team = SOLO, through: bool = False) -> str | None:
+    """paths.import_hf(..., `want` of a Megatron-LM form): each megatron-core tensor's rows that an HF tensor holds
+    (conversions.hf_rows: q, k and v rows per query group, gate and up halves, the true vocab's rows) are a chunk
+    (the legacy form: rank files, forms/legacy_copy.py), copied from the safetensors file; a tensor whose value is not
+    its HF bytes (made_by_torch) is made by torch alone (weights asked for in another dtype than the HF weights': every
+    tensor, each rank's shard cast alone in rank files). None, having written nothing, where the bytes are not read so
+    (names or shapes that disagree with config.json, GPT-OSS's stacked experts, FP8 weights with their scales, anything
+    unreadable): `through` then reads the model through torch (importer.checked, which words what disagrees), every
+    tensor made by torch, for the same writers."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
-    started = start_hf_copy(copied_hf(hf_dir, dtype), out, want, force, team)
+    started = start_through(hf_dir, out, want, dtype, force) if through else \
+        start_hf_copy(copied_hf(hf_dir, dtype), out, want, force, team)
     if started is None:
         return None
-    spec, index, rows, params, out, leftover, target = started
+    spec, index, rows, params, out, leftover, target = started[:7]
     args = to_megatron.check(spec, target, params, None, out)
     nbytes = _import(hf_dir, index, rows, out, spec, target, args, force, quiet, team, params)
     summary = to_megatron.imported(hf_dir, spec, out, target, params, nbytes, time.perf_counter() - start)
@@ -60,14 +61,25 @@ def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | N
 
 def start_hf_copy(copied: tuple | None, out: str | Path, want: Request, force: bool, team: Team) -> tuple | None:
     """What `copied_hf` found, the output checked and the target resolved: (spec, index, rows, params dtype, out,
-    the note of what an interrupted run left, the target Layout); None where any process of the team declined (one
-    path for all: a process that declined sends every one to the torch path)."""
+    the note of what an interrupted run left, the target Layout, an HF tensor's dtype name by its name); None where any
+    process of the team declined (one path for all: a process that declined sends every one through torch)."""
     if not team.all(copied is not None):
         return None
     spec, index, rows, params = copied
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
-    return spec, index, rows, params, out, leftover, want.resolve(spec)
+    return spec, index, rows, params, out, leftover, want.resolve(spec), lambda name: index[name][1]
+
+
+def start_through(hf_dir: Path, out: str | Path, want: Request, dtype: str | None, force: bool) -> tuple:
+    """As start_hf_copy, for a model read through torch (importer.checked): no index (None), every tensor made."""
+    from ckpt_tools.verbs import importer
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)  # before this run stages its own
+    spec, tensors, rows, params = importer.checked(hf_dir, dtype)
+    target = want.resolve(spec)
+    layout.check_ep(spec, target.ep)
+    return spec, None, rows, params, out, leftover, target, tensors.dtype_name
 
 
 def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
@@ -99,9 +111,11 @@ def copied_hf(hf_dir: Path, dtype: str | None) -> tuple | None:
 def made_by_torch(key: str, row, names: list[str], index: dict, spec, params: str, flat: bool = False) -> str | None:
     """The dtype torch makes KEY's megatron-core tensor in, where its value is not the bytes of its HF tensors (a
     transposed or arithmetic conversion kind, another dtype than the weights' or the layout table's own; with `flat`,
-    the rank files' copies, a tensor of more than 2 dimensions too); None where they are copied."""
+    the rank files' copies, a tensor of more than 2 dimensions too; every tensor of a model read through torch, whose
+    `index` is None); None where they are copied."""
     want = layout.dtype_of(key, spec, params, None)
-    if row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC or any(index[n][1] != want for n in names):
+    if index is None or row.kind in conversions.TRANSPOSED + conversions.ARITHMETIC or \
+            any(index[n][1] != want for n in names):
         return want
     if flat and any(len(index[n][2]) > 2 for n in names):
         return want

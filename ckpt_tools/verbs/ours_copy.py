@@ -48,50 +48,53 @@ from ckpt_tools.verbs.request import Request
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
-              quiet: bool = False, team: Team = SOLO) -> str | None:
-    """paths.import_hf(..., `want` of our format) by copying bytes; `dtype` a dtype name (None: the HF weights'). In a
-    team each process writes a run of the rank files (balanced by their bytes), process 0 the rest."""
+              quiet: bool = False, team: Team = SOLO, through: bool = False) -> str | None:
+    """paths.import_hf(..., `want` of our format) by copying bytes; `dtype` a dtype name (None: the HF weights'). None
+    where the bytes are not read so (hf_copy.import_hf): `through` then reads the model through torch, every tensor
+    made by torch, for the same writer. In a team each process writes a run of the rank files (balanced by their
+    bytes), process 0 the rest."""
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
-    copied = hf_copy.copied_hf(hf_dir, dtype) if want.ep in (None, 1) else None
-    started = hf_copy.start_hf_copy(copied, out, want, force, team)
+    started = hf_copy.start_through(hf_dir, out, want, dtype, force) if through else \
+        hf_copy.start_hf_copy(hf_copy.copied_hf(hf_dir, dtype), out, want, force, team)
     if started is None:
         return None
-    spec, index, rows, params, out, leftover, target = started
-    tp, counts, padded, optimizer = target.tp, target.counts, target.padded, want.optimizer
-    ranks = Grid(tp, len(counts)).ranks()
-    owners = team.split([layout.rank_numel(spec, counts, padded, tp, r.pp) for r in ranks])
+    spec, index, rows, params, out, leftover, target, dtype_of = started
+    tp, counts, padded, ep, optimizer = target.tp, target.counts, target.padded, target.ep, want.optimizer
+    layout.check_ep(spec, ep)
+    ranks = Grid(tp, len(counts), ep).ranks()
+    owners = team.split([layout.rank_numel(spec, counts, padded, tp, r.pp, r.ep, ep) for r in ranks])
     mine = [r for r, owner in zip(ranks, owners) if owner == team.rank]
     with output.staged(out, force, team=team) as tmp:
         ckpt = tmp / fmt.checkpoint_name(0)
         ckpt.mkdir(exist_ok=True)
         source, written = hf_copy.rank_file_source(hf_dir, spec, index, rows, params, padded), {}
-        carried = hf.fresh_masters(rows, spec, params, lambda name: index[name][1], len(counts)) if optimizer else set()
+        carried = hf.fresh_masters(rows, spec, params, dtype_of, len(counts)) if optimizer else set()
         try:
             nbytes = legacy_copy.write_files(source, [(ckpt / fmt.model_file(r), [r]) for r in mine], counts, padded,
-                                             tp, 1, {}, quiet, "import", written)
+                                             tp, ep, {}, quiet, "import", written)
             for r in mine if carried else ():
                 path = ckpt / fmt.optimizer_file(r)
-                nbytes += _write_masters(path, source, r, carried, rows, tp, counts)
+                nbytes += _write_masters(path, source, r, carried, rows, tp, counts, ep)
                 written[path] = fmt.file_record(path)
         finally:
             source.close()
         origin = {"op": "import", "from": {"dir": str(hf_dir.resolve()), "format": "huggingface"}}
         nbytes = _finish(tmp, 0, written, nbytes, hf_dir, True, team, lambda files: fmt.build_meta(
-            spec, tp, counts, padded, 0, 0, params, None, {}, files, origin, fresh_optimizer=optimizer))
-    return imported(hf_dir, spec, out, tp, counts, 1, params, optimizer, bool(carried), padded, nbytes,
+            spec, tp, counts, padded, 0, 0, params, None, {}, files, origin, ep, fresh_optimizer=optimizer))
+    return imported(hf_dir, spec, out, tp, counts, ep, params, optimizer, bool(carried), padded, nbytes,
                     time.perf_counter() - start) + (f"\n{leftover}" if leftover else "")
 
 
 def _write_masters(path: Path, source: legacy_copy.HFSource, rank: Rank, carried: set[str], rows: dict, tp: int,
-                   counts: list[int]) -> int:
+                   counts: list[int], ep: int = 1) -> int:
     """A rank's optimizer file holding the fresh fp32 masters of its `carried` tensors alone (the output layer's copy
     at PP > 1 with its embedding's), the HF values split as the torch path splits them; its tensors' bytes."""
     spec, nbytes, state = source.meta.spec, 0, {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         archive = torchsave.Archive(fd, 0, path.stem)
-        for local, key in layout.stage_keys(spec, counts, rank.pp):
+        for local, key in layout.stage_keys(spec, counts, rank.pp, rank.ep, ep):
             held = layout.source_key(key, rows)
             if held not in carried:
                 continue

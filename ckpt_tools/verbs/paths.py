@@ -75,20 +75,18 @@ def _copier(want: Request):
 def import_hf(hf_dir: str | Path, out: str | Path, want: Request, dtype: str | None = None, force: bool = False,
               quiet: bool = False, team: Team = SOLO, copy_bytes: bool = True, tuned: bool = False) -> str:
     """Import the HF model in `hf_dir` as `want` says into OUT; `dtype` the weights' dtype name ("bfloat16"; None: the
-    HF weights' own); `copy_bytes` False: the torch path only."""
+    HF weights' own). One writer per target form (verbs/hf_copy.py for Megatron-LM's, verbs/ours_copy.py for ours)
+    over the HF tensors' bytes, or over the model read through torch where the copy does not read them
+    (`copy_bytes` False: through torch alone)."""
+    from ckpt_tools.verbs import hf_copy, ours_copy
     want.check()
-    if copy_bytes:
-        from ckpt_tools.verbs import hf_copy, ours_copy
-        copier = hf_copy.import_hf if want.megatron else ours_copy.import_hf
-        summary = copier(hf_dir, out, want, dtype, force, quiet, team)
-        if summary is not None:
-            return summary
+    copier = hf_copy.import_hf if want.megatron else ours_copy.import_hf
+    summary = copier(hf_dir, out, want, dtype, force, quiet, team) if copy_bytes else None
+    if summary is not None:
+        return summary
     if tuned:
         copying_process()
-    import torch
-
-    from ckpt_tools.verbs import importer
-    return importer.run(hf_dir, out, want, getattr(torch, dtype) if dtype else None, force, quiet, team)
+    return copier(hf_dir, out, want, dtype, force, quiet, team, through=True)
 
 
 def copying_process() -> None:

@@ -1,33 +1,22 @@
-"""`ckpt import ... --format torch_dist|torch` and `ckpt reshard ... --format torch_dist|torch`: a Megatron-LM
-save dir (forms/megatron_write.py says what is in it), written stage by stage, one tensor at a time.
-
-`shard_of(key, tp_rank)` gives the target TP rank's shard of a global key: the split of an HF tensor for import,
-the layout table's pieces of the source shards for reshard; with optimizer state, `state_of(key, field, tp_rank)`
-gives its fp32 master and Adam moments alike, and `resume` the iteration, step, param groups and schedule
-(forms/megatron_resume.py). The target is checked (TP divides the heads, groups and FFN; the layer split is one
-Megatron-LM can express) before anything is written.
+"""What `ckpt import / reshard ... --format torch_dist|torch|fsdp_dtensor` writes beside the tensors, and may: the
+target checked (TP divides the heads, groups and FFN; the layer split is one Megatron-LM can express; the form holds
+what the model needs) and its args built before anything is written (`check`, `check_optimizer_form`), the summary
+lines and the command that loads the output (`loads_with`). The tensors are written by verbs/dist_copy.py (reshard)
+and verbs/hf_copy.py (import), through the form's writer (forms/forms.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ckpt_tools import io, output
 from ckpt_tools.errors import ConfigError
-from ckpt_tools.forms import forms, megatron_lm
-from ckpt_tools.forms.checkpoint import OPTIMIZER_FIELDS
+from ckpt_tools.forms import forms
 from ckpt_tools.forms.megatron_args import build_args
 from ckpt_tools.forms.megatron_resume import ResumeState
-from ckpt_tools.model import features, hf, hybrid, layout
+from ckpt_tools.model import features, hybrid, layout
 from ckpt_tools.model.features.positions import HYBRID_INTERLEAVED
-from ckpt_tools.model.ranks import Grid
 from ckpt_tools.model.spec import ModelSpec
-from ckpt_tools.team import SOLO, Team
 from ckpt_tools.verbs.request import HYBRID, Layout
 
-if TYPE_CHECKING:
-    import torch
 
 def check_optimizer_form(form: str, where: object) -> None:
     """Optimizer state goes into the forms that hold it, torch_dist and fsdp_dtensor (refused before anything is read
@@ -95,57 +84,6 @@ def check(spec: ModelSpec, target: Layout, dtype: str, resume: ResumeState | Non
         args.iteration, args.consumed_train_samples = resume.iteration, resume.consumed_samples
         args.no_save_optim, args.use_distributed_optimizer = False, True
     return args
-
-
-def write(out: Path, target: Layout, spec: ModelSpec, dtype: str, shard_of: Callable[[str, int], torch.Tensor], *,
-          force: bool, quiet: bool, label: str, carried_from: Path | None = None, hf_dir: bool = False,
-          resume: ResumeState | None = None, state_of: Callable[[str, str, int], torch.Tensor] | None = None,
-          team: Team = SOLO) -> int:
-    """Write the checkpoint into OUT (staged: OUT appears complete or not at all); returns the bytes written.
-    The HF model's tokenizer, chat templates and configs (hf.carried_files) go into the iteration dir, where
-    Megatron-LM ignores them and a later merge gives them back. In a team each process writes a run of the target
-    ranks' files (balanced by their bytes) and asks `shard_of` / `state_of` for those ranks only (with VPP > 1,
-    a file's model chunks all go to the process writing it)."""
-    args = check(spec, target, dtype, resume, out)
-    form, tp, counts, padded, ep, vpp, pp = (target.form, target.tp, target.counts, target.padded, target.ep,
-                                             target.vpp, target.pp)
-    iteration = resume.iteration if resume is not None else 0
-    name = f"iter_{iteration:07d}" if resume is not None else megatron_lm.RELEASE
-    files = Grid(tp, pp // vpp, ep).ranks()
-    owners = team.split([sum(layout.rank_numel(spec, counts, padded, tp, chunk.pp, chunk.ep, ep)
-                             for chunk in megatron_lm.chunk_ranks(rank, pp // vpp, vpp)) for rank in files])
-    mine = {chunk for rank, owner in zip(files, owners) if owner == team.rank
-            for chunk in megatron_lm.chunk_ranks(rank, pp // vpp, vpp)}
-    with output.staged(out, force, team=team) as tmp:
-        iter_dir = tmp / name
-        iter_dir.mkdir(exist_ok=True)
-        with forms.get(form).writer(iter_dir, spec, tp, counts, padded, args, resume).only_ranks(mine, team) as writer:
-            keys = [layout.stage_keys(spec, counts, p) for p in range(pp)]
-            bar = output.progress(sum(len(keys[r.pp]) for r in mine), label, quiet, unit="tensor")
-            for p in range(pp):
-                ranks = [rank for rank in Grid(tp, pp, ep).ranks(p) if rank in mine]
-                holds = {rank: {key for _, key in layout.stage_keys(spec, counts, p, rank.ep, ep)} for rank in ranks}
-                for _, key in keys[p]:
-                    if not layout.holds_weights(key, spec, pp):
-                        writer.put_extra(p, key)
-                    else:
-                        held = [rank for rank in ranks if key in holds[rank]]  # an expert: its EP rank's files
-                        for rank in held if not writer.weights_from_masters(key) else ():
-                            writer.put(rank, key, shard_of(key, rank.tp))
-                        for field in OPTIMIZER_FIELDS if resume is not None and \
-                                layout.has_optimizer_state(key, spec, pp) else ():
-                            for rank in held:  # one field at a time: one full tensor in memory, not four
-                                writer.put(rank, key, state_of(key, field, rank.tp), field)
-                    bar.update(len(ranks))
-                writer.end_stage(p, iteration)
-            writer.close(iteration, resume.common() if resume is not None else None)
-        bar.close()
-        if team.lead:
-            if carried_from is not None:
-                hf.copy_carried(carried_from, iter_dir, hf_dir)
-            io.write_text_atomic(tmp / megatron_lm.TRACKER,
-                                 str(iteration) if resume is not None else megatron_lm.RELEASE)
-    return writer.nbytes
 
 
 def loads_with(out: Path, target: Layout, resume: bool = False, spec: ModelSpec | None = None) -> str:

@@ -1,7 +1,8 @@
-"""Writing a checkpoint in our format through torch: `Target` (its files, every TP rank's of a stage open together,
-or one file at a time) and `finish` (carried files, meta.json, `latest`). Each shard file is hashed on a thread of
-its own while it is written (writers.Growth), and fsynced after, so its record is ready soon after its close; files
-written otherwise are hashed on a pool. Used by `ckpt import`'s torch path (importer.py); `ckpt reshard` writes our format by verbs/ours_copy.py.
+"""The tests' reference writer of our format, through torch (what `ckpt reshard` and `ckpt import` wrote before
+verbs/ours_copy.py wrote every reshard and import into our format): `Target` (its files, every TP rank's of a stage
+open together, or one file at a time) and `finish` (carried files, meta.json, `latest`). Each shard file is hashed
+on a thread of its own while it is written (writers.Growth), and fsynced after, so its record is ready soon after its
+close; files written otherwise are hashed on a pool.
 """
 from __future__ import annotations
 
