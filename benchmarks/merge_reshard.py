@@ -215,7 +215,7 @@ def operations(src: Path, ckpt_dir: Path, out: Path) -> dict[str, list[str]]:
         MERGE: CKPT + merge,
         MERGE_TORCH: ["env", "CKPT_MERGE_TORCH=1"] + CKPT + merge,
         RESHARD: CKPT + ["reshard", str(src), str(out), "--tp", "4", "--pp", "1", "--quiet"],
-        STARTUP: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.verbs.merge, ckpt_tools.verbs.reshard"],
+        STARTUP: [sys.executable, "-c", "import torch, ckpt_tools.cli, ckpt_tools.verbs.merge"],  # with torch
         STARTUP_MERGE: [sys.executable, "-c", "import ckpt_tools.cli, ckpt_tools.verbs.merge, "
                                               "ckpt_tools.forms.byte_ranges"],
         DIST: CKPT + ["reshard", str(src), str(out), "--tp", "1", "--pp", "1", "--format", "torch_dist", "--quiet"],

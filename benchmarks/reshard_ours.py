@@ -1,14 +1,15 @@
-"""Reshard of our format into our format: the byte copy (verbs/ours_copy.reshard: the source's shards and optimizer
-fields cut to the target's rank files by the layout table's pieces, copied file to file in the kernel, a row-parallel
-shard gathered in memory) against the torch path it replaces (reshard.run: torch's mmap'd shards), and against `cp -r`
-of the output.
+"""Reshard of our format into our format: from the source's bytes (paths.by_bytes, verbs/ours_copy.reshard: the
+source's shards and optimizer fields cut to the target's rank files by the layout table's pieces, copied file to file
+in the kernel, a row-parallel shard gathered in memory) against the same writer over the source read through its
+torch reader (`copy_bytes=False`: every tensor made by torch; the path a damaged or declined source takes), and
+against `cp -r` of the output. (Before the torch path of reshard was removed, the "torch path" column was reshard.run:
+docs/benchmarks.md has both runs.)
 
 Source: the copy-speed matrix's "ours bf16" (benchmarks/matrix.py: a Llama of 24 heads in 12 query groups, bf16
 weights with fp32 master, exp_avg and exp_avg_sq, TP2 x PP2; 1 GB of weights is 7.2 GB on disk). Jobs: TP2 -> TP1
 (join), TP2 -> TP3 (a split that is not a power of two), PP2 -> PP3 with uneven stages; the optimizer carried. Each
-command a subprocess (`paths.reshard`, as `ckpt reshard` calls it, `copy_bytes` on or off), warm page cache, rounds
-alternating, median wall time, `sync` after each; peak RSS by GNU time. A byte-path run that the byte path declines
-fails the benchmark.
+command a subprocess, warm page cache, rounds alternating, median wall time, `sync` after each; peak RSS by GNU time.
+A byte-path run that the byte path declines fails the benchmark.
 
 Usage: python benchmarks/reshard_ours.py [--size-gb 1.0] [--repeats 3] [--quick] [--markdown FILE]
 """

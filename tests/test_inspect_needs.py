@@ -57,5 +57,5 @@ def test_needs_is_exact_for_bytes_and_an_upper_bound_for_ram(request, run, tmp_p
           + ", ".join(f"{k} {measured[k] / 2**20:.0f} <= {estimate[k] / 2**20:.0f}" for k in measured))
     for key, got in measured.items():
         assert got <= estimate[key], (key, got, estimate[key])
-    # the torch-free merge is really torch-free: far below a process that imported torch
-    assert measured["merge_ram"] < measured["reshard_ram"] / 3
+    # the torch-free merge is really torch-free: far below the merge through torch (the reshard is torch-free too)
+    assert measured["merge_ram"] < measured["merge_ram_torch"] / 3

@@ -119,22 +119,29 @@ def test_tensors_torch_makes_are_written_into_the_copied_chunks(arch, dtype, pp,
 
 
 @pytest.mark.slow
-def test_optimizer_replicas_that_differ_are_left_to_the_torch_path(llama_run, tmp_path):
-    """A layernorm's exp_avg that differs between TP ranks: the copy path declines (it would save TP rank 0's copy
-    only), and the torch path refuses the checkpoint in its words."""
+@pytest.mark.parametrize("what,form", [("exp_avg", "torch_dist"), ("weight", "torch_dist"), ("weight", "torch"),
+                                       ("weight", "ours")])
+def test_replicas_that_differ_are_refused_in_words(what, form, llama_run, tmp_path):
+    """A layernorm (or its exp_avg) that differs between TP ranks: the byte copy declines (it would save TP rank 0's
+    copy only), and the source read through its torch reader is refused in its words, into every form."""
     import shutil
 
-    from bad_inputs import O, resave
+    from bad_inputs import M, O, resave
 
     from ckpt_tools.forms.shards import open_checkpoint
     from ckpt_tools.verbs import paths
     ck = shutil.copytree(open_checkpoint(llama_run[0]).meta.dir, tmp_path / "src" / "ck")
     key = "decoder.layers.0.input_layernorm.weight"
-    resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
-    assert paths.by_bytes(ck, tmp_path / "out", Request(1, 1, form="torch_dist"), quiet=True) is None
+    if what == "exp_avg":
+        resave(ck, O(1, 0), lambda o: o["optimizer"][key]["exp_avg"].__setitem__(0, 5.0))
+    else:
+        resave(ck, M(1, 0), lambda o: o["model"][key].__setitem__(0, 5.0))
+    asked = {"form": form, "optimizer": form != "torch"} if form != "ours" else {}  # the legacy form: weights only
+    assert paths.by_bytes(ck, tmp_path / "out", Request(1, 1, **asked), quiet=True) is None
     assert not (tmp_path / "out").exists()
     with pytest.raises(Exception, match="replicated tensor differs between TP rank 0 and TP rank 1"):
-        reshard(ck, tmp_path / "out", 1, 1, form="torch_dist", quiet=True)
+        reshard(ck, tmp_path / "out", 1, 1, quiet=True, **asked)
+    assert not (tmp_path / "out").exists()
 
 
 def test_copied_chunks_merge_on_the_byte_path(hf_dirs, tmp_path):

@@ -31,7 +31,7 @@ CASES = {
     "import-torch_dist": ("import", "hf", ["--tp", "2", "--pp", "1", "--format", "torch_dist"]),
     "import-torch": ("import", "hf", ["--tp", "1", "--pp", "2", "--format", "torch"]),
     # the HF weights are fp32: into torch_dist each tensor made by torch in the process that writes a chunk of it
-    # (hf_copy.made_by_torch); into the legacy form through torch, to_megatron.write with its share of the ranks
+    # (hf_copy.made_by_torch); into the legacy form each rank's shard made and cast in the process writing its file
     "import-torch_dist-bf16": ("import", "hf", ["--tp", "2", "--pp", "2", "--format", "torch_dist", "--dtype", "bf16"]),
     "import-torch-bf16": ("import", "hf", ["--tp", "2", "--pp", "1", "--format", "torch", "--dtype", "bf16"]),
     # experts over EP ranks: each process reads only the experts of its files

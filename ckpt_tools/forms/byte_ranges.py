@@ -121,7 +121,9 @@ def _converted(data: memoryview, src: str, dst: str, threads: int | None = None)
 
 
 class ByteSource:
-    """Merge's source when the files can be read as byte ranges: `data(entry, dtype)` gives each output tensor."""
+    """A checkpoint's tensors as byte ranges of its files, or made by its torch reader tensor by tensor (`made`; every
+tensor of a source read `through` it): the source of merge (`data(entry, dtype)` gives each output tensor) and of
+the writers of reshard (verbs/dist_copy.py, verbs/ours_copy.py)."""
 
     def __init__(self, meta: checkpoint.Meta, model: Shards, sources: Shards, ours: bool):
         self.meta, self.model, self.shards, self.ours = meta, model, sources, ours
@@ -173,7 +175,6 @@ class ByteSource:
         source = cls(meta, {}, {}, False)
         source.made = frozenset(k for k in reader.keys() if layout.holds_weights(k, meta.spec, meta.pp_size))
         source.maker, source.read_through = reader, True
-        source.megatron_optimizer = reader.has_optimizer()  # decoded by the reader, whatever its form
         return source
 
     def held(self, key: str) -> str:
@@ -269,8 +270,18 @@ class ByteSource:
         return shard
 
     def made_shard(self, key: str, tp_rank: int):
-        """TP rank `tp_rank`'s shard (at the source's TP) of a key torch makes, contiguous."""
-        return self.maker.shards(key)[tp_rank].contiguous()
+        """TP rank `tp_rank`'s shard (at the source's TP) of a key torch makes, contiguous; a replicated tensor's TP
+        copies must agree (shard_ops.join raises in words where they differ)."""
+        shards, meta = self.maker.shards(key), self.meta
+        if layout.is_replicated(key, meta.spec, meta.pp_size):
+            shard_ops.join(key, shards, meta.spec, meta.pp_size)
+        return shards[tp_rank].contiguous()
+
+    def made_target_shard(self, key: str, held: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, list]:
+        """Target TP rank `rank`'s shard of `key` (`held`: the source's tensor that holds it) at TP `tp`, gathered from
+        the pieces of the source shards the torch reader makes (shard_ops.reshard_pieces: no full tensor, where the
+        pieces are whole shards), a replicated tensor's copies checked: dtype, shape and its bytes."""
+        return MadeFields(self, None).shard(key, held, rank, tp, padded, pp)
 
     def made_fields(self, field: str) -> MadeFields:
         """A Megatron-LM optimizer's field (master, exp_avg, exp_avg_sq, step) of every parameter, made by the torch
@@ -351,8 +362,8 @@ class MadeShard:
 
 
 class MadeFields:
-    """One optimizer field of a Megatron-LM source, decoded by its torch reader: each parameter's TP shards (at the
-    source's TP), made when asked, the last parameter's kept. Replicated parameters' shards must agree (the torch
+    """One optimizer field of a source, decoded by its torch reader (None: the weights): each parameter's TP shards (at
+    the source's TP), made when asked, the last parameter's kept. Replicated parameters' shards must agree (the torch
     path's check, shard_ops.join). `tensors` gives them as torch made them, `[key]` as MadeShards (the byte copies
     into torch_dist take them as they take a source's shards)."""
 
@@ -364,7 +375,7 @@ class MadeFields:
         if key != self._key:
             meta = self.source.meta
             tensors = self.source.maker.shards(key, self.field)
-            if self.field != "step" and layout.is_replicated(key, meta.spec, meta.pp_size):
+            if self.field != "step" and layout.is_replicated(key, meta.spec, meta.pp_size):  # None: the weights
                 shard_ops.join(key, tensors, meta.spec, meta.pp_size)  # raises where the replicas differ
             self._key, self._tensors, self._shards = key, tensors, []
         return self._tensors
@@ -375,12 +386,9 @@ class MadeFields:
             self._shards = [MadeShard(t) for t in tensors]
         return self._shards
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.source.shards
-
     def shard(self, key: str, held: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, list]:
-        """Target TP rank `rank`'s shard of `key` (`held`: the parameter that holds it) at TP `tp`, as the torch path
-        makes it (target.Resharder.shard: the layout table's pieces gathered, a replicated tensor joined): dtype, shape
+        """Target TP rank `rank`'s shard of `key` (`held`: the parameter that holds it) at TP `tp`: the layout table's
+        pieces of the source shards gathered (new vocab padding rows zero), a replicated tensor joined: dtype, shape
         and its bytes."""
         from ckpt_tools.forms.writers import contiguous_bytes, dtype_name
         meta = self.source.meta

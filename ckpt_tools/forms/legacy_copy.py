@@ -33,6 +33,8 @@ from ckpt_tools.model import conversions, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.team import SOLO, Team
 
+IN_FLIGHT = 16  # files whose copies and fsync may run at once, each on a thread of its own
+
 
 def write(source: ByteSource, iter_dir: Path, tp: int, counts: list[int], padded: int, args, iteration: int,
           quiet: bool, label: str = "reshard", team: Team = SOLO) -> int:
@@ -73,18 +75,23 @@ def write_archives(targets: list[tuple[Path, object]], quiet: bool, label: str, 
     writing."""
     nbytes, bar = 0, output.progress(len(targets), label, quiet, unit="file")
     files: list[tuple[durable.FileWorker, int, Path]] = []  # written, their copies and fsync still running
+
+    def finish_oldest() -> None:
+        worker, fd, path = files[0]
+        try:
+            worker.finish()
+        finally:
+            files.pop(0)
+            os.close(fd)
+        durable.fsync_dir(path.parent)
     try:
         for path, fill in targets:
             nbytes += _write_archive(path, fill, files, records)
             bar.update(1)
+            while len(files) > IN_FLIGHT:  # a descriptor and a thread each: the oldest finished first
+                finish_oldest()
         while files:
-            worker, fd, path = files[0]
-            try:
-                worker.finish()
-            finally:
-                files.pop(0)
-                os.close(fd)
-            durable.fsync_dir(path.parent)
+            finish_oldest()
     finally:  # a write that failed: stop the other files' threads before their descriptors close
         for worker, fd, _ in files:
             worker.abandon()
@@ -192,9 +199,12 @@ class HFSource(ByteSource):
 
 def _made_shard(source: ByteSource, key: str, held: str, rank: int, tp: int, padded: int,
                 pp: int) -> tuple[str, tuple, list]:
-    """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`), as the torch path
-    splits it. Rank files are written one after another, so each file's shard is made from the full tensor anew (only
-    that shard laid out contiguously)."""
+    """Target TP rank `rank`'s shard of a tensor torch makes (`held`: the tensor that holds `key`): from a checkpoint's
+    torch reader, the pieces of its shards; from an HF model, split from the full tensor as the layout table splits
+    it. Rank files are written one after another, so each file's shard of an HF tensor is made from the full tensor
+    anew (only that shard laid out contiguously, and cast)."""
+    if not isinstance(source, HFSource):  # a checkpoint's torch reader: the pieces of its shards
+        return source.made_target_shard(key, held, rank, tp, padded, pp)
     from ckpt_tools.forms.writers import dtype_name
     full, spec = source.made_full(held), source.meta.spec
     if layout.has_padded_rows(key, spec, pp) and full.shape[0] != padded:  # another TP's padding: re-padded

@@ -13,7 +13,6 @@ resident pages of everything handed out since the last call, so memory stays nea
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,8 +35,6 @@ class Reader:
     def __init__(self, meta: fmt.Meta):
         self.meta = meta
         self._ranges: list[tuple[int, int, int]] = []
-        self._mapped: list[tuple[int, int, int, Path]] = []  # (start, end, file offset, path) of each mapping
-        self._fds: dict[Path, int] = {}
         self._handed: list = []
         self._where: dict[str, tuple[int, str, int | None]] = {}  # global key -> (pp_rank, file-local key, ep_rank)
         for rank in meta.grid.ranks():
@@ -100,10 +97,8 @@ class Reader:
         return state
 
     def _map(self, path: Path) -> None:
-        """Note the ranges where `path` is mapped (after the mapping is made), for release() and locate()."""
-        maps = memory.file_mappings(path)
-        self._ranges += maps
-        self._mapped += [(start, end, offset, path) for start, end, offset in maps]
+        """Note the ranges where `path` is mapped (after the mapping is made), for release()."""
+        self._ranges += memory.file_mappings(path)
 
     def keys(self) -> list[str]:
         """Global keys in megatron-core order (a tied output copy appears once, on the last stage)."""
@@ -121,26 +116,9 @@ class Reader:
         memory.release_pages(self._handed, self._ranges)
         self._handed.clear()
 
-    def locate(self, t) -> tuple[int, int] | None:
-        """(read-only fd, byte offset) of a contiguous tensor's bytes in the shard file it is mapped from,
-        so they can be copied file to file; None for anything else (a copy in memory, a strided view)."""
-        if not torch.is_tensor(t) or not t.is_contiguous() or t.numel() == 0:
-            return None
-        ptr = t.data_ptr()
-        for start, end, offset, path in self._mapped:
-            if start <= ptr and ptr + t.nbytes <= end:
-                if path not in self._fds:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-                return self._fds[path], ptr - start + offset
-        return None
-
     def close(self) -> None:
         self._handed.clear()
         self._ranges.clear()
-        self._mapped.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():

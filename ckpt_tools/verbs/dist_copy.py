@@ -1,20 +1,20 @@
-"""`ckpt reshard / import ... --format torch_dist` at the speed of copying the bytes: no torch, no tensor in memory.
+"""`ckpt reshard ... --format torch_dist|fsdp_dtensor|torch` from a source's bytes, and `ckpt import`'s torch_dist
+writer loop beside it (`shared_dist`).
 
 torch_dist stores each global tensor as chunks that need not follow the loading run's layout: megatron-core reads
 any chunking at any TP x PP x DP (that is what the form is for). So the source's own shards become the chunks: each
 TP shard, at its place in the global tensor (the layout table's pieces of it, `shard_ops.reshard_pieces` from TP 1),
 is one chunk (a SwiGLU fc1 shard two: its gate and up rows) whose bytes are copied from the shard file into the
-`.distcp` of the source rank that holds it, in the kernel. Only the target's args, padded vocab and layer split
-depend on the target TP x PP. When the padded vocab changes, the vocab tensors' chunks stop at the true vocab and a
-zero chunk covers the new padding, as the torch path re-pads them.
+`.distcp` of the source rank that holds it, in the kernel, or written from memory where the source's torch reader
+makes the tensor (byte_ranges.ByteSource: `made`, a Megatron-LM optimizer's `made_fields`; every tensor of a source
+read `through` it). Only the target's args, padded vocab and layer split depend on the target TP x PP. When the
+padded vocab changes, the vocab tensors' chunks stop at the true vocab and a zero chunk covers the new padding.
+Megatron-FSDP's fsdp_dtensor is the same files through its writer (forms/fsdp_write.py); the legacy form's rank files
+are cut to the target's TP by forms/legacy_copy.py.
 
-It takes what `byte_ranges.ByteSource` reads (our checkpoints, with their optimizer state; Megatron-LM's legacy
-and torch_dist files with --no-optimizer). `reshard` returns None, having written nothing, where the torch path
-(reshard._reshard_to_megatron) must do it: other sources, a Megatron-LM optimizer to decode, input the byte
-source declines (the torch path then words what is wrong). Output files, their chunks' values, args and common.pt
-hold what the torch path writes for the same target; tests/test_megatron_write.py loads both with megatron-core.
-
-verbs/hf_copy.py does the same for an HF model (`ckpt import`).
+`reshard` returns None, having written nothing, where the bytes do not hold what it needs (paths.reshard then reads
+the source through its torch reader, which words what is wrong, and calls it again). tests/test_megatron_write.py
+loads what it writes with megatron-core; tests/test_gpu.py resumes megatron-core from it.
 """
 from __future__ import annotations
 
@@ -79,6 +79,8 @@ def _reshard(source: ByteSource, out: str | Path, want: Request, force: bool, qu
         else:
             dropped = fresh and meta.fresh_optimizer and bool(field_shards(meta, "master", written=True))
     except (Declined, Unreadable, CkptError, OSError):
+        if source.read_through:  # the torch reader's own words
+            raise
         return None
     return lambda: _reshard_copy(source, out, want, force, quiet, check_hashes, no_preflight, start, team, fields,
                                  step, fresh, carried, unread) + (to_megatron.MASTERS_NOT_WRITTEN if dropped else "")

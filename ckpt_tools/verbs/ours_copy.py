@@ -1,26 +1,22 @@
-"""`ckpt import HF OUT` into our format by copying bytes (torch only for the tensors it makes): each rank's
-`pytorch_model_tp_X_pp_Y.bin` written as torch.save lays it out (`{"model": {local key: tensor}}`), its tensors'
-bytes copied from the safetensors files (forms/legacy_copy.py's rank writer over the HF tensors as a TP 1 source:
-each megatron-core tensor's rows are row ranges of the HF tensors, conversions.hf_rows; a tensor whose value is not
-its HF bytes made by torch, hf_copy.made_by_torch); the fresh optimizer recorded in meta.json, not written (contract
-2); meta.json, the carried HF files and `latest` as the torch path (importer.py) writes them. The tensors are the
-torch path's, bit for bit.
+"""`ckpt import HF OUT` and `ckpt reshard SRC OUT` into our format: each rank's `pytorch_model_tp_X_pp_Y.bin` (and
+`optimizer_tp_X_pp_Y.bin`) written as torch.save lays it out, its tensors' bytes copied from the source's files by
+forms/legacy_copy.py's rank writer, or made by torch one by one where their values are not the source's bytes.
 
-A fresh optimizer's fp32 masters of the tensors whose HF values carry more than the dtype they are kept in (an fp32
-router of a bf16 DeepSeek-V3, contract 2) are written alone, each rank's into its `optimizer_tp_X_pp_Y.bin`, as the
-torch path writes them.
+Import: the HF tensors as a TP 1 source (each megatron-core tensor's rows are row ranges of the HF tensors,
+conversions.hf_rows; a tensor whose value is not its HF bytes made by torch, hf_copy.made_by_torch; with `through`, the
+model read through torch, importer.checked, every tensor made). The fresh optimizer is recorded in meta.json, not
+written (contract 2); the fp32 masters of the tensors whose HF values carry more than the dtype they are kept in (an
+fp32 router of a bf16 DeepSeek-V3, fp32 weights imported in bf16) are written alone, each rank's into its optimizer file.
 
-None, having written nothing, where the torch path must do it: what verbs/hf_copy.py declines (weights asked for in
-another dtype than the HF weights', names or shapes that disagree with config.json), expert parallelism.
-
-`ckpt reshard SRC OUT` into our format the same way (`reshard`): the source's shards, and its optimizer fields (fp32
-master, exp_avg, exp_avg_sq, step), cut to the target's TP x PP x EP by the layout table's pieces
-(shard_ops.reshard_pieces) and copied file to file, a row-parallel shard gathered in memory (forms/legacy_copy.py);
-its RNG file given to every target rank; a fresh optimizer stays recorded, its written masters carried. Sources:
-what byte_ranges.ByteSource reads (ours; Megatron-LM's legacy and torch_dist files, their optimizer's fields made by
-the form's torch reader, tensor by tensor). None where the torch path must do it (reshard.run): a Megatron-LM optimizer
-left behind (--no-optimizer, or a form not read: the torch path says so), input the byte index declines (the torch path
-words what is wrong), optimizer extras that hold tensors.
+Reshard (`reshard`): the source's shards, and its optimizer fields (fp32 master, exp_avg, exp_avg_sq, step), cut to
+the target's TP x PP x EP by the layout table's pieces (shard_ops.reshard_pieces) and copied file to file, a
+row-parallel shard gathered in memory; its RNG file given to every target rank; a fresh optimizer stays recorded, its
+written masters carried. Sources: what byte_ranges.ByteSource reads (ours; Megatron-LM's legacy, torch_dist, torch_dcp
+and fsdp_dtensor files, their optimizer's fields made by the form's torch reader, parameter by parameter), or a
+source read through its torch reader (ByteSource.through: paths.reshard's where the bytes do not do: a Megatron-LM
+optimizer left behind, which the reader names; input the byte index declines, which the reader words; optimizer
+extras that hold tensors). Extra-state entries (`_extra_state`) are written None, as megatron-core's local spec and
+the trainer hold them.
 """
 from __future__ import annotations
 

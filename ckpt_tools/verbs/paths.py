@@ -1,17 +1,13 @@
 """The one entry of each rewriting verb, `ckpt reshard` and `ckpt import`, for the command line and the Python API
-alike (reshard.reshard, importer.import_hf): which path writes the output.
+alike (reshard.reshard, importer.import_hf): one writer per target form, over one source.
 
-First the torch-free byte copy, where it takes the job: verbs/dist_copy.py for a reshard into Megatron-LM's forms
-(the source's shards copied as the target's chunks), verbs/ours_copy.py for a reshard into our format (the source's
-shards and optimizer fields cut to the target's rank files), verbs/hf_copy.py for an import into Megatron-LM's forms
-(the HF tensors' rows as the chunks), verbs/ours_copy.py for an import into our format.
-The byte copies write every form (Megatron-FSDP's fsdp_dtensor as torch_dist), each tensor's bytes copied, or made by
-torch one by one where its value is not its source's bytes (`made`: grouped experts, a Megatron-LM optimizer's fields,
-HF tensors that convert). A copy declines (None, nothing written) what it does not take, and the torch path writes it:
-reshard.run, importer.run (a source the byte index declines, damaged or not whole chunks, whose problems the torch
-path words; a Megatron-LM optimizer left behind into our format; an HF model the copy does not read: FP8 or MXFP4
-weights, HF names or shapes that disagree with its config.json; an import at EP > 1 into our format).
-torch is imported only then. `tuned`: the command line's process settings for the torch path (copying_process).
+The writers: verbs/dist_copy.py (reshard into Megatron-LM's forms), verbs/ours_copy.py (reshard and import into our
+format), verbs/hf_copy.py (import into Megatron-LM's forms). The source: the checkpoint's bytes (`by_bytes`:
+byte_ranges.ByteSource, each tensor a byte range of its files or made by the form's torch reader one by one where its
+bytes are not the layout table's; an HF model's tensors' row ranges), or, where those do not do, the checkpoint read
+through its torch reader (ByteSource.through) or the HF model read through torch (importer.checked), which word what is
+wrong with the input. torch is imported only where a tensor is made. `tuned`: the command line's process settings for
+a source read through torch (copying_process).
 """
 from __future__ import annotations
 
@@ -40,9 +36,11 @@ def reshard(src: str | Path, out: str | Path, want: Request, vocab_size: int | N
     output.check_target(out, force)  # an existing OUT is refused before the source is read
     source = ByteSource.through(open_checked(src, vocab_size, check_hashes, team))
     try:
-        return _copier(want)(source, out, want, force, quiet, check_hashes, no_preflight, team)
+        summary = _copier(want)(source, out, want, force, quiet, check_hashes, no_preflight, team)
     finally:
         source.close()
+    assert summary is not None, "a source read through its torch reader is always written"
+    return summary
 
 
 def by_bytes(src: str | Path, out: str | Path, want: Request, vocab_size: int | None = None, force: bool = False,

@@ -24,8 +24,6 @@ from ckpt_tools.team import SOLO, Team
 if TYPE_CHECKING:
     import torch
 
-    from ckpt_tools.forms.shards import Reader
-
 DTYPE_OPTIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HF, SAFETENSORS, TORCH = "hf", "safetensors", "torch"  # TORCH: one torch.save state dict with HF names
 HF_BIN = "hf-bin"  # an HF dir with pytorch_model*.bin weights, for tools that still expect them
@@ -234,15 +232,6 @@ def tokenizer_dir(checkpoint_dir: Path, tokenizer: str | Path | None) -> Path | 
                               f"pass a HuggingFace tokenizer dir to --tokenizer")
         return path
     return checkpoint_dir if hf.carried_files(checkpoint_dir) else None
-
-
-def prepare(src: str | Path, out: str | Path, force: bool, vocab_size: int | None,
-            check_hashes: bool, team: Team = SOLO) -> tuple[Path, str | None, Reader]:
-    """What merge and reshard do before anything else: refuse an existing OUT (unless force), note
-    leftovers of an interrupted run, open SRC and refuse shards that do not match the layout table."""
-    from ckpt_tools.forms.shards import open_checked
-    out = output.check_target(out, force)
-    return out, output.note_leftovers(out), open_checked(src, vocab_size, check_hashes, team)
 
 
 def _hf_json(spec: ModelSpec, dtype: str, tok_dir: Path | None, fp8: tuple[int, int] | None = None,
