@@ -48,10 +48,26 @@ from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from crash_checks import (STAGES, SaveWatch, Trial, checkpoint_problems, failures, latest_iteration,  # noqa: E402
-                          summary, table)
+from crash_checks import (  # noqa: E402
+    STAGES,
+    SaveWatch,
+    Trial,
+    checkpoint_problems,
+    failures,
+    latest_iteration,
+    summary,
+    table,
+)
 from crash_tools import SOURCES, ToolTrials, make_source  # noqa: E402
-from processes import POLL, child_env, kill_group, sleep_ms, start, tail, wait_until  # noqa: E402
+from processes import (  # noqa: E402
+    POLL,
+    child_env,
+    kill_group,
+    sleep_ms,
+    start,
+    tail,
+    wait_until,
+)
 
 CONFIG = ROOT / "fixtures" / "configs" / "tiny_llama.yaml"
 
