@@ -98,6 +98,18 @@ def timed_paths(commands: dict[str, list[str]], out: Path, work: Path, env: dict
             f"{rss['byte path'] / MIB:.0f} / {rss['torch path'] / MIB:.0f}"]
 
 
+def paths_args(doc: str, prefix: str) -> tuple[argparse.Namespace, int, Path]:
+    """The command line of a byte-path-against-torch benchmark: (its arguments, the rounds, a fresh work dir)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
+    a = ap.parse_args()
+    return a, 1 if a.quick else a.repeats, Path(tempfile.mkdtemp(prefix=prefix, dir=a.workdir))
+
+
 def print_table(header: list[str], rows: list[list[str]], markdown: Path | None) -> None:
     """The markdown table, printed, and written to MARKDOWN where given."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]

@@ -16,15 +16,13 @@ Usage: python benchmarks/per_tensor_megatron.py [--size-gb 1.0] [--repeats 3] [-
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from merge_reshard import CKPT, child_env
-from per_tensor_import import PATHS_HEADER, print_table, timed_paths
+from per_tensor_import import PATHS_HEADER, paths_args, print_table, timed_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS, HIDDEN, FFN, VOCAB = 16, 1024, 2816, 32000
@@ -106,15 +104,7 @@ def jobs(src: Path, out: Path) -> dict[str, dict[str, list[str]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--markdown", type=Path, default=None)
-    a = ap.parse_args()
-    repeats = 1 if a.quick else a.repeats
-    work = Path(tempfile.mkdtemp(prefix="ckpt-per-tensor-mlm-", dir=a.workdir))
+    a, repeats, work = paths_args(__doc__, "ckpt-per-tensor-mlm-")
     env = child_env(work)
     try:
         make_hf(work / "hf", a.size_gb, a.quick)

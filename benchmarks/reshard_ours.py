@@ -15,10 +15,8 @@ Usage: python benchmarks/reshard_ours.py [--size-gb 1.0] [--repeats 3] [--quick]
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,16 +37,8 @@ def main() -> None:
     import torch
     from matrix import make_spec, uneven
     from merge_reshard import child_env, generate
-    from per_tensor_import import PATHS_HEADER, print_table, timed_paths
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--markdown", type=Path, default=None)
-    a = ap.parse_args()
-    repeats = 1 if a.quick else a.repeats
-    work = Path(tempfile.mkdtemp(prefix="ckpt-reshard-ours-", dir=a.workdir))
+    from per_tensor_import import PATHS_HEADER, paths_args, print_table, timed_paths
+    a, repeats, work = paths_args(__doc__, "ckpt-reshard-ours-")
     env = child_env(work)
     try:
         spec = make_spec(a.size_gb, a.quick)

@@ -310,3 +310,16 @@ def bases(tmp_path_factory):
     """The good checkpoints (and their merges) that bad-input tests damage copies of (bad_inputs.Bases)."""
     from bad_inputs import make_bases
     return make_bases(tmp_path_factory.mktemp("bad-input-bases"))
+
+
+def same_objects(a, b, where: str) -> None:
+    """Two loaded torch.save objects equal: the same keys in the same order, tensors bit-exact in dtype and shape."""
+    if torch.is_tensor(b):
+        assert torch.is_tensor(a) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), where
+    elif isinstance(b, dict):
+        assert isinstance(a, dict) and list(a) == list(b), where
+        for k in b:
+            same_objects(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where

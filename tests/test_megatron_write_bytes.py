@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import same_objects
 from safetensors.torch import load_file as load_safetensors
 from test_megatron_write import hf_dirs, whole_tensors  # noqa: F401 (hf_dirs: a fixture)
 
@@ -274,18 +275,6 @@ def _in_bf16(src, dst, fp32: tuple[str, ...] = ()):
     return dst
 
 
-def _same_objects(a, b, where: str) -> None:
-    """Two loaded torch.save objects equal: the same keys in the same order, tensors bit-exact in dtype and shape."""
-    if torch.is_tensor(b):
-        assert torch.is_tensor(a) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(b, dict):
-        assert isinstance(a, dict) and list(a) == list(b), where
-        for k in b:
-            _same_objects(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, where
-
-
 # DeepSeek-V3 in bf16: with its expert bias in bf16 too (the layout table keeps it in fp32: torch makes it), or with
 # its router weight and expert bias in fp32, as transformers saves a bf16 model (the router, kept in bf16, is made by
 # torch; into our format its fresh optimizer's fp32 masters are written, as contract 2 says)
@@ -331,7 +320,7 @@ def test_rank_files_take_the_tensors_torch_makes(arch, fp32, form, tp, pp, maste
     assert sorted(f.name for f in a.glob("*.bin")) == files
     assert any(n.startswith("optimizer_") for n in files) == masters, files  # the fresh masters, where written
     for name in files:
-        _same_objects(*(torch.load(d / name, weights_only=True) for d in (a, b)), name)
+        same_objects(*(torch.load(d / name, weights_only=True) for d in (a, b)), name)
     from ckpt_tools.forms.shards import open_checked
     open_checked(tmp_path / "fast", None, True).close()  # every file's recorded size and content hash
     ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
@@ -349,7 +338,7 @@ def same_ours(fast, slow) -> None:
     files = sorted(f.name for f in b.glob("*.bin")) + sorted(f.name for f in b.glob("rng_*"))
     assert files
     for name in files:
-        _same_objects(*(torch.load(d / name, weights_only=False) for d in (a, b)), name)
+        same_objects(*(torch.load(d / name, weights_only=False) for d in (a, b)), name)
     ma, mb = (json.loads((d / "meta.json").read_text()) for d in (a, b))
     assert sorted(ma["files"]) == sorted(mb["files"])
     assert {k: v for k, v in ma.items() if k not in ("files", "checksum")} == \
@@ -441,7 +430,7 @@ def test_a_megatron_optimizer_left_behind_is_named_by_the_torch_reader(tmp_path)
     assert "model only" in line, line
     reshard(src, tmp_path / "with", tp=1, pp=1, vocab_size=120, quiet=True)
     for name in ("pytorch_model_tp_0_pp_0.bin",):
-        _same_objects(*(torch.load(d / "checkpoint-3" / name, weights_only=True)
+        same_objects(*(torch.load(d / "checkpoint-3" / name, weights_only=True)
                         for d in (tmp_path / "out", tmp_path / "with")), name)
 
 

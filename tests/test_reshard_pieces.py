@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import same_objects
 from torch_target import Target, finish
 
 from ckpt_tools import durable
@@ -160,14 +161,3 @@ def test_reshard_files_hold_what_join_then_split_writes(tmp_path, monkeypatch, s
         a, b = (torch.load(d / name, weights_only=True) for d in (tmp_path / "new" / "checkpoint-3", tmp_path / "old"))
         same_objects(a, b, name)
     open_checked(tmp_path / "new", None, check_hashes=True).close()  # the recorded sizes and hashes are the files'
-
-
-def same_objects(a, b, where: str) -> None:
-    if torch.is_tensor(b):
-        assert torch.is_tensor(a) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b)), where
-    elif isinstance(b, dict):
-        assert isinstance(a, dict) and list(a) == list(b), where
-        for k in b:
-            same_objects(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, where

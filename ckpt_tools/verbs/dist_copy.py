@@ -90,12 +90,7 @@ def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: boo
                   no_preflight: bool, start: float, team: Team, fields: dict, step: float | None, fresh: bool,
                   carried: bool, unread: str | None) -> str:
     meta, spec = source.meta, source.meta.spec
-    out = output.check_target(out, force)
-    leftover = output.note_leftovers(out)
-    if check_hashes and not source.read_through:  # shards.open_checked checked them
-        source.check_hashes(team)
-    target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
-    output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
+    out, leftover, target = begin(source, out, want, force, check_hashes, no_preflight, team)
     if carried:
         to_megatron.check_optimizer_form(target.form, meta.dir)
     resume = None
@@ -109,6 +104,21 @@ def _reshard_copy(source: ByteSource, out: str | Path, want: Request, force: boo
     nbytes = _write(source, fields, out, target, args, resume, force, quiet, team)
     summary = to_megatron.resharded(meta, out, target, resume, fresh, unread, nbytes, time.perf_counter() - start)
     return summary + (f"\n{leftover}" if leftover else "")
+
+
+def begin(source: ByteSource, out: str | Path, want: Request, force: bool, check_hashes: bool, no_preflight: bool,
+          team: Team) -> tuple[Path, str | None, Layout]:
+    """A reshard's first steps, before anything is written (either writer's): OUT refused where it exists (unless
+    `force`), what an interrupted run left noted, the source's hashes checked (`check_hashes`), the target resolved at
+    the source's model, the disk's room checked: (OUT, the note, the target)."""
+    meta = source.meta
+    out = output.check_target(out, force)
+    leftover = output.note_leftovers(out)
+    if check_hashes and not source.read_through:  # shards.open_checked checked them
+        source.check_hashes(team)
+    target = want.resolve(meta.spec, meta.padded_vocab, meta.ep_size, meta)
+    output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
+    return out, leftover, target
 
 
 def _write(source: ByteSource, fields: dict, out: Path, target: Layout, args, resume: ResumeState | None, force: bool,

@@ -39,7 +39,7 @@ from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.model.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
-from ckpt_tools.verbs import hf_copy
+from ckpt_tools.verbs import dist_copy, hf_copy
 from ckpt_tools.verbs.request import Request
 
 
@@ -241,13 +241,8 @@ def _rng(meta: fmt.Meta) -> Path | None:
 def _reshard_copy(source: ByteSource, copied: _Copied, out: str | Path, want: Request, force: bool, quiet: bool,
                   check_hashes: bool, no_preflight: bool, start: float, team: Team) -> str:
     meta, spec = source.meta, source.meta.spec
-    out = output.check_target(out, force)
-    leftover = output.note_leftovers(out)
-    if check_hashes and not source.read_through:  # shards.open_checked checked them
-        source.check_hashes(team)
-    target = want.resolve(spec, meta.padded_vocab, meta.ep_size, meta)
+    out, leftover, target = dist_copy.begin(source, out, want, force, check_hashes, no_preflight, team)
     tp, pp, counts, padded, ep = target.tp, target.pp, target.counts, target.padded, target.ep
-    output.preflight(out, sum(f.stat().st_size for f in meta.dir.iterdir() if f.is_file()), no_preflight)
     optimizer = bool(copied.fields or copied.master_keys)
     grid = Grid(tp, pp, ep)
     # the small model files last: the wait for the last one's hash is short
