@@ -35,32 +35,22 @@ def _hasher(algorithm: str):
     raise ValueError(f"unknown hash {algorithm!r}")
 
 
-def hash_file(path: str | Path | int, algorithm: str = HASH, chunk: int = 1 << 22, ready=None) -> str:
+def hash_file(path: str | Path | int, algorithm: str = HASH, chunk: int = 1 << 22) -> str:
     """The hex digest of a file's bytes (`path` or an open descriptor, left open) by `algorithm` (HASHES); its holes
-    (a fresh optimizer's zero moments) are hashed from a buffer of zeros, not read. `ready`: for a file still being
-    written or filled in order (writers.Growth.ready, writers.Filling.ready), called with the bytes hashed so far, it
-    returns once more of the file is final how far it is final, and the file's final size once all of it is: the
-    hash follows the writing instead of waiting for its end."""
+    (a fresh optimizer's zero moments) are hashed from a buffer of zeros, not read."""
     h, buf = _hasher(algorithm), bytearray(chunk)  # one reused buffer: no fresh pages per chunk
     view = memoryview(buf)
     with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
-        size = os.fstat(f.fileno()).st_size
-        pos = 0
-        while True:
-            final = size if ready is None else ready(pos)
-            if final <= pos:
-                break
-            for start, end, data in _extents(f.fileno(), pos, final):
-                if not data:
-                    for at in range(start, end, len(_ZEROS)):
-                        h.update(_ZEROS[:min(len(_ZEROS), end - at)])
-                    continue
-                f.seek(start)
-                left = end - start
-                while left > 0 and (n := f.readinto(view[:min(chunk, left)])):
-                    h.update(view[:n])
-                    left -= n
-            pos = final
+        for start, end, data in _extents(f.fileno()):
+            if not data:
+                for at in range(start, end, len(_ZEROS)):
+                    h.update(_ZEROS[:min(len(_ZEROS), end - at)])
+                continue
+            f.seek(start)
+            left = end - start
+            while left > 0 and (n := f.readinto(view[:min(chunk, left)])):
+                h.update(view[:n])
+                left -= n
     return h.hexdigest()
 
 

@@ -1,29 +1,25 @@
 """The tests' reference writer of our format, through torch (what `ckpt reshard` and `ckpt import` wrote before
 verbs/ours_copy.py wrote every reshard and import into our format): `Target` (its files, every TP rank's of a stage
-open together, or one file at a time) and `finish` (carried files, meta.json, `latest`). Each shard file is hashed
-on a thread of its own while it is written (writers.Growth), and fsynced after, so its record is ready soon after its
-close; files written otherwise are hashed on a pool.
+open together, or one file at a time) and `finish` (carried files, meta.json, `latest`). Each file is hashed and
+fsynced on a pool once it is closed.
 """
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckpt_tools import durable, hashing, io
+from ckpt_tools import durable, io
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.forms.shards import MODEL, OPTIMIZER_FIELDS
-from ckpt_tools.forms.writers import Growth, TorchFileWriter
+from ckpt_tools.forms.writers import TorchFileWriter
 from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
 from ckpt_tools.model.spec import ModelSpec
 from ckpt_tools.team import SOLO, Team
-
-IN_FLIGHT = 16  # output files being filled and hashed at once
 
 
 class Scratch:
@@ -62,7 +58,6 @@ class Target:
         # hashes and fsyncs finished files while the next ones are written
         self._pool = ThreadPoolExecutor(min(8, max(2, os.cpu_count() or 2)))
         self._hashes: dict[str, Future] = {}  # file name (in the checkpoint dir) -> its meta.json record
-        self._open: set[str] = set()  # files of open_file() not closed yet
         self._scratch = Scratch()
         self.nbytes = 0
 
@@ -80,25 +75,8 @@ class Target:
                 self._local.setdefault(key, []).append((i, local))
 
     def open_file(self, name: str) -> TorchFileWriter:
-        """A file of the checkpoint, hashed on a thread of its own as it is written (writers.Growth): its hash is done
-        soon after its close instead of starting there. Each holds two descriptors (the writer's, the hash's) and a
-        thread until it is hashed; a new file waits for the oldest closed file's hash while IN_FLIGHT are open or
-        hashing (the files of a stage are open together whatever their number)."""
-        while len(self._open) + len(closed := [f for n, f in self._hashes.items()
-                                               if n not in self._open and not f.done()]) >= IN_FLIGHT and closed:
-            closed[0].result()
-        writer = TorchFileWriter(self.dir / name)
-        self._open.add(name)
-        path, growth, done = writer.path, writer.follow(), Future()
-
-        def follow() -> None:  # holds no reference to the writer: one dropped unclosed stops this (Growth)
-            try:
-                done.set_result(_record_and_sync(path, growth=growth))
-            except BaseException as e:  # handed to whoever waits for the record
-                done.set_exception(e)
-        threading.Thread(target=follow, name=f"hash {name}", daemon=True).start()
-        self._hashes[name] = done
-        return writer
+        """A file of the checkpoint, hashed on the pool once it is closed (`close_file`)."""
+        return TorchFileWriter(self.dir / name)
 
     def _split(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
         if layout.has_padded_rows(key, self.spec, self.pp) and full.shape[0] != self.padded:
@@ -145,11 +123,10 @@ class Target:
                 self.close_file(self._optim[i], {"optimizer": self._optim_state[i], **optimizer_extras})
 
     def close_file(self, writer: TorchFileWriter, obj: dict) -> None:
-        """Close a file of open_file(); the copies into it go on on its own thread, its Growth telling the hash how
-        far they are."""
-        writer.close(obj, fsync=False, background=True)
-        self._open.discard(writer.path.relative_to(self.dir).as_posix())
+        """Close a file of open_file(), then hash and fsync it on the pool."""
+        writer.close(obj, fsync=False)
         self.nbytes += writer.path.stat().st_size
+        self.add_file(writer.path)
 
     def add_file(self, path: Path) -> None:
         """Hash and fsync a finished file written otherwise (carried along, copied) in the background; `records()`
@@ -176,41 +153,10 @@ class Target:
         return mine
 
 
-def _record_and_sync(path: Path, growth: Growth | None = None) -> dict:
-    """The file's record for meta.json, then its fsync. A file still being written and filled (`growth`) is hashed as
-    the writes and copies go, read back from the page cache, its writeback started behind the hash; one written
-    whole has its writeback started first."""
-    if growth is None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            durable.start_writeback(fd, 0, 0)  # the disk busy while the file is hashed: the fsync finds less to wait for
-        finally:
-            os.close(fd)
-        record = fmt.file_record(path)
-        durable.fsync_file(path)
-        return record
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except BaseException:
-        growth.finish()
-        raise
-    started = 0
-
-    def ready(pos: int) -> int:
-        nonlocal started
-        if pos > started:  # the disk busy with what is hashed while the rest is written
-            durable.start_writeback(fd, started, pos - started)
-            started = pos
-        return growth.ready(pos)
-    try:
-        try:
-            record = {hashing.HASH: hashing.hash_file(fd, ready=ready)}
-        finally:
-            growth.finish()
-        record = {"size": os.fstat(fd).st_size, **record}
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _record_and_sync(path: Path) -> dict:
+    """The file's record for meta.json, then its fsync."""
+    record = fmt.file_record(path)
+    durable.fsync_file(path)
     return record
 
 
