@@ -19,6 +19,7 @@ byte copies of reshard its shards, from memory. Nothing else here imports torch 
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -388,16 +389,26 @@ class MadeFields:
 
     def shard(self, key: str, held: str, rank: int, tp: int, padded: int, pp: int) -> tuple[str, tuple, list]:
         """Target TP rank `rank`'s shard of `key` (`held`: the parameter that holds it) at TP `tp`: the layout table's
-        pieces of the source shards gathered (new vocab padding rows zero), a replicated tensor joined: dtype, shape
-        and its bytes."""
+        pieces of the source shards gathered (new vocab padding rows zero) into the source's reused buffer, a
+        replicated tensor joined: dtype, shape and its bytes, valid until the next tensor is made (the writers write
+        each tensor as it is given)."""
+        import torch
+
         from ckpt_tools.forms.writers import contiguous_bytes, dtype_name
-        meta = self.source.meta
+        meta, source = self.source.meta, self.source
+
+        def empty(shape: tuple[int, ...], dtype):
+            numel = math.prod(shape)
+            if not numel:
+                return torch.empty(shape, dtype=dtype)
+            data = source.buffer(numel * torch.empty((), dtype=dtype).element_size())
+            return torch.frombuffer(data, dtype=dtype, count=numel).view(shape)
         tensors = self.tensors(held)
         if layout.find_rule(key, meta.spec, pp).dim is None:
             t = shard_ops.join(held, tensors, meta.spec, meta.pp_size)
         else:
             pieces = shard_ops.reshard_pieces(key, meta.spec, meta.tp_size, meta.padded_vocab, tp, padded, rank, pp)
-            t = shard_ops.gather(pieces, tensors)
+            t = shard_ops.gather(pieces, tensors, empty)
         return dtype_name(t.dtype), tuple(t.shape), [contiguous_bytes(t)]
 
 
