@@ -24,9 +24,10 @@ from pathlib import Path
 from ckpt_tools import durable, output
 from ckpt_tools.forms import megatron_lm, torchsave
 from ckpt_tools.forms.byte_index import Shard, Shards
-from ckpt_tools.forms.byte_ranges import ByteSource, MadeFields
+from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.checkpoint import Meta, file_record
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
+from ckpt_tools.forms.made import MadeFields
 from ckpt_tools.forms.megatron_write import CHECKPOINT_VERSION
 from ckpt_tools.forms.torchfile import TensorInfo
 from ckpt_tools.model import conversions, layout, shard_ops

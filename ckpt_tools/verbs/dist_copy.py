@@ -28,8 +28,9 @@ from ckpt_tools import io, output
 from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint, forms, legacy_copy, megatron_lm
 from ckpt_tools.forms.byte_index import Declined, Shard, field_shards, has_optimizer
-from ckpt_tools.forms.byte_ranges import ByteSource, MadeShard
+from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
+from ckpt_tools.forms.made import MadeShard
 from ckpt_tools.forms.megatron_resume import ResumeState, from_ours, resume_state
 from ckpt_tools.forms.megatron_write import DistWriter
 from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read

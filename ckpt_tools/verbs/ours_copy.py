@@ -32,8 +32,9 @@ from ckpt_tools.errors import CkptError
 from ckpt_tools.forms import checkpoint as fmt
 from ckpt_tools.forms import legacy_copy, torchsave
 from ckpt_tools.forms.byte_index import Declined, field_shards, has_optimizer
-from ckpt_tools.forms.byte_ranges import ByteSource, MadeShard
+from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
+from ckpt_tools.forms.made import MadeShard
 from ckpt_tools.forms.torchfile import TensorInfo, Unreadable, read
 from ckpt_tools.model import hf, layout, shard_ops
 from ckpt_tools.model.ranks import Grid, Rank
