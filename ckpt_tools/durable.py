@@ -57,66 +57,26 @@ class FileWorker:
     files fill on two cores. Every write is positioned (pwrite, copy_file_range at an offset) and no two ranges
     overlap, so the file's bytes do not depend on which thread writes a range first.
 
-    With `copiers` > 1 the copies run on that many threads at once (a file written alone still keeps several reads in
-    flight and the kernel's copying on several cores); any other call (a writeback start, the fsync) waits for every
-    copy submitted before it.
-
-    finish() waits for every call submitted, ends the threads and raises the first error a call raised (the calls
-    after a failed one are skipped); abandon() skips what is left and ends the threads, raising nothing (a write that
+    finish() waits for every call submitted, ends the thread and raises the first error a call raised (the calls
+    after a failed one are skipped); abandon() skips what is left and ends the thread, raising nothing (a write that
     failed elsewhere). One of them runs before the file's descriptor, or a source's, is closed."""
 
-    def __init__(self, copiers: int = 1):
+    def __init__(self):
         import queue
         import threading
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._skip = False
-        self._copies: queue.SimpleQueue = queue.SimpleQueue()  # for the copier threads
-        self._pending = 0  # copies handed to them and not yet done
-        self._done = threading.Condition()
-        self._copiers = [threading.Thread(target=self._copy_run, name="ckpt-file-copier", daemon=True)
-                         for _ in range(copiers if copiers > 1 else 0)]
-        for t in self._copiers:
-            t.start()
         self._thread = threading.Thread(target=self._run, name="ckpt-file-worker", daemon=True)
         self._thread.start()
 
-    def _call(self, fn, args) -> None:
-        if self._error is None and not self._skip:
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by finish()
-                with self._done:
-                    self._error = self._error or e
-
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
-            if self._copiers and call[0] is copy_range:
-                with self._done:
-                    self._pending += 1
-                self._copies.put(call[1])
-                continue
-            self._drain()
-            self._call(*call)
-        self._drain()
-        for _ in self._copiers:
-            self._copies.put(None)
-        for t in self._copiers:
-            t.join()
-
-    def _copy_run(self) -> None:
-        while (args := self._copies.get()) is not None:
-            self._call(copy_range, args)
-            with self._done:
-                self._pending -= 1
-                if not self._pending:
-                    self._done.notify_all()
-
-    def _drain(self) -> None:
-        """Wait for the copies handed to the copier threads."""
-        with self._done:
-            while self._pending:
-                self._done.wait()
+            if self._error is None and not self._skip:
+                try:
+                    call[0](*call[1])
+                except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by finish()
+                    self._error = e
 
     def submit(self, fn, *args) -> None:
         if self._error is not None:  # a call failed: the caller stops here rather than at finish()
@@ -126,7 +86,7 @@ class FileWorker:
         self._calls.put((fn, args))
 
     def copy(self, src: int, offset: int, dst: int, pos: int, nbytes: int) -> None:
-        """copy_range, on this file's thread (or one of its copiers)."""
+        """copy_range, on this file's thread."""
         self.submit(copy_range, src, offset, dst, pos, nbytes)
 
     def writeback(self, fd: int, offset: int, nbytes: int) -> None:

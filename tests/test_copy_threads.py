@@ -52,36 +52,6 @@ def test_file_worker_copies_in_place_and_raises_the_first_error(tmp_path):
         os.close(dst)
 
 
-def test_file_worker_with_copiers_lands_every_range_before_the_calls_after_it(tmp_path):
-    """Copies on several threads: each range in its place; a call submitted after copies (the fsync, here a check of
-    the file) runs once every one of them is done; a copier's error is raised by finish() and stops what follows."""
-    whole = os.urandom(1 << 20)
-    src = _file(tmp_path / "src", whole)
-    dst = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        worker, seen = durable.FileWorker(copiers=3), []
-        pieces = [(i * 4096, 4096) for i in range(256)]
-        for k, (offset, n) in enumerate(reversed(pieces)):
-            worker.copy(src, offset, dst, offset, n)
-            if k == 200:  # after 201 copies: all of them are in the file when it runs
-                worker.submit(lambda: seen.append(os.pread(dst, 1 << 20, 0)))
-        worker.submit(os.fsync, dst)
-        worker.finish()
-        assert os.pread(dst, 1 << 21, 0) == whole
-        landed = seen[0].ljust(1 << 20, b"\0")
-        assert landed[-201 * 4096:] == whole[-201 * 4096:]
-
-        failing, ran = durable.FileWorker(copiers=2), []
-        failing.copy(src, 0, 1 << 20, 0, 10)  # EBADF on a copier thread
-        failing.submit(ran.append, "after")  # waits for the copy, then is skipped
-        with pytest.raises(OSError):
-            failing.finish()
-        assert ran == []
-    finally:
-        os.close(src)
-        os.close(dst)
-
-
 @pytest.mark.parametrize("limit", [ts.ZIP64_LIMIT, 100])
 def test_save_tensor_writes_what_the_archive_writer_writes(tmp_path, monkeypatch, limit):
     """The archive around a tensor's data, made once per dtype and shape, equals the one written record by record."""

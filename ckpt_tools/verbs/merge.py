@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always read through the torch reader
 AUTO, BYTES, TENSORS = "auto", "bytes", "tensors"  # merge(via=...): the source, or the byte source if it takes SRC
-COPIERS = 2  # threads copying one output file's byte ranges (docs/benchmarks.md: the cold merge at 20 GB)
 WRITEBACK = 32 << 20  # bytes written between two calls that start their writeback (the final fsync waits less)
 
 Data = list[tuple[int, int, int]] | memoryview  # an output tensor's bytes: file ranges (fd, offset, nbytes), or memory
@@ -159,9 +158,7 @@ def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSourc
         f.flush()
         dst = f.fileno()
         high = written = len(header)
-        # the byte ranges copied (on COPIERS threads: an output file written alone keeps that many reads in flight),
-        # and the writeback started, beside this thread's work
-        worker = durable.FileWorker(COPIERS)
+        worker = durable.FileWorker()  # the byte ranges copied, and the writeback started, on a thread of their own
         try:
             for e in group:
                 dtype = job.entry_dtype(e)
