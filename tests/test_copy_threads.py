@@ -112,3 +112,32 @@ def test_parsed_chunks_are_reused_only_for_the_same_bytes(tmp_path):
     with pytest.raises(torchfile.Unreadable):
         torchfile.read(path, *where[2])
     assert torchfile.read(path, *where[3]) == infos[3]
+
+
+def test_each_file_makes_every_call_and_raises_a_helpers_error():
+    """merge's files at once (plan.each_file): every call made once, on as many threads as asked; a helper's error
+    raised in the calling thread once the others are done, and no file taken after it."""
+    import threading
+    import time
+
+    from ckpt_tools.verbs.plan import each_file
+    for at_once in (1, 2, 3):
+        made, threads = [], set()
+
+        def write(i, made=made, threads=threads):
+            time.sleep(0.01)
+            made.append(i)
+            threads.add(threading.get_ident())
+        each_file([(i,) for i in range(7)], write, at_once)
+        assert sorted(made) == list(range(7)) and len(threads) == at_once
+
+    started = []
+
+    def failing(i):
+        started.append(i)
+        time.sleep(0.05 if i == 0 else 0.01)
+        if i == 1:
+            raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        each_file([(i,) for i in range(20)], failing, 2)
+    assert len(started) < 20

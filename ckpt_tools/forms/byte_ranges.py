@@ -20,6 +20,7 @@ byte copies of reshard its shards, from memory. Nothing else here imports torch 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,15 +64,20 @@ def _byte_ranges(shards: list[Shard], pieces: list[shard_ops.Piece], rows: shard
 
 
 class _Files:
-    """The source files, opened read-only on first use."""
+    """The source files, opened read-only on first use (by whichever thread asks first)."""
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
 
     def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                if path not in self._fds:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+                fd = self._fds[path]
+        return fd
 
     def read_into(self, views: list[memoryview], path: Path, offset: int) -> None:
         """Fill `views`, in order, with the file's bytes from `offset` on (preadv: a scatter read)."""
@@ -133,7 +139,7 @@ the writers of reshard (verbs/dist_copy.py, verbs/ours_copy.py)."""
         self.maker = None  # what makes them: the form's torch reader (shards.Reader)
         self.read_through = False  # every tensor made by the torch reader (`through`)
         self.files = _Files()
-        self._buf, self._sink = bytearray(), bytearray()
+        self._scratch = threading.local()  # each thread's reused buffers (buffer, _skip)
         self.note = None  # a tied copy that differs is declined, so the torch reader words the note
         self.torch_threads: int | None = None  # torch's intra-op threads for a conversion step
 
@@ -209,15 +215,19 @@ the writers of reshard (verbs/dist_copy.py, verbs/ours_copy.py)."""
 
     def _skip(self, nbytes: int) -> memoryview:
         """Scratch bytes a scatter read drops (columns no output piece takes), reused."""
-        if len(self._sink) < nbytes:
-            self._sink = bytearray(nbytes)
-        return memoryview(self._sink)[:nbytes]
+        return self._reused("sink", nbytes)
 
     def buffer(self, nbytes: int) -> memoryview:
-        """Memory for one tensor, reused: its pages stay mapped from one tensor to the next."""
-        if len(self._buf) < nbytes:
-            self._buf = bytearray(nbytes)
-        return memoryview(self._buf)[:nbytes]
+        """Memory for one tensor, reused: its pages stay mapped from one tensor to the next (one buffer per thread:
+        merge writes two output files at once)."""
+        return self._reused("buf", nbytes)
+
+    def _reused(self, name: str, nbytes: int) -> memoryview:
+        buf = getattr(self._scratch, name, b"")
+        if len(buf) < nbytes:
+            buf = bytearray(nbytes)
+            setattr(self._scratch, name, buf)
+        return memoryview(buf)[:nbytes]
 
     def data(self, e: Entry, dtype: str) -> Iterator[tuple[str, tuple[int, ...], list[Range] | memoryview]]:
         """(name, shape, bytes) of each output tensor of one entry, in `dtype`: byte ranges of the shard files where

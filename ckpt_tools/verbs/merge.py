@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always read through the torch reader
 AUTO, BYTES, TENSORS = "auto", "bytes", "tensors"  # merge(via=...): the source, or the byte source if it takes SRC
+FILES_AT_ONCE = 2  # output files a merge writes at a time, each on its own thread
 WRITEBACK = 32 << 20  # bytes written between two calls that start their writeback (the final fsync waits less)
 
 Data = list[tuple[int, int, int]] | memoryview  # an output tensor's bytes: file ranges (fd, offset, nbytes), or memory
@@ -138,8 +139,12 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
         job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size, fp8_blocks, mxfp4)
         tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None
         output.preflight(out, job.total, no_preflight)
+        # two output files at once where the source's bytes allow it (no tensor made by torch): docs/benchmarks.md,
+        # the cold merge at 20 GB
+        bytes_only = not isinstance(source, TensorSource) and not source.made and source.maker is None
+        at_once = FILES_AT_ONCE if bytes_only else 1
         job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source),
-                  team)
+                  team, at_once)
     finally:
         source.close()
     return job.summary(out, time.perf_counter() - start, source.note, leftover)
