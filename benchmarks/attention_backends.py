@@ -78,7 +78,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}",
-             "", "| shape | backend | k, v | inputs | ms fwd+bwd | TFLOP/s | vs the trainer's |", "|---|---|---|---|---|---|---|"]
+             "", "| shape | backend | k, v | inputs | ms fwd+bwd | TFLOP/s | vs the trainer's |",
+             "|---|---|---|---|---|---|---|"]
     for name, b, h, g, s, d in SHAPES:
         flops = 3.5 * 4 * b * h * s * s * d / 2
         rows = [(be, gqa, lay, sdpa_pass(BACKENDS[be], gqa)) for be in BACKENDS for gqa in ("gqa", "expanded")

@@ -38,7 +38,8 @@ def main() -> None:
     args = ap.parse_args()
     bf = dict(device="cuda", dtype=torch.bfloat16)
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| model | linear | [tokens, in] -> out | fwd | dgrad | wgrad into fp32 | wgrad bf16 | wgrad fp32 / bf16 |",
+             "| model | linear | [tokens, in] -> out | fwd | dgrad | wgrad into fp32 | wgrad bf16 "
+             "| wgrad fp32 / bf16 |",
              "|---|---|---|---|---|---|---|---|"]
     total = {}
     for model, t, linears in MODELS:

@@ -1,10 +1,13 @@
 """Bytes onto the disk for good: fsync of files and dirs, small files written in place, the kernel's writeback started
 as a writer goes (sync_file_range), kernel copies between files (copy_file_range), and `FileWorker`, which runs one
-output file's copies and writeback starts on a thread of its own."""
+output file's copies and writeback starts on a thread of its own, and `each_file`, which writes several files at
+once on threads."""
 from __future__ import annotations
 
 import functools
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -63,7 +66,6 @@ class FileWorker:
 
     def __init__(self):
         import queue
-        import threading
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._skip = False
@@ -110,33 +112,79 @@ class FileWorker:
             self._calls.put(None)
             self._thread.join()
         if _WRITEBACKS:  # the writebacks this file asked for have started too (its descriptor may close next)
-            import threading
             done = threading.Event()
             _WRITEBACKS[0].put((done.set, ()))
             done.wait()
 
 
 _WRITEBACKS: list = []  # the process's writeback thread's queue, once started
+_STARTING = threading.Lock()
 if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
-    os.register_at_fork(after_in_child=_WRITEBACKS.clear)
+    def _forked() -> None:
+        global _STARTING
+        _WRITEBACKS.clear()
+        _STARTING = threading.Lock()
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _writebacks():
-    if not _WRITEBACKS:
-        import queue
-        import threading
-        calls: queue.SimpleQueue = queue.SimpleQueue()
+    with _STARTING:  # two files' threads may ask first at once (each_file): one writeback thread for the process
+        if not _WRITEBACKS:
+            import queue
+            calls: queue.SimpleQueue = queue.SimpleQueue()
 
-        def run() -> None:
-            while True:
-                fn, args = calls.get()
-                try:
-                    fn(*args)
-                except Exception:  # noqa: BLE001 - a writeback start is advice to the kernel: the fsync still comes
-                    pass
-        threading.Thread(target=run, name="ckpt-writeback", daemon=True).start()
-        _WRITEBACKS.append(calls)
+            def run() -> None:
+                while True:
+                    fn, args = calls.get()
+                    try:
+                        fn(*args)
+                    except Exception:  # noqa: BLE001 - a writeback start is advice to the kernel: the fsync still comes
+                        pass
+            threading.Thread(target=run, name="ckpt-writeback", daemon=True).start()
+            _WRITEBACKS.append(calls)
     return _WRITEBACKS[0]
+
+
+class Stopped(Exception):
+    """Another file of the same each_file failed: this one stops where it is (its output is discarded with the rest)."""
+
+
+def each_file(calls: list[tuple], write: Callable[..., None], at_once: int) -> None:
+    """write(*call, stopped) for each call, up to `at_once` at a time: this thread and at_once - 1 helper threads
+    each take the next call not yet taken. `stopped` (a threading.Event) is set once a call has failed or this
+    thread is interrupted; a write checks it between its pieces and raises Stopped. Every helper has ended before
+    this returns or raises (nothing writes on after it); the first error, not Stopped, is raised."""
+    stopped = threading.Event()
+    if at_once <= 1 or len(calls) <= 1:
+        for call in calls:
+            write(*call, stopped)
+        return
+    todo, lock, errors = list(calls), threading.Lock(), []
+
+    def take() -> tuple | None:
+        with lock:
+            return None if stopped.is_set() or not todo else todo.pop(0)
+
+    def run() -> None:
+        try:
+            while (call := take()) is not None:
+                write(*call, stopped)
+        except BaseException as e:  # noqa: BLE001 - raised below, once every thread has ended
+            errors.append(e)
+            stopped.set()
+    helpers = [threading.Thread(target=run, name="ckpt-file-writer", daemon=True)
+               for _ in range(min(at_once, len(calls)) - 1)]
+    for h in helpers:
+        h.start()
+    try:
+        run()
+        for h in helpers:
+            h.join()
+    except BaseException:  # interrupted while waiting: the helpers stop at their next piece
+        stopped.set()
+        raise
+    if errors:
+        raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
 
 
 def copy_range(src: int, offset: int, dst: int, pos: int, nbytes: int) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io as pyio
 import os
+import threading
+import time
 import zipfile
 
 import pytest
@@ -114,30 +116,45 @@ def test_parsed_chunks_are_reused_only_for_the_same_bytes(tmp_path):
     assert torchfile.read(path, *where[3]) == infos[3]
 
 
-def test_each_file_makes_every_call_and_raises_a_helpers_error():
-    """merge's files at once (plan.each_file): every call made once, on as many threads as asked; a helper's error
-    raised in the calling thread once the others are done, and no file taken after it."""
-    import threading
-    import time
+def _pieces(stopped, n: int = 20, pause: float = 0.01) -> None:
+    """A file's writing in pieces, stopping between them once another file has failed (as merge's bar does)."""
+    for _ in range(n):
+        if stopped.is_set():
+            raise durable.Stopped()
+        time.sleep(pause)
 
-    from ckpt_tools.verbs.plan import each_file
+
+def test_each_file_makes_every_call_once_on_as_many_threads_as_asked():
     for at_once in (1, 2, 3):
         made, threads = [], set()
 
-        def write(i, made=made, threads=threads):
-            time.sleep(0.01)
+        def write(i, stopped, made=made, threads=threads):
+            _pieces(stopped, 2)
             made.append(i)
             threads.add(threading.get_ident())
-        each_file([(i,) for i in range(7)], write, at_once)
+        durable.each_file([(i,) for i in range(7)], write, at_once)
         assert sorted(made) == list(range(7)) and len(threads) == at_once
 
-    started = []
 
-    def failing(i):
-        started.append(i)
-        time.sleep(0.05 if i == 0 else 0.01)
-        if i == 1:
-            raise OSError("disk full")
+@pytest.mark.parametrize("failing", ["helper", "caller"])
+def test_each_file_stops_every_file_at_its_next_piece_and_raises_the_error(failing):
+    """A file that fails on a helper thread, or on the calling thread: the other file stops at its next piece, no
+    file is taken after the failure, the error (not Stopped) is raised, and no helper is still running after it."""
+    taken, ended, both = [], [], threading.Barrier(2)
+
+    def write(i, stopped):
+        taken.append(i)
+        both.wait(timeout=10)  # both files are being written when one fails
+        on_helper = threading.current_thread() is not threading.main_thread()
+        if on_helper == (failing == "helper"):
+            _pieces(stopped, 3)
+            raise OSError(f"disk full writing file {i}")
+        _pieces(stopped, 200)  # 2 s unless stopped
+        ended.append(i)
+    start = time.perf_counter()
     with pytest.raises(OSError, match="disk full"):
-        each_file([(i,) for i in range(20)], failing, 2)
-    assert len(started) < 20
+        durable.each_file([(i,) for i in range(10)], write, 2)
+    assert time.perf_counter() - start < 1.5  # the other file stopped at its next piece, not at its end
+    assert len(taken) == 2 and ended == []
+    assert not [t for t in threading.enumerate() if t.name == "ckpt-file-writer"]
+

@@ -24,11 +24,12 @@ import bad_inputs as bad
 import pytest
 import torch
 
-from ckpt_tools import io
+from ckpt_tools import durable, io
 from ckpt_tools.cli import main
 from ckpt_tools.errors import FormatError
-from ckpt_tools.forms import byte_ranges, torchfile
+from ckpt_tools.forms import byte_ranges
 from ckpt_tools.forms import checkpoint as fmt
+from ckpt_tools.forms import torchfile
 from ckpt_tools.forms.byte_index import Declined
 from ckpt_tools.forms.byte_ranges import ByteSource
 from ckpt_tools.model import conversions, families, hf, layout, shard_ops
@@ -136,9 +137,15 @@ def test_llama_output_is_byte_identical(checkpoints, tmp_path, tp, pp, tied, out
 
 @pytest.mark.parametrize("from_master", [False, True], ids=["weights", "masters"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_several_files_and_master_weights(checkpoints, tmp_path, tied, from_master):
+def test_several_files_and_master_weights(checkpoints, tmp_path, monkeypatch, tied, from_master):
+    """The byte path writes two files at once (durable.each_file's threads), the torch reader one at a time: the
+    same files."""
+    at_once = []
+    each_file = durable.each_file
+    monkeypatch.setattr(durable, "each_file", lambda calls, write, n: (at_once.append(n), each_file(calls, write, n)))
     files = assert_same_as_torch(checkpoints("llama", tied, 2, 2), tmp_path, max_shard_size=100_000,
                                  from_master=from_master)
+    assert at_once == [2, 1]
     index = json.loads(files["model.safetensors.index.json"])
     assert len(set(index["weight_map"].values())) > 3
     assert json.loads(files["config.json"])["dtype"] == ("float32" if from_master else "bfloat16")
@@ -167,8 +174,10 @@ def test_fp32_checkpoint_and_explicit_dtype(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"dtype": "fp16", "fmt": "safetensors"},
                                      {"from_master": True, "dtype": "bf16"}, {"check_hashes": True},
-                                     {"fmt": "hf-bin", "max_shard_size": 200_000}, {"fmt": "torch", "dtype": "fp32"}],
-                         ids=["to-fp32", "to-fp16", "masters-to-bf16", "hashes", "hf-bin", "torch-bin-fp32"])
+                                     {"fmt": "hf-bin", "max_shard_size": 200_000}, {"fmt": "torch", "dtype": "fp32"},
+                                     {"dtype": "fp32", "max_shard_size": 200_000}],
+                         ids=["to-fp32", "to-fp16", "masters-to-bf16", "hashes", "hf-bin", "torch-bin-fp32",
+                              "to-fp32-files"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_conversions_hashes_and_bin_files_are_steps_on_the_byte_path(checkpoints, tmp_path, arch, options):
     """A dtype conversion is the last step after the bytes are joined (GPT-2: and transposed); .bin archives take

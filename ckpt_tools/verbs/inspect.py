@@ -43,7 +43,8 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
     its re-padded copy (fp32 optimizer fields). Merge's torch-free path (our own checkpoints, no dtype
     conversion) copies file to file and holds only the rows of a tensor it must assemble in memory: a
     row-parallel join, or a GPT-2 Conv1D weight with its transposed copy; a tensor whose HF values are arithmetic
-    (Qwen3-Next's norm offsets) it joins and has torch make, and then the process holds torch as well.
+    (Qwen3-Next's norm offsets) it joins and has torch make, and then the process holds torch as well. A merge of
+    more than one output file writes two at once, each with its own such buffer.
     """
     from ckpt_tools.forms.dtypes import ELEMENT_SIZES
     from ckpt_tools.model import conversions
@@ -61,7 +62,10 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
         if e.kind in conversions.TRANSPOSED and len(shape) == 2 or e.kind in conversions.ARITHMETIC:
             buffered = max(buffered, 2 * n)
         made = made or e.kind in conversions.ARITHMETIC
-    return {"merge_bytes": merged, "merge_ram": (TORCH_PROCESS_RAM if made else PROCESS_RAM) + buffered * size,
+    from ckpt_tools.verbs.merge import FILES_AT_ONCE
+    at_once = min(FILES_AT_ONCE, -(-merged // (5 * 10**9)))  # output files written at once (the default shard size)
+    return {"merge_bytes": merged,
+            "merge_ram": (TORCH_PROCESS_RAM if made else PROCESS_RAM) + at_once * buffered * size,
             "merge_torch_free": not made,
             "merge_ram_torch": TORCH_PROCESS_RAM + 2 * largest * max(size, 2),
             "reshard_ram": TORCH_PROCESS_RAM + 2 * largest * 4}

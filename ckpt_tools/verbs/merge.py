@@ -3,8 +3,8 @@ one `pytorch_model.bin` (a torch.save state dict with HF names).
 
 Model-free and streaming, one path: the output files are planned from the layout table (ckpt_tools.verbs.plan: names,
 dtypes, shapes) before any tensor is read; then, tensor by tensor, the source gives each output tensor's bytes
-and they are written in plan order. Memory stays near the largest tensor; the model is never built and the
-checkpoint is never held in RAM.
+and they are written in plan order, two output files at once where every tensor is byte ranges. Memory stays near
+the largest tensor (two of them then); the model is never built and the checkpoint is never held in RAM.
 
 The source is `byte_ranges.ByteSource` wherever the files can be read as byte ranges without torch (our own
 checkpoints, Megatron-LM's legacy and torch_dist files): bytes are copied file to file, joined in memory for
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from ckpt_tools import durable, output
 from ckpt_tools.errors import CkptError, LayoutError
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
-from ckpt_tools.model import families, hf, layout, shard_ops
+from ckpt_tools.model import conversions, families, hf, layout, shard_ops
 from ckpt_tools.model.fp8 import FP8, SCALE, fp8_quantized, quantize_blocks
 from ckpt_tools.team import SOLO, Team
 from ckpt_tools.verbs.plan import DIRS, HF_BIN, TORCH, Entry, Job, tokenizer_dir
@@ -126,10 +126,10 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
           no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None, team: Team = SOLO,
           fp8_blocks: tuple[int, int] | None = None, mxfp4: bool = False) -> str:
     """Write the merged model; returns the one-line summary. `via` picks the source (AUTO: the byte source when
-    it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used; `team`: the processes that
-    write the output files between them (ckpt_tools.team); `fp8_blocks`: the decoder layers' linear weights in
-    block-scaled FP8 (DeepSeek-V3's published layout, quantize_blocks), read through torch; `mxfp4`: the experts'
-    weights in MXFP4 (GPT-OSS's, ckpt_tools.model.mxfp4), read through torch."""
+    it takes SRC); `torch_threads` sets torch's intra-op threads where torch is used (per file thread); `team`: the
+    processes that write the output files between them (ckpt_tools.team); `fp8_blocks`: the decoder layers' linear
+    weights in block-scaled FP8 (DeepSeek-V3's published layout, quantize_blocks), read through torch; `mxfp4`: the
+    experts' weights in MXFP4 (GPT-OSS's, ckpt_tools.model.mxfp4), read through torch."""
     start = time.perf_counter()
     out = output.check_target(out, force)
     leftover = output.note_leftovers(out)
@@ -139,15 +139,30 @@ def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | Non
         job = Job.make(source.meta, fmt, dtype, from_master, max_shard_size, fp8_blocks, mxfp4)
         tok_dir = tokenizer_dir(source.meta.dir, tokenizer) if fmt in DIRS else None
         output.preflight(out, job.total, no_preflight)
-        # two output files at once where the source's bytes allow it (no tensor made by torch): docs/benchmarks.md,
-        # the cold merge at 20 GB
+        # two output files at once where every tensor is byte ranges (none made by the torch reader), in one process
+        # (a team was measured as it was): docs/benchmarks.md, the cold merge at 20 GB
         bytes_only = not isinstance(source, TensorSource) and not source.made and source.maker is None
-        at_once = FILES_AT_ONCE if bytes_only else 1
+        at_once = FILES_AT_ONCE if bytes_only and team.size == 1 else 1
+        if at_once > 1:
+            _import_first(job, source)
         job.write(out, force, quiet, tok_dir, lambda path, group, bar: _write_file(path, group, bar, job, source),
                   team, at_once)
     finally:
         source.close()
     return job.summary(out, time.perf_counter() - start, source.note, leftover)
+
+
+def _import_first(job: Job, source: ByteSource) -> None:
+    """What the job's conversion steps import (torch: a dtype cast, a norm's offset, .bin archives; numpy: GPT-2's
+    transposes), imported here before the files' threads start: two threads importing torch first at once is not
+    safe."""
+    import importlib
+    entries = [e for group in job.files for e in group]
+    if job.fmt in (TORCH, HF_BIN) or any(e.kind in conversions.ARITHMETIC or
+                                         job.entry_dtype(e) != source.shards[e.key][0].dtype for e in entries):
+        importlib.import_module("torch")
+    if any(e.kind in conversions.TRANSPOSED for e in entries):
+        importlib.import_module("numpy")
 
 
 def _write_file(path: Path, group: list[Entry], bar, job: Job, source: ByteSource | TensorSource) -> None:

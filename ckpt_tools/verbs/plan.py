@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_tools import io, output
+from ckpt_tools import durable, io, output
 from ckpt_tools.errors import ConfigError
 from ckpt_tools.forms.checkpoint import Meta
 from ckpt_tools.forms.dtypes import ELEMENT_SIZES
@@ -190,16 +191,19 @@ class Job:
     def write(self, out: Path, force: bool, quiet: bool, tok_dir: Path | None,
               write_file: Callable[[Path, list[Entry], object], None], team: Team = SOLO, at_once: int = 1) -> None:
         """OUT, staged and renamed when complete: `write_file(path, entries, bar)` writes each safetensors
-        file (updating the progress bar per entry), `at_once` of them at a time (on threads: write_file must allow
-        it), then config, index and tokenizer files for HF. In a team each process writes its run of the files
-        (team.split by bytes), process 0 the files beside them."""
+        file (updating the progress bar per entry), `at_once` of them at a time (durable.each_file's threads: the
+        caller says whether write_file allows it; a file stops at its next entry once another has failed), then
+        config, index and tokenizer files for HF. In a team each process writes its run of the files (team.split by
+        bytes), process 0 the files beside them."""
         extras = _hf_json(self.meta.spec, self.dtype, tok_dir, self.fp8, self.mxfp4) if self.fmt in DIRS else None
         owners = team.split([sum(self.entry_bytes(e) for e in group) for group in self.files])
         with output.staged(out, force, directory=self.fmt in DIRS, team=team) as tmp:
             mine = [i for i, owner in enumerate(owners) if owner == team.rank]
             bar = output.progress(sum(self.entry_bytes(e) for i in mine for e in self.files[i]), "merge", quiet)
-            each_file([(tmp / self.names[i] if self.fmt in DIRS else tmp, self.files[i], bar) for i in mine],
-                      write_file, at_once)
+            lock = threading.Lock()
+            durable.each_file([(tmp / self.names[i] if self.fmt in DIRS else tmp, self.files[i]) for i in mine],
+                              lambda path, group, stopped: write_file(path, group, _Progress(bar, lock, stopped)),
+                              at_once)
             bar.close()
             if extras is not None and team.lead:
                 _write_hf_extras(tmp, *extras, tok_dir, [[n for n, _, _ in self.tensors(group)]
@@ -217,42 +221,18 @@ class Job:
         return "\n".join(x for x in (line, *notes) if x)
 
 
-def each_file(calls: list[tuple], write: Callable, at_once: int) -> None:
-    """write(*call) for each call, up to `at_once` at a time: this thread and at_once - 1 helpers take the calls in
-    turn. A helper's error stops the others taking more and is raised here once they are done; an error here is
-    raised at once (the helpers, daemon threads, stop at their next call, and the staged output goes)."""
-    if at_once <= 1 or len(calls) <= 1:
-        for call in calls:
-            write(*call)
-        return
-    import threading
-    todo, lock, stop, errors = list(calls), threading.Lock(), threading.Event(), []
+class _Progress:
+    """The progress bar as one of the files written at once sees it (durable.each_file): updated after each entry
+    under a lock shared by the files, and the point where a file stops (durable.Stopped) once another has failed."""
 
-    def take() -> tuple | None:
-        with lock:
-            return None if stop.is_set() or not todo else todo.pop(0)
+    def __init__(self, bar, lock, stopped):
+        self.bar, self.lock, self.stopped = bar, lock, stopped
 
-    def helper() -> None:
-        while (call := take()) is not None:
-            try:
-                write(*call)
-            except BaseException as e:  # noqa: BLE001 - raised in the calling thread below
-                errors.append(e)
-                stop.set()
-    helpers = [threading.Thread(target=helper, name="ckpt-merge-file", daemon=True)
-               for _ in range(min(at_once, len(calls)) - 1)]
-    for h in helpers:
-        h.start()
-    try:
-        while (call := take()) is not None:
-            write(*call)
-    except BaseException:
-        stop.set()
-        raise
-    for h in helpers:
-        h.join()
-    if errors:
-        raise errors[0]
+    def update(self, n: int) -> None:
+        if self.stopped.is_set():
+            raise durable.Stopped()
+        with self.lock:
+            self.bar.update(n)
 
 
 def packed_names(name: str) -> tuple[str, str]:
