@@ -94,10 +94,15 @@ def main() -> None:
             cells = ["-", "-", "-"] if ms is None else [f"{ms:.3f}", f"{flops / ms / 1e9:.0f}",
                                                          f"{base / ms:.2f}" if base else "-"]
             lines.append(f"| {name} | {be} | {gqa} | {lay} | " + " | ".join(cells) + " |")
+    report(lines, args.markdown)
+
+
+def report(lines: list[str], markdown: str | None) -> None:
+    """The table, printed, and written to MARKDOWN where given (gemm_shapes.py's too)."""
     text = "\n".join(lines)
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
+    if markdown:
+        with open(markdown, "w") as f:
             f.write(text + "\n")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from attention_backends import report
 
 PEAK = 989e12
 # (model, tokens a micro-batch, [(linear, in, out)])
@@ -60,11 +61,7 @@ def main() -> None:
     for model, _, _ in MODELS:
         lines.append(f"{model}, one of each linear: " + ", ".join(f"{k} {total[(model, k)]:.3f} ms"
                                                                   for k in ("fwd", "dgrad", "wgrad32", "wgrad16")))
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    report(lines, args.markdown)
 
 
 if __name__ == "__main__":
