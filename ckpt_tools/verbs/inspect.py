@@ -62,8 +62,8 @@ def needs(meta: fmt.Meta) -> dict[str, int]:
         if e.kind in conversions.TRANSPOSED and len(shape) == 2 or e.kind in conversions.ARITHMETIC:
             buffered = max(buffered, 2 * n)
         made = made or e.kind in conversions.ARITHMETIC
-    from ckpt_tools.verbs.merge import FILES_AT_ONCE
-    at_once = min(FILES_AT_ONCE, -(-merged // (5 * 10**9)))  # output files written at once (the default shard size)
+    from ckpt_tools.verbs.merge import FILES_AT_ONCE, MAX_SHARD_SIZE
+    at_once = min(FILES_AT_ONCE, -(-merged // MAX_SHARD_SIZE))  # output files written at once (the default size)
     return {"merge_bytes": merged,
             "merge_ram": (TORCH_PROCESS_RAM if made else PROCESS_RAM) + at_once * buffered * size,
             "merge_torch_free": not made,

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 TORCH_PATH = "CKPT_MERGE_TORCH"  # set to 1 in the environment: always read through the torch reader
 AUTO, BYTES, TENSORS = "auto", "bytes", "tensors"  # merge(via=...): the source, or the byte source if it takes SRC
 FILES_AT_ONCE = 2  # output files a merge writes at a time, each on its own thread
+MAX_SHARD_SIZE = 5 * 10**9  # bytes of an HF output file, by default (the CLI's --max-shard-size 5GB)
 WRITEBACK = 32 << 20  # bytes written between two calls that start their writeback (the final fsync waits less)
 
 Data = list[tuple[int, int, int]] | memoryview  # an output tensor's bytes: file ranges (fd, offset, nbytes), or memory
@@ -121,7 +122,7 @@ def open_source(src: str | Path, vocab_size: int | None, from_master: bool, chec
 
 
 def merge(src: str | Path, out: str | Path, *, fmt: str = "hf", dtype: str | None = None,
-          from_master: bool = False, max_shard_size: int = 5 * 10**9, tokenizer: str | Path | None = None,
+          from_master: bool = False, max_shard_size: int = MAX_SHARD_SIZE, tokenizer: str | Path | None = None,
           vocab_size: int | None = None, force: bool = False, quiet: bool = False, check_hashes: bool = False,
           no_preflight: bool = False, via: str = AUTO, torch_threads: int | None = None, team: Team = SOLO,
           fp8_blocks: tuple[int, int] | None = None, mxfp4: bool = False) -> str:
