@@ -290,6 +290,7 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true",
                     help="drop the page cache before every command and every cp (root): both read from the disk")
     ap.add_argument("--markdown", type=Path, help="the table, rewritten after each input's cells")
+    ap.add_argument("--json", type=Path, help="every run's wall, cp and RSS figures per cell, rewritten as --markdown")
     args = ap.parse_args()
     spec = make_spec(args.size_gb, args.quick)
     repeats = 1 if args.quick else args.repeats
@@ -314,6 +315,8 @@ def main() -> None:
             results.update(measure(cells, work, repeats, not (args.quick or args.cold), env, args.drop_caches))
             if args.markdown:
                 args.markdown.write_text(render(spec, sizes, ops, results, markdown=True) + "\n" + details(results, spec))
+            if args.json:
+                args.json.write_text(json.dumps([{"op": op, "input": n, **r} for (op, n), r in results.items()]))
         boot = startup(work, env, repeats)
         note = (f"llama, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads in "
                 f"{spec.num_query_groups} query groups, ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}; inputs "
