@@ -3,6 +3,7 @@ exits non-zero when one fails) and stays inside the memory target; merge's torch
 load torch."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -72,7 +73,8 @@ def test_matrix_large_mode_makes_one_input_at_a_time_and_runs_team_cells(tmp_pat
     table = tmp_path / "m.md"
     proc = subprocess.run([sys.executable, "benchmarks/matrix.py", "--quick", "--inputs-by", "ckpt", "--cold", "--only",
                            "HF,torch_dist,torch", "--ops", "import -> torch_dist,TP2 -> TP3", "--procs", "2",
-                           "--markdown", str(table)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                           "--markdown", str(table), "--json", str(tmp_path / "m.json")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     details = [[c.strip() for c in line.strip("|").split("|")] for line in table.read_text().splitlines()
                if line.startswith("| ") and line.count("|") == 8 and not line.startswith("| operation")]
@@ -81,3 +83,6 @@ def test_matrix_large_mode_makes_one_input_at_a_time_and_runs_team_cells(tmp_pat
     expected = {(o + extra, n) for n, names in ops.items() for o in names for extra in ("", " (2 processes)")}
     assert cells == expected, cells ^ expected
     assert "Megatron-LM forms written by ckpt" in table.read_text()
+    runs = json.loads((tmp_path / "m.json").read_text())  # --json: every run's figures of the same cells
+    assert {(r["op"], r["input"]) for r in runs} == expected
+    assert all(len(r["wall"]) == len(r["cp"]) == len(r["rss"]) == 1 and r["bytes"] > 0 for r in runs), runs
