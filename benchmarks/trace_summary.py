@@ -81,7 +81,8 @@ def gaps(path: Path, top: int = 12, floor_us: float = 5.0) -> str:
             sizes[key] += gap
         if end is None or e["ts"] + e["dur"] > end:
             end, last = e["ts"] + e["dur"], e
-    lines = [f"{path.name}: idle by gap size (2 steps): " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sizes.items())]
+    by_size = ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sizes.items())
+    lines = [f"{path.name}: idle by gap size (2 steps): {by_size}"]
     for (a, b), (total, n) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {total / 1e3:8.2f} ms in {n:5d} gaps  after {a}  before {b}")
     return "\n".join(lines)

@@ -73,8 +73,8 @@ def test_matrix_large_mode_makes_one_input_at_a_time_and_runs_team_cells(tmp_pat
     table = tmp_path / "m.md"
     proc = subprocess.run([sys.executable, "benchmarks/matrix.py", "--quick", "--inputs-by", "ckpt", "--cold", "--only",
                            "HF,torch_dist,torch", "--ops", "import -> torch_dist,TP2 -> TP3", "--procs", "2",
-                           "--markdown", str(table), "--json", str(tmp_path / "m.json")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+                           "--markdown", str(table), "--json", str(tmp_path / "m.json")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     details = [[c.strip() for c in line.strip("|").split("|")] for line in table.read_text().splitlines()
                if line.startswith("| ") and line.count("|") == 8 and not line.startswith("| operation")]
