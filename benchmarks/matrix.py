@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -199,7 +199,8 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, drop: bool = False) -> dict:
+def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, drop: bool = False,
+            done: Callable[[dict], None] | None = None) -> dict:
     """Per cell: the command's and cp -r of its output's wall times, the command's peak RSS and output bytes. A cell
     is measured in one go (its output kept for cp only while it is measured: the whole matrix's outputs would not fit
     on the disk), the command and cp alternating, so that a slow phase of the machine hits both alike."""
@@ -226,6 +227,8 @@ def measure(cells: dict, work: Path, repeats: int, warm: bool, env: dict, drop: 
         remove(ref)
         print(f"  {i + 1}/{len(cells)} {key[0]} of {key[1]}: {statistics.median(r['wall']):.2f} s, cp "
               f"{statistics.median(r['cp']):.2f} s", file=sys.stderr)
+        if done is not None:
+            done(results)
     return results
 
 
@@ -290,7 +293,8 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true",
                     help="drop the page cache before every command and every cp (root): both read from the disk")
     ap.add_argument("--markdown", type=Path, help="the table, rewritten after each input's cells")
-    ap.add_argument("--json", type=Path, help="every run's wall, cp and RSS figures per cell, rewritten as --markdown")
+    ap.add_argument("--json", type=Path, help="the run's settings and every run's wall, cp and RSS figures per cell, "
+                    "rewritten after each cell")
     args = ap.parse_args()
     spec = make_spec(args.size_gb, args.quick)
     repeats = 1 if args.quick else args.repeats
@@ -305,6 +309,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ckpt-matrix-"))
     env = child_env(work)
     load_before = os.getloadavg()[0]
+    run_info = {"size_gb": args.size_gb, "layers": spec.num_layers, "repeats": repeats, "inputs_by": args.inputs_by,
+                "cold": args.cold or args.quick, "drop_caches": args.drop_caches, "cpus": os.cpu_count(),
+                "load_before": load_before, "python": sys.version.split()[0], "torch": torch.__version__}
     sizes, results = {}, {}
     try:
         start = time.perf_counter()
@@ -312,11 +319,14 @@ def main() -> None:
             sizes[name] = tree_bytes(src)
             print(f"{name}: {sizes[name] / 1e9:.2f} GB, ready at {time.perf_counter() - start:.0f} s", file=sys.stderr)
             cells = {(op, name): argv for op in ops if (argv := command(op, name, src, OUT, spec)) is not None}
-            results.update(measure(cells, work, repeats, not (args.quick or args.cold), env, args.drop_caches))
+
+            def done(measured: dict) -> None:  # every run's figures so far, after each cell
+                if args.json:
+                    args.json.write_text(json.dumps({"run": run_info, "cells": [
+                        {"op": op, "input": n, **r} for (op, n), r in {**results, **measured}.items()]}))
+            results.update(measure(cells, work, repeats, not (args.quick or args.cold), env, args.drop_caches, done))
             if args.markdown:
                 args.markdown.write_text(render(spec, sizes, ops, results, markdown=True) + "\n" + details(results, spec))
-            if args.json:
-                args.json.write_text(json.dumps([{"op": op, "input": n, **r} for (op, n), r in results.items()]))
         boot = startup(work, env, repeats)
         note = (f"llama, {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads in "
                 f"{spec.num_query_groups} query groups, ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}; inputs "

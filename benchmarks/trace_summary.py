@@ -4,11 +4,13 @@ compute stream and of NCCL, how much of NCCL's time ran beside compute kernels (
 (exposed), and the compute stream's idle time.
 
     python3 benchmarks/trace_summary.py DIR
-    python3 benchmarks/trace_summary.py DIR --gaps   # also: the compute stream's idle time by the kernels around it
-    python3 benchmarks/trace_summary.py DIR --kernels  # also: GPU time by kernel, one column per trace
+    python3 benchmarks/trace_summary.py DIR --gaps      # also: the idle time by the kernels around each gap
+    python3 benchmarks/trace_summary.py DIR --kernels   # also: GPU time by kernel, one column per trace
 """
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -41,11 +43,9 @@ def intersect(xs, ys) -> float:
 
 
 def summarize(path: Path) -> str:
-    events = json.loads(path.read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
-    compute = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    kernels = load_kernels(path)
+    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_nccl(e)])
+    compute = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_nccl(e)])
     if not compute:
         return f"{path.name}: no kernels"
     span = compute[-1][1] - compute[0][0]
@@ -56,20 +56,49 @@ def summarize(path: Path) -> str:
             f"beside compute {overlapped / 1e3:.1f} ms, exposed {(length(nccl) - overlapped) / 1e3:.1f} ms")
 
 
+STEPS = 2  # the steps a trace of benchmarks/train_throughput.py holds
+
+
+def load_kernels(path: Path) -> list[dict]:
+    """The GPU kernel events of a chrome trace (.json, or .json.gz)."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    events = json.loads(raw)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def is_nccl(e: dict) -> bool:
+    return "nccl" in e["name"].lower()
+
+
 def short(name: str) -> str:
-    """A kernel's name without its template arguments, at most 60 characters."""
-    return name.split("<")[0].split("(")[0][:60]
+    """A kernel's name without its argument list, template arguments, anonymous namespaces and `void`."""
+    if name.endswith(")"):  # the argument list: the last balanced (...)
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    kept, depth = [], 0
+    for ch in name:
+        if ch == "<":
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif depth == 0:
+            kept.append(ch)
+    name = "".join(kept).replace("(anonymous namespace)::", "").strip()
+    return name.removeprefix("void ").strip()[:70]
 
 
 def gaps(path: Path, top: int = 12, floor_us: float = 5.0) -> str:
-    """The compute stream's idle time (gaps of at least FLOOR_US between the union of non-NCCL kernels), summed by
-    the kernel before and after each gap, largest first; and how many gaps of each size."""
-    events = json.loads(path.read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e and "nccl" not in e["name"].lower()),
-                     key=lambda e: e["ts"])
+    """Idle time between the GPU's non-NCCL kernels (on any stream: gaps of at least FLOOR_US in their union), summed
+    by the kernel that ended last before each gap and the one after it, largest first; and by the gap's size."""
+    kernels = sorted((e for e in load_kernels(path) if not is_nccl(e)), key=lambda e: e["ts"])
     by_pair: dict[tuple[str, str], list[float]] = {}
-    sizes = {"5-50 us": 0.0, "50-150 us": 0.0, "0.15-1 ms": 0.0, ">1 ms": 0.0}
+    bounds = ((50, f"{floor_us:g}-50 us"), (150, "50-150 us"), (1000, "0.15-1 ms"), (float("inf"), ">1 ms"))
+    sizes = {label: 0.0 for _, label in bounds}
     end, last = None, None
     for e in kernels:
         if end is not None and e["ts"] - end >= floor_us:
@@ -77,42 +106,55 @@ def gaps(path: Path, top: int = 12, floor_us: float = 5.0) -> str:
             pair = by_pair.setdefault((short(last["name"]), short(e["name"])), [0.0, 0])
             pair[0] += gap
             pair[1] += 1
-            key = "5-50 us" if gap < 50 else "50-150 us" if gap < 150 else "0.15-1 ms" if gap < 1000 else ">1 ms"
-            sizes[key] += gap
+            sizes[next(label for bound, label in bounds if gap < bound)] += gap
         if end is None or e["ts"] + e["dur"] > end:
             end, last = e["ts"] + e["dur"], e
-    by_size = ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sizes.items())
-    lines = [f"{path.name}: idle by gap size (2 steps): {by_size}"]
-    for (a, b), (total, n) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
+    by_size = ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in sizes.items())
+    lines = [f"{path.name}: idle by gap size ({STEPS} steps): {by_size}"]
+    for (a, b), (total, n) in sorted(by_pair.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]:
         lines.append(f"  {total / 1e3:8.2f} ms in {n:5d} gaps  after {a}  before {b}")
     return "\n".join(lines)
 
 
 def kernel_table(paths: list[Path], top: int = 40) -> str:
-    """Per kernel (name without template arguments; NCCL's apart), its summed time in each trace, ms a step (the
-    traces hold 2), largest first by the traces' largest; the last row: every kernel."""
-    columns = []
+    """Per kernel name (`short`), its summed time in each trace in ms a step, one column per trace, largest first by
+    the traces' largest (NCCL's kernels among them); the last rows: every kernel, and every kernel but NCCL's."""
+    if not paths:
+        return "no traces"
+    columns, nccl = [], []
     for path in paths:
-        events = json.loads(path.read_text())
-        events = events["traceEvents"] if isinstance(events, dict) else events
         totals: dict[str, float] = {}
-        for e in events:
-            if e.get("cat") == "kernel" and "dur" in e:
-                totals[short(e["name"])] = totals.get(short(e["name"]), 0.0) + e["dur"] / 2e3
+        kernels = load_kernels(path)
+        for e in kernels:
+            totals[short(e["name"])] = totals.get(short(e["name"]), 0.0) + e["dur"] / (1e3 * STEPS)
         columns.append(totals)
-    names = sorted({n for c in columns for n in c}, key=lambda n: -max(c.get(n, 0.0) for c in columns))
-    width = max(len(p.stem) for p in paths)
-    lines = ["ms a step: " + " | ".join(p.stem.rjust(width) for p in paths)]
+        nccl.append(sum(e["dur"] for e in kernels if is_nccl(e)) / (1e3 * STEPS))
+    names = sorted({n for c in columns for n in c}, key=lambda n: (-max(c.get(n, 0.0) for c in columns), n))
+    width = max(len(p.name) for p in paths)
+    lines = ["ms a step: " + " | ".join(p.name.rjust(width) for p in paths)]
     for n in names[:top]:
         lines.append(" | ".join(f"{c.get(n, 0.0):{width}.2f}" for c in columns) + f"  {n}")
     lines.append(" | ".join(f"{sum(c.values()):{width}.2f}" for c in columns) + "  (all kernels)")
+    lines.append(" | ".join(f"{sum(c.values()) - x:{width}.2f}" for c, x in zip(columns, nccl)) + "  (all but NCCL)")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    for trace in sorted(Path(sys.argv[1]).glob("*.json")):
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="the traces (*.json or *.json.gz), one per rank")
+    ap.add_argument("--gaps", action="store_true", help="also: the idle time by the kernels around each gap")
+    ap.add_argument("--kernels", action="store_true", help="also: GPU time by kernel, one column per trace")
+    args = ap.parse_args()
+    traces = sorted([*args.dir.glob("*.json"), *args.dir.glob("*.json.gz")])
+    if not traces:
+        sys.exit(f"{args.dir}: no *.json or *.json.gz traces")
+    for trace in traces:
         print(summarize(trace))
-        if "--gaps" in sys.argv[2:]:
+        if args.gaps:
             print(gaps(trace))
-    if "--kernels" in sys.argv[2:]:
-        print(kernel_table(sorted(Path(sys.argv[1]).glob("*.json"))))
+    if args.kernels:
+        print(kernel_table(traces))
+
+
+if __name__ == "__main__":
+    main()

@@ -83,6 +83,7 @@ def test_matrix_large_mode_makes_one_input_at_a_time_and_runs_team_cells(tmp_pat
     expected = {(o + extra, n) for n, names in ops.items() for o in names for extra in ("", " (2 processes)")}
     assert cells == expected, cells ^ expected
     assert "Megatron-LM forms written by ckpt" in table.read_text()
-    runs = json.loads((tmp_path / "m.json").read_text())  # --json: every run's figures of the same cells
-    assert {(r["op"], r["input"]) for r in runs} == expected
-    assert all(len(r["wall"]) == len(r["cp"]) == len(r["rss"]) == 1 and r["bytes"] > 0 for r in runs), runs
+    runs = json.loads((tmp_path / "m.json").read_text())  # --json: the run's settings, every run's figures
+    assert runs["run"]["inputs_by"] == "ckpt" and runs["run"]["cold"] and runs["run"]["repeats"] == 1, runs["run"]
+    assert {(r["op"], r["input"]) for r in runs["cells"]} == expected
+    assert all(len(r["wall"]) == len(r["cp"]) == len(r["rss"]) == 1 and r["bytes"] > 0 for r in runs["cells"]), runs
