@@ -313,17 +313,17 @@ def main() -> None:
                 "cold": args.cold or args.quick, "drop_caches": args.drop_caches, "cpus": os.cpu_count(),
                 "load_before": load_before, "python": sys.version.split()[0], "torch": torch.__version__}
     sizes, results = {}, {}
+
+    def done(measured: dict) -> None:  # every run's figures so far (this input's cells measured), after each cell
+        if args.json:
+            args.json.write_text(json.dumps({"run": run_info, "cells": [
+                {"op": op, "input": n, **r} for (op, n), r in {**results, **measured}.items()]}))
     try:
         start = time.perf_counter()
         for name, src in make_inputs(work, spec, env, chosen, args.inputs_by):
             sizes[name] = tree_bytes(src)
             print(f"{name}: {sizes[name] / 1e9:.2f} GB, ready at {time.perf_counter() - start:.0f} s", file=sys.stderr)
             cells = {(op, name): argv for op in ops if (argv := command(op, name, src, OUT, spec)) is not None}
-
-            def done(measured: dict) -> None:  # every run's figures so far, after each cell
-                if args.json:
-                    args.json.write_text(json.dumps({"run": run_info, "cells": [
-                        {"op": op, "input": n, **r} for (op, n), r in {**results, **measured}.items()]}))
             results.update(measure(cells, work, repeats, not (args.quick or args.cold), env, args.drop_caches, done))
             if args.markdown:
                 args.markdown.write_text(render(spec, sizes, ops, results, markdown=True) + "\n" + details(results, spec))
