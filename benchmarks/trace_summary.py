@@ -42,20 +42,6 @@ def intersect(xs, ys) -> float:
     return total
 
 
-def summarize(path: Path) -> str:
-    kernels = load_kernels(path)
-    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_nccl(e)])
-    compute = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_nccl(e)])
-    if not compute:
-        return f"{path.name}: no kernels"
-    span = compute[-1][1] - compute[0][0]
-    gemm = sum(e["dur"] for e in kernels if e["name"].startswith(("nvjet", "sm90_xmma", "cutlass")))
-    overlapped = intersect(nccl, compute)
-    return (f"{path.name}: span {span / 1e3:.1f} ms (2 steps); compute busy {length(compute) / 1e3:.1f} ms, idle "
-            f"{(span - length(compute)) / 1e3:.1f} ms; GEMMs {gemm / 1e3:.1f} ms; NCCL busy {length(nccl) / 1e3:.1f} ms, "
-            f"beside compute {overlapped / 1e3:.1f} ms, exposed {(length(nccl) - overlapped) / 1e3:.1f} ms")
-
-
 STEPS = 2  # the steps a trace of benchmarks/train_throughput.py holds
 
 
@@ -69,6 +55,21 @@ def load_kernels(path: Path) -> list[dict]:
 
 def is_nccl(e: dict) -> bool:
     return "nccl" in e["name"].lower()
+
+
+def summarize(path: Path) -> str:
+    kernels = load_kernels(path)
+    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_nccl(e)])
+    compute = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_nccl(e)])
+    if not compute:
+        return f"{path.name}: no kernels"
+    span = compute[-1][1] - compute[0][0]
+    gemm = sum(e["dur"] for e in kernels if e["name"].startswith(("nvjet", "sm90_xmma", "cutlass")))
+    overlapped = intersect(nccl, compute)
+    return (f"{path.name}: span {span / 1e3:.1f} ms ({STEPS} steps); compute busy {length(compute) / 1e3:.1f} ms, "
+            f"idle {(span - length(compute)) / 1e3:.1f} ms; GEMMs {gemm / 1e3:.1f} ms; NCCL busy "
+            f"{length(nccl) / 1e3:.1f} ms, beside compute {overlapped / 1e3:.1f} ms, exposed "
+            f"{(length(nccl) - overlapped) / 1e3:.1f} ms")
 
 
 def short(name: str) -> str:
